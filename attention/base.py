@@ -1,0 +1,96 @@
+"""The attention backend interface and the backend registry."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+from typing import Any
+
+import torch
+
+from attention.batch import AttentionBatch
+from attention.kv_pool import KVPool
+
+
+@dataclasses.dataclass(eq=False)
+class AttentionLayer:
+    """Static attention parameters of one layer, as seen by this rank (heads already sharded).
+
+    `layer_id` names the KV layer in the pool: usually the model layer itself, the target
+    layer whose KV is read for frozen-KV draft layers.
+    `sliding_window` counts the keys a query sees including itself (Hugging Face's meaning;
+    flashinfer's `window_left` is `sliding_window - 1`); None means full attention.
+    """
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [num_heads] learned sink logits
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"layer {self.layer_id}: num_heads {self.num_heads} is not a multiple of "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"layer {self.layer_id}: sliding_window must be >= 1, got {self.sliding_window}")
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for every layer of one model.
+
+    Per forward: `init_forward_metadata(batch, pool)` once, then `forward(layer, ...)` for each
+    layer. Everything derived from the batch or the pool is computed in
+    `init_forward_metadata` and dropped at the next call; nothing is cached at construction.
+    """
+
+    name: str = ""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @abc.abstractmethod
+    def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
+        """Prepare this forward's metadata from the batch and the pool its layers use."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Write this forward's new `k`, `v` (when given) into the pool and attend.
+
+        q: `[T, num_heads * head_dim]`; k, v: `[T, num_kv_heads * head_dim]` or None when the
+        layer only reads KV written by another layer. Returns `[T, num_heads * head_dim]`.
+        """
+
+
+_BACKENDS: dict[str, str] = {
+    "torch_native": "attention.torch_native:TorchNativeBackend",
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Register a backend class by import path ("module:Class"), imported on first use."""
+    _BACKENDS[name] = target
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def create_backend(name: str, device: torch.device, **kwargs: Any) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend: unknown backend {name!r}; known: {backend_names()}")
+    module_name, cls_name = _BACKENDS[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(device=device, **kwargs)

@@ -1,0 +1,30 @@
+"""The read-only view of a batch that attention backends consume.
+
+`workers.forward_batch.ForwardBatch` implements it. Backends must not rely on anything else
+about the batch: what they need per forward they derive from these fields in
+`init_forward_metadata`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from attention.forward_mode import ForwardMode
+
+
+@runtime_checkable
+class AttentionBatch(Protocol):
+    forward_mode: ForwardMode
+    batch_size: int
+    # Query tokens are laid out request after request; request i owns rows
+    # [cu_q_lens[i], cu_q_lens[i+1]) of q/k/v.
+    q_lens: torch.Tensor  # [B] int32, new tokens per request
+    seq_lens: torch.Tensor  # [B] int32, KV length *including* this forward's new tokens
+    q_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    positions: torch.Tensor  # [T] int64, position of every query token
+    out_cache_loc: torch.Tensor  # [T] int64, full-pool slot each new token's KV is written to
+    req_pool_indices: torch.Tensor  # [B] int64, row of each request in req_to_token
+    req_to_token: torch.Tensor  # [R, C] int32, full-pool slot of every token of every request

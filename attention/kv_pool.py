@@ -1,0 +1,45 @@
+"""What a backend reads and writes KV through.
+
+Each layer's KV lives in one index space: *full* (one slot per token, `out_cache_loc` and
+`req_to_token` are in it) or *swa* (a smaller pool of a hybrid pair, reached through the
+allocator's page-aligned `full_to_swa` map). Only the pool object handed to a forward says
+which: a backend asks it per forward and never infers it from an allocator (invariant 1) nor
+caches the answer across forwards (invariant 2).
+
+KV buffers use the TensorRT-LLM "HND" paged layout, `[num_pages, num_kv_heads, page_size,
+head_dim]`, so GPU kernels can read them without copies. Page 0 of every pool is a padding
+page that is never allocated: untranslatable (evicted) SWA entries point at it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KVPool(Protocol):
+    page_size: int
+
+    @property
+    def has_swa(self) -> bool:
+        """Whether any layer of this pool lives in the SWA index space."""
+
+    @property
+    def swa_window(self) -> int | None:
+        """Keys (counting the query itself) that the SWA pool keeps for each request's next
+        query; tokens older than that may already have lost their SWA slot."""
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        """Whether `layer_id`'s KV indices are in the SWA index space."""
+
+    def translate_full_to_swa(self, full_locs: torch.Tensor) -> torch.Tensor:
+        """Full-pool slots to SWA-pool slots (evicted ones map into padding page 0)."""
+
+    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) buffers of a layer, each `[num_pages, num_kv_heads, page_size, head_dim]`."""
+
+    def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write `k`, `v` (`[n, num_kv_heads, head_dim]`) at `locs`, given in the layer's own
+        index space."""

@@ -1,0 +1,74 @@
+"""Tiny random Hugging Face models, built with transformers' own config classes and saved with
+`save_pretrained`: the independent reference every model test compares against."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+WINDOW = 8
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    initializer_range=0.08,
+)
+
+# name -> (config class, model class, config overrides)
+TINY_MODELS = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, head_dim=16, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, head_dim=32)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, head_dim=16, sliding_window=WINDOW)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+             attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+             layer_types=["sliding_attention", "full_attention"] * 2),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
+    ),
+}
+
+
+def make_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """Build, randomly initialise, save and return a tiny HF model (float32, eager attention)."""
+    config_cls, model_cls, kwargs = TINY_MODELS[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **kwargs, **overrides})
+    config.architectures = [model_cls]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # norms start at identity in HF; perturb them so they are tested too
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(torch.randn_like(p) * 0.1)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def random_prompts(lengths: list[int], vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

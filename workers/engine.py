@@ -1,0 +1,256 @@
+"""The in-process engine: one model on one device, continuous batching, Python API.
+
+    eng = Engine(model="path/to/hf_dir", device="cpu", dtype="float32", page_size=16,
+                 attention_backend="torch_native", max_total_tokens=8192)
+    outs = eng.generate(prompt_token_ids=[[...]], sampling=SamplingParams(max_new_tokens=32, temperature=0.0))
+    for delta in eng.stream(prompt_token_ids=[...], sampling=...): ...
+    eng.shutdown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import random
+from typing import Iterator, Sequence
+
+import torch
+
+from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
+from workers.model_runner import ModelRunner
+from workers.models import load_model_config
+from workers.request import FinishReason, Request
+from workers.sampler import sample
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler
+
+__all__ = ["Engine", "RequestOutput", "SamplingParams"]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str | None
+    text: str | None = None
+    logits: list[torch.Tensor] | None = None  # per generated token, when return_logits
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        page_size: int = 16,
+        attention_backend: str | None = None,
+        max_total_tokens: int = 8192,
+        swa_full_tokens_ratio: float = 0.8,
+        chunked_prefill_size: int | None = 2048,
+        max_running_requests: int = 64,
+        context_length: int | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = _resolve_dtype(dtype, self.device)
+        if page_size < 1:
+            raise ValueError(f"page_size: must be >= 1, got {page_size}")
+        if chunked_prefill_size is not None and chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size: must be >= 1 or None (off), got {chunked_prefill_size}")
+        if not 0.0 < swa_full_tokens_ratio <= 1.0:
+            raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {swa_full_tokens_ratio}")
+        self.cfg = load_model_config(model)
+        self.context_length = min(context_length or self.cfg.max_position_embeddings, max_total_tokens)
+        self.tokenizer = _load_tokenizer(model)
+
+        full_pages = max_total_tokens // page_size
+        if full_pages < 1:
+            raise ValueError(f"max_total_tokens: {max_total_tokens} is less than one page of {page_size}")
+        self.req_to_token = ReqToTokenPool(max_running_requests, self.context_length, self.device)
+        window = self.cfg.max_window
+        if window is not None:
+            swa_pages = max(1, int(full_pages * swa_full_tokens_ratio))
+            self.allocator: KVAllocator = HybridSWAAllocator(self.req_to_token, full_pages, swa_pages, page_size, window)
+        else:
+            self.allocator = KVAllocator(self.req_to_token, full_pages, page_size)
+        backend = attention_backend or "torch_native"
+        self.runner = ModelRunner(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format, seed=seed)
+        self.scheduler = Scheduler(self.allocator, self.req_to_token, chunked_prefill_size, max_running_requests, self.cfg.eos_token_ids)
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        logger.info(
+            "engine: %s on %s/%s, backend %s, KV %s", self.cfg.architecture, self.device, self.dtype, backend, self.kv_stats()
+        )
+
+    # -- request lifecycle -------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        req = self._make_request(prompt_token_ids, sampling or SamplingParams(), request_id, "prompt_token_ids")
+        self._requests[req.rid] = req
+        self.scheduler.add(req)
+        return req.rid
+
+    def _make_request(self, prompt: Sequence[int], sampling: SamplingParams, rid: str | None, field: str) -> Request:
+        sampling.validate()
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError(f"{field}: empty prompt")
+        vocab = self.cfg.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{field}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.context_length:
+            raise ValueError(
+                f"{field}: prompt of {len(prompt)} tokens leaves no room in the context length {self.context_length}"
+            )
+        rid = rid if rid is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request_id: {rid!r} is already in use")
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        max_len = min(len(prompt) + sampling.max_new_tokens, self.context_length)
+        req = Request(rid, prompt, sampling, generator, max_len)
+        self.scheduler.check_fits(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV now. Returns False when it is unknown or done."""
+        req = self._requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        return True
+
+    def step(self) -> list[tuple[str, list[int], bool]]:
+        """Run one scheduler step; returns (request id, new token ids, finished) per request."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        out = self.runner.forward(batch.forward_batch)
+        sampled = [r for r, s in zip(batch.reqs, batch.samples) if s]
+        tokens = sample(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
+        for req, logits in zip(sampled, out.logits):
+            if req.sampling.return_logits:
+                req.logits.append(logits.cpu())
+        return [(req.rid, new, req.finished) for req, new in self.scheduler.process(batch, tokens)]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def output(self, request_id: str) -> RequestOutput:
+        req = self._requests[request_id]
+        return RequestOutput(
+            request_id=req.rid,
+            prompt_token_ids=req.prompt_ids,
+            token_ids=list(req.output_ids),
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            text=self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else None,
+            logits=list(req.logits) if req.sampling.return_logits else None,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's record."""
+        req = self._requests.get(request_id)
+        if req is not None and req.finished:
+            del self._requests[request_id]
+
+    # -- convenience APIs ----------------------------------------------------------------
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Sequence[str] | None = None,
+    ) -> list[RequestOutput]:
+        """Run a batch of prompts to completion; outputs come back in prompt order."""
+        ids = self._prompt_ids(prompt_token_ids, prompts)
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling or SamplingParams()] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"sampling: {len(params)} sampling params for {len(ids)} prompts")
+        field = "prompts" if prompts is not None else "prompt_token_ids"
+        reqs = [self._make_request(p, sp, None, f"{field}[{i}]") for i, (p, sp) in enumerate(zip(ids, params))]
+        for req in reqs:
+            self._requests[req.rid] = req
+            self.scheduler.add(req)
+        try:
+            while any(not r.finished for r in reqs):
+                self.step()
+        except BaseException:
+            for req in reqs:
+                self.abort(req.rid)
+            raise
+        outputs = [self.output(r.rid) for r in reqs]
+        for req in reqs:
+            self.release(req.rid)
+        return outputs
+
+    def stream(
+        self,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+        prompt: str | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield a request's new token ids as they are sampled. Closing the iterator aborts it."""
+        (ids,) = self._prompt_ids(None if prompt_token_ids is None else [prompt_token_ids], None if prompt is None else [prompt])
+        rid = self.add_request(ids, sampling)
+        try:
+            while True:
+                for event_rid, new, finished in self.step():
+                    if event_rid == rid:
+                        yield new
+                if self._requests[rid].finished:
+                    return
+        finally:
+            self.abort(rid)
+            self.release(rid)
+
+    def _prompt_ids(self, prompt_token_ids: Sequence[Sequence[int]] | None, prompts: Sequence[str] | None) -> list[list[int]]:
+        if (prompt_token_ids is None) == (prompts is None):
+            raise ValueError("prompt_token_ids / prompts: give exactly one of them")
+        if prompts is None:
+            return [list(p) for p in prompt_token_ids]
+        if self.tokenizer is None:
+            raise ValueError("prompts: this model directory has no tokenizer; pass prompt_token_ids")
+        return [self.tokenizer.encode(p) for p in prompts]
+
+    # -- memory ----------------------------------------------------------------------------
+    def kv_stats(self) -> dict[str, int]:
+        return self.allocator.stats()
+
+    def check_no_leak(self) -> None:
+        """Assert that no request holds KV: both pools are back at their initial free counts."""
+        if self.scheduler.running:
+            raise AssertionError(f"{len(self.scheduler.running)} requests are still running")
+        self.allocator.check_no_leak()
+        self.req_to_token.check_no_leak()
+
+    def shutdown(self) -> None:
+        for rid, req in list(self._requests.items()):
+            if not req.finished:
+                self.abort(rid)
+        self._requests.clear()
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: unknown {dtype!r}; choose from {['auto', *DTYPES]}")
+    return DTYPES[dtype]
+
+
+def _load_tokenizer(model: str):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.isfile(os.path.join(model, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model, local_files_only=True)

@@ -1,0 +1,220 @@
+"""KV slot allocators.
+
+`PageAllocator` is a free list of pages; with `page_size=1` it is the token-level allocator.
+`KVAllocator` gives every token of a request a full-pool slot, page by page, and records it in
+the request->token table. `HybridSWAAllocator` also gives each full page an SWA page and keeps
+the page-aligned map `full_to_swa` (full slot -> SWA slot); when a request's tokens slide out
+of the window it returns their SWA pages and points their entries at padding page 0.
+
+One allocator serves a replica's target and draft models alike; what a model's layers read is
+decided by each model's own pool (workers/memory/pools.py), never by the allocator's type.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.memory.req_to_token import ReqToTokenPool
+
+
+class OutOfKVError(RuntimeError):
+    """The pool has too few free pages; admission control should have prevented this."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PageAllocator:
+    """Free list of pages 1..num_pages; page 0 is padding and never handed out."""
+
+    def __init__(self, num_pages: int, page_size: int, name: str) -> None:
+        if num_pages < 1:
+            raise ValueError(f"{name}: needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.name = name
+        self._free = list(range(num_pages, 0, -1))
+        self._in_use = torch.zeros(num_pages + 1, dtype=torch.bool)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfKVError(f"{self.name}: asked for {n} pages, {len(self._free)} of {self.num_pages} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._in_use[pages] = True
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        idx = torch.tensor(pages)
+        if not bool(self._in_use[idx].all()) or len(set(pages)) != len(pages):
+            raise RuntimeError(f"{self.name}: double free or foreign page among {pages}")
+        self._in_use[idx] = False
+        self._free.extend(pages)
+
+    def check_no_leak(self) -> None:
+        if self.num_free != self.num_pages:
+            raise AssertionError(f"{self.name}: {self.num_pages - self.num_free} pages still in use")
+
+
+class KVAllocator:
+    """Full-pool slots for every token of every request, allocated page by page."""
+
+    def __init__(self, req_to_token: ReqToTokenPool, num_full_pages: int, page_size: int) -> None:
+        self.req_to_token = req_to_token
+        self.page_size = page_size
+        self.full = PageAllocator(num_full_pages, page_size, "full KV pool")
+        self._lens: dict[int, int] = {}  # row -> positions that have slots
+
+    @property
+    def is_hybrid(self) -> bool:
+        return False
+
+    def allocated_len(self, row: int) -> int:
+        return self._lens.get(row, 0)
+
+    def extend(self, row: int, n: int) -> torch.Tensor:
+        """Give the next `n` positions of request `row` full slots; returns them (int64)."""
+        start = self._lens.get(row, 0)
+        end = start + n
+        if end > self.req_to_token.max_context_len:
+            raise OutOfKVError(f"request row {row}: {end} positions exceed the context of {self.req_to_token.max_context_len}")
+        p = self.page_size
+        table = self.req_to_token.table
+        new_pages = self.full.alloc(cdiv(end, p) - cdiv(start, p))
+        try:
+            self._on_new_pages(new_pages)
+        except OutOfKVError:
+            self.full.free(new_pages)
+            raise
+        held = [int(table[row, start - 1]) // p] if start % p else []
+        pages = torch.tensor(held + new_pages, dtype=torch.int64, device=table.device)
+        pos = torch.arange(start, end, device=table.device)
+        locs = pages[pos // p - start // p] * p + pos % p
+        table[row, start:end] = locs.to(torch.int32)
+        self._lens[row] = end
+        return locs
+
+    def release_window(self, row: int, seq_len: int) -> None:
+        """Called after every forward with the request's committed length; SWA eviction."""
+
+    def truncate(self, row: int, keep_len: int) -> None:
+        """Give back the slots of positions >= keep_len (e.g. rejected draft tokens)."""
+        start = self._lens[row]
+        if keep_len > start:
+            raise RuntimeError(f"request row {row}: truncate to {keep_len} beyond {start} allocated positions")
+        p = self.page_size
+        pages = self._row_full_pages(row, cdiv(keep_len, p), cdiv(start, p))
+        self._on_free_pages(row, cdiv(keep_len, p), pages)
+        self.full.free(pages)
+        self._lens[row] = keep_len
+
+    def free(self, row: int) -> None:
+        """Give back every slot of a finished or aborted request."""
+        if row in self._lens:
+            self.truncate(row, 0)
+            del self._lens[row]
+
+    def stats(self) -> dict[str, int]:
+        p = self.page_size
+        return {
+            "full_free": self.full.num_free * p,
+            "full_total": self.full.num_pages * p,
+            "swa_free": 0,
+            "swa_total": 0,
+        }
+
+    def check_no_leak(self) -> None:
+        if self._lens:
+            raise AssertionError(f"KV allocator: requests rows {sorted(self._lens)} still hold slots")
+        self.full.check_no_leak()
+
+    def _row_full_pages(self, row: int, first: int, last: int) -> list[int]:
+        """Full pages of page indices [first, last) of a request."""
+        if last <= first:
+            return []
+        cols = torch.arange(first, last) * self.page_size
+        return (self.req_to_token.table[row, cols].long() // self.page_size).tolist()
+
+    def _on_new_pages(self, full_pages: list[int]) -> None:
+        """Hook: full pages were just allocated."""
+
+    def _on_free_pages(self, row: int, first_page_idx: int, full_pages: list[int]) -> None:
+        """Hook: full pages of page indices starting at `first_page_idx` are about to be freed."""
+
+
+class HybridSWAAllocator(KVAllocator):
+    """Full slots for all tokens plus SWA slots for the tokens still inside the window."""
+
+    def __init__(
+        self,
+        req_to_token: ReqToTokenPool,
+        num_full_pages: int,
+        num_swa_pages: int,
+        page_size: int,
+        sliding_window: int,
+    ) -> None:
+        super().__init__(req_to_token, num_full_pages, page_size)
+        self.swa = PageAllocator(num_swa_pages, page_size, "SWA KV pool")
+        self.sliding_window = sliding_window
+        device = req_to_token.table.device
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        # full slot -> SWA slot; page-aligned, so full_to_swa[f] // P is an SWA page. Entries of
+        # unmapped or evicted pages point into padding page 0. Updated in place, never replaced:
+        # pools hold a reference to this very tensor.
+        self.full_to_swa = self._page_offsets.repeat(num_full_pages + 1)
+        self._evicted: dict[int, int] = {}  # row -> leading page indices whose SWA page is gone
+
+    @property
+    def is_hybrid(self) -> bool:
+        return True
+
+    def release_window(self, row: int, seq_len: int) -> None:
+        """Free SWA pages whose positions no future query can see (all < seq_len - window + 1)."""
+        p = self.page_size
+        first = self._evicted.get(row, 0)
+        upto = max(0, seq_len - self.sliding_window + 1) // p
+        if upto <= first:
+            return
+        self._unmap(self._row_full_pages(row, first, upto))
+        self._evicted[row] = upto
+
+    def free(self, row: int) -> None:
+        super().free(row)
+        self._evicted.pop(row, None)
+
+    def stats(self) -> dict[str, int]:
+        p = self.page_size
+        return {**super().stats(), "swa_free": self.swa.num_free * p, "swa_total": self.swa.num_pages * p}
+
+    def check_no_leak(self) -> None:
+        super().check_no_leak()
+        self.swa.check_no_leak()
+        if not torch.equal(self.full_to_swa.view(-1, self.page_size), self._page_offsets.expand(self.full.num_pages + 1, -1)):
+            raise AssertionError("SWA allocator: full_to_swa still maps some full page to an SWA page")
+
+    def _on_new_pages(self, full_pages: list[int]) -> None:
+        swa_pages = self.swa.alloc(len(full_pages))
+        if not full_pages:
+            return
+        fp = torch.tensor(full_pages, device=self.full_to_swa.device)
+        sp = torch.tensor(swa_pages, device=self.full_to_swa.device)
+        self.full_to_swa.view(-1, self.page_size)[fp] = sp[:, None] * self.page_size + self._page_offsets
+
+    def _on_free_pages(self, row: int, first_page_idx: int, full_pages: list[int]) -> None:
+        skip = max(0, self._evicted.get(row, 0) - first_page_idx)
+        self._unmap(full_pages[skip:])
+        self._evicted[row] = min(self._evicted.get(row, 0), first_page_idx)
+
+    def _unmap(self, full_pages: list[int]) -> None:
+        if not full_pages:
+            return
+        view = self.full_to_swa.view(-1, self.page_size)
+        fp = torch.tensor(full_pages, device=view.device)
+        self.swa.free((view[fp, 0] // self.page_size).tolist())
+        view[fp] = self._page_offsets

@@ -1,0 +1,32 @@
+"""The request->token table: row r, column p holds the full-pool slot of request r's token at
+position p. Backends read page tables and KV slots from it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
+        self.max_requests = max_requests
+        self.max_context_len = max_context_len
+        self.table = torch.zeros(max_requests, max_context_len, dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError(f"req_to_token: all {self.max_requests} rows are in use")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        if row in self._free_rows or not 0 <= row < self.max_requests:
+            raise RuntimeError(f"req_to_token: row {row} freed twice or out of range")
+        self._free_rows.append(row)
+
+    def check_no_leak(self) -> None:
+        if self.num_free != self.max_requests:
+            raise AssertionError(f"req_to_token: {self.max_requests - self.num_free} rows still in use")

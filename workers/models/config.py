@@ -1,0 +1,187 @@
+"""A model's shape and attention layout, normalised from a Hugging Face `config.json`.
+
+Architectures differ by a handful of switches (biases, q/k norms, Gemma's sandwich norms and
+soft-caps); those live in the `ARCHITECTURES` table instead of in branches across the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchSpec:
+    """How one Hugging Face architecture differs from a plain Llama decoder."""
+
+    qkv_bias: bool | None = None  # None: take `attention_bias` from the config
+    o_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    gemma: bool = False  # (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, soft-caps
+    window_on_all_layers: bool = False  # Mistral: `sliding_window` applies to every layer
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    "MistralForCausalLM": ArchSpec(qkv_bias=False, o_bias=False, window_on_all_layers=True),
+    "Gemma2ForCausalLM": ArchSpec(gemma=True),
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    sliding_window: int | None  # keys seen by a query, itself included; None = full attention
+    rope_key: str  # which entry of ModelConfig.rope this layer uses
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    inv_freq: torch.Tensor  # [rotary_dim // 2] float32
+    attention_scaling: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    arch: ArchSpec
+    hf: PretrainedConfig
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    scaling: float
+    attn_logit_softcap: float | None
+    final_logit_softcap: float | None
+    max_position_embeddings: int
+    layers: tuple[LayerConfig, ...]
+    rope: dict[str, RopeConfig]
+    eos_token_ids: tuple[int, ...]
+    initializer_range: float
+
+    @property
+    def layer_windows(self) -> dict[int, int | None]:
+        return {i: layer.sliding_window for i, layer in enumerate(self.layers)}
+
+    @property
+    def max_window(self) -> int | None:
+        windows = [w for w in self.layer_windows.values() if w is not None]
+        return max(windows) if windows else None
+
+
+def _windows(hf: PretrainedConfig, arch: ArchSpec) -> list[int | None]:
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if arch.window_on_all_layers and window else "full_attention"] * hf.num_hidden_layers
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types: unsupported attention types {sorted(unknown)}")
+    if "sliding_attention" in layer_types and not window:
+        raise ValueError("sliding_window: layer_types has sliding_attention layers but no sliding_window is set")
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+def _rope(hf: PretrainedConfig, head_dim: int) -> tuple[dict[str, RopeConfig], list[str]]:
+    """RoPE frequencies per layer type; transformers computes every non-default variant."""
+    params = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+    layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    per_type = all(isinstance(params.get(t), dict) for t in set(layer_types))
+    keys = sorted(set(layer_types)) if per_type else ["all"]
+    ropes = {}
+    for key in keys:
+        p = params[key] if per_type else params
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type == "default":
+            dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            ropes[key] = RopeConfig(inv_freq, 1.0)
+        elif rope_type in ROPE_INIT_FUNCTIONS:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), layer_type=key if per_type else None)
+            ropes[key] = RopeConfig(inv_freq.float(), float(scaling))
+        else:
+            raise ValueError(f"rope_parameters: unsupported rope_type {rope_type!r}")
+    layer_keys = list(layer_types) if per_type else ["all"] * hf.num_hidden_layers
+    return ropes, layer_keys
+
+
+def _eos_ids(hf: PretrainedConfig, model_dir: str | None) -> tuple[int, ...]:
+    ids: list[Any] = []
+    for source in (hf, _generation_config(model_dir)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.extend(eos if isinstance(eos, (list, tuple)) else [eos])
+    return tuple(sorted({int(i) for i in ids if i is not None}))
+
+
+def _generation_config(model_dir: str | None) -> Any:
+    if model_dir is None or not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(model_dir)
+
+
+def model_config_from_hf(hf: PretrainedConfig, model_dir: str | None = None) -> ModelConfig:
+    archs = getattr(hf, "architectures", None) or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise ValueError(f"architectures: unsupported {archs or '(none)'}; supported: {sorted(ARCHITECTURES)}")
+    name = known[0]
+    arch = ARCHITECTURES[name]
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    ropes, rope_keys = _rope(hf, head_dim)
+    windows = _windows(hf, arch)
+    query_scale = getattr(hf, "query_pre_attn_scalar", None) if arch.gemma else None
+    return ModelConfig(
+        architecture=name,
+        arch=arch,
+        hf=hf,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim,
+        hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"),
+        rms_norm_eps=hf.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
+        o_bias=attention_bias if arch.o_bias is None else arch.o_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        scaling=1.0 / math.sqrt(query_scale or head_dim),
+        attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None) if arch.gemma else None,
+        final_logit_softcap=getattr(hf, "final_logit_softcapping", None) if arch.gemma else None,
+        max_position_embeddings=hf.max_position_embeddings,
+        layers=tuple(LayerConfig(w, k) for w, k in zip(windows, rope_keys)),
+        rope=ropes,
+        eos_token_ids=_eos_ids(hf, model_dir),
+        initializer_range=getattr(hf, "initializer_range", 0.02),
+    )
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """Read `config.json` of a local Hugging Face model directory."""
+    if not os.path.isdir(model):
+        raise ValueError(f"model: {model!r} is not a directory")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"model: no config.json in {model!r}")
+    return model_config_from_hf(AutoConfig.from_pretrained(model, local_files_only=True), model)

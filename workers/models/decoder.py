@@ -1,0 +1,177 @@
+"""The decoder-only transformer behind every supported architecture.
+
+Llama, Qwen2, Qwen3 and Mistral are the plain pre-norm decoder; Gemma 2 and 3 add sandwich
+norms, a sqrt(hidden) embedding scale and soft-caps. `ModelConfig.arch` switches these on.
+Parameter names follow the Hugging Face checkpoints (with q/k/v and gate/up fused).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from attention import AttentionLayer
+from workers.distributed import TPGroup
+from workers.forward_batch import ForwardBatch
+from workers.models.config import ModelConfig
+from workers.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rope,
+    rope_cos_sin,
+)
+
+# Checkpoint tensors that are stacked into one fused parameter: (fused, checkpoint, shard id).
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
+        if cfg.arch.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
+        self.rope_key = cfg.layers[layer_id].rope_key
+        self.attn = AttentionLayer(
+            layer_id=layer_id,
+            num_heads=self.qkv_proj.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            head_dim=cfg.head_dim,
+            scaling=cfg.scaling,
+            sliding_window=cfg.layers[layer_id].sliding_window,
+            logit_softcap=cfg.attn_logit_softcap,
+        )
+
+    def forward(self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        a = self.attn
+        q = q.reshape(-1, a.num_heads, a.head_dim)
+        k = k.reshape(-1, a.num_kv_heads, a.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope[self.rope_key]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+        super().__init__()
+        gemma = cfg.arch.gemma
+        self.gemma = gemma
+        self.self_attn = SelfAttention(cfg, layer_id, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        # Llama: the norm before the MLP. Gemma: the norm after attention (sandwich).
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+
+    def forward(self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), rope, batch)
+        if self.gemma:
+            hidden = hidden + self.post_attention_layernorm(attn)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.gemma)
+        for key, rope in cfg.rope.items():
+            self.register_buffer(f"inv_freq_{key}", rope.inv_freq.to(torch.get_default_device()), persistent=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.cfg.arch.gemma:
+            hidden = hidden * torch.tensor(self.cfg.hidden_size**0.5, dtype=hidden.dtype)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        rope = {
+            key: rope_cos_sin(positions, getattr(self, f"inv_freq_{key}"), r.attention_scaling, hidden.dtype)
+            for key, r in self.cfg.rope.items()
+        }
+        for layer in self.layers:
+            hidden = layer(hidden, rope, batch)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """Decoder plus vocabulary-parallel LM head; `compute_logits` returns float32 logits."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head.logits(hidden).float()
+        cap = self.cfg.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into this rank's parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        missing = {
+            (name, shard)
+            for name in params
+            for shard in ([s for fused, _, s in STACKED_PARAMS if f".{fused}." in name] or [None])
+        }
+        for name, tensor in weights:
+            if "rotary_emb" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard = name, None
+            for fused, part, shard_id in STACKED_PARAMS:
+                if f".{part}." in name:
+                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
+                    break
+            if target not in params:
+                raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {self.cfg.architecture}")
+            param = params[target]
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+            missing.discard((target, shard))
+        if missing:
+            names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+            raise ValueError(f"weights: checkpoint lacks {names[:8]}{' ...' if len(names) > 8 else ''}")

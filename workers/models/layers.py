@@ -1,0 +1,200 @@
+"""Tensor-parallel building blocks, in the column/row scheme of Megatron-LM.
+
+Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this rank's
+slice of a full checkpoint tensor, so loading is the same for any `tp_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.distributed import TPGroup
+from workers.memory.allocator import cdiv
+
+
+def _param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight {what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    _check_shape(param, loaded, "(replicated)")
+    param.data.copy_(loaded)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the vocabulary split over ranks (padded to a multiple of tp_size)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp = tp
+        self.shard = cdiv(vocab_size, tp.size)
+        self.start = tp.rank * self.shard
+        self.weight = _param((self.shard, hidden_size), self._load)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        rows = loaded[self.start:self.start + self.shard]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocabulary-parallel output projection; `logits` gathers the full vocabulary."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y = x W^T + b` with W's output rows split over ranks; output stays sharded.
+
+    `output_sizes` lists the checkpoint tensors stacked into this one (each split over ranks
+    separately), e.g. [intermediate, intermediate] for a merged gate/up projection.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_sizes = [self._local_size(i, size) for i, size in enumerate(output_sizes)]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
+        out = sum(self.local_sizes)
+        self.weight = _param((out, input_size), self._load)
+        self.bias = _param((out,), self._load) if bias else None
+
+    def _local_size(self, shard: int, size: int) -> int:
+        if size % self.tp.size:
+            raise ValueError(f"output size {size} is not divisible by tp_size {self.tp.size}")
+        return size // self.tp.size
+
+    def _rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
+        n = self.local_sizes[shard_id]
+        return loaded.narrow(0, self.tp.rank * n, n)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        idx = self._shard_index(shard_id)
+        dst = param.data.narrow(0, self.offsets[idx], self.local_sizes[idx])
+        src = self._rows(idx, loaded)
+        _check_shape(dst, src, f"shard {shard_id}")
+        dst.copy_(src)
+
+    def _shard_index(self, shard_id: int | str | None) -> int:
+        return 0 if shard_id is None else int(shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by heads. With fewer KV heads than ranks, KV heads are
+    replicated: rank r holds KV head r * num_kv_heads // tp_size."""
+
+    SHARDS = ("q", "k", "v")
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup) -> None:
+        if num_heads % tp.size:
+            raise ValueError(f"num_attention_heads {num_heads} is not divisible by tp_size {tp.size}")
+        if num_kv_heads >= tp.size and num_kv_heads % tp.size:
+            raise ValueError(f"num_key_value_heads {num_kv_heads} is not divisible by tp_size {tp.size}")
+        if num_kv_heads < tp.size and tp.size % num_kv_heads:
+            raise ValueError(f"tp_size {tp.size} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        replicated = num_kv_heads < tp.size
+        self._kv_head_start = tp.rank * num_kv_heads // tp.size if replicated else tp.rank * self.num_kv_heads
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp)
+
+    def _local_size(self, shard: int, size: int) -> int:
+        return (self.num_heads if shard == 0 else self.num_kv_heads) * self.head_dim
+
+    def _shard_index(self, shard_id: int | str | None) -> int:
+        return self.SHARDS.index(shard_id)
+
+    def _rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
+        if shard_id == 0:
+            return super()._rows(0, loaded)
+        return loaded.narrow(0, self._kv_head_start * self.head_dim, self.local_sizes[shard_id])
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split(self.local_sizes, dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """`y = x W^T + b` with W's input columns split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        if input_size % tp.size:
+            raise ValueError(f"input size {input_size} is not divisible by tp_size {tp.size}")
+        self.tp = tp
+        self.local_in = input_size // tp.size
+        self.weight = _param((output_size, self.local_in), self._load)
+        self.bias = _param((output_size,), default_weight_loader) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        src = loaded.narrow(1, self.tp.rank * self.local_in, self.local_in)
+        _check_shape(param, src, "row-parallel")
+        param.data.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32. Gemma scales by (1 + w) and casts last; Llama casts, then scales by w."""
+
+    def __init__(self, size: int, eps: float, gemma: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = _param((size,), default_weight_loader)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight) if self.gemma else nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[T, rotary_dim]` for these positions, computed in float32 as HF does."""
+    freqs = positions[:, None].float() * inv_freq[None, :].to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `rotary_dim` features of every head (x: `[T, heads, head_dim]`)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out

@@ -1,0 +1,92 @@
+"""Build a model and fill its weights from safetensors (single file or sharded index) or with
+random values of the configured shapes (`load_format="dummy"`, for benchmarks)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from workers.distributed import SINGLE_RANK, TPGroup
+from workers.models.config import ModelConfig
+from workers.models.decoder import CausalLM
+from workers.models.layers import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+        absent = [f for f in files if not os.path.isfile(f)]
+        if absent:
+            raise ValueError(f"model: the safetensors index names missing shards {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {model_dir!r} (use load_format='dummy' for random weights)")
+    return files
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: CausalLM, seed: int) -> None:
+    """Normal(0, initializer_range) matrices, zero biases, norms at their identity."""
+    gen = torch.Generator().manual_seed(seed)
+    std = model.cfg.initializer_range
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.reset_parameters()
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            values = torch.randn(param.shape, generator=gen) * std if name == "weight" else torch.zeros(param.shape)
+            param.data.copy_(values.to(param.dtype))
+
+
+def build_model(
+    cfg: ModelConfig,
+    model_dir: str | None,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup = SINGLE_RANK,
+    seed: int = 0,
+) -> CausalLM:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: unknown {load_format!r}; choose from {LOAD_FORMATS}")
+    files = safetensors_files(model_dir) if load_format != "dummy" else []
+    with torch.device(device), _default_dtype(dtype):
+        model = CausalLM(cfg, tp)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_safetensors(files))
+        logger.info("loaded %s from %d safetensors file(s)", cfg.architecture, len(files))
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in the serving dtype (RoPE tables stay float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,49 @@
+"""A request's state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    max_len: int  # prompt + generated tokens may not exceed this
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    row: int | None = None  # row in the request->token table while running
+    kv_len: int = 0  # tokens whose KV is written
+    finish_reason: FinishReason | None = None
+    logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.kv_len >= len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end) of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]

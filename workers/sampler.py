@@ -1,0 +1,49 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+
+`sampling_probs` is the one definition of the distribution a request samples from; the
+speculative verifier's rejection sampling uses it too.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Probabilities `[B, V]` after temperature, top-k and top-p (rows must not be greedy)."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    logits = logits.float() / temps[:, None]
+    vocab = logits.shape[-1]
+    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)
+    top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    if bool((top_ks < vocab).any()) or bool((top_ps < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= top_ks[:, None]
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop |= mass_before >= top_ps[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> list[int]:
+    """One token per row of `logits` `[B, V]`."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        probs = sampling_probs(logits[random_rows], [params[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens.tolist()

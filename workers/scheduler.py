@@ -1,0 +1,184 @@
+"""Continuous batching with chunked prefill and KV admission control.
+
+Each step is either an EXTEND batch (prefill chunks of requests still reading their prompt,
+at most `chunked_prefill_size` tokens in all) or a DECODE batch (one token for every running
+request). A request is admitted only when the worst case it can need — full slots for its whole
+length and SWA slots for a window plus one forward — fits beside the worst cases of the
+running ones, so a running request never meets a full pool: requests wait instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+from attention import ForwardMode
+from workers.forward_batch import ForwardBatch
+from workers.memory import KVAllocator, ReqToTokenPool
+from workers.memory.allocator import cdiv
+from workers.request import FinishReason, Request
+
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Request]
+    q_lens: list[int]
+    samples: list[bool]  # whether request i gets a new token from this forward
+    forward_batch: ForwardBatch
+
+
+@dataclasses.dataclass
+class KVBudget:
+    full_pages: int
+    swa_pages: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: KVAllocator,
+        req_to_token: ReqToTokenPool,
+        chunked_prefill_size: int | None,
+        max_running_requests: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.chunk = chunked_prefill_size
+        self.max_running = max_running_requests
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._reserved = KVBudget(0, 0)
+        self._needs: dict[str, KVBudget] = {}
+
+    # -- admission ---------------------------------------------------------------------
+    def kv_need(self, req: Request) -> KVBudget:
+        """Worst-case pages a request can hold at once."""
+        p = self.allocator.page_size
+        full = cdiv(req.max_len, p)
+        if not self.allocator.is_hybrid:
+            return KVBudget(full, 0)
+        per_forward = max(1, min(self.chunk or len(req.prompt_ids), len(req.prompt_ids)))
+        window = self.allocator.sliding_window
+        return KVBudget(full, min(full, cdiv(window - 1 + per_forward, p) + 1))
+
+    def check_fits(self, req: Request) -> None:
+        """Raise ValueError when a request could never be admitted, however long it waits."""
+        need = self.kv_need(req)
+        alloc = self.allocator
+        swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
+        if need.full_pages > alloc.full.num_pages or need.swa_pages > swa_total:
+            raise ValueError(
+                f"prompt_token_ids: a request of up to {req.max_len} tokens needs {need.full_pages} full and "
+                f"{need.swa_pages} SWA KV pages; the pools have {alloc.full.num_pages} and {swa_total}"
+            )
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def _admit(self) -> None:
+        alloc = self.allocator
+        swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
+        while self.waiting and len(self.running) < self.max_running and self.req_to_token.num_free:
+            need = self.kv_need(self.waiting[0])
+            if (self._reserved.full_pages + need.full_pages > alloc.full.num_pages
+                    or self._reserved.swa_pages + need.swa_pages > swa_total):
+                break
+            req = self.waiting.popleft()
+            req.row = self.req_to_token.alloc()
+            self._needs[req.rid] = need
+            self._reserved.full_pages += need.full_pages
+            self._reserved.swa_pages += need.swa_pages
+            self.running.append(req)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        self._admit()
+        prefilling = [r for r in self.running if not r.prefilled]
+        if prefilling:
+            return self._extend_batch(prefilling)
+        if self.running:
+            return self._decode_batch(self.running)
+        return None
+
+    def _extend_batch(self, reqs: list[Request]) -> ScheduledBatch:
+        budget = self.chunk or sum(len(r.prompt_ids) for r in reqs)
+        chosen, q_lens, samples = [], [], []
+        for req in reqs:
+            if budget <= 0:
+                break
+            n = min(len(req.prompt_ids) - req.kv_len, budget)
+            budget -= n
+            chosen.append(req)
+            q_lens.append(n)
+            samples.append(req.kv_len + n == len(req.prompt_ids))
+        return self._build(ForwardMode.EXTEND, chosen, q_lens, samples)
+
+    def _decode_batch(self, reqs: list[Request]) -> ScheduledBatch:
+        return self._build(ForwardMode.DECODE, list(reqs), [1] * len(reqs), [True] * len(reqs))
+
+    def _build(self, mode: ForwardMode, reqs: list[Request], q_lens: list[int], samples: list[bool]) -> ScheduledBatch:
+        locs = [self.allocator.extend(r.row, n) for r, n in zip(reqs, q_lens)]
+        ends = [sum(q_lens[: i + 1]) - 1 for i in range(len(reqs))]
+        batch = ForwardBatch.build(
+            mode,
+            rows=[r.row for r in reqs],
+            prefix_lens=[r.kv_len for r in reqs],
+            input_ids=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(reqs, q_lens)],
+            out_cache_loc=_cat(locs),
+            req_to_token=self.req_to_token.table,
+            logits_rows=[end for end, s in zip(ends, samples) if s],
+        )
+        return ScheduledBatch(mode, reqs, q_lens, samples, batch)
+
+    def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[tuple[Request, list[int]]]:
+        """Commit a forward's KV and sampled tokens; returns (request, new tokens) pairs."""
+        events = []
+        sampled = iter(tokens)
+        for req, n, samples in zip(batch.reqs, batch.q_lens, batch.samples):
+            req.kv_len += n
+            self.allocator.release_window(req.row, req.kv_len)
+            if not samples:
+                continue
+            token = next(sampled)
+            req.output_ids.append(token)
+            events.append((req, [token]))
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+        return events
+
+    def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_ids) >= sp.max_new_tokens or req.num_tokens >= req.max_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request and give back everything it holds."""
+        req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        self.running.remove(req)
+        self.allocator.free(req.row)
+        self.req_to_token.free(req.row)
+        need = self._needs.pop(req.rid)
+        self._reserved.full_pages -= need.full_pages
+        self._reserved.swa_pages -= need.swa_pages
+        req.row = None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64)
