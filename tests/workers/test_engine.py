@@ -1,0 +1,254 @@
+"""Engine behaviour: bad input, KV accounting, admission control, stop conditions, streaming,
+text prompts and weight formats."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from tests.hf_models import WINDOW, make_tiny_model, random_prompts
+from workers.engine import Engine, SamplingParams
+from workers.memory.allocator import cdiv
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gemma3"))
+    make_tiny_model("gemma3", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(gemma3_dir):
+    eng = Engine(model=gemma3_dir, page_size=4, max_total_tokens=2048, chunked_prefill_size=16, context_length=256)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "prompt, sampling, field",
+    [
+        ([], GREEDY, "prompt_token_ids"),
+        ([1] * 256, GREEDY, "prompt_token_ids"),
+        ([1, 999], GREEDY, "prompt_token_ids"),
+        ([1, 2], SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ([1, 2], SamplingParams(max_new_tokens=-3), "max_new_tokens"),
+        ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p"),
+        ([1, 2], SamplingParams(top_p=1.5), "top_p"),
+        ([1, 2], SamplingParams(top_k=-2), "top_k"),
+        ([1, 2], SamplingParams(seed=-1), "seed"),
+    ],
+)
+def test_bad_request_names_field_and_leaks_nothing(engine, prompt, sampling, field):
+    before = engine.kv_stats()
+    with pytest.raises(ValueError, match=field):
+        engine.generate(prompt_token_ids=[[5, 6, 7], prompt], sampling=sampling)
+    assert engine.kv_stats() == before
+    engine.check_no_leak()
+    assert not engine.has_unfinished()
+
+
+def test_bad_model_directory(tmp_path, gemma3_dir):
+    with pytest.raises(ValueError, match="model"):
+        Engine(model=str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="config.json"):
+        Engine(model=str(tmp_path))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(os.path.join(gemma3_dir, "config.json"), no_weights)
+    with pytest.raises(ValueError, match="safetensors"):
+        Engine(model=str(no_weights))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    cfg = json.load(open(os.path.join(gemma3_dir, "config.json")))
+    cfg["architectures"] = ["MysteryForCausalLM"]
+    json.dump(cfg, open(unknown / "config.json", "w"))
+    with pytest.raises(ValueError, match="architectures"):
+        Engine(model=str(unknown))
+
+
+def test_bad_engine_arguments(gemma3_dir):
+    for kwargs, field in [({"page_size": 0}, "page_size"), ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+                          ({"dtype": "int7"}, "dtype"), ({"attention_backend": "nope"}, "attention_backend"),
+                          ({"load_format": "pickle"}, "load_format")]:
+        with pytest.raises(ValueError, match=field):
+            Engine(model=gemma3_dir, **kwargs)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_swa_pool_stays_within_window_plus_a_page(gemma3_dir, page_size):
+    chunk = 6
+    eng = Engine(model=gemma3_dir, page_size=page_size, max_total_tokens=4096, chunked_prefill_size=chunk)
+    for prompt in random_prompts([3 * WINDOW, WINDOW + 1, 5]):
+        eng.add_request(prompt, SamplingParams(max_new_tokens=4 * WINDOW + 3, temperature=0.0, ignore_eos=True))
+    decode_bound = (cdiv(WINDOW, page_size) + 1) * page_size
+    extend_bound = (cdiv(WINDOW - 1 + chunk, page_size) + 1) * page_size
+    decode_steps = 0
+    peak_full = 0
+    while eng.has_unfinished():
+        eng.step()
+        stats = eng.kv_stats()
+        swa_used = stats["swa_total"] - stats["swa_free"]
+        peak_full = max(peak_full, stats["full_total"] - stats["full_free"])
+        running = eng.scheduler.running
+        assert swa_used <= len(running) * extend_bound
+        if running and all(r.prefilled for r in running):
+            decode_steps += 1
+            assert swa_used <= len(running) * decode_bound, f"SWA use {swa_used} over window+page for {len(running)} requests"
+    assert decode_steps >= 4 * WINDOW
+    assert peak_full > 3 * decode_bound  # full slots keep growing while SWA slots are recycled
+    eng.check_no_leak()
+
+
+def test_requests_wait_when_kv_is_short(gemma3_dir):
+    prompts = random_prompts([20, 9, 14, 30, 11], seed=3)
+    roomy = Engine(model=gemma3_dir, page_size=4, max_total_tokens=4096)
+    expected = [o.token_ids for o in roomy.generate(prompt_token_ids=prompts, sampling=GREEDY)]
+    tight = Engine(model=gemma3_dir, page_size=4, max_total_tokens=96, chunked_prefill_size=8)
+    for p in prompts:
+        tight.add_request(p, GREEDY)
+    saw_waiting = False
+    while tight.has_unfinished():
+        saw_waiting |= bool(tight.scheduler.waiting)
+        tight.step()
+    assert saw_waiting, "the tight pool should have made some requests wait"
+    assert [tight.output(f"req-{i}").token_ids for i in range(len(prompts))] == expected
+    tight.check_no_leak()
+
+
+def test_request_larger_than_pool_is_rejected(gemma3_dir):
+    eng = Engine(model=gemma3_dir, page_size=4, max_total_tokens=64)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        eng.generate(prompt_token_ids=[[1] * 40], sampling=SamplingParams(max_new_tokens=100))
+    eng.check_no_leak()
+
+
+def test_stop_conditions(engine, gemma3_dir):
+    prompt = random_prompts([13], seed=5)[0]
+    (ref,) = engine.generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == GREEDY.max_new_tokens
+    stop_at = next(i for i, t in enumerate(ref.token_ids) if i >= 3)
+    stop_token = ref.token_ids[stop_at]
+    first = ref.token_ids.index(stop_token)
+    (out,) = engine.generate(prompt_token_ids=[prompt], sampling=SamplingParams(
+        max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,)))
+    assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: first + 1]
+
+    cfg = json.load(open(os.path.join(gemma3_dir, "config.json")))
+    eos_dir = os.path.join(os.path.dirname(gemma3_dir), "gemma3_eos")
+    shutil.copytree(gemma3_dir, eos_dir, dirs_exist_ok=True)
+    cfg["eos_token_id"] = stop_token
+    json.dump(cfg, open(os.path.join(eos_dir, "config.json"), "w"))
+    eos_engine = Engine(model=eos_dir, page_size=4, max_total_tokens=2048)
+    (out,) = eos_engine.generate(prompt_token_ids=[prompt], sampling=SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop_token and len(out.token_ids) == first + 1
+    (out,) = eos_engine.generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    assert out.token_ids == ref.token_ids  # ignore_eos
+
+    short = Engine(model=gemma3_dir, page_size=4, max_total_tokens=2048, context_length=len(prompt) + 5)
+    (out,) = short.generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    assert out.finish_reason == "length" and out.token_ids == ref.token_ids[:5]
+    for eng in (engine, eos_engine, short):
+        eng.check_no_leak()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    prompts = random_prompts([10, 21], seed=7)
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234)
+    alone = engine.generate(prompt_token_ids=[prompts[0]], sampling=sp)[0].token_ids
+    batched = engine.generate(prompt_token_ids=prompts, sampling=[sp, SamplingParams(max_new_tokens=10, seed=99)])[0].token_ids
+    assert alone == batched
+    other = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(
+        max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=4321))[0].token_ids
+    assert other != alone
+    top1 = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(max_new_tokens=10, top_k=1, seed=5))[0]
+    greedy = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(max_new_tokens=10, temperature=0.0))[0]
+    assert top1.token_ids == greedy.token_ids
+    engine.check_no_leak()
+
+
+def test_stream_yields_generate_tokens_and_close_frees_kv(engine):
+    prompt = random_prompts([19], seed=9)[0]
+    (ref,) = engine.generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    streamed = [t for delta in engine.stream(prompt_token_ids=prompt, sampling=GREEDY) for t in delta]
+    assert streamed == ref.token_ids
+    it = engine.stream(prompt_token_ids=prompt, sampling=GREEDY)
+    next(it)
+    assert engine.kv_stats()["full_free"] < engine.kv_stats()["full_total"]
+    it.close()
+    engine.check_no_leak()
+
+
+def test_abort_frees_kv(engine):
+    rid = engine.add_request(random_prompts([30])[0], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.abort(rid)
+    assert engine.output(rid).finish_reason == "abort"
+    engine.release(rid)
+    assert not engine.abort(rid)
+    engine.check_no_leak()
+
+
+def _train_tokenizer(path: str) -> None:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    from tokenizers import decoders
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
+
+
+def test_text_prompts_with_tokenizer(gemma3_dir, tmp_path):
+    model_dir = str(tmp_path / "with_tok")
+    shutil.copytree(gemma3_dir, model_dir)
+    _train_tokenizer(model_dir)
+    eng = Engine(model=model_dir, page_size=4, max_total_tokens=2048)
+    tok = eng.tokenizer
+    (by_text,) = eng.generate(prompts=["the quick brown fox"], sampling=GREEDY)
+    (by_ids,) = eng.generate(prompt_token_ids=[tok.encode("the quick brown fox")], sampling=GREEDY)
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.text == tok.decode(by_ids.token_ids, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="prompts"):
+        eng.generate(prompts=[""], sampling=GREEDY)
+    eng.check_no_leak()
+
+
+def test_sharded_checkpoint_and_dummy_weights(tmp_path):
+    single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
+    model = make_tiny_model("gemma3", single)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    prompt = random_prompts([12])[0]
+    a = Engine(model=single, page_size=4).generate(prompt_token_ids=[prompt], sampling=GREEDY)[0].token_ids
+    b = Engine(model=sharded, page_size=4).generate(prompt_token_ids=[prompt], sampling=GREEDY)[0].token_ids
+    assert a == b
+    config_only = str(tmp_path / "config_only")
+    os.makedirs(config_only)
+    shutil.copy(os.path.join(single, "config.json"), config_only)
+    dummy = Engine(model=config_only, page_size=4, load_format="dummy")
+    (out,) = dummy.generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    assert len(out.token_ids) == GREEDY.max_new_tokens
+    dummy.check_no_leak()
+    w = dummy.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    assert 0.5 * 0.08 < w.std().item() < 2 * 0.08  # initializer_range of the config
+
+
+def test_missing_weights_are_named(tmp_path):
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path)
+    from safetensors.torch import load_file, save_file
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="k_proj|qkv_proj"):
+        Engine(model=path)

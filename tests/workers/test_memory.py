@@ -1,0 +1,110 @@
+"""KV memory: page allocator, full and hybrid-SWA allocators, pools."""
+
+import pytest
+import torch
+
+from workers.memory import HybridSWAAllocator, HybridSWAPool, KVAllocator, MHAPool, OutOfKVError, PageAllocator, ReqToTokenPool, build_pool
+
+
+def test_page_allocator_counts_and_double_free():
+    pa = PageAllocator(8, 4, "test pool")
+    pages = pa.alloc(3)
+    assert 0 not in pages and pa.num_free == 5
+    with pytest.raises(OutOfKVError):
+        pa.alloc(6)
+    pa.free(pages[:2])
+    with pytest.raises(RuntimeError, match="double free"):
+        pa.free(pages[:1])
+    pa.free(pages[2:])
+    pa.check_no_leak()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_full_allocator_pages_are_per_request_and_contiguous(page_size):
+    r2t = ReqToTokenPool(4, 64, "cpu")
+    alloc = KVAllocator(r2t, 32, page_size)
+    a, b = r2t.alloc(), r2t.alloc()
+    locs_a = torch.cat([alloc.extend(a, 3), alloc.extend(a, 6)])
+    locs_b = alloc.extend(b, 5)
+    assert torch.equal(r2t.table[a, :9].long(), locs_a) and torch.equal(r2t.table[b, :5].long(), locs_b)
+    assert len(set(locs_a.tolist()) | set(locs_b.tolist())) == 14
+    for locs in (locs_a, locs_b):  # position p sits at offset p % page_size of its page
+        assert torch.equal(locs % page_size, torch.arange(len(locs)) % page_size)
+        assert (locs >= page_size).all()  # page 0 is padding
+    pages_a = (locs_a // page_size).unique()
+    assert len(pages_a) == -(-9 // page_size)
+    alloc.truncate(a, 4)
+    assert alloc.stats()["full_free"] == (32 - (-(-4 // page_size)) - (-(-5 // page_size))) * page_size
+    alloc.free(a)
+    alloc.free(b)
+    alloc.check_no_leak()
+
+
+def test_hybrid_allocator_maps_pages_and_evicts_outside_window():
+    page, window = 4, 6
+    r2t = ReqToTokenPool(2, 64, "cpu")
+    alloc = HybridSWAAllocator(r2t, 16, 6, page, window)
+    row = r2t.alloc()
+    locs = alloc.extend(row, 13)  # positions 0..12 -> 4 pages
+    swa = alloc.full_to_swa[locs]
+    assert torch.equal(swa % page, locs % page)  # page-aligned
+    assert (swa >= page).all() and len((swa // page).unique()) == 4
+    alloc.release_window(row, 13)  # next query at 13 sees positions 8..13: pages 0, 1 can go
+    assert alloc.stats()["swa_free"] == (6 - 2) * page
+    assert (alloc.full_to_swa[locs[:8]] // page == 0).all()  # evicted -> padding page
+    assert torch.equal(alloc.full_to_swa[locs[8:]], swa[8:])
+    with pytest.raises(OutOfKVError):
+        alloc.extend(row, 20)  # needs 5 more SWA pages, only 4 free
+    assert alloc.allocated_len(row) == 13 and alloc.stats()["full_free"] == (16 - 4) * page
+    with pytest.raises(AssertionError, match="still hold"):
+        alloc.check_no_leak()
+    alloc.free(row)
+    r2t.free(row)
+    alloc.check_no_leak()
+    r2t.check_no_leak()
+
+
+def test_truncate_returns_swa_pages_of_rejected_tokens():
+    page = 2
+    r2t = ReqToTokenPool(2, 64, "cpu")
+    alloc = HybridSWAAllocator(r2t, 32, 32, page, 4)
+    row = r2t.alloc()
+    alloc.extend(row, 10)
+    alloc.release_window(row, 10)
+    before = alloc.stats()
+    alloc.extend(row, 5)
+    alloc.truncate(row, 11)
+    after = alloc.stats()
+    assert after["full_free"] == before["full_free"] - page and after["swa_free"] == before["swa_free"] - page
+    alloc.free(row)
+    alloc.check_no_leak()
+
+
+def test_pool_kind_comes_from_the_models_layers_not_the_allocator():
+    r2t = ReqToTokenPool(2, 32, "cpu")
+    hybrid = HybridSWAAllocator(r2t, 8, 4, 4, 8)
+    windows = {0: 8, 1: None, 2: 8}
+    pool = build_pool(windows, hybrid, 2, 16, torch.float32, "cpu")
+    assert isinstance(pool, HybridSWAPool)
+    assert [pool.is_swa_layer(i) for i in range(3)] == [True, False, True]
+    assert pool.swa.k_buffers[0].shape == (5, 2, 4, 16) and pool.full.k_buffers[0].shape == (9, 2, 4, 16)
+    full_only = build_pool(windows, hybrid, 2, 16, torch.float32, "cpu", use_swa_pool=False)
+    assert isinstance(full_only, MHAPool) and not full_only.has_swa
+    assert not any(full_only.is_swa_layer(i) for i in range(3))
+    plain = build_pool(windows, KVAllocator(r2t, 8, 4), 2, 16, torch.float32, "cpu")
+    assert isinstance(plain, MHAPool)
+    with pytest.raises(KeyError, match="not layer 7"):
+        pool.kv_cache(7)
+    with pytest.raises(ValueError, match="sliding_window"):
+        build_pool({0: 16}, hybrid, 2, 16, torch.float32, "cpu")
+
+
+def test_set_kv_writes_hnd_layout():
+    pool = MHAPool([0], 4, 4, 2, 3, torch.float32, "cpu")
+    locs = torch.tensor([5, 6, 13])
+    k = torch.arange(18, dtype=torch.float32).view(3, 2, 3)
+    pool.set_kv(0, locs, k, -k)
+    k_buf, v_buf = pool.kv_cache(0)
+    for i, loc in enumerate(locs.tolist()):
+        assert torch.equal(k_buf[loc // 4, :, loc % 4, :], k[i])
+        assert torch.equal(v_buf[loc // 4, :, loc % 4, :], -k[i])
