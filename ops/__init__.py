@@ -1,0 +1,6 @@
+"""Operations: deploy configs, diagnosis tools, benchmarks and shipped tiny models."""
+
+import os
+
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+DEFAULT_MODEL = os.path.join(MODELS_DIR, "tiny-gemma3")
