@@ -6,8 +6,9 @@ allocator's page-aligned `full_to_swa` map). Only the pool object handed to a fo
 which: a backend asks it per forward and never infers it from an allocator (invariant 1) nor
 caches the answer across forwards (invariant 2).
 
-KV buffers use the TensorRT-LLM "HND" paged layout, `[num_pages, num_kv_heads, page_size,
-head_dim]`, so GPU kernels can read them without copies. Page 0 of every pool is a padding
+Each layer's KV is one buffer in flashinfer's stacked paged "HND" layout, `[num_pages, 2,
+num_kv_heads, page_size, head_dim]` (index 0 of dim 1 is K, 1 is V), which XQA, FMHA-v2 and
+trtllm-gen all read without copies. Page 0 of every pool is a padding
 page that is never allocated: untranslatable (evicted) SWA entries point at it.
 """
 
@@ -37,8 +38,8 @@ class KVPool(Protocol):
     def translate_full_to_swa(self, full_locs: torch.Tensor) -> torch.Tensor:
         """Full-pool slots to SWA-pool slots (evicted ones map into padding page 0)."""
 
-    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) buffers of a layer, each `[num_pages, num_kv_heads, page_size, head_dim]`."""
+    def kv_cache(self, layer_id: int) -> torch.Tensor:
+        """A layer's KV buffer, `[num_pages, 2, num_kv_heads, page_size, head_dim]`."""
 
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write `k`, `v` (`[n, num_kv_heads, head_dim]`) at `locs`, given in the layer's own

@@ -77,7 +77,7 @@ class TorchNativeBackend(AttentionBackend):
             locs = md.swa_out_loc if is_swa else batch.out_cache_loc
             pool.set_kv(layer.layer_id, locs, k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                         v.view(num_tokens, layer.num_kv_heads, layer.head_dim))
-        k_buf, v_buf = pool.kv_cache(layer.layer_id)
+        kv_buf = pool.kv_cache(layer.layer_id)
         page_size = pool.page_size
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
@@ -101,8 +101,8 @@ class TorchNativeBackend(AttentionBackend):
                     f"{q_pos[0].item()}..{q_pos[-1].item()}, window {layer.sliding_window})"
                 )
             offs = locs % page_size
-            keys = k_buf[pages, :, offs, :].float()
-            values = v_buf[pages, :, offs, :].float()
+            keys = kv_buf[pages, 0, :, offs, :].float()
+            values = kv_buf[pages, 1, :, offs, :].float()
             out[req.q_start:req.q_end] = _attend(q[req.q_start:req.q_end].float(), keys, values, mask, layer).to(q.dtype)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 

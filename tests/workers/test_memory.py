@@ -87,7 +87,7 @@ def test_pool_kind_comes_from_the_models_layers_not_the_allocator():
     pool = build_pool(windows, hybrid, 2, 16, torch.float32, "cpu")
     assert isinstance(pool, HybridSWAPool)
     assert [pool.is_swa_layer(i) for i in range(3)] == [True, False, True]
-    assert pool.swa.k_buffers[0].shape == (5, 2, 4, 16) and pool.full.k_buffers[0].shape == (9, 2, 4, 16)
+    assert pool.swa.kv_buffers[0].shape == (5, 2, 2, 4, 16) and pool.full.kv_buffers[0].shape == (9, 2, 2, 4, 16)
     full_only = build_pool(windows, hybrid, 2, 16, torch.float32, "cpu", use_swa_pool=False)
     assert isinstance(full_only, MHAPool) and not full_only.has_swa
     assert not any(full_only.is_swa_layer(i) for i in range(3))
@@ -104,7 +104,8 @@ def test_set_kv_writes_hnd_layout():
     locs = torch.tensor([5, 6, 13])
     k = torch.arange(18, dtype=torch.float32).view(3, 2, 3)
     pool.set_kv(0, locs, k, -k)
-    k_buf, v_buf = pool.kv_cache(0)
+    buf = pool.kv_cache(0)
+    assert buf.shape == (5, 2, 2, 4, 3)
     for i, loc in enumerate(locs.tolist()):
-        assert torch.equal(k_buf[loc // 4, :, loc % 4, :], k[i])
-        assert torch.equal(v_buf[loc // 4, :, loc % 4, :], -k[i])
+        assert torch.equal(buf[loc // 4, 0, :, loc % 4, :], k[i])
+        assert torch.equal(buf[loc // 4, 1, :, loc % 4, :], -k[i])

@@ -28,9 +28,8 @@ class MHAPool:
         self.page_size = page_size
         self.num_pages = num_pages  # allocatable pages; buffers hold one more (padding page 0)
         self._index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
-        shape = (num_pages + 1, num_kv_heads, page_size, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_ids]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_ids]
+        shape = (num_pages + 1, 2, num_kv_heads, page_size, head_dim)
+        self.kv_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_ids]
 
     @property
     def has_swa(self) -> bool:
@@ -50,16 +49,15 @@ class MHAPool:
     def translate_full_to_swa(self, full_locs: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("MHAPool has no SWA index space; nothing to translate")
 
-    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = self._slot(layer_id)
-        return self.k_buffers[i], self.v_buffers[i]
+    def kv_cache(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffers[self._slot(layer_id)]
 
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        k_buf, v_buf = self.kv_cache(layer_id)
+        buf = self.kv_cache(layer_id)
         pages = torch.div(locs, self.page_size, rounding_mode="floor")
         offs = locs % self.page_size
-        k_buf[pages, :, offs, :] = k.to(k_buf.dtype)
-        v_buf[pages, :, offs, :] = v.to(v_buf.dtype)
+        buf[pages, 0, :, offs, :] = k.to(buf.dtype)
+        buf[pages, 1, :, offs, :] = v.to(buf.dtype)
 
     def _slot(self, layer_id: int) -> int:
         try:
@@ -98,7 +96,7 @@ class HybridSWAPool:
     def _pool(self, layer_id: int) -> MHAPool:
         return self.swa if self.is_swa_layer(layer_id) else self.full
 
-    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_cache(self, layer_id: int) -> torch.Tensor:
         return self._pool(layer_id).kv_cache(layer_id)
 
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
