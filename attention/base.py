@@ -52,8 +52,11 @@ class AttentionBackend(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, debug_kv_checks: bool = False) -> None:
         self.device = device
+
+    def prepare(self, layers: list[AttentionLayer], page_size: int) -> None:
+        """Check at start-up that this backend can run these layers; raise ValueError if not."""
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
@@ -76,6 +79,7 @@ class AttentionBackend(abc.ABC):
 
 _BACKENDS: dict[str, str] = {
     "torch_native": "attention.torch_native:TorchNativeBackend",
+    "trtllm_mha": "attention.trtllm_mha:TRTLLMMHABackend",
 }
 
 

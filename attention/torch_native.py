@@ -13,6 +13,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionLayer
 from attention.batch import AttentionBatch
+from attention.dense import causal_window_mask, dense_attention
 from attention.kv_pool import KVPool
 
 
@@ -36,7 +37,7 @@ class _Metadata:
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, debug_kv_checks: bool = False) -> None:
         super().__init__(device)
         self._md: _Metadata | None = None
 
@@ -90,9 +91,7 @@ class TorchNativeBackend(AttentionBackend):
             else:
                 locs, first_pos = req.full_locs, 0
             kv_pos = torch.arange(first_pos, first_pos + locs.shape[0], device=q.device)
-            mask = kv_pos[None, :] <= q_pos[:, None]
-            if layer.sliding_window is not None:
-                mask &= kv_pos[None, :] > q_pos[:, None] - layer.sliding_window
+            mask = causal_window_mask(q_pos, kv_pos, layer.sliding_window)
             pages = torch.div(locs, page_size, rounding_mode="floor")
             if is_swa and bool(((pages == 0) & mask.any(0)).any()):
                 raise RuntimeError(
@@ -101,24 +100,10 @@ class TorchNativeBackend(AttentionBackend):
                     f"{q_pos[0].item()}..{q_pos[-1].item()}, window {layer.sliding_window})"
                 )
             offs = locs % page_size
-            keys = kv_buf[pages, 0, :, offs, :].float()
-            values = kv_buf[pages, 1, :, offs, :].float()
-            out[req.q_start:req.q_end] = _attend(q[req.q_start:req.q_end].float(), keys, values, mask, layer).to(q.dtype)
+            keys = kv_buf[pages, 0, :, offs, :]
+            values = kv_buf[pages, 1, :, offs, :]
+            out[req.q_start:req.q_end] = dense_attention(
+                q[req.q_start:req.q_end], keys, values, mask, layer.scaling, layer.logit_softcap, layer.sinks
+            ).to(q.dtype)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-    """Dense float32 attention of one request: q `[m, H, D]`, k/v `[n, Hkv, D]`, mask `[m, n]`."""
-    group = layer.num_heads // layer.num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("mhd,nhd->hmn", q, k) * layer.scaling
-    if layer.logit_softcap is not None:
-        scores = torch.tanh(scores / layer.logit_softcap) * layer.logit_softcap
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    if layer.sinks is not None:
-        sink = layer.sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hmn,nhd->mhd", probs, v)

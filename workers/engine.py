@@ -58,6 +58,7 @@ class Engine:
         context_length: int | None = None,
         load_format: str = "auto",
         seed: int = 0,
+        debug_kv_checks: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
@@ -81,8 +82,9 @@ class Engine:
             self.allocator: KVAllocator = HybridSWAAllocator(self.req_to_token, full_pages, swa_pages, page_size, window)
         else:
             self.allocator = KVAllocator(self.req_to_token, full_pages, page_size)
-        backend = attention_backend or "torch_native"
-        self.runner = ModelRunner(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format, seed=seed)
+        backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
+        self.runner = ModelRunner(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format,
+                                  seed=seed, debug_kv_checks=debug_kv_checks)
         self.scheduler = Scheduler(self.allocator, self.req_to_token, chunked_prefill_size, max_running_requests, self.cfg.eos_token_ids)
         self._rng = random.Random(seed)
         self._ids = itertools.count()

@@ -32,6 +32,7 @@ class ModelRunner:
         tp: TPGroup = SINGLE_RANK,
         use_swa_pool: bool = True,
         seed: int = 0,
+        debug_kv_checks: bool = False,
     ) -> None:
         self.cfg = cfg
         self.device = device
@@ -40,7 +41,8 @@ class ModelRunner:
         # The pool is chosen from this model's own layers; the allocator may be shared with
         # another model (DESIGN.md §4, invariant 1).
         self.pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
-        self.backend = create_backend(attention_backend, device)
+        self.backend = create_backend(attention_backend, device, debug_kv_checks=debug_kv_checks)
+        self.backend.prepare([layer.self_attn.attn for layer in self.model.model.layers], allocator.page_size)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

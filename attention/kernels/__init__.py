@@ -1,0 +1,56 @@
+"""Kernel sets by hardware (DESIGN.md §7), as data: which functions run decode/verify and
+context attention, and which features and page sizes each supports."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from attention.kernels import flashinfer_blackwell, flashinfer_hopper, reference
+from attention.kernels.calls import ContextCall, DecodeCall, KernelContractError, chain_mask
+
+__all__ = ["ContextCall", "DecodeCall", "KernelContractError", "KernelSet", "chain_mask", "select_kernels"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    name: str
+    decode_name: str
+    context_name: str
+    decode: Callable[[DecodeCall, torch.Tensor | None], torch.Tensor]
+    context: Callable[[ContextCall, torch.Tensor | None], torch.Tensor]
+    decode_softcap: bool  # the decode kernel applies logit soft-capping
+    context_softcap: bool
+    needs_chain_mask: bool  # verify (q_len_per_req > 1) passes XQA's packed mask
+    page_sizes: tuple[int, ...] | None  # None: any page size
+    self_checking: bool  # the kernel checks its own contract on every call (the CPU reference)
+
+
+def _reference(kind: str) -> Callable:
+    fn = getattr(reference, kind)
+    return lambda call, workspace: fn(call)
+
+
+KERNEL_SETS = {
+    "cpu": KernelSet("cpu", "reference_decode", "reference_context", _reference("decode"), _reference("context"),
+                     decode_softcap=False, context_softcap=True, needs_chain_mask=True, page_sizes=None, self_checking=True),
+    "sm90": KernelSet("sm90", "xqa", "fmha_v2", flashinfer_hopper.decode, flashinfer_hopper.context,
+                      decode_softcap=False, context_softcap=True, needs_chain_mask=True, page_sizes=(16, 32, 64, 128),
+                      self_checking=False),
+    "sm100": KernelSet("sm100", "trtllm_gen_decode", "trtllm_gen_context", flashinfer_blackwell.decode,
+                       flashinfer_blackwell.context, decode_softcap=False, context_softcap=False, needs_chain_mask=False,
+                       page_sizes=(16, 32, 64), self_checking=False),
+}
+
+
+def select_kernels(device: torch.device) -> KernelSet:
+    if device.type == "cpu":
+        return KERNEL_SETS["cpu"]
+    major, _ = torch.cuda.get_device_capability(device)
+    by_major = {9: "sm90", 10: "sm100"}
+    if major not in by_major:
+        raise ValueError(f"attention_backend: trtllm_mha has no kernels for compute capability {major}.x "
+                         "(Hopper SM90 and Blackwell SM100/103 only); use torch_native")
+    return KERNEL_SETS[by_major[major]]

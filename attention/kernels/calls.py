@@ -1,0 +1,154 @@
+"""The arguments of the two TensorRT-LLM attention kernels, and their contracts.
+
+A `DecodeCall` / `ContextCall` holds exactly the tensors flashinfer's
+`trtllm_batch_decode_with_kv_cache` (XQA / trtllm-gen) and `trtllm_fmha_v2_prefill` /
+`trtllm_batch_context_with_kv_cache` receive. The CPU reference kernels take the same objects,
+so agreeing with `torch_native` proves these tensors right. `check()` verifies every
+precondition a real kernel would fault on (or silently read garbage under) and raises
+`KernelContractError` naming the forward mode, layer and tensor.
+
+Positions follow the kernels' convention: request b's KV holds positions [0, seq_lens[b]) and
+its q_len queries are the last q_len of them (bottom-right aligned causal mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+class KernelContractError(RuntimeError):
+    """A kernel was about to be called with arguments it would fault on."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chain_mask(batch_size: int, q_len: int, device: torch.device) -> torch.Tensor:
+    """XQA's bit-packed draft-block mask for linear chains: row i has bits 0..i set; each row is
+    32-bit words stored as two uint16 (low half first): `[B, q_len, 2 * ceil(q_len / 32)]`."""
+    words = cdiv(q_len, 32)
+    mask = torch.zeros(q_len, words * 2, dtype=torch.int32)
+    for i in range(q_len):
+        bits = (1 << (i + 1)) - 1  # bits 0..i
+        for w in range(words):
+            word = (bits >> (32 * w)) & 0xFFFFFFFF
+            mask[i, 2 * w] = word & 0xFFFF
+            mask[i, 2 * w + 1] = word >> 16
+    return mask.to(torch.uint16).to(device).expand(batch_size, -1, -1).contiguous()
+
+
+def unpack_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Inverse of the packing: `[B, q_len, q_len]` bool, entry (i, j) = row i sees draft j."""
+    halves = mask.to(torch.int64)
+    words = halves[..., 0::2] | (halves[..., 1::2] << 16)
+    j = torch.arange(q_len, device=mask.device)
+    return ((words[..., j // 32] >> (j % 32)) & 1).bool()
+
+
+@dataclasses.dataclass
+class _Common:
+    query: torch.Tensor  # [T, H, D]
+    kv_cache: torch.Tensor  # [num_pages, 2, Hkv, page_size, D]
+    block_tables: torch.Tensor  # [B, max_pages] int32, page ids in kv_cache
+    seq_lens: torch.Tensor  # [B] int32, KV length including this forward's tokens
+    bmm1_scale: float
+    window_left: int  # keys left of the query that stay visible; -1 = no window
+    sinks: torch.Tensor | None  # [H] float32
+    where: str  # "<FORWARD_MODE> layer <id> (<pool space>)", for error messages
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.kv_cache.shape[3]
+
+    def fail(self, tensor: str, message: str) -> KernelContractError:
+        return KernelContractError(f"{self.where}: {tensor}: {message}")
+
+    def _check_common(self, q_lens: list[int]) -> None:
+        if self.block_tables.dtype != torch.int32 or self.seq_lens.dtype != torch.int32:
+            raise self.fail("block_tables/seq_lens", f"must be int32, got {self.block_tables.dtype}/{self.seq_lens.dtype}")
+        if self.kv_cache.dim() != 5 or self.kv_cache.shape[1] != 2:
+            raise self.fail("kv_cache", f"must be [pages, 2, kv_heads, page, dim], got {tuple(self.kv_cache.shape)}")
+        if self.query.dim() != 3 or self.query.shape[1] % self.kv_cache.shape[2] or self.query.shape[2] != self.kv_cache.shape[4]:
+            raise self.fail("query", f"shape {tuple(self.query.shape)} does not fit kv_cache {tuple(self.kv_cache.shape)}")
+        if self.block_tables.shape[0] != self.batch_size:
+            raise self.fail("block_tables", f"{self.block_tables.shape[0]} rows for a batch of {self.batch_size}")
+        if self.window_left < -1:
+            raise self.fail("window_left", f"must be >= -1, got {self.window_left}")
+        if self.sinks is not None and self.sinks.shape != (self.query.shape[1],):
+            raise self.fail("sinks", f"shape {tuple(self.sinks.shape)} != [{self.query.shape[1]}]")
+        seq_lens = self.seq_lens.tolist()
+        num_pages, p = self.kv_cache.shape[0], self.page_size
+        for b, (q_len, kv_len) in enumerate(zip(q_lens, seq_lens)):
+            if kv_len < q_len:
+                raise self.fail("seq_lens", f"request {b} has {kv_len} KV tokens for {q_len} queries; KV lengths must include the new tokens")
+            used = cdiv(kv_len, p)
+            if used > self.block_tables.shape[1]:
+                raise self.fail("block_tables", f"request {b} needs {used} pages, table has {self.block_tables.shape[1]} columns")
+            pages = self.block_tables[b, :used]
+            if bool(((pages < 0) | (pages >= num_pages)).any()):
+                bad = pages[(pages < 0) | (pages >= num_pages)].tolist()
+                raise self.fail("block_tables", f"request {b} names pages {bad[:4]} outside the pool's {num_pages} pages")
+            first_visible = kv_len - q_len - self.window_left if self.window_left >= 0 else 0
+            needed = pages[max(0, first_visible) // p:]
+            if bool((needed == 0).any()):
+                raise self.fail("block_tables", f"request {b} would read padding page 0 inside its window (an evicted or unassigned page)")
+
+
+@dataclasses.dataclass
+class DecodeCall(_Common):
+    """`trtllm_batch_decode_with_kv_cache`: uniform `q_len_per_req` queries per request."""
+
+    max_seq_len: int = 0
+    q_len_per_req: int = 1
+    mask: torch.Tensor | None = None  # chain mask when q_len_per_req > 1
+
+    def check(self) -> None:
+        q = self.q_len_per_req
+        if self.query.shape[0] != self.batch_size * q:
+            raise self.fail("query", f"{self.query.shape[0]} rows != batch {self.batch_size} x q_len_per_req {q}")
+        self._check_common([q] * self.batch_size)
+        if self.batch_size and self.max_seq_len < int(self.seq_lens.max()):
+            raise self.fail("max_seq_len", f"{self.max_seq_len} < longest KV {int(self.seq_lens.max())}")
+        if q > 1:
+            shape = (self.batch_size, q, 2 * cdiv(q, 32))
+            if self.mask is None or self.mask.dtype != torch.uint16 or tuple(self.mask.shape) != shape:
+                got = None if self.mask is None else (self.mask.dtype, tuple(self.mask.shape))
+                raise self.fail("mask", f"verify with q_len_per_req {q} needs a uint16 mask of shape {shape}, got {got}")
+
+
+@dataclasses.dataclass
+class ContextCall(_Common):
+    """`trtllm_fmha_v2_prefill` (Q_PAGED_KV_HND) / `trtllm_batch_context_with_kv_cache`:
+    ragged queries over paged KV with a cached prefix."""
+
+    cum_seq_lens_q: torch.Tensor | None = None  # [B+1] int32
+    cum_seq_lens_kv: torch.Tensor | None = None  # [B+1] int32
+    max_q_len: int = 0
+    max_kv_len: int = 0
+    logits_soft_cap: float | None = None
+
+    @property
+    def q_lens(self) -> list[int]:
+        return self.cum_seq_lens_q.diff().tolist()
+
+    def check(self) -> None:
+        b = self.batch_size
+        for name in ("cum_seq_lens_q", "cum_seq_lens_kv"):
+            t = getattr(self, name)
+            if t is None or t.dtype != torch.int32 or t.shape != (b + 1,) or int(t[0]) != 0 or bool((t.diff() < 0).any()):
+                raise self.fail(name, f"must be a non-decreasing int32 [batch+1] from 0, got {None if t is None else t.tolist()}")
+        if int(self.cum_seq_lens_q[-1]) != self.query.shape[0]:
+            raise self.fail("cum_seq_lens_q", f"ends at {int(self.cum_seq_lens_q[-1])} but query has {self.query.shape[0]} rows")
+        if not torch.equal(self.cum_seq_lens_kv.diff(), self.seq_lens):
+            raise self.fail("cum_seq_lens_kv", "differences do not equal seq_lens")
+        q_lens = self.q_lens
+        self._check_common(q_lens)
+        if b and (self.max_q_len < max(q_lens) or self.max_kv_len < int(self.seq_lens.max())):
+            raise self.fail("max_q_len/max_kv_len", f"{self.max_q_len}/{self.max_kv_len} below the batch's {max(q_lens)}/{int(self.seq_lens.max())}")

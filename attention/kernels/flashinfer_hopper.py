@@ -1,0 +1,57 @@
+"""Hopper (SM90) kernels through flashinfer: XQA for decode and verify, FMHA-v2 for context.
+
+Both are JIT-compiled by flashinfer on first use (XQA ~10 s per variant, FMHA-v2 ~150 s once)
+and cached under ~/.cache/flashinfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.kernels.calls import ContextCall, DecodeCall
+
+
+def decode(call: DecodeCall, workspace: torch.Tensor) -> torch.Tensor:
+    import flashinfer
+
+    return flashinfer.decode.trtllm_batch_decode_with_kv_cache(
+        query=call.query,
+        kv_cache=call.kv_cache,
+        workspace_buffer=workspace,
+        block_tables=call.block_tables,
+        seq_lens=call.seq_lens,
+        max_seq_len=call.max_seq_len,
+        bmm1_scale=call.bmm1_scale,
+        bmm2_scale=1.0,
+        window_left=call.window_left,
+        sinks=call.sinks,
+        kv_layout="HND",
+        backend="xqa",
+        q_len_per_req=call.q_len_per_req,
+        mask=call.mask,
+    )
+
+
+def context(call: ContextCall, workspace: torch.Tensor) -> torch.Tensor:
+    import flashinfer
+
+    cap = call.logits_soft_cap
+    return flashinfer.prefill.trtllm_fmha_v2_prefill(
+        (call.query, call.kv_cache),
+        "Q_PAGED_KV_HND",
+        workspace,
+        seq_lens=call.seq_lens,
+        max_q_len=call.max_q_len,
+        max_kv_len=call.max_kv_len,
+        # With soft-capping the kernel computes cap * tanh(qk * bmm1_scale).
+        bmm1_scale=call.bmm1_scale / cap if cap else call.bmm1_scale,
+        bmm2_scale=1.0,
+        batch_size=call.batch_size,
+        cum_seq_lens_q=call.cum_seq_lens_q,
+        cum_seq_lens_kv=call.cum_seq_lens_kv,
+        block_tables=call.block_tables,
+        sinks=call.sinks,
+        logits_soft_cap_scale=cap,
+        mask_mode="sliding_window" if call.window_left >= 0 else "causal",
+        window_left=call.window_left,
+    )

@@ -1,0 +1,208 @@
+"""The `trtllm_mha` backend: TensorRT-LLM attention kernels over hybrid SWA KV pools.
+
+Correct by construction where the upstream engine was not (DESIGN.md §4):
+1. a layer's index space comes from the pool handed to this forward (`pool.is_swa_layer`),
+   never from an allocator;
+2. nothing about a pool is kept between forwards: `init_forward_metadata` resolves it anew,
+   so a pool swapped in at forward time (frozen-KV drafts) is honoured;
+3. the kernel is picked by the `ROUTING` table: the decode kernel only for uniform query
+   lengths whose KV lengths include the new tokens (DECODE, TARGET_VERIFY);
+4. every SWA-layer write of a forward uses the one `swa_out_loc` translated from this batch's
+   `out_cache_loc`;
+5. there is no translation memo: page tables and write slots are computed once per forward
+   into metadata (in place into static buffers for graph replay).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from attention.base import AttentionBackend, AttentionLayer
+from attention.batch import AttentionBatch
+from attention.forward_mode import ForwardMode
+from attention.kernels import ContextCall, DecodeCall, KernelContractError, KernelSet, chain_mask, select_kernels
+from attention.kernels.calls import cdiv
+from attention.kv_pool import KVPool
+
+# Forward mode -> kernel. DRAFT_EXTEND_V2 carries ragged accepted lengths: context kernel.
+ROUTING: dict[ForwardMode, str | None] = {
+    ForwardMode.EXTEND: "context",
+    ForwardMode.DECODE: "decode",
+    ForwardMode.TARGET_VERIFY: "decode",
+    ForwardMode.DRAFT_EXTEND_V2: "context",
+    ForwardMode.IDLE: None,
+}
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class ForwardMetadata:
+    mode: ForwardMode
+    pool: KVPool
+    kernel: str  # from ROUTING; a layer may still fall back to "context" (see _route)
+    q_len_per_req: int  # uniform query length (decode kernel), 0 when ragged
+    seq_lens: torch.Tensor  # [B] int32, KV lengths including the new tokens
+    max_seq_len: int
+    cu_seq_lens_q: torch.Tensor  # [B+1] int32
+    cu_seq_lens_kv: torch.Tensor  # [B+1] int32
+    max_q_len: int
+    out_cache_loc: torch.Tensor  # [T] full-pool write slots
+    full_page_table: torch.Tensor  # [B, M] int32
+    swa_page_table: torch.Tensor | None  # [B, M] int32, full pages translated through full_to_swa
+    swa_out_loc: torch.Tensor | None  # [T] SWA-pool write slots, translated once
+    mask: torch.Tensor | None  # packed chain mask for verify on kernels that need it
+
+
+class TRTLLMMHABackend(AttentionBackend):
+    name = "trtllm_mha"
+
+    def __init__(self, device: torch.device, debug_kv_checks: bool = False, kernels: KernelSet | None = None) -> None:
+        super().__init__(device)
+        self.kernels = kernels or select_kernels(device)
+        # GPU kernels fault or read garbage on a broken contract; check first when debugging.
+        self.check_contracts = debug_kv_checks and not self.kernels.self_checking
+        self.workspace = (
+            torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+        )
+        self._md: ForwardMetadata | None = None
+        self._static: dict[str, torch.Tensor] = {}
+
+    # -- start-up ----------------------------------------------------------------------------
+    def prepare(self, layers: list[AttentionLayer], page_size: int) -> None:
+        """Fail at start-up on a feature combination the kernels of this device lack."""
+        ks = self.kernels
+        if ks.page_sizes is not None and page_size not in ks.page_sizes:
+            raise ValueError(f"page_size: trtllm_mha on {ks.name} supports {ks.page_sizes}, got {page_size}")
+        for layer in layers:
+            if layer.logit_softcap is not None and not ks.context_softcap:
+                raise ValueError(
+                    f"attention_backend: trtllm_mha on {ks.name} has no kernel with logit soft-capping "
+                    f"(layer {layer.layer_id}, cap {layer.logit_softcap}); use torch_native"
+                )
+
+    # -- per forward ---------------------------------------------------------------------------
+    def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
+        self._md = self._build_metadata(batch, pool)
+
+    def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool) -> None:
+        """Graph replay: the same metadata, written in place into static buffers whose addresses
+        a captured graph holds. Contents are recomputed from this batch every time."""
+        md = self._build_metadata(batch, pool)
+        for f in dataclasses.fields(md):
+            value = getattr(md, f.name)
+            if isinstance(value, torch.Tensor) and f.name != "out_cache_loc":
+                setattr(md, f.name, self._into_static(f.name, value))
+        self._md = md
+
+    def _into_static(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        buf = self._static.get(name)
+        if buf is None or buf.numel() < value.numel() or buf.dtype != value.dtype:
+            buf = torch.zeros(max(value.numel(), 1), dtype=value.dtype, device=value.device)
+            self._static[name] = buf
+        view = buf[: value.numel()].view(value.shape)
+        view.copy_(value)
+        return view
+
+    def _build_metadata(self, batch: AttentionBatch, pool: KVPool) -> ForwardMetadata:
+        mode = batch.forward_mode
+        kernel = ROUTING[mode]
+        q_lens, seq_lens = batch.q_lens_cpu, batch.seq_lens_cpu
+        q_len_per_req = q_lens[0] if q_lens and len(set(q_lens)) == 1 else 0
+        if kernel == "decode" and not q_len_per_req:
+            raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
+        device = batch.positions.device
+        p = pool.page_size
+        max_seq_len = max(seq_lens, default=0)
+        pages_per_req = cdiv(max(max_seq_len, 1), p)
+        # Page table from each request's slot at the start of every page (allocation is page
+        # aligned, so slot // page_size is the page). Columns past a request's length -> 0.
+        cols = torch.arange(pages_per_req, device=device)
+        slot_cols = (cols * p).clamp(max=batch.req_to_token.shape[1] - 1)
+        first_slots = batch.req_to_token[batch.req_pool_indices[:, None], slot_cols[None, :]].long()
+        used = cols[None, :] < torch.tensor([cdiv(s, p) for s in seq_lens], device=device)[:, None]
+        full_pages = torch.where(used, first_slots // p, 0).to(torch.int32)
+        swa_pages = swa_out = None
+        if pool.has_swa:
+            swa_pages = torch.where(used, pool.translate_full_to_swa(first_slots) // p, 0).to(torch.int32)
+            swa_out = pool.translate_full_to_swa(batch.out_cache_loc)
+        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        mask = None
+        if kernel == "decode" and q_len_per_req > 1 and self.kernels.needs_chain_mask:
+            mask = chain_mask(batch.batch_size, q_len_per_req, device)
+        return ForwardMetadata(
+            mode=mode,
+            pool=pool,
+            kernel=kernel,
+            q_len_per_req=q_len_per_req,
+            seq_lens=batch.seq_lens.to(torch.int32),
+            max_seq_len=max_seq_len,
+            cu_seq_lens_q=torch.cat([zero, batch.q_lens.cumsum(0).to(torch.int32)]),
+            cu_seq_lens_kv=torch.cat([zero, batch.seq_lens.cumsum(0).to(torch.int32)]),
+            max_q_len=max(q_lens, default=0),
+            out_cache_loc=batch.out_cache_loc,
+            full_page_table=full_pages,
+            swa_page_table=swa_pages,
+            swa_out_loc=swa_out,
+            mask=mask,
+        )
+
+    def _route(self, md: ForwardMetadata, layer: AttentionLayer) -> str:
+        """The routed kernel, unless this layer needs a feature the decode kernel lacks."""
+        if md.kernel == "decode" and layer.logit_softcap is not None and not self.kernels.decode_softcap:
+            return "context"
+        return md.kernel
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> torch.Tensor:
+        md = self._md
+        if md is None:
+            raise RuntimeError("trtllm_mha: forward() before init_forward_metadata()")
+        num_tokens = q.shape[0]
+        if md.kernel is None:
+            return q.new_empty(num_tokens, layer.num_heads * layer.head_dim)
+        pool = md.pool
+        is_swa = pool.is_swa_layer(layer.layer_id)
+        if is_swa and layer.sliding_window is None:
+            raise KernelContractError(f"{md.mode.name} layer {layer.layer_id}: no sliding window but its KV is in the SWA pool")
+        if k is not None:
+            pool.set_kv(
+                layer.layer_id,
+                md.swa_out_loc if is_swa else md.out_cache_loc,
+                k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
+                v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
+            )
+        route = self._route(md, layer)
+        common = dict(
+            query=q.view(num_tokens, layer.num_heads, layer.head_dim),
+            kv_cache=pool.kv_cache(layer.layer_id),
+            block_tables=md.swa_page_table if is_swa else md.full_page_table,
+            seq_lens=md.seq_lens,
+            bmm1_scale=layer.scaling,
+            window_left=layer.sliding_window - 1 if layer.sliding_window is not None else -1,
+            sinks=layer.sinks,
+            where=f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)",
+        )
+        if route == "decode":
+            call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=md.q_len_per_req, mask=md.mask)
+            run = self.kernels.decode
+        else:
+            call = ContextCall(**common, cum_seq_lens_q=md.cu_seq_lens_q, cum_seq_lens_kv=md.cu_seq_lens_kv,
+                               max_q_len=md.max_q_len, max_kv_len=md.max_seq_len, logits_soft_cap=layer.logit_softcap)
+            run = self.kernels.context
+        if self.check_contracts:
+            call.check()
+        return run(call, self.workspace).reshape(num_tokens, layer.num_heads * layer.head_dim)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def kernel_name(self, mode: ForwardMode) -> str | None:
+        """The kernel this device runs for a forward mode (recorded in traces)."""
+        route = ROUTING[mode]
+        return None if route is None else getattr(self.kernels, f"{route}_name")
