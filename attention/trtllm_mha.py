@@ -23,7 +23,7 @@ from attention.base import AttentionBackend, AttentionLayer
 from attention.batch import AttentionBatch
 from attention.forward_mode import ForwardMode
 from attention.kernels import ContextCall, DecodeCall, KernelContractError, KernelSet, chain_mask, select_kernels
-from attention.kernels.calls import cdiv
+from attention.kernels.calls import cdiv, check_write
 from attention.kv_pool import KVPool
 
 # Forward mode -> kernel. DRAFT_EXTEND_V2 carries ragged accepted lengths: context kernel.
@@ -64,6 +64,7 @@ class TRTLLMMHABackend(AttentionBackend):
         self.kernels = kernels or select_kernels(device)
         # GPU kernels fault or read garbage on a broken contract; check first when debugging.
         self.check_contracts = debug_kv_checks and not self.kernels.self_checking
+        self.check_writes = debug_kv_checks or self.kernels.self_checking
         self.workspace = (
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
         )
@@ -172,23 +173,28 @@ class TRTLLMMHABackend(AttentionBackend):
         is_swa = pool.is_swa_layer(layer.layer_id)
         if is_swa and layer.sliding_window is None:
             raise KernelContractError(f"{md.mode.name} layer {layer.layer_id}: no sliding window but its KV is in the SWA pool")
+        route = self._route(md, layer)
+        where = f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)"
+        kv_cache = pool.kv_cache(layer.layer_id)
         if k is not None:
+            locs = md.swa_out_loc if is_swa else md.out_cache_loc
+            if self.check_writes:
+                check_write(locs, kv_cache, where)
             pool.set_kv(
                 layer.layer_id,
-                md.swa_out_loc if is_swa else md.out_cache_loc,
+                locs,
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
             )
-        route = self._route(md, layer)
         common = dict(
             query=q.view(num_tokens, layer.num_heads, layer.head_dim),
-            kv_cache=pool.kv_cache(layer.layer_id),
+            kv_cache=kv_cache,
             block_tables=md.swa_page_table if is_swa else md.full_page_table,
             seq_lens=md.seq_lens,
             bmm1_scale=layer.scaling,
             window_left=layer.sliding_window - 1 if layer.sliding_window is not None else -1,
             sinks=layer.sinks,
-            where=f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)",
+            where=where,
         )
         if route == "decode":
             call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=md.q_len_per_req, mask=md.mask)

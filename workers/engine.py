@@ -78,7 +78,7 @@ class Engine:
         self.req_to_token = ReqToTokenPool(max_running_requests, self.context_length, self.device)
         window = self.cfg.max_window
         if window is not None:
-            swa_pages = max(1, int(full_pages * swa_full_tokens_ratio))
+            swa_pages = max(1, round(full_pages * swa_full_tokens_ratio))
             self.allocator: KVAllocator = HybridSWAAllocator(self.req_to_token, full_pages, swa_pages, page_size, window)
         else:
             self.allocator = KVAllocator(self.req_to_token, full_pages, page_size)

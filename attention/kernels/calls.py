@@ -48,6 +48,16 @@ def unpack_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor:
     return ((words[..., j // 32] >> (j % 32)) & 1).bool()
 
 
+def check_write(locs: torch.Tensor, kv_cache: torch.Tensor, where: str) -> None:
+    """KV write slots must lie in the pool the layer writes, outside padding page 0."""
+    num_slots, page = kv_cache.shape[0] * kv_cache.shape[3], kv_cache.shape[3]
+    bad = (locs < page) | (locs >= num_slots)
+    if bool(bad.any()):
+        raise KernelContractError(
+            f"{where}: write slots: {locs[bad][:4].tolist()} outside slots [{page}, {num_slots}) of the pool written"
+        )
+
+
 @dataclasses.dataclass
 class _Common:
     query: torch.Tensor  # [T, H, D]

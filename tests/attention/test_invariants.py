@@ -1,0 +1,243 @@
+"""One regression test per invariant of DESIGN.md §4, each run twice: as built ("fixed") and
+with the upstream mistake put back ("upstream_mistake"), which must make the test's check
+fail. The mistakes are re-created here, in the tests, as the bug reports describe them."""
+
+import pytest
+import torch
+
+from attention import ForwardMode, create_backend
+from attention.kernels import KernelContractError
+from attention.trtllm_mha import ROUTING, TRTLLMMHABackend
+from tests.attention.scenario import Scenario
+from workers.memory import HybridSWAPool
+
+VARIANTS = ["fixed", "upstream_mistake"]
+CPU = torch.device("cpu")
+
+
+def _busy_scenario(headroom: int = 2) -> tuple[Scenario, list[int]]:
+    """SWA pool > 85% occupied, every running request's full slot ids above the SWA pool size.
+
+    With page 4 and window 6, a request of length 4k+1 holds exactly 2 SWA pages; eight of them
+    and the long request that holds the low full pages use 18 SWA pages.
+    """
+    sc = Scenario(page_size=4, window=6, full_pages=160, swa_pages=18 + headroom)
+    sc.push_full_ids_up(60)
+    rows = [sc.add_request(n) for n in (13, 21, 29, 9, 17, 25, 33, 5)]
+    full_pages = sc.r2t.table[rows, 0].long() // 4
+    assert (full_pages > sc.alloc.swa.num_pages).all()
+    if headroom <= 2:
+        assert sc.swa_occupancy() > 0.85
+    return sc, rows
+
+
+def _expect(variant: str, check) -> None:
+    if variant == "fixed":
+        check()
+    else:
+        with pytest.raises((AssertionError, KernelContractError)):
+            check()
+
+
+def _close(outs, refs) -> None:
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+class _AllocatorDecides:
+    """Upstream bug 1: the backend asked the *allocator* whether layers are SWA-translated."""
+
+    def __init__(self, pool, allocator, windows):
+        self._pool, self._alloc, self._windows = pool, allocator, windows
+        self.page_size = pool.page_size
+
+    has_swa = True
+    swa_window = property(lambda self: self._alloc.sliding_window)
+
+    def is_swa_layer(self, layer_id):
+        return self._windows[layer_id] is not None  # "the allocator is a SWA allocator"
+
+    def translate_full_to_swa(self, locs):
+        return self._alloc.full_to_swa[locs.long()]
+
+    def kv_cache(self, layer_id):
+        return self._pool.kv_cache(layer_id)
+
+    def set_kv(self, layer_id, locs, k, v):
+        self._pool.set_kv(layer_id, locs, k, v)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pool_decides_not_allocator(variant, monkeypatch):
+    """A draft with a full-only pool on the target's SWA allocator is never translated."""
+    sc, rows = _busy_scenario()
+    batch = sc.batch(ForwardMode.DECODE, rows, [1] * len(rows))
+    qkv = sc.qkv(len(rows))
+    refs = sc.reference(sc.full_pool, batch, qkv)
+    backend = TRTLLMMHABackend(CPU)
+    if variant == "upstream_mistake":
+        windows = {layer.layer_id: layer.sliding_window for layer in sc.layers}
+        original = TRTLLMMHABackend.init_forward_metadata
+        monkeypatch.setattr(TRTLLMMHABackend, "init_forward_metadata",
+                            lambda self, b, pool: original(self, b, _AllocatorDecides(pool, sc.alloc, windows)))
+    _expect(variant, lambda: _close(sc.run(backend, sc.full_pool, batch, qkv), refs))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_resolve_at_use_after_pool_swap(variant, monkeypatch):
+    """Frozen-KV drafts get the target's pool swapped in per forward; the backend must follow."""
+    sc, rows = _busy_scenario()
+    assert sc.swa_occupancy() > 0.85
+    backend = TRTLLMMHABackend(CPU)
+    if variant == "upstream_mistake":  # upstream bug 2: SWA state resolved once, at construction
+        original = TRTLLMMHABackend.init_forward_metadata
+
+        class _ResolvedOnce:
+            def __init__(self, first, current):
+                self._first, self._current = first, current
+                self.page_size = current.page_size
+
+            has_swa = property(lambda self: self._first.has_swa)
+            swa_window = property(lambda self: self._first.swa_window)
+            is_swa_layer = lambda self, i: self._first.is_swa_layer(i)  # noqa: E731
+            translate_full_to_swa = lambda self, locs: self._first.translate_full_to_swa(locs)  # noqa: E731
+            kv_cache = lambda self, i: self._current.kv_cache(i)  # noqa: E731
+            set_kv = lambda self, i, locs, k, v: self._current.set_kv(i, locs, k, v)  # noqa: E731
+
+        def resolved_once(self, b, pool):
+            first = self.__dict__.setdefault("_pool_at_construction", pool)
+            original(self, b, _ResolvedOnce(first, pool))
+
+        monkeypatch.setattr(TRTLLMMHABackend, "init_forward_metadata", resolved_once)
+
+    def check():
+        # First forward on the draft's own (full-only) pool, then the target's pool swapped in.
+        for pool in (sc.full_pool, sc.hybrid_pool):
+            batch = sc.batch(ForwardMode.DECODE, rows, [1] * len(rows))
+            qkv = sc.qkv(len(rows))
+            refs = sc.reference(pool, batch, qkv)
+            _close(sc.run(backend, pool, batch, qkv), refs)
+
+    _expect(variant, check)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_kernel_only_for_uniform_verify(variant, monkeypatch):
+    """TARGET_VERIFY (uniform) runs the decode kernel; DRAFT_EXTEND_V2 (ragged) the context one."""
+    sc, rows = _busy_scenario(headroom=24)  # verify and draft extend grow every request by up to 8
+    if variant == "upstream_mistake":  # upstream bug 3: draft extend routed to the decode kernel
+        monkeypatch.setitem(ROUTING, ForwardMode.DRAFT_EXTEND_V2, "decode")
+    backend = TRTLLMMHABackend(CPU)
+    used = []
+    for kind in ("decode", "context"):
+        fn = getattr(backend.kernels, kind)
+        monkeypatch.setattr(backend, "kernels", backend.kernels.__class__(
+            **{**backend.kernels.__dict__, kind: (lambda f, k: lambda call, ws: used.append(k) or f(call, ws))(fn, kind)}))
+
+    def check():
+        for mode, q_lens, kernel in [(ForwardMode.TARGET_VERIFY, [4] * 8, "decode"),
+                                     (ForwardMode.DRAFT_EXTEND_V2, [1, 3, 2, 4, 1, 1, 2, 3], "context")]:
+            used.clear()
+            batch = sc.batch(mode, rows, q_lens)
+            qkv = sc.qkv(sum(q_lens))
+            refs = sc.reference(sc.hybrid_pool, batch, qkv)
+            _close(sc.run(backend, sc.hybrid_pool, batch, qkv), refs)
+            assert set(used) == {kernel}, f"{mode.name} ran {used}"
+            for r, q in zip(rows, q_lens):  # accepted tokens stay; nothing else to roll back here
+                sc.alloc.release_window(r, sc.alloc.allocated_len(r))
+
+    _expect(variant, check)
+
+
+def _spy_writes(monkeypatch, pool_cls):
+    writes = []
+    original = pool_cls.set_kv
+
+    def spy(self, layer_id, locs, k, v):
+        writes.append((layer_id, locs))
+        original(self, layer_id, locs, k, v)
+
+    monkeypatch.setattr(pool_cls, "set_kv", spy)
+    return writes
+
+
+@pytest.mark.parametrize("path", ["eager", "graph"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_one_swa_write_location_per_forward(variant, path, monkeypatch):
+    """All SWA-layer writes of a forward use one write index, translated from this batch."""
+    sc, rows = _busy_scenario()
+    backend = TRTLLMMHABackend(CPU)
+    init = backend.init_forward_metadata if path == "eager" else backend.init_forward_metadata_replay
+    if variant == "upstream_mistake":  # upstream bug 4: a per-batch write index left on the pool
+        left_on_pool = {}
+
+        def stale_init(b, pool):
+            init(b, pool)
+            backend._md.swa_out_loc = left_on_pool.setdefault("swa_loc", backend._md.swa_out_loc.clone())
+
+        monkeypatch.setattr(backend, "init_forward_metadata", stale_init)
+    else:
+        monkeypatch.setattr(backend, "init_forward_metadata", init)
+    writes = _spy_writes(monkeypatch, HybridSWAPool)
+
+    def check():
+        for q_lens in ([1] * 8, [1] * 8):
+            writes.clear()
+            batch = sc.batch(ForwardMode.EXTEND, rows, q_lens)
+            expected = sc.alloc.full_to_swa[batch.out_cache_loc]  # fresh from the allocator's map
+            sc.run(backend, sc.hybrid_pool, batch, sc.qkv(sum(q_lens)))
+            swa_writes = [locs for layer_id, locs in writes if sc.hybrid_pool.is_swa_layer(layer_id)]
+            assert len(swa_writes) == 2
+            assert swa_writes[0] is swa_writes[1], "SWA layers of one forward wrote through different indices"
+            assert torch.equal(swa_writes[0], expected), "SWA write index is not this batch's translation"
+            for r in rows:
+                sc.alloc.release_window(r, sc.alloc.allocated_len(r))
+
+    _expect(variant, check)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_graph_replay_sees_fresh_indices(variant, monkeypatch):
+    """Replaying with the same input buffers (same address, new contents) gives fresh indices."""
+    sc, rows = _busy_scenario()
+    if variant == "upstream_mistake":  # upstream bug 5: translation memoised on (data_ptr, numel)
+        memo = {}
+        original = HybridSWAPool.translate_full_to_swa
+
+        def memoised(self, locs):
+            key = (locs.data_ptr(), locs.numel())
+            if key not in memo:
+                memo[key] = original(self, locs)
+            return memo[key]
+
+        monkeypatch.setattr(HybridSWAPool, "translate_full_to_swa", memoised)
+    backend = TRTLLMMHABackend(CPU)
+    static_out_cache_loc = torch.zeros(len(rows), dtype=torch.int64)  # a captured graph's input buffer
+
+    def check():
+        for _ in range(3):
+            batch = sc.batch(ForwardMode.DECODE, rows, [1] * len(rows))
+            static_out_cache_loc.copy_(batch.out_cache_loc)
+            batch.out_cache_loc = static_out_cache_loc
+            qkv = sc.qkv(len(rows))
+            backend.init_forward_metadata_replay(batch, sc.hybrid_pool)
+            md = backend._md
+            assert torch.equal(md.swa_out_loc, sc.alloc.full_to_swa[static_out_cache_loc]), "stale SWA write slots"
+            outs = [backend.forward(layer, *qkv) for layer in sc.layers]
+            refs = sc.reference(sc.hybrid_pool, batch, qkv)
+            _close(outs, refs)
+            for r in rows:
+                sc.alloc.release_window(r, sc.alloc.allocated_len(r))
+
+    _expect(variant, check)
+
+
+def test_torch_native_backend_is_also_pool_driven():
+    """The oracle itself must obey invariant 1, or it could not catch the mistake."""
+    sc, rows = _busy_scenario()
+    batch = sc.batch(ForwardMode.DECODE, rows, [1] * len(rows))
+    q, k, v = sc.qkv(len(rows))
+    native = create_backend("torch_native", CPU)
+    native.init_forward_metadata(batch, sc.full_pool)
+    out = native.forward(sc.layers[0], q, k, v)
+    assert torch.isfinite(out).all()
