@@ -124,9 +124,13 @@ def test_requests_wait_when_kv_is_short(gemma3_dir):
 
 
 def test_request_larger_than_pool_is_rejected(gemma3_dir):
-    eng = Engine(model=gemma3_dir, page_size=4, max_total_tokens=64)
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        eng.generate(prompt_token_ids=[[1] * 40], sampling=SamplingParams(max_new_tokens=100))
+    # Without chunking a 40-token prompt needs its whole prefill in the SWA pool (13 pages of 4).
+    eng = Engine(model=gemma3_dir, page_size=4, max_total_tokens=256, swa_full_tokens_ratio=0.1, chunked_prefill_size=None)
+    with pytest.raises(ValueError, match="prompt_token_ids.*SWA"):
+        eng.generate(prompt_token_ids=[[1] * 40], sampling=SamplingParams(max_new_tokens=10))
+    eng.check_no_leak()
+    (out,) = eng.generate(prompt_token_ids=[[1] * 12], sampling=SamplingParams(max_new_tokens=10))
+    assert len(out.token_ids) <= 10
     eng.check_no_leak()
 
 
