@@ -36,6 +36,7 @@ ROUTING: dict[ForwardMode, str | None] = {
 }
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+MAX_VERIFY_TOKENS = 17  # num_steps (at most 16) + 1 query tokens per request
 
 
 @dataclasses.dataclass
@@ -70,6 +71,7 @@ class TRTLLMMHABackend(AttentionBackend):
         )
         self._md: ForwardMetadata | None = None
         self._static: dict[str, torch.Tensor] = {}
+        self._static_max_pages = 0
 
     # -- start-up ----------------------------------------------------------------------------
     def prepare(self, layers: list[AttentionLayer], page_size: int) -> None:
@@ -88,24 +90,43 @@ class TRTLLMMHABackend(AttentionBackend):
     def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
         self._md = self._build_metadata(batch, pool)
 
-    def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool) -> None:
-        """Graph replay: the same metadata, written in place into static buffers whose addresses
-        a captured graph holds. Contents are recomputed from this batch every time."""
-        md = self._build_metadata(batch, pool)
-        for f in dataclasses.fields(md):
-            value = getattr(md, f.name)
-            if isinstance(value, torch.Tensor) and f.name != "out_cache_loc":
-                setattr(md, f.name, self._into_static(f.name, value))
-        self._md = md
+    def init_graph_buffers(self, max_batch_size: int, max_tokens: int, max_pages_per_req: int) -> None:
+        """Static metadata buffers for CUDA-graph capture: fixed addresses and shapes, so a
+        graph captured for a batch size replays against whatever this forward writes there."""
+        dev, i32 = self.device, torch.int32
+        self._static = {
+            "seq_lens": torch.zeros(max_batch_size, dtype=i32, device=dev),
+            "cu_seq_lens_q": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
+            "cu_seq_lens_kv": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
+            "full_page_table": torch.zeros(max_batch_size, max_pages_per_req, dtype=i32, device=dev),
+            "swa_page_table": torch.zeros(max_batch_size, max_pages_per_req, dtype=i32, device=dev),
+            "swa_out_loc": torch.zeros(max_tokens, dtype=torch.int64, device=dev),
+            "mask": torch.zeros(max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), dtype=torch.uint16, device=dev),
+        }
+        self._static_max_pages = max_pages_per_req
 
-    def _into_static(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        buf = self._static.get(name)
-        if buf is None or buf.numel() < value.numel() or buf.dtype != value.dtype:
-            buf = torch.zeros(max(value.numel(), 1), dtype=value.dtype, device=value.device)
-            self._static[name] = buf
-        view = buf[: value.numel()].view(value.shape)
-        view.copy_(value)
-        return view
+    def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool) -> None:
+        """Graph replay: this forward's metadata, recomputed from the batch and written in place
+        into the static buffers (page tables zero-padded to their full width)."""
+        if not self._static:
+            raise RuntimeError("trtllm_mha: init_graph_buffers() before graph replay")
+        md = self._build_metadata(batch, pool)
+        b = batch.batch_size
+        for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv", "swa_out_loc", "mask"):
+            value = getattr(md, name)
+            if value is not None:
+                buf = self._static[name].view(-1)[: value.numel()].view(value.shape)
+                buf.copy_(value)
+                setattr(md, name, buf)
+        for name in ("full_page_table", "swa_page_table"):
+            value = getattr(md, name)
+            if value is not None:
+                buf = self._static[name][:b]
+                buf.zero_()
+                buf[:, : value.shape[1]].copy_(value)
+                setattr(md, name, buf)
+        md.max_seq_len = self._static_max_pages * pool.page_size
+        self._md = md
 
     def _build_metadata(self, batch: AttentionBatch, pool: KVPool) -> ForwardMetadata:
         mode = batch.forward_mode

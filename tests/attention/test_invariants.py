@@ -167,6 +167,7 @@ def test_one_swa_write_location_per_forward(variant, path, monkeypatch):
     """All SWA-layer writes of a forward use one write index, translated from this batch."""
     sc, rows = _busy_scenario()
     backend = TRTLLMMHABackend(CPU)
+    backend.init_graph_buffers(max_batch_size=16, max_tokens=64, max_pages_per_req=32)
     init = backend.init_forward_metadata if path == "eager" else backend.init_forward_metadata_replay
     if variant == "upstream_mistake":  # upstream bug 4: a per-batch write index left on the pool
         left_on_pool = {}
@@ -212,7 +213,9 @@ def test_graph_replay_sees_fresh_indices(variant, monkeypatch):
 
         monkeypatch.setattr(HybridSWAPool, "translate_full_to_swa", memoised)
     backend = TRTLLMMHABackend(CPU)
+    backend.init_graph_buffers(max_batch_size=16, max_tokens=64, max_pages_per_req=32)
     static_out_cache_loc = torch.zeros(len(rows), dtype=torch.int64)  # a captured graph's input buffer
+    addresses = set()
 
     def check():
         for _ in range(3):
@@ -222,6 +225,8 @@ def test_graph_replay_sees_fresh_indices(variant, monkeypatch):
             qkv = sc.qkv(len(rows))
             backend.init_forward_metadata_replay(batch, sc.hybrid_pool)
             md = backend._md
+            addresses.add((md.swa_out_loc.data_ptr(), md.swa_page_table.data_ptr(), md.seq_lens.data_ptr()))
+            assert len(addresses) == 1, "graph metadata moved: a captured graph would read stale buffers"
             assert torch.equal(md.swa_out_loc, sc.alloc.full_to_swa[static_out_cache_loc]), "stale SWA write slots"
             outs = [backend.forward(layer, *qkv) for layer in sc.layers]
             refs = sc.reference(sc.hybrid_pool, batch, qkv)

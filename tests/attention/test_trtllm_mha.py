@@ -13,6 +13,7 @@ from attention.kernels.calls import unpack_mask
 from attention.kernels.reference import context as reference_context
 from attention.kernels.reference import decode as reference_decode
 from attention.trtllm_mha import ROUTING, TRTLLMMHABackend
+from tests.attention.paged import random_paged_kv
 from tests.attention.scenario import Scenario
 from tests.hf_models import TINY_MODELS, WINDOW, make_tiny_model
 from workers.engine import Engine, SamplingParams
@@ -105,24 +106,7 @@ def _dense(q, k, v, q_pos, scale, window_left, softcap=None, sinks=None):
 
 
 def _paged(kv_lens, page=4, hkv=2, d=8, seed=0):
-    """Random dense K/V per request, scattered over shuffled pages of one paged buffer."""
-    g = torch.Generator().manual_seed(seed)
-    n_pages = sum(-(-n // page) for n in kv_lens)
-    order = torch.randperm(n_pages, generator=g) + 1
-    cache = torch.zeros(n_pages + 1, 2, hkv, page, d)
-    tables = torch.zeros(len(kv_lens), max(-(-n // page) for n in kv_lens), dtype=torch.int32)
-    dense, used = [], 0
-    for b, n in enumerate(kv_lens):
-        k, v = torch.randn(n, hkv, d, generator=g), torch.randn(n, hkv, d, generator=g)
-        for j in range(-(-n // page)):
-            pg = int(order[used])
-            used += 1
-            tables[b, j] = pg
-            rows = slice(j * page, min(n, (j + 1) * page))
-            cache[pg, 0, :, : rows.stop - rows.start] = k[rows].transpose(0, 1)
-            cache[pg, 1, :, : rows.stop - rows.start] = v[rows].transpose(0, 1)
-        dense.append((k, v))
-    return cache, tables, dense
+    return random_paged_kv(kv_lens, page, hkv, d, seed=seed)
 
 
 @pytest.mark.parametrize("q_len, window_left, sinks", [(1, -1, False), (1, 5, True), (4, -1, False), (5, 6, False), (3, 2, True)])
