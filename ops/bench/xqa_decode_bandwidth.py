@@ -1,0 +1,92 @@
+"""XQA batch-decode bandwidth against a device-to-device copy, measured in the same run.
+
+Bytes counted for decode: every K and V element of every request read once (queries, outputs
+and page tables are < 0.1% and left out). Bytes counted for the copy: read plus written.
+Prints one JSON line per configuration and a table; `--out FILE` also writes the JSON lines.
+
+    python -m ops.bench.xqa_decode_bandwidth --batch 64 --kv-len 4096 --kv-heads 8 --head-dim 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from attention.kernels import DecodeCall, flashinfer_hopper
+from attention.trtllm_mha import WORKSPACE_BYTES
+
+
+def _time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def decode_bandwidth(batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int, page: int, window_left: int) -> dict:
+    pages_per_req = -(-kv_len // page)
+    num_pages = batch * pages_per_req
+    cache = torch.randn(num_pages + 1, 2, kv_heads, page, head_dim, dtype=torch.bfloat16, device="cuda")
+    tables = (torch.randperm(num_pages, device="cuda") + 1).to(torch.int32).view(batch, pages_per_req)
+    call = DecodeCall(
+        query=torch.randn(batch, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"),
+        kv_cache=cache, block_tables=tables, seq_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"),
+        bmm1_scale=head_dim**-0.5, window_left=window_left, sinks=None, where="bench", max_seq_len=kv_len)
+    call.check()
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    ms = _time_ms(lambda: flashinfer_hopper.decode(call, workspace))
+    visible = kv_len if window_left < 0 else min(kv_len, window_left + 1)
+    kv_bytes = batch * visible * kv_heads * head_dim * 2 * cache.element_size()
+    copy = copy_bandwidth(kv_bytes)
+    return {
+        "batch": batch, "kv_len": kv_len, "kv_heads": kv_heads, "head_dim": head_dim, "group": group, "page": page,
+        "window_left": window_left, "decode_ms": round(ms, 4), "decode_GBps": round(kv_bytes / ms / 1e6, 1),
+        "copy_GBps": round(copy, 1), "fraction_of_copy": round(kv_bytes / ms / 1e6 / copy, 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[64])
+    p.add_argument("--kv-len", type=int, nargs="+", default=[4096])
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--page", type=int, nargs="+", default=[64])
+    p.add_argument("--window-left", type=int, default=-1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = [decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left)
+            for b in args.batch for n in args.kv_len for pg in args.page]
+    lines = [json.dumps({"device": torch.cuda.get_device_name(), **r}) for r in rows]
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"{'batch':>5} {'kv_len':>6} {'page':>4} {'ms':>8} {'decode GB/s':>11} {'copy GB/s':>9} {'frac':>5}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['decode_ms']:>8.3f} {r['decode_GBps']:>11.0f} "
+              f"{r['copy_GBps']:>9.0f} {r['fraction_of_copy']:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Hopper kernels (XQA decode/verify, FMHA-v2 context) against the float32 reference kernels,
+bf16, on the device machine. Relative error ||out - ref|| / ||ref|| <= 1e-2.
+
+Every pair of (page size, head dim, GQA ratio) values is covered by a Latin square; each row
+runs decode and one verify length (2..8), with and without a 127-token window.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from attention.kernels import ContextCall, DecodeCall, chain_mask, flashinfer_hopper, reference
+from attention.trtllm_mha import WORKSPACE_BYTES
+from tests.attention.paged import random_paged_kv
+
+pytestmark = pytest.mark.gpu
+
+# (page size, head dim, query heads per KV head)
+COMBOS = [(16, 64, 1), (16, 128, 4), (16, 256, 8), (32, 64, 4), (32, 128, 8), (32, 256, 1),
+          (64, 64, 8), (64, 128, 1), (64, 256, 4)]
+VERIFY_Q = [2, 3, 4, 5, 6, 7, 8, 3, 5]
+KV_HEADS = 2
+KV_LENS = [300, 1000, 131, 517]
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU")
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _as_float32(call):
+    return dataclasses.replace(call, query=call.query.float(), kv_cache=call.kv_cache.float())
+
+
+@pytest.mark.parametrize("window_left", [-1, 127])
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("combo", range(len(COMBOS)))
+def test_xqa_decode_and_verify(workspace, combo, verify, window_left):
+    page, head_dim, group = COMBOS[combo]
+    q_len = VERIFY_Q[combo] if verify else 1
+    heads = KV_HEADS * group
+    cache, tables, _ = random_paged_kv(KV_LENS, page, KV_HEADS, head_dim, torch.bfloat16, "cuda", seed=combo)
+    g = torch.Generator(device="cuda").manual_seed(combo)
+    sinks = torch.randn(heads, device="cuda", generator=g) if combo % 3 == 0 else None
+    call = DecodeCall(
+        query=torch.randn(len(KV_LENS) * q_len, heads, head_dim, device="cuda", generator=g).bfloat16(),
+        kv_cache=cache, block_tables=tables, seq_lens=torch.tensor(KV_LENS, dtype=torch.int32, device="cuda"),
+        bmm1_scale=head_dim**-0.5, window_left=window_left, sinks=sinks, where="TARGET_VERIFY test",
+        max_seq_len=max(KV_LENS), q_len_per_req=q_len,
+        mask=chain_mask(len(KV_LENS), q_len, torch.device("cuda")) if q_len > 1 else None)
+    call.check()
+    out = flashinfer_hopper.decode(call, workspace)
+    err = _rel_err(out, reference.decode(_as_float32(call)))
+    print(f"xqa page={page} d={head_dim} group={group} q_len={q_len} window={window_left} sinks={sinks is not None}: {err:.2e}")
+    assert err <= 1e-2
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("window_left", [-1, 127])
+@pytest.mark.parametrize("combo", range(len(COMBOS)))
+def test_fmha_v2_context_with_cached_prefix(workspace, combo, window_left, softcap):
+    page, head_dim, group = COMBOS[combo]
+    heads = KV_HEADS * group
+    q_lens = [300, 17, 1, 64]  # a whole prompt, then chunks over cached prefixes
+    cache, tables, _ = random_paged_kv(KV_LENS, page, KV_HEADS, head_dim, torch.bfloat16, "cuda", seed=combo)
+    g = torch.Generator(device="cuda").manual_seed(100 + combo)
+    sinks = torch.randn(heads, device="cuda", generator=g) if combo % 3 == 1 else None
+    cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device="cuda")  # noqa: E731
+    call = ContextCall(
+        query=torch.randn(sum(q_lens), heads, head_dim, device="cuda", generator=g).bfloat16(),
+        kv_cache=cache, block_tables=tables, seq_lens=torch.tensor(KV_LENS, dtype=torch.int32, device="cuda"),
+        bmm1_scale=head_dim**-0.5, window_left=window_left, sinks=sinks, where="EXTEND test",
+        cum_seq_lens_q=cu(q_lens), cum_seq_lens_kv=cu(KV_LENS), max_q_len=max(q_lens), max_kv_len=max(KV_LENS),
+        logits_soft_cap=softcap)
+    call.check()
+    out = flashinfer_hopper.context(call, workspace)
+    err = _rel_err(out, reference.context(_as_float32(call)))
+    print(f"fmha_v2 page={page} d={head_dim} group={group} window={window_left} softcap={softcap} sinks={sinks is not None}: {err:.2e}")
+    assert err <= 1e-2
