@@ -28,3 +28,7 @@ class AttentionBatch(Protocol):
     out_cache_loc: torch.Tensor  # [T] int64, full-pool slot each new token's KV is written to
     req_pool_indices: torch.Tensor  # [B] int64, row of each request in req_to_token
     req_to_token: torch.Tensor  # [R, C] int32, full-pool slot of every token of every request
+    # Read-only queries that sit this many positions past the end of their request's KV
+    # (frozen-KV draft steps: the drafts themselves have no KV). 0 for every other forward:
+    # then each request's queries are the last q_len positions of its KV.
+    query_offset: int

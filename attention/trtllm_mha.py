@@ -55,6 +55,7 @@ class ForwardMetadata:
     swa_page_table: torch.Tensor | None  # [B, M] int32, full pages translated through full_to_swa
     swa_out_loc: torch.Tensor | None  # [T] SWA-pool write slots, translated once
     mask: torch.Tensor | None  # packed chain mask for verify on kernels that need it
+    query_offset: int  # read-only queries this far past the KV end (frozen-KV drafts)
 
 
 class TRTLLMMHABackend(AttentionBackend):
@@ -135,6 +136,9 @@ class TRTLLMMHABackend(AttentionBackend):
         q_len_per_req = q_lens[0] if q_lens and len(set(q_lens)) == 1 else 0
         if kernel == "decode" and not q_len_per_req:
             raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
+        if batch.query_offset and (kernel != "decode" or q_len_per_req != 1):
+            raise KernelContractError(f"{mode.name}: queries past the KV end (offset {batch.query_offset}) must be "
+                                      f"single decode queries, got query lengths {q_lens}")
         device = batch.positions.device
         p = pool.page_size
         max_seq_len = max(seq_lens, default=0)
@@ -169,7 +173,21 @@ class TRTLLMMHABackend(AttentionBackend):
             swa_page_table=swa_pages,
             swa_out_loc=swa_out,
             mask=mask,
+            query_offset=batch.query_offset,
         )
+
+    @staticmethod
+    def _window_left(md: ForwardMetadata, layer: AttentionLayer) -> int:
+        """Keys left of the kernel's query position that stay visible. The kernels place each
+        query at the last KV position; a query `query_offset` positions further on sees that
+        many fewer keys of its window."""
+        if layer.sliding_window is None:
+            return -1
+        window_left = layer.sliding_window - 1 - md.query_offset
+        if window_left < 0:
+            raise KernelContractError(f"{md.mode.name} layer {layer.layer_id}: queries {md.query_offset} positions past "
+                                      f"the KV end see nothing of a {layer.sliding_window}-token window")
+        return window_left
 
     def _route(self, md: ForwardMetadata, layer: AttentionLayer) -> str:
         """The routed kernel, unless this layer needs a feature the decode kernel lacks."""
@@ -195,6 +213,7 @@ class TRTLLMMHABackend(AttentionBackend):
         if is_swa and layer.sliding_window is None:
             raise KernelContractError(f"{md.mode.name} layer {layer.layer_id}: no sliding window but its KV is in the SWA pool")
         route = self._route(md, layer)
+        window_left = self._window_left(md, layer)
         where = f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)"
         kv_cache = pool.kv_cache(layer.layer_id)
         if k is not None:
@@ -213,7 +232,7 @@ class TRTLLMMHABackend(AttentionBackend):
             block_tables=md.swa_page_table if is_swa else md.full_page_table,
             seq_lens=md.seq_lens,
             bmm1_scale=layer.scaling,
-            window_left=layer.sliding_window - 1 if layer.sliding_window is not None else -1,
+            window_left=window_left,
             sinks=layer.sinks,
             where=where,
         )

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from attention import ForwardMode
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
@@ -83,9 +84,10 @@ class Engine:
         else:
             self.allocator = KVAllocator(self.req_to_token, full_pages, page_size)
         backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
-        self.runner = ModelRunner(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format,
-                                  seed=seed, debug_kv_checks=debug_kv_checks)
+        self.runner = ModelRunner.load(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format,
+                                       seed=seed, debug_kv_checks=debug_kv_checks)
         self.scheduler = Scheduler(self.allocator, self.req_to_token, chunked_prefill_size, max_running_requests, self.cfg.eos_token_ids)
+        self.spec = None
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -134,16 +136,24 @@ class Engine:
 
     def step(self) -> list[tuple[str, list[int], bool]]:
         """Run one scheduler step; returns (request id, new token ids, finished) per request."""
-        batch = self.scheduler.schedule()
-        if batch is None:
+        sb = self.scheduler.schedule()
+        if sb is None:
             return []
-        out = self.runner.forward(batch.forward_batch)
-        sampled = [r for r, s in zip(batch.reqs, batch.samples) if s]
-        tokens = sample(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
-        for req, logits in zip(sampled, out.logits):
-            if req.sampling.return_logits:
-                req.logits.append(logits.cpu())
-        return [(req.rid, new, req.finished) for req, new in self.scheduler.process(batch, tokens)]
+        if sb.mode is ForwardMode.DECODE and self.spec is not None:
+            events = self.spec.decode_round(sb.reqs)
+        else:
+            batch = self.scheduler.build(sb)
+            out = self.runner.forward(batch)
+            sampled = [r for r, s in zip(sb.reqs, sb.samples) if s]
+            tokens = sample(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
+            for req, logits in zip(sampled, out.logits):
+                if req.sampling.return_logits:
+                    req.logits.append(logits.cpu())
+            events = self.scheduler.process(sb, tokens)
+            if self.spec is not None:
+                self.spec.after_extend(sb, out.hidden)
+        self.scheduler.release_windows(sb.reqs)
+        return [(req.rid, new, req.finished) for req, new in events]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work

@@ -27,6 +27,8 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor  # [B] int64
     req_to_token: torch.Tensor  # [R, C] int32
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
+    query_offset: int = 0  # see attention.AttentionBatch
+    spec_hidden: torch.Tensor | None = None  # [T, *] hidden states a draft head reads per token
     attn_backend: Any = None  # set by the model runner for this forward
 
     @classmethod
@@ -39,13 +41,16 @@ class ForwardBatch:
         out_cache_loc: torch.Tensor,
         req_to_token: torch.Tensor,
         logits_rows: Sequence[int],
+        query_offset: int = 0,
+        spec_hidden: torch.Tensor | None = None,
     ) -> "ForwardBatch":
-        """`input_ids[i]` are request i's new tokens, at positions `prefix_lens[i]` onwards;
-        `logits_rows` lists (flattened) token rows whose logits the caller needs."""
+        """`input_ids[i]` are request i's new tokens, at positions `prefix_lens[i]` onwards
+        (shifted by `query_offset` for read-only queries past the KV); `logits_rows` lists
+        (flattened) token rows whose logits the caller needs."""
         device = req_to_token.device
         q_lens = [len(ids) for ids in input_ids]
         seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
-        positions = [pos for p, q in zip(prefix_lens, q_lens) for pos in range(p, p + q)]
+        positions = [pos + query_offset for p, q in zip(prefix_lens, q_lens) for pos in range(p, p + q)]
         flat_ids = [t for ids in input_ids for t in ids]
 
         def tensor(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -64,4 +69,6 @@ class ForwardBatch:
             req_pool_indices=tensor(list(rows), torch.int64),
             req_to_token=req_to_token,
             logits_indices=tensor(list(logits_rows), torch.int64),
+            query_offset=query_offset,
+            spec_hidden=spec_hidden,
         )

@@ -3,25 +3,49 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from attention import create_backend
+from attention import AttentionLayer, KVPool, create_backend
 from workers.distributed import SINGLE_RANK, TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.memory import KVAllocator, build_pool
 from workers.models import ModelConfig, build_model
 
 
+class RunnableModel(Protocol):
+    """What a model runner drives: targets (`CausalLM`) and draft heads alike."""
+
+    attention_layers: list[AttentionLayer]
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclasses.dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [len(logits_indices), vocab] float32
-    hidden: torch.Tensor  # [T, hidden], final-norm hidden states of every token
+    hidden: torch.Tensor  # [T, *], the hidden states this model hands on (to a draft model)
 
 
 class ModelRunner:
-    def __init__(
-        self,
+    """A model, the KV pool its layers read and write (None when a pool is handed to every
+    forward: frozen-KV drafts read the target's), and its own attention backend."""
+
+    def __init__(self, model: nn.Module, pool: KVPool | None, attention_backend: str, device: torch.device,
+                 page_size: int, debug_kv_checks: bool = False) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.backend = create_backend(attention_backend, device, debug_kv_checks=debug_kv_checks)
+        self.backend.prepare(model.attention_layers, page_size)
+
+    @classmethod
+    def load(
+        cls,
         cfg: ModelConfig,
         model_dir: str | None,
         allocator: KVAllocator,
@@ -33,20 +57,22 @@ class ModelRunner:
         use_swa_pool: bool = True,
         seed: int = 0,
         debug_kv_checks: bool = False,
-    ) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.model = build_model(cfg, model_dir, load_format, dtype, device, tp, seed)
-        attn = self.model.model.layers[0].self_attn.attn
+    ) -> "ModelRunner":
+        """A Hugging Face causal LM with its own pool on a (possibly shared) allocator."""
+        model = build_model(cfg, model_dir, load_format, dtype, device, tp, seed)
+        attn = model.attention_layers[0]
         # The pool is chosen from this model's own layers; the allocator may be shared with
         # another model (DESIGN.md §4, invariant 1).
-        self.pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
-        self.backend = create_backend(attention_backend, device, debug_kv_checks=debug_kv_checks)
-        self.backend.prepare([layer.self_attn.attn for layer in self.model.model.layers], allocator.page_size)
+        pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
+        return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, pool: KVPool | None = None) -> ForwardOutput:
+        """One forward through `pool`, or this runner's own pool when none is given."""
+        pool = pool if pool is not None else self.pool
+        if pool is None:
+            raise RuntimeError("model runner: this model owns no KV pool; pass the pool it reads")
         batch.attn_backend = self.backend
-        self.backend.init_forward_metadata(batch, self.pool)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        return ForwardOutput(self.model.compute_logits(hidden[batch.logits_indices]), hidden)
+        self.backend.init_forward_metadata(batch, pool)
+        hidden, handed_on = self.model(batch)
+        return ForwardOutput(self.model.compute_logits(hidden[batch.logits_indices]), handed_on)

@@ -1,10 +1,14 @@
 """Continuous batching with chunked prefill and KV admission control.
 
 Each step is either an EXTEND batch (prefill chunks of requests still reading their prompt,
-at most `chunked_prefill_size` tokens in all) or a DECODE batch (one token for every running
-request). A request is admitted only when the worst case it can need — full slots for its whole
-length and SWA slots for a window plus one forward — fits beside the worst cases of the
-running ones, so a running request never meets a full pool: requests wait instead.
+at most `chunked_prefill_size` tokens in all) or a DECODE batch (every running request: one
+token, or one speculative round). A request is admitted only when the worst case it can need —
+full slots for its whole length plus the speculative lookahead, SWA slots for a window plus one
+forward — fits beside the worst cases of the running ones, so a running request never meets a
+full pool: requests wait instead.
+
+SWA slots are given back (`release_windows`) only after the last forward of a step that may
+read them: a draft model catching up after the target still reads the window behind its tokens.
 """
 
 from __future__ import annotations
@@ -21,14 +25,12 @@ from workers.memory.allocator import cdiv
 from workers.request import FinishReason, Request
 
 
-
 @dataclasses.dataclass
 class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Request]
-    q_lens: list[int]
+    q_lens: list[int]  # new tokens per request (DECODE: 1; a speculative round takes more)
     samples: list[bool]  # whether request i gets a new token from this forward
-    forward_batch: ForwardBatch
 
 
 @dataclasses.dataclass
@@ -45,8 +47,12 @@ class Scheduler:
         chunked_prefill_size: int | None,
         max_running_requests: int,
         eos_token_ids: tuple[int, ...],
+        lookahead: int = 0,
     ) -> None:
+        """`lookahead`: positions a decode step may hold past the next token (a speculative
+        round holds num_steps + 1 more)."""
         self.allocator = allocator
+        self.lookahead = lookahead
         self.req_to_token = req_to_token
         self.chunk = chunked_prefill_size
         self.max_running = max_running_requests
@@ -60,10 +66,12 @@ class Scheduler:
     def kv_need(self, req: Request) -> KVBudget:
         """Worst-case pages a request can hold at once."""
         p = self.allocator.page_size
-        full = cdiv(req.max_len, p)
+        full = cdiv(req.max_len + self.lookahead, p)
         if not self.allocator.is_hybrid:
             return KVBudget(full, 0)
-        per_forward = max(1, min(self.chunk or len(req.prompt_ids), len(req.prompt_ids)))
+        prompt = len(req.prompt_ids)
+        chunk = max(1, min(self.chunk or prompt, prompt)) + (1 if self.lookahead else 0)
+        per_forward = max(chunk, self.lookahead + 1)
         window = self.allocator.sliding_window
         return KVBudget(full, min(full, cdiv(window - 1 + per_forward, p) + 1))
 
@@ -117,41 +125,60 @@ class Scheduler:
             chosen.append(req)
             q_lens.append(n)
             samples.append(req.kv_len + n == len(req.prompt_ids))
-        return self._build(ForwardMode.EXTEND, chosen, q_lens, samples)
+        return ScheduledBatch(ForwardMode.EXTEND, chosen, q_lens, samples)
 
     def _decode_batch(self, reqs: list[Request]) -> ScheduledBatch:
-        return self._build(ForwardMode.DECODE, list(reqs), [1] * len(reqs), [True] * len(reqs))
+        return ScheduledBatch(ForwardMode.DECODE, list(reqs), [1] * len(reqs), [True] * len(reqs))
 
-    def _build(self, mode: ForwardMode, reqs: list[Request], q_lens: list[int], samples: list[bool]) -> ScheduledBatch:
-        locs = [self.allocator.extend(r.row, n) for r, n in zip(reqs, q_lens)]
-        ends = [sum(q_lens[: i + 1]) - 1 for i in range(len(reqs))]
-        batch = ForwardBatch.build(
-            mode,
-            rows=[r.row for r in reqs],
-            prefix_lens=[r.kv_len for r in reqs],
-            input_ids=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(reqs, q_lens)],
-            out_cache_loc=_cat(locs),
+    def build(self, sb: ScheduledBatch) -> ForwardBatch:
+        """Give the batch's new tokens KV slots and lay out its forward."""
+        ends = [sum(sb.q_lens[: i + 1]) - 1 for i in range(len(sb.reqs))]
+        return ForwardBatch.build(
+            sb.mode,
+            rows=[r.row for r in sb.reqs],
+            prefix_lens=[r.kv_len for r in sb.reqs],
+            input_ids=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(sb.reqs, sb.q_lens)],
+            out_cache_loc=_cat([self.slots(r, r.kv_len, r.kv_len + n) for r, n in zip(sb.reqs, sb.q_lens)]),
             req_to_token=self.req_to_token.table,
-            logits_rows=[end for end, s in zip(ends, samples) if s],
+            logits_rows=[end for end, s in zip(ends, sb.samples) if s],
         )
-        return ScheduledBatch(mode, reqs, q_lens, samples, batch)
+
+    def slots(self, req: Request, start: int, end: int) -> torch.Tensor:
+        """Full-pool slots of positions [start, end) of a request, allocating any not held yet."""
+        held = self.allocator.allocated_len(req.row)
+        if end > held:
+            self.allocator.extend(req.row, end - held)
+        return self.req_to_token.table[req.row, start:end].long()
 
     def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[tuple[Request, list[int]]]:
         """Commit a forward's KV and sampled tokens; returns (request, new tokens) pairs."""
         events = []
         sampled = iter(tokens)
         for req, n, samples in zip(batch.reqs, batch.q_lens, batch.samples):
-            req.kv_len += n
-            self.allocator.release_window(req.row, req.kv_len)
-            if not samples:
-                continue
-            token = next(sampled)
+            new = self.commit(req, [next(sampled)] if samples else [], req.kv_len + n)
+            if new:
+                events.append((req, new))
+        return events
+
+    def commit(self, req: Request, tokens: list[int], kv_len: int) -> list[int]:
+        """Record that the target's KV covers `kv_len` positions and append `tokens` up to the
+        first that finishes the request (which then gives back everything it holds)."""
+        req.kv_len = kv_len
+        emitted = []
+        for token in tokens:
             req.output_ids.append(token)
-            events.append((req, [token]))
+            emitted.append(token)
             reason = self._finish_reason(req, token)
             if reason is not None:
                 self.finish(req, reason)
-        return events
+                break
+        return emitted
+
+    def release_windows(self, reqs: list[Request]) -> None:
+        """Give back the SWA slots that no later query of these requests can see."""
+        for req in reqs:
+            if not req.finished:
+                self.allocator.release_window(req.row, req.kv_len)
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling

@@ -138,8 +138,9 @@ def _generation_config(model_dir: str | None) -> Any:
     return GenerationConfig.from_pretrained(model_dir)
 
 
-def model_config_from_hf(hf: PretrainedConfig, model_dir: str | None = None) -> ModelConfig:
-    archs = getattr(hf, "architectures", None) or []
+def model_config_from_hf(hf: PretrainedConfig, model_dir: str | None = None, architecture: str | None = None) -> ModelConfig:
+    """`architecture` overrides the config's own (draft heads are built from Llama layers)."""
+    archs = [architecture] if architecture else (getattr(hf, "architectures", None) or [])
     known = [a for a in archs if a in ARCHITECTURES]
     if not known:
         raise ValueError(f"architectures: unsupported {archs or '(none)'}; supported: {sorted(ARCHITECTURES)}")

@@ -39,18 +39,33 @@ STACKED_PARAMS = (
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+    """Attention of decoder layer `layer_id` of `cfg`.
+
+    `input_size` overrides the width fed to the q/k/v projection (EAGLE-3 feeds 2 x hidden).
+    With `reads_kv_only` the layer has only a query projection and attends KV that layer
+    `layer_id` of another model (the target) wrote: frozen-KV draft layers.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, input_size: int | None = None,
+                 reads_kv_only: bool = False) -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp)
+        input_size = input_size or cfg.hidden_size
+        num_heads, num_kv_heads = QKVParallelLinear.local_heads(cfg.num_heads, cfg.num_kv_heads, tp)
+        if reads_kv_only:
+            self.qkv_proj = None
+            self.q_proj = ColumnParallelLinear(input_size, [cfg.num_heads * cfg.head_dim], cfg.qkv_bias, tp)
+        else:
+            self.qkv_proj = QKVParallelLinear(input_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
+            if not reads_kv_only:
+                self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
         self.rope_key = cfg.layers[layer_id].rope_key
         self.attn = AttentionLayer(
             layer_id=layer_id,
-            num_heads=self.qkv_proj.num_heads,
-            num_kv_heads=self.qkv_proj.num_kv_heads,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=cfg.head_dim,
             scaling=cfg.scaling,
             sliding_window=cfg.layers[layer_id].sliding_window,
@@ -58,13 +73,19 @@ class SelfAttention(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         a = self.attn
+        cos, sin = rope[self.rope_key]
+        if self.qkv_proj is None:
+            q = self.q_proj(hidden).reshape(-1, a.num_heads, a.head_dim)
+            if hasattr(self, "q_norm"):
+                q = self.q_norm(q)
+            q = apply_rope(q, cos, sin)
+            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope[self.rope_key]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
         return self.o_proj(out)
@@ -83,13 +104,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+    """A pre-norm decoder layer (Gemma: sandwich norms). `input_norm=False` drops the norm
+    before attention (EAGLE-1's first layer)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False,
+                 input_norm: bool = True) -> None:
         super().__init__()
         gemma = cfg.arch.gemma
         self.gemma = gemma
-        self.self_attn = SelfAttention(cfg, layer_id, tp)
+        self.self_attn = SelfAttention(cfg, layer_id, tp, reads_kv_only=reads_kv_only)
         self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if input_norm else nn.Identity()
         # Llama: the norm before the MLP. Gemma: the norm after attention (sandwich).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
         if gemma:
@@ -105,6 +130,20 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class RotaryTables(nn.Module):
+    """cos/sin tables of every RoPE variant of a config, per forward."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        for key, rope in cfg.rope.items():
+            self.register_buffer(f"inv_freq_{key}", rope.inv_freq.to(torch.get_default_device()), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {key: rope_cos_sin(positions, getattr(self, f"inv_freq_{key}"), r.attention_scaling, dtype)
+                for key, r in self.cfg.rope.items()}
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
@@ -112,8 +151,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.gemma)
-        for key, rope in cfg.rope.items():
-            self.register_buffer(f"inv_freq_{key}", rope.inv_freq.to(torch.get_default_device()), persistent=False)
+        self.rotary = RotaryTables(cfg)
+        # Layers whose outputs (residual stream) are returned too: EAGLE-3 drafts read them.
+        self.capture_layers: tuple[int, ...] = ()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -121,15 +161,16 @@ class DecoderModel(nn.Module):
             hidden = hidden * torch.tensor(self.cfg.hidden_size**0.5, dtype=hidden.dtype)
         return hidden
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final-norm hidden states, captured layer outputs concatenated or None)."""
         hidden = self.embed(input_ids)
-        rope = {
-            key: rope_cos_sin(positions, getattr(self, f"inv_freq_{key}"), r.attention_scaling, hidden.dtype)
-            for key, r in self.cfg.rope.items()
-        }
-        for layer in self.layers:
+        rope = self.rotary(positions, hidden.dtype)
+        captured = []
+        for i, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, batch)
-        return self.norm(hidden)
+            if i in self.capture_layers:
+                captured.append(hidden)
+        return self.norm(hidden), (torch.cat(captured, dim=-1) if captured else None)
 
 
 class CausalLM(nn.Module):
@@ -143,8 +184,15 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, batch)
+    @property
+    def attention_layers(self) -> list[AttentionLayer]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states for logits, hidden states handed to a draft model): the final-norm
+        states, or the captured layer outputs when `model.capture_layers` is set."""
+        hidden, captured = self.model(batch.input_ids, batch.positions, batch)
+        return hidden, hidden if captured is None else captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden).float()
@@ -153,25 +201,38 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into this rank's parameters; every parameter must be set."""
-        params = dict(self.named_parameters())
-        missing = {
-            (name, shard)
-            for name in params
-            for shard in ([s for fused, _, s in STACKED_PARAMS if f".{fused}." in name] or [None])
-        }
-        for name, tensor in weights:
-            if "rotary_emb" in name or (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            target, shard = name, None
-            for fused, part, shard_id in STACKED_PARAMS:
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
-                    break
-            if target not in params:
-                raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {self.cfg.architecture}")
-            param = params[target]
-            param.weight_loader(param, tensor.to(param.dtype), shard)
-            missing.discard((target, shard))
-        if missing:
-            names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
-            raise ValueError(f"weights: checkpoint lacks {names[:8]}{' ...' if len(names) > 8 else ''}")
+        skip = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
+        load_weights(self, weights, self.cfg.architecture, skip=skip)
+
+
+def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str,
+                 rename: dict[str, str] | None = None, skip: set[str] = frozenset(),
+                 stacked: tuple = STACKED_PARAMS) -> None:
+    """Copy checkpoint tensors into `module`'s parameters (fusing `stacked` ones); every
+    parameter must be set. `rename` maps checkpoint name prefixes to parameter prefixes."""
+    params = dict(module.named_parameters())
+    missing = {
+        (name, shard)
+        for name in params
+        for shard in ([s for fused, _, s in stacked if f".{fused}." in name] or [None])
+    }
+    for name, tensor in weights:
+        if "rotary_emb" in name or name in skip:
+            continue
+        for old, new in (rename or {}).items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        target, shard = name, None
+        for fused, part, shard_id in stacked:
+            if f".{part}." in name:
+                target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
+                break
+        if target not in params:
+            raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {what}")
+        param = params[target]
+        param.weight_loader(param, tensor.to(param.dtype), shard)
+        missing.discard((target, shard))
+    if missing:
+        names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
+        raise ValueError(f"weights: checkpoint lacks {names[:8]}{' ...' if len(names) > 8 else ''}")

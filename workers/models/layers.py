@@ -112,18 +112,22 @@ class QKVParallelLinear(ColumnParallelLinear):
     SHARDS = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup) -> None:
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = self.local_heads(num_heads, num_kv_heads, tp)
+        replicated = num_kv_heads < tp.size
+        self._kv_head_start = tp.rank * num_kv_heads // tp.size if replicated else tp.rank * self.num_kv_heads
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp)
+
+    @staticmethod
+    def local_heads(num_heads: int, num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+        """(query heads, KV heads) on one rank."""
         if num_heads % tp.size:
             raise ValueError(f"num_attention_heads {num_heads} is not divisible by tp_size {tp.size}")
         if num_kv_heads >= tp.size and num_kv_heads % tp.size:
             raise ValueError(f"num_key_value_heads {num_kv_heads} is not divisible by tp_size {tp.size}")
         if num_kv_heads < tp.size and tp.size % num_kv_heads:
             raise ValueError(f"tp_size {tp.size} is not a multiple of num_key_value_heads {num_kv_heads}")
-        self.head_dim = head_dim
-        self.num_heads = num_heads // tp.size
-        self.num_kv_heads = max(1, num_kv_heads // tp.size)
-        replicated = num_kv_heads < tp.size
-        self._kv_head_start = tp.rank * num_kv_heads // tp.size if replicated else tp.rank * self.num_kv_heads
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp)
+        return num_heads // tp.size, max(1, num_kv_heads // tp.size)
 
     def _local_size(self, shard: int, size: int) -> int:
         return (self.num_heads if shard == 0 else self.num_kv_heads) * self.head_dim
@@ -160,6 +164,18 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(F.linear(x, self.weight))
         return out + self.bias if self.bias is not None else out
+
+
+class ReplicatedLinear(nn.Module):
+    """`y = x W^T + b` with the whole weight on every rank (small draft-head projections)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _param((output_size, input_size), default_weight_loader)
+        self.bias = _param((output_size,), default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

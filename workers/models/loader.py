@@ -8,10 +8,11 @@ import glob
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from workers.distributed import SINGLE_RANK, TPGroup
 from workers.models.config import ModelConfig
@@ -46,10 +47,9 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def init_dummy_weights(model: CausalLM, seed: int) -> None:
-    """Normal(0, initializer_range) matrices, zero biases, norms at their identity."""
+def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
+    """Normal(0, std) matrices, zero biases, norms at their identity."""
     gen = torch.Generator().manual_seed(seed)
-    std = model.cfg.initializer_range
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.reset_parameters()
@@ -68,16 +68,24 @@ def build_model(
     tp: TPGroup = SINGLE_RANK,
     seed: int = 0,
 ) -> CausalLM:
+    return build_module(lambda: CausalLM(cfg, tp), cfg.architecture, model_dir, load_format, dtype, device, seed,
+                        cfg.initializer_range)
+
+
+def build_module(make: Callable[[], nn.Module], what: str, model_dir: str | None, load_format: str,
+                 dtype: torch.dtype, device: torch.device, seed: int, init_std: float) -> nn.Module:
+    """Create a model (target or draft head) in `dtype` on `device` and fill its weights from
+    the directory's safetensors, or randomly (`load_format="dummy"`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: unknown {load_format!r}; choose from {LOAD_FORMATS}")
     files = safetensors_files(model_dir) if load_format != "dummy" else []
     with torch.device(device), _default_dtype(dtype):
-        model = CausalLM(cfg, tp)
+        model = make()
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed, init_std)
     else:
         model.load_weights(iter_safetensors(files))
-        logger.info("loaded %s from %d safetensors file(s)", cfg.architecture, len(files))
+        logger.info("loaded %s from %d safetensors file(s)", what, len(files))
     return model.eval()
 
 
