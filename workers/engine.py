@@ -14,11 +14,12 @@ import itertools
 import logging
 import os
 import random
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from attention import ForwardMode
+from workers.forward_batch import ForwardBatch
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
@@ -26,6 +27,9 @@ from workers.request import FinishReason, Request
 from workers.sampler import sample
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
+from workers.spec import ForwardRecord, SpecConfig, SpecStats, StepRecord
+from workers.spec.loader import build_drafter, plan_draft
+from workers.spec.worker import SpecWorker
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
@@ -42,6 +46,7 @@ class RequestOutput:
     finish_reason: str | None
     text: str | None = None
     logits: list[torch.Tensor] | None = None  # per generated token, when return_logits
+    spec: SpecStats | None = None  # speculative decoding record (accept lengths, per position)
 
 
 class Engine:
@@ -60,6 +65,7 @@ class Engine:
         load_format: str = "auto",
         seed: int = 0,
         debug_kv_checks: bool = False,
+        speculative: Mapping[str, Any] | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
@@ -72,12 +78,18 @@ class Engine:
         self.cfg = load_model_config(model)
         self.context_length = min(context_length or self.cfg.max_position_embeddings, max_total_tokens)
         self.tokenizer = _load_tokenizer(model)
+        spec = SpecConfig.from_dict(speculative) if speculative is not None else None
+        draft = plan_draft(spec, self.cfg, self.context_length) if spec is not None else None
+        lookahead = spec.num_steps + 1 if spec is not None else 0
 
         full_pages = max_total_tokens // page_size
         if full_pages < 1:
             raise ValueError(f"max_total_tokens: {max_total_tokens} is less than one page of {page_size}")
-        self.req_to_token = ReqToTokenPool(max_running_requests, self.context_length, self.device)
-        window = self.cfg.max_window
+        self.req_to_token = ReqToTokenPool(max_running_requests, self.context_length + lookahead, self.device)
+        # One allocator for target and draft, keeping SWA slots for the widest window either
+        # model keeps in an SWA pool.
+        windows = [w for w in (self.cfg.max_window, draft.swa_window if draft else None) if w is not None]
+        window = max(windows, default=None)
         if window is not None:
             swa_pages = max(1, round(full_pages * swa_full_tokens_ratio))
             self.allocator: KVAllocator = HybridSWAAllocator(self.req_to_token, full_pages, swa_pages, page_size, window)
@@ -86,13 +98,20 @@ class Engine:
         backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
         self.runner = ModelRunner.load(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format,
                                        seed=seed, debug_kv_checks=debug_kv_checks)
-        self.scheduler = Scheduler(self.allocator, self.req_to_token, chunked_prefill_size, max_running_requests, self.cfg.eos_token_ids)
-        self.spec = None
+        self.scheduler = Scheduler(self.allocator, self.req_to_token, chunked_prefill_size, max_running_requests,
+                                   self.cfg.eos_token_ids, lookahead)
+        self.last_step = StepRecord()
+        self.spec: SpecWorker | None = None
+        if draft is not None:
+            drafter = build_drafter(draft, self.runner, self.allocator, self.scheduler, backend, self.dtype, self.device,
+                                    self._record, seed=seed, debug_kv_checks=debug_kv_checks)
+            self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler, self._record)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         logger.info(
-            "engine: %s on %s/%s, backend %s, KV %s", self.cfg.architecture, self.device, self.dtype, backend, self.kv_stats()
+            "engine: %s on %s/%s, backend %s, KV %s, speculative %s", self.cfg.architecture, self.device, self.dtype,
+            backend, self.kv_stats(), f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
         )
 
     # -- request lifecycle -------------------------------------------------------------
@@ -124,6 +143,8 @@ class Engine:
         max_len = min(len(prompt) + sampling.max_new_tokens, self.context_length)
         req = Request(rid, prompt, sampling, generator, max_len)
         self.scheduler.check_fits(req)
+        if self.spec is not None:
+            self.spec.add_request(req)
         return req
 
     def abort(self, request_id: str) -> bool:
@@ -136,14 +157,17 @@ class Engine:
 
     def step(self) -> list[tuple[str, list[int], bool]]:
         """Run one scheduler step; returns (request id, new token ids, finished) per request."""
+        self.last_step = StepRecord()
         sb = self.scheduler.schedule()
         if sb is None:
             return []
         if sb.mode is ForwardMode.DECODE and self.spec is not None:
             events = self.spec.decode_round(sb.reqs)
+            self.last_step.accept_lengths = self.spec.last_accept_lengths
         else:
             batch = self.scheduler.build(sb)
             out = self.runner.forward(batch)
+            self._record("target", batch)
             sampled = [r for r, s in zip(sb.reqs, sb.samples) if s]
             tokens = sample(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
             for req, logits in zip(sampled, out.logits):
@@ -154,6 +178,9 @@ class Engine:
                 self.spec.after_extend(sb, out.hidden)
         self.scheduler.release_windows(sb.reqs)
         return [(req.rid, new, req.finished) for req, new in events]
+
+    def _record(self, model: str, batch: ForwardBatch) -> None:
+        self.last_step.forwards.append(ForwardRecord(model, batch.forward_mode.name, batch.batch_size, len(batch.positions)))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -167,6 +194,7 @@ class Engine:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             text=self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else None,
             logits=list(req.logits) if req.sampling.return_logits else None,
+            spec=req.spec.stats.copy() if req.spec is not None else None,
         )
 
     def release(self, request_id: str) -> None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from workers.spec.drafter import DraftState
 
 
 class FinishReason(str, enum.Enum):
@@ -28,6 +32,7 @@ class Request:
     kv_len: int = 0  # tokens whose KV is written
     finish_reason: FinishReason | None = None
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    spec: "DraftState | None" = None  # speculative decoding state, when a draft model runs
 
     @property
     def num_tokens(self) -> int:

@@ -34,16 +34,28 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.softmax(logits, dim=-1)
 
 
+def draw(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One token per row of `logits` `[B, V]`, and the distribution it was drawn from (None for
+    greedy rows): speculative verification needs the draft's distributions."""
+    tokens = logits.argmax(dim=-1)
+    probs: list[torch.Tensor | None] = [None] * len(params)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        dists = sampling_probs(logits[random_rows], [params[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            tokens[i] = torch.multinomial(dists[j], 1, generator=generators[i])[0]
+            probs[i] = dists[j]
+    return tokens.tolist(), probs
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
 ) -> list[int]:
     """One token per row of `logits` `[B, V]`."""
-    tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if random_rows:
-        probs = sampling_probs(logits[random_rows], [params[i] for i in random_rows])
-        for j, i in enumerate(random_rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    return tokens.tolist()
+    return draw(logits, params, generators)[0]

@@ -24,9 +24,10 @@ def _gather(call: _Common, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _attend(call: _Common, b: int, q: torch.Tensor, softcap: float | None, draft_mask: torch.Tensor | None) -> torch.Tensor:
     k, v = _gather(call, b)
     kv_len, q_len = k.shape[0], q.shape[0]
-    q_pos = torch.arange(kv_len - q_len, kv_len)
+    device = q.device
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
     window = call.window_left + 1 if call.window_left >= 0 else None
-    mask = causal_window_mask(q_pos, torch.arange(kv_len), window)
+    mask = causal_window_mask(q_pos, torch.arange(kv_len, device=device), window)
     if draft_mask is not None:  # the draft block (last q_len keys) follows the packed mask
         mask[:, kv_len - q_len:] &= draft_mask
     return dense_attention(q, k, v, mask, call.bmm1_scale, softcap, call.sinks)

@@ -165,12 +165,13 @@ class DecoderModel(nn.Module):
         """(final-norm hidden states, captured layer outputs concatenated or None)."""
         hidden = self.embed(input_ids)
         rope = self.rotary(positions, hidden.dtype)
-        captured = []
+        outputs = {}
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, rope, batch)
             if i in self.capture_layers:
-                captured.append(hidden)
-        return self.norm(hidden), (torch.cat(captured, dim=-1) if captured else None)
+                outputs[i] = hidden
+        captured = torch.cat([outputs[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
+        return self.norm(hidden), captured
 
 
 class CausalLM(nn.Module):

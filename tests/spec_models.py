@@ -1,0 +1,129 @@
+"""Draft models for speculative decoding tests, written in their checkpoint layouts with random
+weights: EAGLE-1 and EAGLE-3 heads, frozen-KV MTP heads, and (perturbed) copies of a target."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+STD = 0.08
+
+
+def _config(target_dir: str) -> dict:
+    return json.load(open(os.path.join(target_dir, "config.json")))
+
+
+def _save(out_dir: str, config: dict, tensors: dict[str, torch.Tensor]) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    json.dump(config, open(os.path.join(out_dir, "config.json"), "w"), indent=1)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+def _llama_layer(prefix: str, g: torch.Generator, h: int, heads: int, kv_heads: int, d: int, inter: int,
+                 qkv_in: int, norms: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * STD
+
+    t = {
+        f"{prefix}.self_attn.q_proj.weight": w(heads * d, qkv_in),
+        f"{prefix}.self_attn.k_proj.weight": w(kv_heads * d, qkv_in),
+        f"{prefix}.self_attn.v_proj.weight": w(kv_heads * d, qkv_in),
+        f"{prefix}.self_attn.o_proj.weight": w(h, heads * d),
+        f"{prefix}.mlp.gate_proj.weight": w(inter, h),
+        f"{prefix}.mlp.up_proj.weight": w(inter, h),
+        f"{prefix}.mlp.down_proj.weight": w(h, inter),
+    }
+    for norm in norms:
+        t[f"{prefix}.{norm}.weight"] = 1.0 + 0.1 * torch.randn(h, generator=g)
+    return t
+
+
+def make_eagle_head(target_dir: str, out_dir: str, version: int, seed: int = 0, draft_vocab_size: int | None = None,
+                    aux_layers: list[int] | None = None) -> str:
+    """An EAGLE-1 (`LlamaForCausalLMEagle`) or EAGLE-3 (`LlamaForCausalLMEagle3`) head for a target."""
+    tc = _config(target_dir)
+    h, vocab = tc["hidden_size"], tc["vocab_size"]
+    heads, kv_heads, d, inter = 4, 2, h // 4, 2 * h
+    g = torch.Generator().manual_seed(seed)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle" if version == 1 else "LlamaForCausalLMEagle3"],
+        "model_type": "llama", "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d, "vocab_size": vocab,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": tc["max_position_embeddings"], "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu",
+    }
+    if version == 1:
+        tensors = {"fc.weight": torch.randn(h, 2 * h, generator=g) * STD, "fc.bias": torch.zeros(h)}
+        tensors.update(_llama_layer("layers.0", g, h, heads, kv_heads, d, inter, h, ("post_attention_layernorm",)))
+        return _save(out_dir, config, tensors)
+    dv = draft_vocab_size or vocab
+    config["draft_vocab_size"] = dv
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers or [0, 1, tc["num_hidden_layers"] - 1]}
+    tensors = {"fc.weight": torch.randn(h, 3 * h, generator=g) * STD,
+               "norm.weight": 1.0 + 0.1 * torch.randn(h, generator=g),
+               "lm_head.weight": torch.randn(dv, h, generator=g) * STD}
+    tensors.update(_llama_layer("midlayer", g, h, heads, kv_heads, d, inter, 2 * h,
+                                ("input_layernorm", "hidden_norm", "post_attention_layernorm")))
+    if dv != vocab:
+        target_ids = torch.randperm(vocab, generator=g)[:dv].sort().values
+        tensors["d2t"] = target_ids - torch.arange(dv)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[target_ids] = True
+        tensors["t2d"] = t2d
+    return _save(out_dir, config, tensors)
+
+
+def make_frozen_kv_head(target_dir: str, out_dir: str, seed: int = 0, kv_source_layers: list[int] | None = None) -> str:
+    """A frozen-KV MTP head whose layers read the given (default: last SWA, last full) target layers."""
+    tc = _config(target_dir)
+    h, heads, kv_heads = tc["hidden_size"], tc["num_attention_heads"], tc["num_key_value_heads"]
+    d = tc.get("head_dim") or h // heads
+    inter = 2 * h
+    gemma = "gemma" in tc.get("model_type", "")
+    layer_types = tc.get("layer_types") or ["full_attention"] * tc["num_hidden_layers"]
+    if kv_source_layers is None:
+        last = {t: i for i, t in enumerate(layer_types)}
+        kv_source_layers = sorted(last.values())
+    g = torch.Generator().manual_seed(seed)
+    config = {**tc, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": kv_source_layers,
+              "intermediate_size": inter}
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * STD
+
+    def norm():
+        return 0.1 * torch.randn(h, generator=g) if gemma else 1.0 + 0.1 * torch.randn(h, generator=g)
+
+    tensors = {"fc.weight": w(h, 2 * h), "pre_fc_norm_embedding.weight": norm(), "pre_fc_norm_hidden.weight": norm(),
+               "norm.weight": norm()}
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    for i, _ in enumerate(kv_source_layers):
+        p = f"layers.{i}"
+        tensors.update({f"{p}.self_attn.q_proj.weight": w(heads * d, h), f"{p}.self_attn.o_proj.weight": w(h, heads * d),
+                        f"{p}.mlp.gate_proj.weight": w(inter, h), f"{p}.mlp.up_proj.weight": w(inter, h),
+                        f"{p}.mlp.down_proj.weight": w(h, inter)})
+        if tc.get("model_type") in ("gemma3_text", "qwen3"):
+            tensors[f"{p}.self_attn.q_norm.weight"] = 0.1 * torch.randn(d, generator=g)
+        for n in norms:
+            tensors[f"{p}.{n}.weight"] = norm()
+    return _save(out_dir, config, tensors)
+
+
+def make_perturbed_copy(target_dir: str, out_dir: str, noise: float, seed: int = 0) -> str:
+    """A standalone draft: the target's weights plus Gaussian noise of relative size `noise`
+    (0 gives an exact copy, whose drafts the target always accepts)."""
+    shutil.copytree(target_dir, out_dir, dirs_exist_ok=True)
+    path = os.path.join(out_dir, "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(path)
+    for name, t in weights.items():
+        if noise and t.is_floating_point():
+            weights[name] = t + noise * t.std() * torch.randn(t.shape, generator=g)
+    save_file(weights, path)
+    return out_dir

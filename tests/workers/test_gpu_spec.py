@@ -1,0 +1,59 @@
+"""Speculative decoding on the GPU: trtllm_mha (XQA verify with the chain mask, FMHA-v2 draft
+extend), bf16, greedy. A copy of the target as standalone draft is accepted in full; EAGLE and
+frozen-KV heads run every forward mode; output equals decoding without speculation except
+where bf16 logits tie (the same criterion as the engine's GPU test)."""
+
+import pytest
+import torch
+
+from tests.hf_models import make_tiny_model, random_prompts
+from tests.spec_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
+from tests.workers.test_gpu_engine import tie_threshold
+from workers.engine import Engine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+K = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_spec")
+    target = str(root / "gemma3")
+    make_tiny_model("gemma3", target, hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
+                    sliding_window=32)
+    return {
+        "target": target,
+        "standalone": make_perturbed_copy(target, str(root / "copy"), noise=0.0),
+        "eagle": make_eagle_head(target, str(root / "eagle3"), 3),
+        "frozen_kv_mtp": make_frozen_kv_head(target, str(root / "frozen")),
+    }
+
+
+@pytest.mark.parametrize("algorithm", ["standalone", "eagle", "frozen_kv_mtp"])
+def test_speculative_trtllm_mha_on_gpu(models, algorithm):
+    prompts = random_prompts([150, 40, 97, 300])
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True, return_logits=True)
+    common = dict(device="cuda", dtype="bfloat16", page_size=16, attention_backend="trtllm_mha", chunked_prefill_size=64,
+                  debug_kv_checks=True)
+    base = Engine(model=models["target"], **common)
+    ref = base.generate(prompt_token_ids=prompts, sampling=sp)
+    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": K}
+    if algorithm == "standalone":
+        spec["draft_pool"] = "full"
+    eng = Engine(model=models["target"], speculative=spec, **common)
+    outs = eng.generate(prompt_token_ids=prompts, sampling=sp)
+    eng.check_no_leak()
+    diverged = 0
+    for r, o in zip(ref, outs):
+        for step, (a, b) in enumerate(zip(r.token_ids, o.token_ids)):
+            if a != b:
+                top2 = r.logits[step].float().topk(2).values
+                gap = (top2[0] - top2[1]).item()
+                assert gap <= tie_threshold(top2[0].item()), f"{algorithm}: step {step} differs with a logit gap of {gap:.3g}"
+                diverged += 1
+                break
+    lengths = [n for o in outs for n in o.spec.accept_lengths]
+    print(f"{algorithm}: {diverged} of {len(prompts)} requests diverged at ties; mean accept length "
+          f"{sum(lengths) / len(lengths):.2f} over {len(lengths)} verify steps")
+    if algorithm == "standalone":
+        assert sum(lengths) / len(lengths) > K + 0.5

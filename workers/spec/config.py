@@ -1,0 +1,54 @@
+"""Speculative decoding settings, checked before anything is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+MAX_NUM_STEPS = 16
+ALGORITHM_ALIASES = {"nextn": "eagle"}
+# Draft pool kinds each algorithm supports; the first is the default.
+#   swa: the draft's sliding-window layers in an SWA pool on the target's allocator
+#   full: every draft layer in a full-only pool on the target's allocator
+#   target: the draft owns no KV and reads the target's pool (frozen KV)
+DRAFT_POOLS = {
+    "standalone": ("swa", "full"),
+    "eagle": ("full",),
+    "frozen_kv_mtp": ("target",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    algorithm: str
+    draft_model: str
+    num_steps: int = 3
+    draft_pool: str | None = None  # None: the algorithm's default (standalone: swa when possible)
+    draft_load_format: str = "auto"
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> "SpecConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"speculative: unknown option(s) {unknown}; known: {sorted(fields)}")
+        for required in ("algorithm", "draft_model"):
+            if required not in options:
+                raise ValueError(f"speculative.{required}: required")
+        algorithm = ALGORITHM_ALIASES.get(options["algorithm"], options["algorithm"])
+        cfg = cls(**{**options, "algorithm": algorithm})
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.algorithm not in DRAFT_POOLS:
+            known = sorted([*DRAFT_POOLS, *ALGORITHM_ALIASES])
+            raise ValueError(f"speculative.algorithm: unknown {self.algorithm!r}; known: {known}")
+        if not isinstance(self.num_steps, int) or not 1 <= self.num_steps <= MAX_NUM_STEPS:
+            raise ValueError(f"speculative.num_steps: must be an integer in [1, {MAX_NUM_STEPS}], got {self.num_steps!r}")
+        if self.draft_pool is not None and self.draft_pool not in DRAFT_POOLS[self.algorithm]:
+            raise ValueError(f"speculative.draft_pool: {self.algorithm} supports {list(DRAFT_POOLS[self.algorithm])}, "
+                             f"got {self.draft_pool!r}")
+        if not os.path.isfile(os.path.join(str(self.draft_model), "config.json")):
+            raise ValueError(f"speculative.draft_model: {self.draft_model!r} is not a model directory with a config.json")

@@ -1,0 +1,186 @@
+"""Draft workers: a draft model, the pool it reads and writes, and how it follows the target.
+
+Every draft shares the target's allocator and request->token table: a draft entry at position
+q lives at the same full-pool slot as the target's token at q, in the draft's own pool (or, for
+frozen-KV drafts, nowhere: they read the target's pool, handed to each forward).
+
+A drafter keeps each request's draft KV valid over draft positions [0, draft_len). After every
+target forward it *catches up* (`catch_up`): it runs on the entries it has not seen, and where
+that reaches the request's pending token its last row proposes the first draft token of the
+next round. A round then takes num_steps - 1 more single-token draft steps (`step`).
+
+| algorithm | entry at draft position q consumes | catch-up after verify |
+| --- | --- | --- |
+| standalone | token q | tokens the draft lacks: the bonus token (and the last draft if all were kept) |
+| eagle | token q + 1 and the target's hidden state at q | every accepted token + bonus, with the target's hidden states (drafting used the draft's own) |
+| frozen_kv_mtp | (no KV) | none: the first draft step reads the target's hidden state directly |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Callable
+
+import torch
+
+from attention import ForwardMode
+from workers.forward_batch import ForwardBatch
+from workers.model_runner import ForwardOutput, ModelRunner
+from workers.request import Request
+from workers.sampler import draw
+from workers.scheduler import Scheduler
+from workers.spec.stats import SpecStats
+
+Recorder = Callable[[str, ForwardBatch], None]
+HiddenRows = dict[str, tuple[int, torch.Tensor]]  # request id -> (position of row 0, target hidden rows)
+
+
+@dataclasses.dataclass
+class DraftState:
+    """A request's draft-side state between rounds."""
+
+    stats: SpecStats
+    draft_len: int = 0  # draft positions [0, draft_len) hold valid draft KV
+    next_token: int | None = None  # first draft token of the next round
+    next_probs: torch.Tensor | None = None  # the distribution it was drawn from (None: greedy)
+    next_hidden: torch.Tensor | None = None  # the draft hidden state the next step reads
+
+
+class Drafter:
+    """Standalone and EAGLE drafts: draft models with KV of their own."""
+
+    shift = 0  # the entry consuming the token at position p sits at draft position p - shift
+    reuses_drafted_kv = True  # KV written while drafting equals what a catch-up would write
+    reads_hidden = False  # entries read the target's hidden states
+
+    def __init__(self, algorithm: str, pool_kind: str, runner: ModelRunner, target: ModelRunner,
+                 scheduler: Scheduler, record: Recorder) -> None:
+        self.algorithm = algorithm
+        self.pool_kind = pool_kind
+        self.runner = runner
+        self.target = target
+        self.scheduler = scheduler
+        self.record = record
+
+    def goal(self, req: Request) -> int:
+        """Draft positions that should hold entries once the target has run: the entries of
+        the tokens the target has KV for and of the token after them (the pending token)."""
+        return req.kv_len + 1 - self.shift
+
+    def after_verify(self, req: Request, accepted: int, num_steps: int) -> None:
+        if self.reuses_drafted_kv:
+            req.spec.draft_len += min(accepted, num_steps - 1)
+
+    def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
+        """Run the draft over each request's entries [draft_len, goal)."""
+        todo = [(r, r.spec.draft_len, self.goal(r)) for r in reqs]
+        todo = [(r, a, b) for r, a, b in todo if b > a]
+        if not todo:
+            return
+        proposes = [b + self.shift == r.num_tokens for r, _, b in todo]
+        ends = [end - 1 for end in itertools.accumulate(b - a for _, a, b in todo)]
+        spec_hidden = None
+        if self.reads_hidden:
+            spec_hidden = torch.cat([_rows(hidden[r.rid], a, b) for r, a, b in todo])
+        batch = ForwardBatch.build(
+            mode,
+            rows=[r.row for r, _, _ in todo],
+            prefix_lens=[a for _, a, _ in todo],
+            input_ids=[r.tokens(a + self.shift, b + self.shift) for r, a, b in todo],
+            out_cache_loc=torch.cat([self.scheduler.slots(r, a, b) for r, a, b in todo]),
+            req_to_token=self.scheduler.req_to_token.table,
+            logits_rows=[e for e, p in zip(ends, proposes) if p],
+            spec_hidden=spec_hidden,
+        )
+        out = self._forward(batch)
+        proposing = [r for (r, _, _), p in zip(todo, proposes) if p]
+        for r, _, b in todo:
+            r.spec.draft_len = b
+        self._propose(proposing, out, [e for e, p in zip(ends, proposes) if p])
+
+    def step(self, reqs: list[Request], j: int, tokens: list[int], hidden: torch.Tensor) -> ForwardOutput:
+        """Draft step j (2..num_steps): each request's draft j-1 -> logits for draft j."""
+        positions = [r.num_tokens - 2 + j - self.shift for r in reqs]
+        batch = ForwardBatch.build(
+            ForwardMode.DECODE,
+            rows=[r.row for r in reqs],
+            prefix_lens=positions,
+            input_ids=[[t] for t in tokens],
+            out_cache_loc=torch.cat([self.scheduler.slots(r, q, q + 1) for r, q in zip(reqs, positions)]),
+            req_to_token=self.scheduler.req_to_token.table,
+            logits_rows=range(len(reqs)),
+            spec_hidden=hidden if self.reads_hidden else None,
+        )
+        return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
+        out = self.runner.forward(batch)
+        self.record("draft", batch)
+        return out
+
+    def _propose(self, reqs: list[Request], out: ForwardOutput, rows: list[int]) -> None:
+        """The first draft token of the next round for each request, from its logits row."""
+        if not reqs:
+            return
+        tokens, probs = draw(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        for r, t, p, row in zip(reqs, tokens, probs, rows):
+            r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = t, p, out.hidden[row]
+
+
+class EagleDrafter(Drafter):
+    shift = 1
+    reuses_drafted_kv = False
+    reads_hidden = True
+
+
+class FrozenKVDrafter(Drafter):
+    """Draft layers read the target's pool, swapped in for every forward; no KV of their own."""
+
+    reuses_drafted_kv = False
+    reads_hidden = True
+
+    def goal(self, req: Request) -> int:
+        return 0
+
+    def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
+        """Draft step 1 for requests whose pending token follows the target's KV: the pending
+        token and the target's hidden state of the position before it."""
+        ready = [r for r in reqs if r.kv_len == r.num_tokens - 1]
+        if not ready:
+            return
+        rows = torch.cat([_rows(hidden[r.rid], r.kv_len - 1, r.kv_len) for r in ready])
+        out = self._query(ready, [r.output_ids[-1] for r in ready], rows, offset=1)
+        self._propose(ready, out, list(range(len(ready))))
+
+    def step(self, reqs: list[Request], j: int, tokens: list[int], hidden: torch.Tensor) -> ForwardOutput:
+        return self._query(reqs, tokens, hidden, offset=j)
+
+    def _query(self, reqs: list[Request], tokens: list[int], hidden: torch.Tensor, offset: int) -> ForwardOutput:
+        """Read-only queries `offset` positions past each request's target KV."""
+        batch = ForwardBatch.build(
+            ForwardMode.DECODE,
+            rows=[r.row for r in reqs],
+            prefix_lens=[r.kv_len - 1 for r in reqs],
+            input_ids=[[t] for t in tokens],
+            out_cache_loc=torch.zeros(0, dtype=torch.int64),
+            req_to_token=self.scheduler.req_to_token.table,
+            logits_rows=range(len(reqs)),
+            query_offset=offset,
+            spec_hidden=hidden,
+        )
+        out = self.runner.forward(batch, pool=self.target.pool)
+        self.record("draft", batch)
+        return out
+
+
+def _rows(hidden: tuple[int, torch.Tensor], start: int, end: int) -> torch.Tensor:
+    """Target hidden states of positions [start, end)."""
+    first, rows = hidden
+    if start < first or end - first > rows.shape[0]:
+        raise RuntimeError(f"draft catch-up needs target hidden states of positions [{start}, {end}), "
+                           f"this forward has [{first}, {first + rows.shape[0]})")
+    return rows[start - first:end - first]
+
+
+DRAFTERS = {"standalone": Drafter, "eagle": EagleDrafter, "frozen_kv_mtp": FrozenKVDrafter}

@@ -1,0 +1,105 @@
+"""The speculative decoding step loop (chain drafts, top-k 1).
+
+One decode round for every running request:
+
+    draft DECODE x (num_steps - 1)   drafts 2..k (draft 1 came from the last catch-up)
+    TARGET_VERIFY                    the pending token and k drafts, k + 1 query rows each
+    accept                           greedy match or rejection sampling; commit n + 1 tokens
+    DRAFT_EXTEND_V2                  the draft catches up on the accepted tokens (ragged)
+
+Slots of rejected drafts are given back right after acceptance; SWA windows only after the
+catch-up, which still reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention import ForwardMode
+from workers.forward_batch import ForwardBatch
+from workers.model_runner import ModelRunner
+from workers.request import Request
+from workers.sampler import draw, sampling_probs
+from workers.scheduler import ScheduledBatch, Scheduler
+from workers.spec.accept import verify_greedy, verify_sampling
+from workers.spec.drafter import Drafter, DraftState, HiddenRows, Recorder
+from workers.spec.stats import SpecStats
+
+
+class SpecWorker:
+    def __init__(self, num_steps: int, target: ModelRunner, drafter: Drafter, scheduler: Scheduler,
+                 record: Recorder) -> None:
+        self.num_steps = num_steps
+        self.target = target
+        self.drafter = drafter
+        self.scheduler = scheduler
+        self.record = record
+        self.last_accept_lengths: dict[str, int] = {}
+
+    def add_request(self, req: Request) -> None:
+        req.spec = DraftState(SpecStats(self.num_steps))
+
+    def after_extend(self, sb: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """The target prefilled a chunk of each request: the draft follows."""
+        rows: HiddenRows = {}
+        start = 0
+        for req, n in zip(sb.reqs, sb.q_lens):
+            rows[req.rid] = (req.kv_len - n, hidden[start:start + n])
+            start += n
+        self.drafter.catch_up(ForwardMode.EXTEND, [r for r in sb.reqs if not r.finished], rows)
+
+    def decode_round(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        k = self.num_steps
+        drafts = [[r.spec.next_token] for r in reqs]
+        draft_probs = [[r.spec.next_probs] for r in reqs]
+        hidden = torch.stack([r.spec.next_hidden for r in reqs])
+        params, generators = [r.sampling for r in reqs], [r.generator for r in reqs]
+        for j in range(2, k + 1):
+            out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
+            tokens, probs = draw(out.logits, params, generators)
+            for d, dp, t, p in zip(drafts, draft_probs, tokens, probs):
+                d.append(t)
+                dp.append(p)
+            hidden = out.hidden
+
+        starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
+        batch = ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY,
+            rows=[r.row for r in reqs],
+            prefix_lens=starts,
+            input_ids=[r.tokens(s, s + 1) + d for r, s, d in zip(reqs, starts, drafts)],
+            out_cache_loc=torch.cat([self.scheduler.slots(r, s, s + k + 1) for r, s in zip(reqs, starts)]),
+            req_to_token=self.scheduler.req_to_token.table,
+            logits_rows=range(len(reqs) * (k + 1)),
+        )
+        out = self.target.forward(batch)
+        self.record("target", batch)
+
+        events, live, rows = [], [], {}
+        self.last_accept_lengths = {}
+        for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
+            logits = out.logits[i * (k + 1):(i + 1) * (k + 1)]
+            accepted, bonus = self._verify(req, logits, d, dp)
+            req.spec.stats.record(accepted)
+            self.last_accept_lengths[req.rid] = accepted + 1
+            new = self.scheduler.commit(req, d[:accepted] + [bonus], start + accepted + 1)
+            if req.sampling.return_logits:
+                req.logits.extend(logits[: len(new)].cpu())
+            events.append((req, new))
+            if req.finished:
+                continue
+            if self.scheduler.allocator.allocated_len(req.row) > req.num_tokens:
+                self.scheduler.allocator.truncate(req.row, req.num_tokens)  # rejected drafts' slots
+            self.drafter.after_verify(req, accepted, k)
+            rows[req.rid] = (start, out.hidden[i * (k + 1):(i + 1) * (k + 1)])
+            live.append(req)
+        self.drafter.catch_up(ForwardMode.DRAFT_EXTEND_V2, live, rows)
+        return events
+
+    @staticmethod
+    def _verify(req: Request, logits: torch.Tensor, drafts: list[int],
+                draft_probs: list[torch.Tensor | None]) -> tuple[int, int]:
+        if req.sampling.greedy:
+            return verify_greedy(logits, drafts)
+        target_probs = sampling_probs(logits, [req.sampling] * logits.shape[0])
+        return verify_sampling(target_probs, torch.stack(draft_probs), drafts, req.generator)
