@@ -1,0 +1,299 @@
+"""Speculative decoding on CPU: lossless greedy output for every algorithm x draft pool kind x
+backend x target x page size, identical accept lengths on both backends, the accept-length
+canary (with the upstream mistake of invariant 1 put back), rejection sampling exact in
+distribution, bad configurations and KV accounting."""
+
+import collections
+import os
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from attention.trtllm_mha import TRTLLMMHABackend
+from tests.attention.test_invariants import _AllocatorDecides
+from tests.hf_models import WINDOW, make_tiny_model, random_prompts
+from tests.spec_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
+from workers.engine import Engine, SamplingParams
+from workers.memory import HybridSWAAllocator, MHAPool
+from workers.spec import worker as spec_worker
+
+K = 3
+PROMPT_LENS = [3 * WINDOW + 5, WINDOW + 3, 2 * WINDOW + 1]  # longer than the window
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+BACKENDS = ["torch_native", "trtllm_mha"]
+
+# draft variant -> (algorithm, draft pool kind, draft model key)
+VARIANTS = {
+    "standalone-swa": ("standalone", "swa", "swa_draft"),
+    "standalone-full": ("standalone", "full", "copy"),
+    "eagle1-full": ("eagle", "full", "eagle1"),
+    "eagle3-full": ("eagle", "full", "eagle3"),
+    "frozen_kv_mtp-target": ("frozen_kv_mtp", "target", "frozen"),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Per target: the target, a perturbed copy (partial acceptance), a draft with
+    sliding-window layers for the SWA draft pool, EAGLE-1/3 heads and a frozen-KV head."""
+    root = tmp_path_factory.mktemp("spec")
+    out = {}
+    for name in ("gemma3", "llama"):
+        target = str(root / name)
+        make_tiny_model(name, target)
+        copy = make_perturbed_copy(target, str(root / f"{name}_copy"), noise=0.1)
+        if name == "gemma3":
+            swa_draft = copy
+        else:  # a full-attention target with a hybrid draft: the allocator keeps SWA slots for the draft
+            swa_draft = str(root / "llama_swa_draft")
+            make_tiny_model("gemma3", swa_draft, seed=3)
+        out[name] = {
+            "target": target, "copy": copy, "swa_draft": swa_draft,
+            "exact_copy": make_perturbed_copy(target, str(root / f"{name}_exact"), noise=0.0),
+            "eagle1": make_eagle_head(target, str(root / f"{name}_eagle1"), 1),
+            "eagle3": make_eagle_head(target, str(root / f"{name}_eagle3"), 3, draft_vocab_size=200),
+            "frozen": make_frozen_kv_head(target, str(root / f"{name}_frozen")),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    return {}
+
+
+def _engine(target: str, backend: str, page_size: int, speculative=None, **kw) -> Engine:
+    return Engine(model=target, page_size=page_size, attention_backend=backend, chunked_prefill_size=5,
+                  max_total_tokens=4096, speculative=speculative, **kw)
+
+
+def _spec(algorithm: str, draft: str, pool: str | None = None, num_steps: int = K) -> dict:
+    spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": num_steps}
+    if pool is not None:
+        spec["draft_pool"] = pool
+    return spec
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("target", ["gemma3", "llama"])
+def test_lossless_matrix(models, baselines, target, page_size, variant):
+    m = models[target]
+    algorithm, pool, draft = VARIANTS[variant]
+    prompts = random_prompts(PROMPT_LENS)
+    accept = {}
+    for backend in BACKENDS:
+        key = (target, page_size, backend)
+        if key not in baselines:
+            baselines[key] = [o.token_ids for o in _engine(m["target"], backend, page_size).generate(
+                prompt_token_ids=prompts, sampling=GREEDY)]
+        eng = _engine(m["target"], backend, page_size, _spec(algorithm, m[draft], pool))
+        assert eng.spec.drafter.pool_kind == pool
+        outs = eng.generate(prompt_token_ids=prompts, sampling=GREEDY)
+        assert [o.token_ids for o in outs] == baselines[key], f"{variant} on {backend} changed the greedy output"
+        eng.check_no_leak()
+        accept[backend] = [o.spec.accept_lengths for o in outs]
+        for o in outs:
+            assert o.spec.verify_steps == len(o.spec.accept_lengths) >= (GREEDY.max_new_tokens - 1) // (K + 1)
+            assert sum(o.spec.accepted_per_position) == sum(n - 1 for n in o.spec.accept_lengths)
+    assert accept["torch_native"] == accept["trtllm_mha"]
+    if variant == "standalone-full":  # the perturbed copy exercises every partial acceptance
+        assert {n for seq in accept["trtllm_mha"] for n in seq} == set(range(1, K + 2))
+
+
+def test_draft_pool_kinds_on_the_shared_allocator(models):
+    m = models["gemma3"]
+    swa = _engine(m["target"], "trtllm_mha", 16, _spec("standalone", m["copy"], "swa"))
+    full = _engine(m["target"], "trtllm_mha", 16, _spec("standalone", m["copy"], "full"))
+    frozen = _engine(m["target"], "trtllm_mha", 16, _spec("frozen_kv_mtp", m["frozen"]))
+    assert swa.spec.drafter.runner.pool.has_swa and not full.spec.drafter.runner.pool.has_swa
+    assert isinstance(full.allocator, HybridSWAAllocator) and isinstance(full.spec.drafter.runner.pool, MHAPool)
+    assert frozen.spec.drafter.runner.pool is None  # reads the target's pool, handed to each forward
+    llama = models["llama"]
+    mixed = _engine(llama["target"], "trtllm_mha", 16, _spec("standalone", llama["swa_draft"]))
+    assert isinstance(mixed.allocator, HybridSWAAllocator) and not mixed.runner.pool.has_swa
+    assert mixed.spec.drafter.runner.pool.has_swa
+
+
+# -- accept-length canary ------------------------------------------------------------------------
+class _UpstreamReadsByAllocator(_AllocatorDecides):
+    """Upstream bug 1 as it shipped: the draft's pool (full-only) writes KV at full slots in its
+    own index space, while the backend, asking the allocator, reads its sliding-window layers
+    through SWA page tables."""
+
+    def __init__(self, pool, allocator, windows, out_cache_loc):
+        super().__init__(pool, allocator, windows)
+        self._out_cache_loc = out_cache_loc
+
+    def set_kv(self, layer_id, locs, k, v):
+        self._pool.set_kv(layer_id, self._out_cache_loc, k, v)
+
+
+def _canary_run(m, backend: str, monkeypatch=None):
+    """A copy of the target drafts on a full-only pool on the target's SWA allocator, while
+    other requests keep the SWA pool over 85% occupied (measured at every draft forward) with
+    full slot ids above its size."""
+    page = 4
+    eng = Engine(model=m["target"], page_size=page, attention_backend=backend, chunked_prefill_size=4,
+                 max_total_tokens=400 * page, swa_full_tokens_ratio=36 / 400, max_running_requests=16,
+                 speculative=_spec("standalone", m["exact_copy"], "full"))
+    draft_runner, alloc = eng.spec.drafter.runner, eng.allocator
+    if monkeypatch is not None:
+        windows = dict(eng.cfg.layer_windows)
+        original = TRTLLMMHABackend.init_forward_metadata
+
+        def mistaken(self, batch, pool):
+            if pool is draft_runner.pool:
+                pool = _UpstreamReadsByAllocator(pool, alloc, windows, batch.out_cache_loc)
+            original(self, batch, pool)
+
+        monkeypatch.setattr(TRTLLMMHABackend, "init_forward_metadata", mistaken)
+    g = torch.Generator().manual_seed(5)
+    sp = SamplingParams(max_new_tokens=4 * WINDOW, temperature=0.0, ignore_eos=True)
+    lengths = [200] + [13, 21, 17, 29, 9, 25, 33, 19]
+    rids = [eng.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), sp) for n in lengths]
+    seen = {"peak": 0.0, "high_ids": False}
+    forward = draft_runner.forward
+
+    def observed_forward(batch, pool=None):
+        s = alloc.stats()
+        seen["peak"] = max(seen["peak"], 1 - s["swa_free"] / s["swa_total"])
+        rows = [r.row for r in eng.scheduler.running if r.rid != rids[0] and r.kv_len]
+        first_pages = eng.req_to_token.table[rows, 0].long() // page
+        seen["high_ids"] |= bool(rows) and bool((first_pages > alloc.swa.num_pages).all())
+        return forward(batch, pool)
+
+    draft_runner.forward = observed_forward
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_no_leak()
+    return [eng.output(r).spec.accept_lengths for r in rids], seen["peak"], seen["high_ids"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accept_length_canary(models, backend):
+    accept, peak, high_ids = _canary_run(models["gemma3"], backend)
+    assert peak > 0.85, f"SWA pool peaked at {peak:.0%}"
+    assert high_ids, "full slot ids never exceeded the SWA pool size"
+    assert all(n == K + 1 for seq in accept for n in seq), f"accept lengths below {K + 1}: {accept}"
+
+
+def test_accept_length_canary_catches_the_upstream_mistake(models, monkeypatch):
+    accept, peak, _ = _canary_run(models["gemma3"], "trtllm_mha", monkeypatch)
+    assert peak > 0.85
+    mean = sum(map(sum, accept)) / sum(map(len, accept))
+    assert mean < K, f"with the mistake put back the canary still saw a mean accept length of {mean:.2f}"
+
+
+# -- rejection sampling ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small_vocab")
+    target = str(root / "target")
+    hf = make_tiny_model("gemma3", target, vocab_size=8)
+    return hf, target, make_perturbed_copy(target, str(root / "draft"), noise=0.6)
+
+
+@pytest.mark.parametrize("temperature, variant", [(0.7, "fixed"), (1.0, "fixed"), (1.0, "keep_every_draft")])
+def test_rejection_sampling_is_exact_in_distribution(small_vocab, temperature, variant, monkeypatch):
+    """First token (prefill) and second token (the first verify step) over many seeds: their
+    joint distribution is the target's p(t1) p(t2 | t1). Keeping every sampled draft (no
+    rejection step) emits the draft's distribution instead, which the test must catch."""
+    hf, target, draft = small_vocab
+    if variant == "keep_every_draft":
+        monkeypatch.setattr(spec_worker, "verify_sampling", lambda tp, dp, drafts, g: (len(drafts), int(tp[-1].argmax())))
+    prompt = [1, 5, 2, 7, 3, 0, 4, 6, 1, 2, 3]
+    n = 3000
+    eng = Engine(model=target, page_size=4, max_running_requests=64, max_total_tokens=8192,
+                 speculative=_spec("standalone", draft, num_steps=3))
+    outs = eng.generate(prompt_token_ids=[prompt] * n, sampling=[
+        SamplingParams(max_new_tokens=2, temperature=temperature, ignore_eos=True, seed=s) for s in range(n)])
+    eng.check_no_leak()
+    counts = collections.Counter(tuple(o.token_ids) for o in outs)
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        seqs = torch.tensor([prompt + [t] for t in range(8)])
+        p2 = torch.softmax(hf(seqs).logits[:, -1] / temperature, -1)
+    joint = (p1[:, None] * p2).flatten().double()
+    observed = torch.tensor([counts[(a, b)] for a in range(8) for b in range(8)], dtype=torch.float64)
+    expected = joint * n
+    rare = expected < 5  # pool cells too rare for the chi-square approximation
+    obs = torch.cat([observed[~rare], observed[rare].sum().view(1)])
+    exp = torch.cat([expected[~rare], expected[rare].sum().view(1)])
+    stat = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item())
+    accepted = sum(o.spec.accept_lengths[0] > 1 for o in outs)
+    print(f"T={temperature}: chi-square p={stat.pvalue:.3f}, first draft accepted in {accepted}/{n}")
+    if variant == "keep_every_draft":
+        assert stat.pvalue < 0.01
+        return
+    assert 0.05 * n < accepted < 0.95 * n, "the test needs both accepted and rejected drafts"
+    assert stat.pvalue > 0.01
+
+
+# -- configuration, stops, accounting --------------------------------------------------------------
+def test_bad_speculative_configurations(models, tmp_path):
+    m = models["gemma3"]
+    other_vocab = str(tmp_path / "other_vocab")
+    make_tiny_model("llama", other_vocab, vocab_size=300)
+    wide = str(tmp_path / "wide_window")
+    make_tiny_model("gemma3", wide, sliding_window=600)
+    cases = [
+        (_spec("medusa", m["copy"]), "speculative.algorithm"),
+        (_spec("standalone", m["copy"], num_steps=0), "speculative.num_steps"),
+        (_spec("standalone", m["copy"], num_steps=17), "speculative.num_steps"),
+        (_spec("standalone", other_vocab), "vocabulary"),
+        (_spec("standalone", wide), "sliding window 600"),
+        (_spec("standalone", str(tmp_path / "absent")), "speculative.draft_model"),
+        (_spec("eagle", m["eagle1"], "swa"), "speculative.draft_pool"),
+        (_spec("standalone", m["copy"]) | {"temperature": 1.0}, "unknown option"),
+        (_spec("frozen_kv_mtp", m["frozen"], num_steps=WINDOW), "speculative.num_steps"),
+        (_spec("eagle", m["copy"]), "not an EAGLE head"),
+        (_spec("standalone", models["llama"]["copy"], "swa"), "speculative.draft_pool"),
+    ]
+    for spec, message in cases:
+        with pytest.raises(ValueError, match=message):
+            Engine(model=m["target"], page_size=16, max_total_tokens=512, context_length=500, speculative=spec)
+
+
+def test_stops_inside_accepted_drafts_match_plain_decoding(models):
+    m = models["gemma3"]
+    prompt = random_prompts([19], seed=4)[0]
+    plain = _engine(m["target"], "trtllm_mha", 4)
+    spec = _engine(m["target"], "trtllm_mha", 4, _spec("standalone", m["exact_copy"], "full"))
+    (ref,) = plain.generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    stop = ref.token_ids[6]
+    for sp in (SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
+               SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True)):
+        (a,) = plain.generate(prompt_token_ids=[prompt], sampling=sp)
+        (b,) = spec.generate(prompt_token_ids=[prompt], sampling=sp)
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
+        spec.check_no_leak()
+
+
+def test_abort_mid_round_frees_both_models_kv(models):
+    m = models["gemma3"]
+    eng = _engine(m["target"], "trtllm_mha", 4, _spec("eagle", m["eagle3"]))
+    rid = eng.add_request(random_prompts([23])[0], GREEDY)
+    modes = []
+    while len(modes) < 12:
+        eng.step()
+        modes += [(f.model, f.mode) for f in eng.last_step.forwards]
+    assert ("target", "TARGET_VERIFY") in modes and ("draft", "DRAFT_EXTEND_V2") in modes
+    assert eng.abort(rid)
+    eng.check_no_leak()
+
+
+def test_step_records_show_the_round_in_order(models):
+    m = models["gemma3"]
+    eng = _engine(m["target"], "torch_native", 4, _spec("standalone", m["copy"], "swa"))
+    eng.add_request(random_prompts([12])[0], GREEDY)
+    steps = []
+    while eng.has_unfinished():
+        eng.step()
+        steps.append([(f.model, f.mode) for f in eng.last_step.forwards])
+    assert steps[0][:2] == [("target", "EXTEND"), ("draft", "EXTEND")]
+    rounds = [s for s in steps if ("target", "TARGET_VERIFY") in s]
+    assert rounds and all(s[:K - 1] == [("draft", "DECODE")] * (K - 1) for s in rounds)
+    assert all(s[K - 1] == ("target", "TARGET_VERIFY") and s[K] == ("draft", "DRAFT_EXTEND_V2") for s in rounds[:-1])
+    eng.check_no_leak()
