@@ -164,6 +164,7 @@ class Engine:
         if sb.mode is ForwardMode.DECODE and self.spec is not None:
             events = self.spec.decode_round(sb.reqs)
             self.last_step.accept_lengths = self.spec.last_accept_lengths
+            self.last_step.drafts = self.spec.last_drafts
         else:
             batch = self.scheduler.build(sb)
             out = self.runner.forward(batch)

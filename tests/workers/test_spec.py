@@ -116,6 +116,35 @@ def test_draft_pool_kinds_on_the_shared_allocator(models):
     assert mixed.spec.drafter.runner.pool.has_swa
 
 
+@pytest.mark.parametrize("variant", ["standalone-swa", "eagle1-full", "eagle3-full", "frozen_kv_mtp-target"])
+def test_incremental_drafts_equal_a_fresh_prefill(models, variant):
+    """The draft's state after chunked prefill, batching and many catch-ups over rejected drafts
+    proposes the same drafts as a fresh engine that prefills the same tokens in one forward:
+    the draft side is checked, which losslessness alone cannot see."""
+    m = models["gemma3"]
+    algorithm, pool, draft = VARIANTS[variant]
+    spec = _spec(algorithm, m[draft], pool)
+    eng = _engine(m["target"], "trtllm_mha", 4, spec)
+    prompts = random_prompts(PROMPT_LENS, seed=8)
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    rounds = []  # (tokens before the pending one, drafts)
+    while eng.has_unfinished():
+        before = {r.rid: r.tokens(0, r.num_tokens - 1) for r in eng.scheduler.running if r.prefilled}
+        eng.step()
+        rounds += [(before[rid], d) for rid, d in eng.last_step.drafts.items()]
+    fresh = Engine(model=m["target"], page_size=16, attention_backend="torch_native", chunked_prefill_size=None,
+                   max_total_tokens=4096, speculative=spec)
+    for tokens, drafts in rounds[::4]:
+        rid = fresh.add_request(tokens, SamplingParams(max_new_tokens=K + 2, temperature=0.0, ignore_eos=True))
+        while not fresh.last_step.drafts:
+            fresh.step()
+        assert fresh.last_step.drafts[rid] == drafts
+        fresh.abort(rid)
+        fresh.step()
+    assert len(rounds) > 12 and len(rids) == 3
+    fresh.check_no_leak()
+
+
 # -- accept-length canary ------------------------------------------------------------------------
 class _UpstreamReadsByAllocator(_AllocatorDecides):
     """Upstream bug 1 as it shipped: the draft's pool (full-only) writes KV at full slots in its

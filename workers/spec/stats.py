@@ -53,3 +53,4 @@ class StepRecord:
 
     forwards: list[ForwardRecord] = dataclasses.field(default_factory=list)
     accept_lengths: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> accept length
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # request id -> verified drafts

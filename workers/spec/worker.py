@@ -35,6 +35,7 @@ class SpecWorker:
         self.scheduler = scheduler
         self.record = record
         self.last_accept_lengths: dict[str, int] = {}
+        self.last_drafts: dict[str, list[int]] = {}
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -77,6 +78,7 @@ class SpecWorker:
 
         events, live, rows = [], [], {}
         self.last_accept_lengths = {}
+        self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
         for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
             logits = out.logits[i * (k + 1):(i + 1) * (k + 1)]
             accepted, bonus = self._verify(req, logits, d, dp)
