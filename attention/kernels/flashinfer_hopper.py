@@ -43,8 +43,8 @@ def context(call: ContextCall, workspace: torch.Tensor) -> torch.Tensor:
         seq_lens=call.seq_lens,
         max_q_len=call.max_q_len,
         max_kv_len=call.max_kv_len,
-        # With soft-capping the kernel computes cap * tanh(qk * bmm1_scale).
-        bmm1_scale=call.bmm1_scale / cap if cap else call.bmm1_scale,
+        # The binding divides bmm1_scale by the cap itself: scores are cap * tanh(qk * scale / cap).
+        bmm1_scale=call.bmm1_scale,
         bmm2_scale=1.0,
         batch_size=call.batch_size,
         cum_seq_lens_q=call.cum_seq_lens_q,

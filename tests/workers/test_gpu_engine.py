@@ -1,13 +1,11 @@
 """End to end on the GPU: trtllm_mha (XQA + FMHA-v2) against torch_native, bf16, greedy.
 
-bf16 rounding differs between the two paths, so a token may differ where the reference's top
-two logits (nearly) tie; every first divergence must be such a tie, and the count is printed.
-Logits come out of a bf16 LM head, so they are bf16 values: a tie is a gap within 1e-3 of the
-top logit or within one bf16 step (ulp) of it, the finest gap bf16 can show.
+bf16 rounding differs between the two paths. At every step until a request's tokens first differ
+(same prefix, so the same question), both paths' logits must agree within bf16 noise: max
+|difference| <= 2^-5 of the largest logit (bf16 keeps 8 significant bits; a few roundings pile up
+over the layers), where a wrong kernel is off by O(1). A first divergence is then a near-tie by
+construction (the reference's gap is at most twice that difference); the count is printed.
 """
-
-import math
-
 
 import pytest
 import torch
@@ -18,9 +16,26 @@ from workers.engine import Engine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 
-def tie_threshold(top: float) -> float:
-    ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))
-    return max(1e-3 * abs(top), ulp)
+BF16_NOISE = 2.0**-5
+
+
+def compare_bf16_runs(ref_outs, outs, label: str) -> tuple[int, float]:
+    """Assert the logits of two runs agree within bf16 noise up to each request's first differing
+    token; returns (requests that diverged, largest relative logit difference seen)."""
+    diverged, worst = 0, 0.0
+    for i, (ref, out) in enumerate(zip(ref_outs, outs)):
+        for step, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)):
+            r, o = ref.logits[step].float(), out.logits[step].float()
+            rel = ((r - o).abs().max() / r.abs().max()).item()
+            worst = max(worst, rel)
+            assert rel <= BF16_NOISE, f"{label} request {i} step {step}: logits differ by {rel:.3g} of the largest"
+            if a != b:
+                top2 = r.topk(2).values
+                print(f"{label} request {i}: first divergence at step {step}, reference gap {(top2[0] - top2[1]).item():.3g}, "
+                      f"logit difference {rel:.3g} of the largest")
+                diverged += 1
+                break
+    return diverged, worst
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma2", "mistral", "qwen3"])
@@ -39,14 +54,5 @@ def test_trtllm_mha_matches_torch_native_on_gpu(tmp_path, name, page_size):
                      chunked_prefill_size=64, debug_kv_checks=True)
         runs[backend] = eng.generate(prompt_token_ids=prompts, sampling=sp)
         eng.check_no_leak()
-    differing, near_ties = 0, 0
-    for ref, out in zip(runs["torch_native"], runs["trtllm_mha"]):
-        for step, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)):
-            if a != b:
-                top2 = ref.logits[step].float().topk(2).values
-                gap, tie = (top2[0] - top2[1]).item(), tie_threshold(top2[0].item())
-                differing += 1
-                near_ties += gap <= tie
-                assert gap <= tie, f"{name} page {page_size}: step {step} differs with a logit gap of {gap:.3g} (tie: {tie:.3g})"
-                break
-    print(f"{name} page {page_size}: {differing} of {len(prompts)} requests diverged (all at ties: {near_ties})")
+    diverged, worst = compare_bf16_runs(runs["torch_native"], runs["trtllm_mha"], f"{name} page {page_size}")
+    print(f"{name} page {page_size}: {diverged} of {len(prompts)} requests diverged; largest logit difference {worst:.3g}")

@@ -1,14 +1,14 @@
 """Speculative decoding on the GPU: trtllm_mha (XQA verify with the chain mask, FMHA-v2 draft
 extend), bf16, greedy. A copy of the target as standalone draft is accepted in full; EAGLE and
-frozen-KV heads run every forward mode; output equals decoding without speculation except
-where bf16 logits tie (the same criterion as the engine's GPU test)."""
+frozen-KV heads run every forward mode; logits agree with decoding without speculation within
+bf16 noise up to any first divergence (the criterion of the engine's GPU test)."""
 
 import pytest
 import torch
 
 from tests.hf_models import make_tiny_model, random_prompts
 from tests.spec_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
-from tests.workers.test_gpu_engine import tie_threshold
+from tests.workers.test_gpu_engine import compare_bf16_runs
 from workers.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -43,17 +43,9 @@ def test_speculative_trtllm_mha_on_gpu(models, algorithm):
     eng = Engine(model=models["target"], speculative=spec, **common)
     outs = eng.generate(prompt_token_ids=prompts, sampling=sp)
     eng.check_no_leak()
-    diverged = 0
-    for r, o in zip(ref, outs):
-        for step, (a, b) in enumerate(zip(r.token_ids, o.token_ids)):
-            if a != b:
-                top2 = r.logits[step].float().topk(2).values
-                gap = (top2[0] - top2[1]).item()
-                assert gap <= tie_threshold(top2[0].item()), f"{algorithm}: step {step} differs with a logit gap of {gap:.3g}"
-                diverged += 1
-                break
+    diverged, worst = compare_bf16_runs(ref, outs, algorithm)
     lengths = [n for o in outs for n in o.spec.accept_lengths]
-    print(f"{algorithm}: {diverged} of {len(prompts)} requests diverged at ties; mean accept length "
+    print(f"{algorithm}: {diverged} of {len(prompts)} requests diverged (largest logit difference {worst:.3g}); mean accept length "
           f"{sum(lengths) / len(lengths):.2f} over {len(lengths)} verify steps")
     if algorithm == "standalone":
         assert sum(lengths) / len(lengths) > K + 0.5
