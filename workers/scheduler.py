@@ -150,6 +150,12 @@ class Scheduler:
             self.allocator.extend(req.row, end - held)
         return self.req_to_token.table[req.row, start:end].long()
 
+    def trim(self, req: Request) -> None:
+        """Give back slots held past the request's tokens (rejected drafts); the pending
+        token's slot stays."""
+        if self.allocator.allocated_len(req.row) > req.num_tokens:
+            self.allocator.truncate(req.row, req.num_tokens)
+
     def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[tuple[Request, list[int]]]:
         """Commit a forward's KV and sampled tokens; returns (request, new tokens) pairs."""
         events = []

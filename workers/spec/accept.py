@@ -13,14 +13,13 @@ from __future__ import annotations
 import torch
 
 
-def verify_greedy(target_logits: torch.Tensor, drafts: list[int]) -> tuple[int, int]:
-    """target_logits `[k+1, V]` (row i scores the token after draft i); returns (accepted
-    drafts n, the token that follows them)."""
-    best = target_logits.argmax(dim=-1).tolist()
+def verify_greedy(target_best: list[int], drafts: list[int]) -> tuple[int, int]:
+    """target_best: the target's argmax after the pending token and after each draft (k + 1
+    values); returns (accepted drafts n, the token that follows them)."""
     n = 0
-    while n < len(drafts) and drafts[n] == best[n]:
+    while n < len(drafts) and drafts[n] == target_best[n]:
         n += 1
-    return n, best[n]
+    return n, target_best[n]
 
 
 def verify_sampling(

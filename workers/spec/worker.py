@@ -79,9 +79,14 @@ class SpecWorker:
         events, live, rows = [], [], {}
         self.last_accept_lengths = {}
         self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
+        best = out.logits.argmax(dim=-1).tolist()  # one device sync for every greedy request
         for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
             logits = out.logits[i * (k + 1):(i + 1) * (k + 1)]
-            accepted, bonus = self._verify(req, logits, d, dp)
+            if req.sampling.greedy:
+                accepted, bonus = verify_greedy(best[i * (k + 1):(i + 1) * (k + 1)], d)
+            else:
+                target_probs = sampling_probs(logits, [req.sampling] * (k + 1))
+                accepted, bonus = verify_sampling(target_probs, torch.stack(dp), d, req.generator)
             req.spec.stats.record(accepted)
             self.last_accept_lengths[req.rid] = accepted + 1
             new = self.scheduler.commit(req, d[:accepted] + [bonus], start + accepted + 1)
@@ -90,18 +95,9 @@ class SpecWorker:
             events.append((req, new))
             if req.finished:
                 continue
-            if self.scheduler.allocator.allocated_len(req.row) > req.num_tokens:
-                self.scheduler.allocator.truncate(req.row, req.num_tokens)  # rejected drafts' slots
+            self.scheduler.trim(req)  # rejected drafts' slots
             self.drafter.after_verify(req, accepted, k)
             rows[req.rid] = (start, out.hidden[i * (k + 1):(i + 1) * (k + 1)])
             live.append(req)
         self.drafter.catch_up(ForwardMode.DRAFT_EXTEND_V2, live, rows)
         return events
-
-    @staticmethod
-    def _verify(req: Request, logits: torch.Tensor, drafts: list[int],
-                draft_probs: list[torch.Tensor | None]) -> tuple[int, int]:
-        if req.sampling.greedy:
-            return verify_greedy(logits, drafts)
-        target_probs = sampling_probs(logits, [req.sampling] * logits.shape[0])
-        return verify_sampling(target_probs, torch.stack(draft_probs), drafts, req.generator)
