@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from attention import ForwardMode
+from workers.distributed import SINGLE_RANK, TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.model_runner import ModelRunner
@@ -66,7 +67,10 @@ class Engine:
         seed: int = 0,
         debug_kv_checks: bool = False,
         speculative: Mapping[str, Any] | None = None,
+        tp: TPGroup = SINGLE_RANK,
     ) -> None:
+        """`tp`: this rank's tensor-parallel group; every rank of it builds an Engine with the
+        same arguments and steps in lockstep (see `workers.rank_loop`)."""
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         if page_size < 1:
@@ -96,15 +100,17 @@ class Engine:
         else:
             self.allocator = KVAllocator(self.req_to_token, full_pages, page_size)
         backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
+        self.tp = tp
         self.runner = ModelRunner.load(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format,
-                                       seed=seed, debug_kv_checks=debug_kv_checks)
+                                       tp=tp, seed=seed, debug_kv_checks=debug_kv_checks)
         self.scheduler = Scheduler(self.allocator, self.req_to_token, chunked_prefill_size, max_running_requests,
                                    self.cfg.eos_token_ids, lookahead)
         self.last_step = StepRecord()
         self.spec: SpecWorker | None = None
         if draft is not None:
+            draft_tp = tp if spec.draft_tp == "shard" else SINGLE_RANK
             drafter = build_drafter(draft, self.runner, self.allocator, self.scheduler, backend, self.dtype, self.device,
-                                    self._record, seed=seed, debug_kv_checks=debug_kv_checks)
+                                    self._record, tp=draft_tp, seed=seed, debug_kv_checks=debug_kv_checks)
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler, self._record)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -122,9 +128,14 @@ class Engine:
         self.scheduler.add(req)
         return req.rid
 
-    def _make_request(self, prompt: Sequence[int], sampling: SamplingParams, rid: str | None, field: str) -> Request:
+    def check_request(self, prompt: Sequence[int], sampling: SamplingParams, field: str = "prompt_token_ids") -> None:
+        """Raise ValueError naming the field if this request could never run; changes nothing,
+        so a front end may call it from another thread before queuing the request."""
+        self._validate(list(prompt), sampling, field)
+
+    def _validate(self, prompt: list[int], sampling: SamplingParams, field: str) -> int:
+        """The request's maximum length, after checking it."""
         sampling.validate()
-        prompt = list(prompt)
         if not prompt:
             raise ValueError(f"{field}: empty prompt")
         vocab = self.cfg.vocab_size
@@ -135,14 +146,19 @@ class Engine:
             raise ValueError(
                 f"{field}: prompt of {len(prompt)} tokens leaves no room in the context length {self.context_length}"
             )
+        max_len = min(len(prompt) + sampling.max_new_tokens, self.context_length)
+        self.scheduler.check_fits(len(prompt), max_len)
+        return max_len
+
+    def _make_request(self, prompt: Sequence[int], sampling: SamplingParams, rid: str | None, field: str) -> Request:
+        prompt = list(prompt)
+        max_len = self._validate(prompt, sampling, field)
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        max_len = min(len(prompt) + sampling.max_new_tokens, self.context_length)
         req = Request(rid, prompt, sampling, generator, max_len)
-        self.scheduler.check_fits(req)
         if self.spec is not None:
             self.spec.add_request(req)
         return req

@@ -63,26 +63,25 @@ class Scheduler:
         self._needs: dict[str, KVBudget] = {}
 
     # -- admission ---------------------------------------------------------------------
-    def kv_need(self, req: Request) -> KVBudget:
+    def kv_need(self, prompt_len: int, max_len: int) -> KVBudget:
         """Worst-case pages a request can hold at once."""
         p = self.allocator.page_size
-        full = cdiv(req.max_len + self.lookahead, p)
+        full = cdiv(max_len + self.lookahead, p)
         if not self.allocator.is_hybrid:
             return KVBudget(full, 0)
-        prompt = len(req.prompt_ids)
-        chunk = max(1, min(self.chunk or prompt, prompt)) + (1 if self.lookahead else 0)
+        chunk = max(1, min(self.chunk or prompt_len, prompt_len)) + (1 if self.lookahead else 0)
         per_forward = max(chunk, self.lookahead + 1)
         window = self.allocator.sliding_window
         return KVBudget(full, min(full, cdiv(window - 1 + per_forward, p) + 1))
 
-    def check_fits(self, req: Request) -> None:
+    def check_fits(self, prompt_len: int, max_len: int) -> None:
         """Raise ValueError when a request could never be admitted, however long it waits."""
-        need = self.kv_need(req)
+        need = self.kv_need(prompt_len, max_len)
         alloc = self.allocator
         swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
         if need.full_pages > alloc.full.num_pages or need.swa_pages > swa_total:
             raise ValueError(
-                f"prompt_token_ids: a request of up to {req.max_len} tokens needs {need.full_pages} full and "
+                f"prompt_token_ids: a request of up to {max_len} tokens needs {need.full_pages} full and "
                 f"{need.swa_pages} SWA KV pages; the pools have {alloc.full.num_pages} and {swa_total}"
             )
 
@@ -93,7 +92,7 @@ class Scheduler:
         alloc = self.allocator
         swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
         while self.waiting and len(self.running) < self.max_running and self.req_to_token.num_free:
-            need = self.kv_need(self.waiting[0])
+            need = self.kv_need(len(self.waiting[0].prompt_ids), self.waiting[0].max_len)
             if (self._reserved.full_pages + need.full_pages > alloc.full.num_pages
                     or self._reserved.swa_pages + need.swa_pages > swa_total):
                 break

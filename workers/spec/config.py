@@ -26,6 +26,9 @@ class SpecConfig:
     num_steps: int = 3
     draft_pool: str | None = None  # None: the algorithm's default (standalone: swa when possible)
     draft_load_format: str = "auto"
+    # With tensor parallelism: "shard" the draft over the target's ranks, or "replicate" it on
+    # every rank (drafts too small to shard: fewer heads than ranks).
+    draft_tp: str = "shard"
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> "SpecConfig":
@@ -50,5 +53,7 @@ class SpecConfig:
         if self.draft_pool is not None and self.draft_pool not in DRAFT_POOLS[self.algorithm]:
             raise ValueError(f"speculative.draft_pool: {self.algorithm} supports {list(DRAFT_POOLS[self.algorithm])}, "
                              f"got {self.draft_pool!r}")
+        if self.draft_tp not in ("shard", "replicate"):
+            raise ValueError(f"speculative.draft_tp: 'shard' or 'replicate', got {self.draft_tp!r}")
         if not os.path.isfile(os.path.join(str(self.draft_model), "config.json")):
             raise ValueError(f"speculative.draft_model: {self.draft_model!r} is not a model directory with a config.json")

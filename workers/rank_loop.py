@@ -1,0 +1,172 @@
+"""The scheduler loop of one tensor-parallel rank, in lockstep with the other ranks.
+
+Every rank holds an `Engine` built with the same arguments (its own shard of the target and
+draft, its own KV pools, the same allocator state). Rank 0 decides each step: it collects the
+requests that arrived and the aborts, and broadcasts them as a `StepPlan` over a CPU process
+group; every rank applies the plan and runs `Engine.step()`, whose collectives (all-reduce,
+all-gather of logits) keep the ranks together. Sampling is identical on every rank (same logits,
+same per-request seeds, fixed by rank 0), so the allocators never drift apart. Per-step control
+is one broadcast; no remote procedure calls.
+
+Runs under `torch.distributed` alone (benchmarks) or inside Ray rank actors (serving).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import threading
+from typing import Callable
+
+import torch.distributed as dist
+
+from workers.engine import Engine, RequestOutput
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRequest:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams  # with an explicit seed
+
+
+@dataclasses.dataclass
+class StepPlan:
+    new: list[NewRequest] = dataclasses.field(default_factory=list)
+    aborts: list[str] = dataclasses.field(default_factory=list)
+    stop: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """What rank 0 reports for a request after a step."""
+
+    rid: str
+    token_ids: list[int]  # new tokens
+    finished: bool
+    output: RequestOutput | None = None  # the final record, when finished
+    error: str | None = None  # the request cannot finish: the loop broke
+
+
+class RankLoop:
+    def __init__(self, engine: Engine, rank: int, group: dist.ProcessGroup | None = None,
+                 on_update: Callable[[Update], None] | None = None, idle_wait_s: float = 0.5) -> None:
+        """`group`: the CPU (gloo) group the plan is broadcast over; None when alone."""
+        self.engine = engine
+        self.rank = rank
+        self.group = group
+        self.on_update = on_update or (lambda update: None)
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._in_flight: set[str] = set()
+        self._rng = random.Random()
+        self.steps = 0
+        self.error: BaseException | None = None
+
+    # -- rank 0, from any thread ------------------------------------------------------------
+    def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Queue a request for the next step; raise ValueError (naming the field) if it could
+        never run or its id is in use."""
+        if self.error is not None:
+            raise RuntimeError(f"rank loop stopped: {self.error}")
+        self.engine.check_request(prompt_ids, sampling)
+        with self._lock:
+            if rid in self._in_flight:
+                raise ValueError(f"request_id: {rid!r} is already in use")
+            self._in_flight.add(rid)
+        if sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=self._rng.getrandbits(63))
+        self._inbox.put(("new", NewRequest(rid, list(prompt_ids), sampling)))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def stop(self) -> None:
+        self._inbox.put(("stop", None))
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    # -- every rank ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until a plan says stop. On failure (a rank died, a kernel faulted), every request
+        in flight gets an error update and the exception is kept in `self.error`."""
+        try:
+            while True:
+                plan = self._broadcast(self._next_plan() if self.rank == 0 else None)
+                self._apply(plan)
+                if plan.stop:
+                    self._fail_all("the engine shut down")
+                    return
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting request
+            self.error = exc
+            logger.exception("rank %d: loop stopped", self.rank)
+            self._fail_all(f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, Exception):
+                raise
+
+    def _next_plan(self) -> StepPlan:
+        plan = StepPlan()
+        block = not self.engine.has_unfinished()
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block, timeout=self.idle_wait_s if block else None)
+            except queue.Empty:
+                return plan  # idle: an empty plan keeps the other ranks' broadcast alive
+            block = False
+            if kind == "new":
+                plan.new.append(item)
+            elif kind == "abort":
+                plan.aborts.append(item)
+            else:
+                plan.stop = True
+                return plan
+
+    def _broadcast(self, plan: StepPlan | None) -> StepPlan:
+        if self.group is None:
+            return plan
+        box = [plan]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def _apply(self, plan: StepPlan) -> None:
+        for new in plan.new:
+            self.engine.add_request(new.prompt_ids, new.sampling, request_id=new.rid)
+        for rid in plan.aborts:
+            if self.engine.abort(rid):
+                self._finish(rid, [])
+
+    def _step(self) -> None:
+        events = self.engine.step()
+        self.steps += 1
+        for rid, tokens, finished in events:
+            if finished:
+                self._finish(rid, tokens)
+            elif self.rank == 0:
+                self.on_update(Update(rid, tokens, False))
+
+    def _finish(self, rid: str, tokens: list[int]) -> None:
+        output = self.engine.output(rid)
+        self.engine.release(rid)
+        with self._lock:
+            self._in_flight.discard(rid)
+        if self.rank == 0:
+            self.on_update(Update(rid, tokens, True, output))
+
+    def _fail_all(self, message: str) -> None:
+        """Every request submitted and not finished (queued or running) ends with an error."""
+        with self._lock:
+            rids, self._in_flight = sorted(self._in_flight), set()
+        if self.rank == 0:
+            for rid in rids:
+                self.on_update(Update(rid, [], True, error=message))
