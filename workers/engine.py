@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import random
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -31,6 +30,7 @@ from workers.scheduler import Scheduler
 from workers.spec import ForwardRecord, SpecConfig, SpecStats, StepRecord
 from workers.spec.loader import build_drafter, plan_draft
 from workers.spec.worker import SpecWorker
+from workers.tokenizer import load_tokenizer
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
@@ -81,7 +81,7 @@ class Engine:
             raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {swa_full_tokens_ratio}")
         self.cfg = load_model_config(model)
         self.context_length = min(context_length or self.cfg.max_position_embeddings, max_total_tokens)
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model)
         spec = SpecConfig.from_dict(speculative) if speculative is not None else None
         draft = plan_draft(spec, self.cfg, self.context_length) if spec is not None else None
         lookahead = spec.num_steps + 1 if spec is not None else 0
@@ -302,12 +302,3 @@ def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype: unknown {dtype!r}; choose from {['auto', *DTYPES]}")
     return DTYPES[dtype]
-
-
-def _load_tokenizer(model: str):
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.isfile(os.path.join(model, n)) for n in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model, local_files_only=True)

@@ -20,6 +20,7 @@ import random
 import threading
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from workers.engine import Engine, RequestOutput
@@ -40,6 +41,10 @@ class StepPlan:
     new: list[NewRequest] = dataclasses.field(default_factory=list)
     aborts: list[str] = dataclasses.field(default_factory=list)
     stop: bool = False
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.new or self.aborts or self.stop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +138,17 @@ class RankLoop:
                 return plan
 
     def _broadcast(self, plan: StepPlan | None) -> StepPlan:
+        """Rank 0's plan on every rank: one small broadcast when nothing changed (most steps),
+        the pickled plan after it otherwise."""
         if self.group is None:
             return plan
+        src = dist.get_global_rank(self.group, 0)
+        changed = torch.tensor([int(plan is not None and plan.changes)], dtype=torch.int32)
+        dist.broadcast(changed, src=src, group=self.group)
+        if not changed.item():
+            return StepPlan()
         box = [plan]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def _apply(self, plan: StepPlan) -> None:

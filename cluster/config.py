@@ -1,0 +1,72 @@
+"""Typed arguments of the Serve application (`import_path: cluster.app:build_app`, `args:`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ops import MODELS_DIR
+
+
+class EngineArgs(BaseModel):
+    """What every rank's `workers.engine.Engine` is built with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="Hugging Face model directory, or the name of a shipped model in ops/models")
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str = "auto"
+    attention_backend: str | None = None  # default: trtllm_mha on CUDA, torch_native on CPU
+    page_size: int = Field(16, ge=1)
+    max_total_tokens: int = Field(8192, ge=1, description="full KV pool size, in tokens, per replica")
+    swa_full_tokens_ratio: float = Field(0.8, gt=0, le=1)
+    chunked_prefill_size: int | None = Field(2048, ge=1)
+    max_running_requests: int = Field(64, ge=1)
+    context_length: int | None = Field(None, ge=2)
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    seed: int = 0
+    debug_kv_checks: bool = False
+    speculative: dict[str, Any] | None = Field(None, description="algorithm, draft_model, num_steps, draft_pool, draft_tp")
+
+    @field_validator("model")
+    @classmethod
+    def _resolve_model(cls, value: str) -> str:
+        if os.path.isdir(value):
+            return os.path.abspath(value)
+        shipped = os.path.join(MODELS_DIR, value)
+        if os.path.isdir(shipped):
+            return shipped
+        raise ValueError(f"model: {value!r} is neither a directory nor a shipped model in {MODELS_DIR}")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs = self.model_dump()
+        spec = kwargs.get("speculative")
+        if spec and "draft_model" in spec:
+            spec["draft_model"] = self._resolve_model(spec["draft_model"])
+        return kwargs
+
+
+class AppArgs(EngineArgs):
+    """Engine arguments plus how the replicas are laid out on the cluster."""
+
+    tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (Ray actors) per replica")
+    num_replicas: int | Literal["auto"] = 1
+    autoscaling_config: dict[str, Any] | None = None
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
+    cpus_per_rank: float = Field(1.0, gt=0)
+    torch_threads_per_rank: int = Field(1, ge=1)
+    health_check_period_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(10.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+
+    def engine_args(self) -> EngineArgs:
+        return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.model_fields})
+
+    def rank_bundles(self) -> list[dict[str, float]]:
+        bundle = {"CPU": self.cpus_per_rank}
+        if self.device == "cuda":
+            bundle["GPU"] = 1
+        return [dict(bundle) for _ in range(self.tp_size)]

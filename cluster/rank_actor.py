@@ -1,0 +1,145 @@
+"""One tensor-parallel rank as a Ray actor: a thin host around `workers.rank_loop.RankLoop`.
+
+The actor builds its rank's `Engine` (target and draft shards, KV pools, the replica's allocator
+state), joins the replica's `torch.distributed` group (rank 0 publishes address and port) and
+runs the rank loop in a thread. Rank 0 also takes requests (`generate`, a Ray streaming
+generator fed by the loop thread) and aborts; other ranks only follow rank 0's broadcasts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import socket
+import threading
+from typing import Any, AsyncIterator
+
+import ray
+import torch
+import torch.distributed as dist
+
+from workers.distributed import TPGroup
+from workers.engine import Engine, SamplingParams
+from workers.rank_loop import RankLoop, Update
+
+logger = logging.getLogger(__name__)
+
+
+def update_to_wire(update: Update) -> dict[str, Any]:
+    """A rank loop update as the plain dict that crosses process boundaries."""
+    out: dict[str, Any] = {"token_ids": update.token_ids, "finished": update.finished}
+    if update.error is not None:
+        out["error"] = update.error
+    if update.output is not None:
+        o = update.output
+        out.update(finish_reason=o.finish_reason, prompt_tokens=len(o.prompt_token_ids), completion_tokens=len(o.token_ids))
+        if o.spec is not None:
+            out["spec"] = {"verify_steps": o.spec.verify_steps, "accept_lengths": o.spec.accept_lengths,
+                           "accepted_per_position": o.spec.accepted_per_position,
+                           "mean_accept_length": o.spec.mean_accept_length}
+    return out
+
+
+class RankActor:
+    def __init__(self, rank: int, tp_size: int, engine_kwargs: dict[str, Any], torch_threads: int = 1,
+                 control_timeout_s: float = 600.0) -> None:
+        self.rank = rank
+        self.tp_size = tp_size
+        self.engine_kwargs = engine_kwargs
+        self.control_timeout_s = control_timeout_s
+        torch.set_num_threads(torch_threads)
+        self.loop: RankLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port for the process group's rendezvous (rank 0)."""
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
+
+    async def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the replica's process group, build this rank's engine, start the rank loop."""
+        self._aio = asyncio.get_running_loop()
+        device = self.engine_kwargs.get("device", "cpu")
+        timeout = datetime.timedelta(seconds=self.control_timeout_s)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.tp_size, timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout) if device == "cuda" else dist.group.WORLD
+        engine = Engine(**self.engine_kwargs, tp=TPGroup(self.rank, self.tp_size, dist.group.WORLD))
+        self.loop = RankLoop(engine, self.rank, control if self.tp_size > 1 else None, self._on_update)
+        self._thread = threading.Thread(target=self.loop.run, name=f"rank{self.rank}-loop", daemon=True)
+        self._thread.start()
+        cfg = engine.cfg
+        return {"rank": self.rank, "architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
+                "context_length": engine.context_length, "max_window": cfg.max_window,
+                "speculative": engine.spec.drafter.algorithm if engine.spec else None, "kv": engine.kv_stats()}
+
+    # -- rank 0 ----------------------------------------------------------------------------------
+    async def generate(self, rid: str, prompt_ids: list[int], sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream a request's updates (new token ids; the last one with finish reason and usage).
+        Invalid requests raise ValueError naming the field before anything is queued."""
+        stream: asyncio.Queue[Update] = asyncio.Queue()
+        self._streams[rid] = stream
+        finished = False
+        try:
+            self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
+            while not finished:
+                update = await stream.get()
+                finished = update.finished
+                yield update_to_wire(update)
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # the caller went away: free the request's KV at the next step
+                self.loop.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        self.loop.abort(rid)
+
+    def load(self) -> dict[str, Any]:
+        """Running and waiting requests and KV use (read without stopping the loop)."""
+        engine = self.loop.engine
+        sched = engine.scheduler
+        kv = engine.kv_stats()
+        running = list(sched.running)
+        lengths = [n for r in running if r.spec is not None for n in r.spec.stats.accept_lengths]
+        return {
+            "running": len(running),
+            "waiting": self.loop.in_flight - len(running),
+            "kv_full_used": kv["full_total"] - kv["full_free"], "kv_full_total": kv["full_total"],
+            "kv_swa_used": kv["swa_total"] - kv["swa_free"], "kv_swa_total": kv["swa_total"],
+            "token_load": sum(r.num_tokens for r in running),
+            "mean_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
+        }
+
+    def _on_update(self, update: Update) -> None:
+        """Called by the loop thread: hand the update to the request's stream."""
+        stream = self._streams.get(update.rid)
+        if stream is not None:
+            self._aio.call_soon_threadsafe(stream.put_nowait, update)
+
+    # -- every rank ------------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        """Raise if this rank's loop has stopped; otherwise its step count."""
+        if self.loop is None:
+            raise RuntimeError(f"rank {self.rank}: not set up")
+        if self.loop.error is not None or not self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank}: rank loop stopped: {self.loop.error}")
+        return {"rank": self.rank, "steps": self.loop.steps}
+
+    def kv_check(self) -> dict[str, int]:
+        """Assert this rank's pools are back at their initial free counts; returns them."""
+        self.loop.engine.check_no_leak()
+        return self.loop.engine.kv_stats()
+
+    def shutdown(self) -> None:
+        """Stop the loop (rank 0 broadcasts the stop to the others) and leave the group."""
+        if self.loop is not None and self.rank == 0:
+            self.loop.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,154 @@
+"""The Serve deployment of one engine replica: a tensor-parallel group of rank actors.
+
+Each replica runs in its own placement group (Serve's `placement_group_bundles`: bundle 0 for
+the replica actor, one bundle per rank), starts its rank actors in that group, wires their
+process group and streams requests through rank 0. Its health check fails when any rank actor
+or rank loop is gone, so Serve replaces the replica; requests in flight then end with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import uuid
+from typing import Any, AsyncIterator
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import AppArgs
+from cluster.rank_actor import RankActor
+from workers.sampling_params import SamplingParams
+from workers.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(RuntimeError):
+    """A request failed inside the replica (a rank died, the engine stopped)."""
+
+
+def parse_request(body: dict[str, Any], tokenizer, default_id: str) -> tuple[str, list[int], SamplingParams]:
+    """(request id, prompt token ids, sampling params) from a request dict; ValueError names the
+    offending field."""
+    known = {"request_id", "prompt", "prompt_token_ids", "sampling"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise ValueError(f"request: unknown field(s) {unknown}; known: {sorted(known)}")
+    if ("prompt" in body) == ("prompt_token_ids" in body):
+        raise ValueError("prompt / prompt_token_ids: give exactly one of them")
+    if "prompt" in body:
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids")
+        if not isinstance(body["prompt"], str):
+            raise ValueError("prompt: must be a string")
+        ids = tokenizer.encode(body["prompt"])
+    else:
+        ids = body["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise ValueError("prompt_token_ids: must be a list of integers")
+    sampling = body.get("sampling") or {}
+    fields = set(SamplingParams.__dataclass_fields__) - {"return_logits"}
+    bad = sorted(set(sampling) - fields)
+    if bad:
+        raise ValueError(f"sampling: unknown field(s) {bad}; known: {sorted(fields)}")
+    return str(body.get("request_id") or default_id), list(ids), SamplingParams(**sampling)
+
+
+class LLMServer:
+    """One replica. Methods are called through Serve deployment handles (and HTTP)."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.args = AppArgs(**args)
+        self.engine_kwargs = self.args.engine_args().engine_kwargs()
+        self.replica_tag = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+        self.tokenizer = load_tokenizer(self.engine_kwargs["model"])
+        pg = ray.util.get_current_placement_group()
+        actor_cls = ray.remote(RankActor)
+        bundle = self.args.rank_bundles()[0]
+        self.ranks = []
+        for rank in range(self.args.tp_size):
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank + 1) if pg else None
+            self.ranks.append(actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
+                name=f"slidespec-{self.replica_tag}-rank{rank}", max_concurrency=1000,
+            ).remote(rank, self.args.tp_size, self.engine_kwargs, self.args.torch_threads_per_rank))
+        addr, port = ray.get(self.ranks[0].address.remote())
+        self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
+        logger.info("replica %s: %d rank(s) up: %s", self.replica_tag, len(self.ranks), self.info)
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream a request: dicts with new `token_ids` (and `text` when the model has a
+        tokenizer); the last carries finish reason, usage and speculative statistics."""
+        rid, prompt_ids, sampling = parse_request(body, self.tokenizer, f"{self.replica_tag}-{next(self._ids)}")
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        stream = self.ranks[0].generate.options(num_returns="streaming").remote(rid, prompt_ids, dataclasses.asdict(sampling))
+        try:
+            async for ref in stream:
+                try:
+                    update = await ref
+                except ray.exceptions.RayTaskError as exc:
+                    if isinstance(exc.cause, ValueError):  # the request was invalid: say why, no traceback
+                        raise ValueError(str(exc.cause)) from None
+                    raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {exc.cause!r}") from exc
+                if "error" in update:
+                    raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {update['error']}")
+                if detok is not None:
+                    update["text"] = detok.add(update["token_ids"])
+                update["request_id"] = rid
+                yield update
+        finally:
+            if not stream.completed():
+                self.ranks[0].abort.remote(rid)
+
+    async def __call__(self, request) -> Any:
+        """HTTP: POST a JSON request; the answer streams back as JSON lines."""
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        try:
+            body = await request.json()
+            updates = self.generate(body)
+            first = await updates.__anext__()
+        except (ValueError, json.JSONDecodeError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+
+        async def lines():
+            yield json.dumps(first) + "\n"
+            try:
+                async for update in updates:
+                    yield json.dumps(update) + "\n"
+            except RequestError as exc:
+                yield json.dumps({"error": str(exc)}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def abort(self, rid: str) -> None:
+        await self.ranks[0].abort.remote(rid)
+
+    async def load(self) -> dict[str, Any]:
+        return {"replica": self.replica_tag, **await self.ranks[0].load.remote()}
+
+    async def model_info(self) -> dict[str, Any]:
+        return {"replica": self.replica_tag, "tp_size": self.args.tp_size, **self.info}
+
+    async def kv_check(self) -> list[dict[str, int]]:
+        """Every rank's pools are back at their initial free counts (raises otherwise)."""
+        return await asyncio.gather(*[a.kv_check.remote() for a in self.ranks])
+
+    # -- Serve hooks ---------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        """Fails when a rank actor died or a rank loop stopped; Serve then replaces the replica."""
+        await asyncio.wait_for(asyncio.gather(*[a.ping.remote() for a in self.ranks]),
+                               timeout=self.args.health_check_timeout_s)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return await self.load()
+
+    def __del__(self) -> None:
+        for actor in getattr(self, "ranks", []):
+            ray.kill(actor, no_restart=True)

@@ -1,0 +1,63 @@
+"""`ops/serve.yaml` deployed the way the README says: `ray start --head`, `serve deploy`,
+`serve status` shows the application RUNNING, a streamed HTTP request is served, then
+`serve shutdown` and `ray stop`. `ray start --head` turns on token authentication, so the CLI
+runs with RAY_AUTH_MODE=token. Only the HTTP port is changed (to a free one)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import yaml
+
+from tests.cluster.conftest import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.dirname(sys.executable)
+
+
+def _run(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    gcs, dashboard = free_port(), free_port()
+    started = _run("ray", "start", "--head", "--num-cpus", "8", "--node-ip-address", "127.0.0.1",
+                   "--dashboard-host", "127.0.0.1", "--port", str(gcs), "--dashboard-port", str(dashboard),
+                   "--disable-usage-stats", env=env)
+    assert started.returncode == 0, started.stderr
+    yield env, f"http://127.0.0.1:{dashboard}"
+    _run("ray", "stop", "--force", env=env)
+
+
+def test_serve_yaml_deploys_and_serves_a_streamed_request(cluster, tmp_path):
+    env, address = cluster
+    config = yaml.safe_load(open(os.path.join(ROOT, "ops", "serve.yaml")))
+    port = free_port()
+    config["http_options"]["port"] = port
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    deployed = _run("serve", "deploy", str(path), "-a", address, env=env)
+    assert deployed.returncode == 0, deployed.stderr
+    deadline, status = time.monotonic() + 240, ""
+    while time.monotonic() < deadline:
+        status = _run("serve", "status", "-a", address, env=env).stdout
+        if "status: RUNNING" in status:
+            break
+        time.sleep(2)
+    assert "status: RUNNING" in status, status
+    route = config["applications"][0]["route_prefix"]
+    body = {"prompt_token_ids": [5, 6, 7, 8], "sampling": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+    with requests.post(f"http://127.0.0.1:{port}{route}", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        updates = [json.loads(line) for line in r.iter_lines() if line]
+    assert len(updates) >= 2, "tokens should stream back in several messages"
+    assert sum(len(u["token_ids"]) for u in updates) == 8 and updates[-1]["finish_reason"] == "length"
+    shutdown = _run("serve", "shutdown", "-y", "-a", address, env=env)
+    assert shutdown.returncode == 0, shutdown.stderr

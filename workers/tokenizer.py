@@ -1,0 +1,35 @@
+"""Tokenizer loading and incremental detokenization of streamed token ids."""
+
+from __future__ import annotations
+
+import os
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(model_dir: str):
+    """The model directory's Hugging Face tokenizer, or None when it has none."""
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of token ids. A byte-level token may end inside a UTF-8
+    character; such a tail (decoded as U+FFFD) is held back until the next token completes it."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already returned
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        end = len(text)
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        delta, self.sent = text[self.sent:end], max(self.sent, end)
+        return delta
