@@ -142,4 +142,6 @@ class RankActor:
         if self._thread is not None:
             self._thread.join(timeout=30)
         if dist.is_initialized():
+            if self.loop is not None and self.loop.error is None:
+                dist.barrier(group=self.loop.group)  # no rank closes connections another still reads
             dist.destroy_process_group()

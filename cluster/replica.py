@@ -150,5 +150,11 @@ class LLMServer:
         return await self.load()
 
     def __del__(self) -> None:
-        for actor in getattr(self, "ranks", []):
+        """Serve drained the replica: stop the rank loops, then make sure the actors are gone."""
+        ranks = getattr(self, "ranks", [])
+        try:
+            ray.get([a.shutdown.remote() for a in ranks], timeout=30)
+        except Exception as exc:  # noqa: BLE001 - a dead rank cannot shut down; kill what is left
+            logger.warning("replica %s: rank shutdown failed (%s); killing the rank actors", self.replica_tag, exc)
+        for actor in ranks:
             ray.kill(actor, no_restart=True)

@@ -100,6 +100,7 @@ def _tp_rank(rank: int, port: int, model: str, steps: int, results) -> None:
         thread.join()
     else:
         loop.run()
+    dist.barrier()  # no rank closes its connections while another still reads from them
     dist.destroy_process_group()
 
 

@@ -1,6 +1,7 @@
 """Tensor parallelism without Ray: 2 and 4 processes (gloo) run `RankLoop` in lockstep and give
-the same greedy tokens as one process, with and without speculative decoding, on a hybrid SWA
-model (4 ranks replicate its 2 KV heads); every rank's pools end full."""
+the same greedy tokens as one process, with and without speculative decoding (draft sharded or
+replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV heads); every
+rank's pools end full. The same runs on GPUs with NCCL are in test_gpu_tensor_parallel.py."""
 
 import datetime
 import os
@@ -49,6 +50,7 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, results) -
     engine.check_no_leak()
     if rank == 0:
         results.put([outputs[f"r{i}"] for i in range(len(PROMPTS))])
+    dist.barrier()  # no rank closes its connections while another still reads from them
     dist.destroy_process_group()
 
 
@@ -75,12 +77,13 @@ def model_dirs(tmp_path_factory):
             "eagle": make_eagle_head(target, str(root / "eagle"), 1)}
 
 
-@pytest.mark.parametrize("world, speculative", [(2, None), (2, "standalone"), (4, "eagle")])
+@pytest.mark.parametrize("world, speculative", [(2, None), (2, "standalone"), (2, "standalone-replicated"), (4, "eagle")])
 def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
     kwargs = dict(model=model_dirs["target"], page_size=4, chunked_prefill_size=8, max_total_tokens=2048,
                   attention_backend="trtllm_mha")
-    if speculative == "standalone":
-        kwargs["speculative"] = {"algorithm": "standalone", "draft_model": model_dirs["draft"], "num_steps": 3}
+    if speculative in ("standalone", "standalone-replicated"):
+        kwargs["speculative"] = {"algorithm": "standalone", "draft_model": model_dirs["draft"], "num_steps": 3,
+                                 "draft_tp": "replicate" if speculative.endswith("replicated") else "shard"}
     elif speculative == "eagle":
         kwargs["speculative"] = {"algorithm": "eagle", "draft_model": model_dirs["eagle"], "num_steps": 3}
     single = Engine(**kwargs)
