@@ -4,7 +4,6 @@ replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV hea
 rank's pools end full. The same runs on GPUs with NCCL are in test_gpu_tensor_parallel.py."""
 
 import datetime
-import os
 import socket
 
 import pytest
@@ -28,36 +27,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, results) -> None:
+def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: SamplingParams, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    control = dist.new_group(backend="gloo")
+    cuda = engine_kwargs.get("device") == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    control = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
     engine = Engine(**engine_kwargs, tp=TPGroup(rank, world, dist.group.WORLD))
     outputs = {}
 
     def on_update(update):
         if update.finished:
-            outputs[update.rid] = (update.output.token_ids, update.output.spec.accept_lengths if update.output.spec else None)
+            outputs[update.rid] = update.output
             if len(outputs) == len(PROMPTS):
                 loop.stop()
 
     loop = RankLoop(engine, rank, control, on_update)
     if rank == 0:
         for i, prompt in enumerate(PROMPTS):
-            loop.submit(f"r{i}", prompt, GREEDY)
+            loop.submit(f"r{i}", prompt, sampling)
     loop.run()
     engine.check_no_leak()
     if rank == 0:
         results.put([outputs[f"r{i}"] for i in range(len(PROMPTS))])
-    dist.barrier()  # no rank closes its connections while another still reads from them
+    dist.barrier(group=control)  # no rank closes its connections while another still reads from them
     dist.destroy_process_group()
 
 
-def _run_tp(world: int, engine_kwargs: dict):
+def run_tp(world: int, engine_kwargs: dict, sampling: SamplingParams = GREEDY):
+    """Outputs of PROMPTS from `world` ranks in lockstep (one process each)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, results))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, sampling, results))
              for port in [_free_port()] for r in range(world)]
     for p in procs:
         p.start()
@@ -88,7 +91,7 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
         kwargs["speculative"] = {"algorithm": "eagle", "draft_model": model_dirs["eagle"], "num_steps": 3}
     single = Engine(**kwargs)
     ref = single.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
-    got = _run_tp(world, kwargs)
-    assert [tokens for tokens, _ in got] == [o.token_ids for o in ref]
+    got = run_tp(world, kwargs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     if speculative:
-        assert [lengths for _, lengths in got] == [o.spec.accept_lengths for o in ref]
+        assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]
