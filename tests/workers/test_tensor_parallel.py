@@ -4,6 +4,7 @@ replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV hea
 rank's pools end full. The same runs on GPUs with NCCL are in test_gpu_tensor_parallel.py."""
 
 import datetime
+import pickle
 import socket
 
 import pytest
@@ -51,7 +52,8 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: 
     loop.run()
     engine.check_no_leak()
     if rank == 0:
-        results.put([outputs[f"r{i}"] for i in range(len(PROMPTS))])
+        # Plain pickle: torch's queue would share tensors through this process, which is exiting.
+        results.put(pickle.dumps([outputs[f"r{i}"] for i in range(len(PROMPTS))]))
     dist.barrier(group=control)  # no rank closes its connections while another still reads from them
     dist.destroy_process_group()
 
@@ -64,7 +66,7 @@ def run_tp(world: int, engine_kwargs: dict, sampling: SamplingParams = GREEDY):
              for port in [_free_port()] for r in range(world)]
     for p in procs:
         p.start()
-    out = results.get(timeout=300)
+    out = pickle.loads(results.get(timeout=300))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
