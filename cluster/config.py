@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ops import MODELS_DIR
 
@@ -48,6 +48,48 @@ class EngineArgs(BaseModel):
         return kwargs
 
 
+class GrpcArgs(BaseModel):
+    """The gRPC API server (runs inside the ingress deployment)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="bind address; loopback unless told otherwise")
+    port: int = Field(50051, ge=0, le=65535)
+    tls_cert_file: str | None = Field(None, description="PEM server certificate; with tls_key_file turns TLS on")
+    tls_key_file: str | None = None
+    auth_token_file: str | None = Field(None, description="file holding the bearer token clients must send")
+    max_message_bytes: int = Field(16 << 20, ge=1024)
+    retries: int = Field(2, ge=0, description="retries on a replica failure before the first token")
+    retry_backoff_s: float = Field(0.2, ge=0)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "GrpcArgs":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("grpc.tls_cert_file / grpc.tls_key_file: give both or neither")
+        for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"grpc.{name}: {path!r} is not a file")
+        return self
+
+
+class RouterArgs(BaseModel):
+    """How requests are spread over replicas (cluster.routing.policies)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["round_robin", "power_of_two", "cache_aware", "consistent_hash"] = "power_of_two"
+    cache_threshold: float = Field(0.5, ge=0, le=1, description="cache_aware: prefix match that wins")
+    balance_abs_threshold: float = Field(256, ge=0, description="cache_aware: token load gap that means imbalance")
+    balance_rel_threshold: float = Field(1.5, ge=1, description="cache_aware: load ratio that means imbalance")
+    virtual_nodes: int = Field(64, ge=1, description="consistent_hash: points per replica on the ring")
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        own = {"cache_aware": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold"),
+               "consistent_hash": ("virtual_nodes",)}.get(self.policy, ())
+        return {"policy": self.policy, **{name: getattr(self, name) for name in own}}
+
+
 class AppArgs(EngineArgs):
     """Engine arguments plus how the replicas are laid out on the cluster."""
 
@@ -60,7 +102,11 @@ class AppArgs(EngineArgs):
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
-    max_ongoing_requests: int = Field(256, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1, description="requests a replica takes at once")
+    max_queued_requests: int = Field(1024, ge=1, description="requests waiting for a replica; more get RESOURCE_EXHAUSTED")
+    routing_stats_period_s: float = Field(2.0, gt=0)
+    grpc: GrpcArgs = Field(default_factory=GrpcArgs)
+    router: RouterArgs = Field(default_factory=RouterArgs)
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.model_fields})

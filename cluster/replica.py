@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 import uuid
 from typing import Any, AsyncIterator
@@ -31,10 +30,10 @@ class RequestError(RuntimeError):
     """A request failed inside the replica (a rank died, the engine stopped)."""
 
 
-def parse_request(body: dict[str, Any], tokenizer, default_id: str) -> tuple[str, list[int], SamplingParams]:
-    """(request id, prompt token ids, sampling params) from a request dict; ValueError names the
-    offending field."""
-    known = {"request_id", "prompt", "prompt_token_ids", "sampling"}
+def parse_request(body: dict[str, Any], tokenizer, default_id: str) -> tuple[str, list[int], SamplingParams, list[str]]:
+    """(request id, prompt token ids, sampling params, stop strings) from a request dict;
+    ValueError names the offending field."""
+    known = {"request_id", "prompt", "prompt_token_ids", "sampling", "session_id"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise ValueError(f"request: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -50,12 +49,17 @@ def parse_request(body: dict[str, Any], tokenizer, default_id: str) -> tuple[str
         ids = body["prompt_token_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             raise ValueError("prompt_token_ids: must be a list of integers")
-    sampling = body.get("sampling") or {}
+    sampling = dict(body.get("sampling") or {})
+    stop = sampling.pop("stop", None) or []
+    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise ValueError("sampling.stop: must be a list of non-empty strings")
+    if stop and tokenizer is None:
+        raise ValueError("sampling.stop: stop strings need a tokenizer; use stop_token_ids")
     fields = set(SamplingParams.__dataclass_fields__) - {"return_logits"}
     bad = sorted(set(sampling) - fields)
     if bad:
-        raise ValueError(f"sampling: unknown field(s) {bad}; known: {sorted(fields)}")
-    return str(body.get("request_id") or default_id), list(ids), SamplingParams(**sampling)
+        raise ValueError(f"sampling: unknown field(s) {bad}; known: {sorted(fields | {'stop'})}")
+    return str(body.get("request_id") or default_id), list(ids), SamplingParams(**sampling), stop
 
 
 class LLMServer:
@@ -64,7 +68,7 @@ class LLMServer:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = AppArgs(**args)
         self.engine_kwargs = self.args.engine_args().engine_kwargs()
-        self.replica_tag = uuid.uuid4().hex[:8]
+        self.replica_tag = _serve_replica_id() or uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self.tokenizer = load_tokenizer(self.engine_kwargs["model"])
         pg = ray.util.get_current_placement_group()
@@ -84,9 +88,11 @@ class LLMServer:
     # -- requests ------------------------------------------------------------------------------
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream a request: dicts with new `token_ids` (and `text` when the model has a
-        tokenizer); the last carries finish reason, usage and speculative statistics."""
-        rid, prompt_ids, sampling = parse_request(body, self.tokenizer, f"{self.replica_tag}-{next(self._ids)}")
+        tokenizer); the last carries finish reason, usage, speculative statistics and this
+        replica's load. A stop string ends the request (its text is cut before the stop)."""
+        rid, prompt_ids, sampling, stop = parse_request(body, self.tokenizer, f"{self.replica_tag}-{next(self._ids)}")
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        text = ""
         stream = self.ranks[0].generate.options(num_returns="streaming").remote(rid, prompt_ids, dataclasses.asdict(sampling))
         try:
             async for ref in stream:
@@ -98,34 +104,21 @@ class LLMServer:
                     raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {exc.cause!r}") from exc
                 if "error" in update:
                     raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {update['error']}")
+                update["request_id"], update["replica"] = rid, self.replica_tag
                 if detok is not None:
                     update["text"] = detok.add(update["token_ids"])
-                update["request_id"] = rid
+                    cut = _first_stop(text, update["text"], stop)
+                    if cut is not None:
+                        update.update(text=update["text"][:cut], finished=True, finish_reason="stop")
+                    text += update["text"]
+                if update["finished"]:
+                    update["load"] = await self.load()
                 yield update
+                if update["finished"]:
+                    return
         finally:
-            if not stream.completed():
+            if not stream.completed():  # cancelled, failed or cut at a stop string: free the KV
                 self.ranks[0].abort.remote(rid)
-
-    async def __call__(self, request) -> Any:
-        """HTTP: POST a JSON request; the answer streams back as JSON lines."""
-        from starlette.responses import JSONResponse, StreamingResponse
-
-        try:
-            body = await request.json()
-            updates = self.generate(body)
-            first = await updates.__anext__()
-        except (ValueError, json.JSONDecodeError) as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
-
-        async def lines():
-            yield json.dumps(first) + "\n"
-            try:
-                async for update in updates:
-                    yield json.dumps(update) + "\n"
-            except RequestError as exc:
-                yield json.dumps({"error": str(exc)}) + "\n"
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def abort(self, rid: str) -> None:
         await self.ranks[0].abort.remote(rid)
@@ -158,3 +151,24 @@ class LLMServer:
             logger.warning("replica %s: rank shutdown failed (%s); killing the rank actors", self.replica_tag, exc)
         for actor in ranks:
             ray.kill(actor, no_restart=True)
+
+
+def _first_stop(before: str, delta: str, stops: list[str]) -> int | None:
+    """Where in `delta` to cut so that the text ends before the first stop string, if one
+    completes in it (it may start in `before`)."""
+    text, cuts = before + delta, []
+    for stop in stops:
+        at = text.find(stop, max(0, len(before) - len(stop) + 1))
+        if at != -1:
+            cuts.append(max(0, at - len(before)))
+    return min(cuts) if cuts else None
+
+
+def _serve_replica_id() -> str | None:
+    """This Serve replica's id (what the request router knows it by); None outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not running inside a Serve replica
+        return None

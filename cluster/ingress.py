@@ -1,0 +1,101 @@
+"""The ingress deployment: the gRPC API (and a JSON-lines HTTP route through Serve's proxy) in
+front of the engine deployment.
+
+Why a `grpc.aio` server inside a Serve deployment rather than Serve's own gRPC proxy: the API
+needs TLS, a bearer-token interceptor, the standard health and reflection services, message
+size limits and per-call cancellation, which Serve's proxy does not let an application
+configure. Serve still owns the deployment: it starts, health-checks and replaces the ingress,
+and requests reach engine replicas through a Serve handle and its request router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config import AppArgs
+from cluster.grpc_server import SERVICE, GenerationService, _cause, start_server
+from cluster.routing.load_board import BOARD
+from grpc_health.v1 import health_pb2
+from workers.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "LLMServer"
+
+
+class GrpcIngress:
+    async def __init__(self, llm: DeploymentHandle, args: dict[str, Any]) -> None:
+        self.args = AppArgs(**args)
+        self.llm = llm
+        model = self.args.engine_args().engine_kwargs()["model"]
+        self.tokenizer = load_tokenizer(model)
+        tokenize = self.tokenizer.encode if self.tokenizer is not None else None
+        self.running_replicas = 0
+        self.service = GenerationService(llm, self.args.grpc, tokenize, lambda: self.running_replicas > 0, self._model_info)
+        self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
+        self._watcher = asyncio.create_task(self._watch_replicas())
+
+    async def _watch_replicas(self) -> None:
+        """Readiness: SERVING while the engine deployment has a running replica."""
+        app = serve.get_replica_context().app_name
+        while True:
+            try:
+                status = await asyncio.to_thread(serve.status)
+                deployment = status.applications[app].deployments.get(ENGINE_DEPLOYMENT)
+                self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
+            except Exception as exc:  # noqa: BLE001 - keep the last known state; try again
+                logger.warning("could not read the engine deployment's status: %s", exc)
+            serving = health_pb2.HealthCheckResponse.SERVING if self.running_replicas else health_pb2.HealthCheckResponse.NOT_SERVING
+            self.health.set(SERVICE, serving)
+            await asyncio.sleep(1.0)
+
+    async def _model_info(self) -> dict[str, Any]:
+        info = await self.llm.model_info.remote()
+        return dict(model=self.args.model, architecture=info["architecture"], vocab_size=info["vocab_size"],
+                    context_length=info["context_length"], max_window=info["max_window"] or 0,
+                    tp_size=info["tp_size"], speculative_algorithm=info["speculative"] or "",
+                    num_replicas=self.running_replicas, routing_policy=self.args.router.policy)
+
+    async def ports(self) -> dict[str, int]:
+        return {"grpc": self.grpc_port}
+
+    async def loads(self) -> dict[str, dict[str, Any]]:
+        return BOARD.snapshot()
+
+    async def __call__(self, request) -> Any:
+        """HTTP: POST a JSON request ({"prompt" | "prompt_token_ids", "sampling", "session_id"});
+        the answer streams back as JSON lines; a bad request gets 400 naming the field."""
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("request: must be a JSON object")
+            if isinstance(body.get("prompt"), str) and self.tokenizer is not None:
+                body["prompt_token_ids"] = self.tokenizer.encode(body.pop("prompt"))
+            updates = self.llm.options(stream=True).generate.remote(body)
+            first = await updates.__anext__()
+        except Exception as exc:  # noqa: BLE001 - bad input is a 400; anything else a 503
+            cause = _cause(exc)
+            status = 400 if isinstance(cause, ValueError) else 503
+            return JSONResponse({"error": str(cause)}, status_code=status)
+
+        async def lines():
+            yield json.dumps(first) + "\n"
+            try:
+                async for update in updates:
+                    yield json.dumps(update) + "\n"
+            except Exception as exc:  # noqa: BLE001 - the stream has started: report in band
+                yield json.dumps({"error": str(_cause(exc))}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def __del__(self) -> None:
+        self._watcher.cancel()
+        await self.server.stop(grace=5)

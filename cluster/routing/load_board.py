@@ -1,0 +1,65 @@
+"""Per-replica load as seen from the ingress process: requests routed and not finished, and what
+each replica reported with its responses (or its polled routing stats).
+
+The Serve request router and the gRPC ingress run in the same process; they share the board:
+the router adds a request when it routes it, the ingress removes it when its last response
+arrives, with the replica's load snapshot that response carried. No polling needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from cluster.routing.policies import Decision, RouteRequest
+
+
+class LoadBoard:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, tuple[str, int]] = {}  # request id -> (replica, token cost)
+        self._reported: dict[str, dict[str, Any]] = {}  # replica -> its last load snapshot
+        self.decisions: dict[str, tuple[Decision, list[str], str]] = {}  # request id -> (decision, candidates, chosen)
+
+    def routed(self, request: RouteRequest, replica: str, decision: Decision | None = None,
+               candidates: list[str] | None = None) -> None:
+        with self._lock:
+            self._in_flight[request.request_id] = (replica, request.cost)
+            if decision is not None:
+                self.decisions[request.request_id] = (decision, candidates or [], replica)
+
+    def finished(self, request_id: str, replica_load: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            self._in_flight.pop(request_id, None)
+            if replica_load and "replica" in replica_load:
+                self._reported[replica_load["replica"]] = dict(replica_load)
+
+    def report(self, replica: str, load: dict[str, Any]) -> None:
+        with self._lock:
+            self._reported[replica] = dict(load)
+
+    def forget(self, replica: str) -> None:
+        with self._lock:
+            self._reported.pop(replica, None)
+            self._in_flight = {rid: v for rid, v in self._in_flight.items() if v[0] != replica}
+
+    def pop_decision(self, request_id: str) -> tuple[Decision, list[str], str] | None:
+        with self._lock:
+            return self.decisions.pop(request_id, None)
+
+    def token_loads(self, replicas: list[str]) -> dict[str, float]:
+        """Tokens in flight per replica: routed here and unfinished, or the replica's own report
+        (which also counts other clients), whichever is larger."""
+        with self._lock:
+            local = {r: 0.0 for r in replicas}
+            for replica, cost in self._in_flight.values():
+                if replica in local:
+                    local[replica] += cost
+            return {r: max(local[r], float(self._reported.get(r, {}).get("token_load", 0))) for r in replicas}
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {r: dict(v) for r, v in self._reported.items()}
+
+
+BOARD = LoadBoard()  # the process's board: shared by the request router and the ingress
