@@ -36,6 +36,32 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """Stream one completion from a running gRPC server to the terminal."""
+    import grpc
+
+    from cluster.client import GenerationClient
+
+    token = open(args.token_file).read().strip() if args.token_file else None
+    root_cert = open(args.tls_ca, "rb").read() if args.tls_ca else None
+    client = GenerationClient(args.target, token=token, root_cert=root_cert)
+    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    try:
+        for response in client.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, timeout=args.timeout):
+            sys.stdout.write(response.text or (" ".join(map(str, response.token_ids)) + " "))
+            sys.stdout.flush()
+            if response.finished:
+                spec = f", mean accept length {response.spec.mean_accept_length:.2f}" if response.spec.verify_steps else ""
+                print(f"\n[{response.usage.completion_tokens} tokens, replica {response.replica}{spec}]", file=sys.stderr)
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ops import DEFAULT_MODEL
 
@@ -52,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=256)
     demo.add_argument("--prompt-lens", type=int, nargs="+", default=[40, 130, 300, 75])
     demo.set_defaults(func=_demo)
+    gen = sub.add_parser("generate", help="stream a completion from a running slidespec gRPC server")
+    gen.add_argument("prompt", help="text, or comma-separated token ids with --token-ids")
+    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--token-file", default=None, help="file holding the bearer token")
+    gen.add_argument("--tls-ca", default=None, help="PEM of the CA that signed the server certificate")
+    gen.set_defaults(func=_generate)
     return parser
 
 

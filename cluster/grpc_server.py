@@ -14,7 +14,6 @@ the replica's next step.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -106,7 +105,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.model_info = model_info
         self._calls: dict[str, Any] = {}  # request id -> the Serve response being streamed
         self._aborted: set[str] = set()
-        self._ids = itertools.count()
+        self.retried = 0  # attempts repeated on another replica
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
@@ -148,6 +147,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 retry = code is grpc.StatusCode.UNAVAILABLE and sent == 0 and attempt < self.args.retries
                 if not retry:
                     await context.abort(code, message)
+                decision = BOARD.pop_decision(rid)
+                if decision is not None:  # try another replica than the one that failed
+                    body["exclude_replicas"] = sorted({*body.get("exclude_replicas", ()), decision[2]})
+                self.retried += 1
                 logger.warning("request %s failed before its first token (%s); retrying", rid, message)
                 await asyncio.sleep(self.args.retry_backoff_s * 2**attempt)
             finally:

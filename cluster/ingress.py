@@ -65,8 +65,9 @@ class GrpcIngress:
     async def ports(self) -> dict[str, int]:
         return {"grpc": self.grpc_port}
 
-    async def loads(self) -> dict[str, dict[str, Any]]:
-        return BOARD.snapshot()
+    async def stats(self) -> dict[str, Any]:
+        """Replica loads as last reported, and how many attempts were retried elsewhere."""
+        return {"loads": BOARD.snapshot(), "retried": self.service.retried, "running_replicas": self.running_replicas}
 
     async def __call__(self, request) -> Any:
         """HTTP: POST a JSON request ({"prompt" | "prompt_token_ids", "sampling", "session_id"});

@@ -33,7 +33,7 @@ class RequestError(RuntimeError):
 def parse_request(body: dict[str, Any], tokenizer, default_id: str) -> tuple[str, list[int], SamplingParams, list[str]]:
     """(request id, prompt token ids, sampling params, stop strings) from a request dict;
     ValueError names the offending field."""
-    known = {"request_id", "prompt", "prompt_token_ids", "sampling", "session_id"}
+    known = {"request_id", "prompt", "prompt_token_ids", "sampling", "session_id", "exclude_replicas"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise ValueError(f"request: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -68,7 +68,8 @@ class LLMServer:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = AppArgs(**args)
         self.engine_kwargs = self.args.engine_args().engine_kwargs()
-        self.replica_tag = _serve_replica_id() or uuid.uuid4().hex[:8]
+        app, replica = _serve_ids()
+        self.replica_tag = replica or uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self.tokenizer = load_tokenizer(self.engine_kwargs["model"])
         pg = ray.util.get_current_placement_group()
@@ -79,7 +80,7 @@ class LLMServer:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank + 1) if pg else None
             self.ranks.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-                name=f"slidespec-{self.replica_tag}-rank{rank}", max_concurrency=1000,
+                name=f"slidespec-{app}-{self.replica_tag}-rank{rank}", max_concurrency=1000,
             ).remote(rank, self.args.tp_size, self.engine_kwargs, self.args.torch_threads_per_rank))
         addr, port = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
@@ -106,7 +107,7 @@ class LLMServer:
                     raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {update['error']}")
                 update["request_id"], update["replica"] = rid, self.replica_tag
                 if detok is not None:
-                    update["text"] = detok.add(update["token_ids"])
+                    update["text"] = detok.add(update["token_ids"], final=update["finished"])
                     cut = _first_stop(text, update["text"], stop)
                     if cut is not None:
                         update.update(text=update["text"][:cut], finished=True, finish_reason="stop")
@@ -164,11 +165,13 @@ def _first_stop(before: str, delta: str, stops: list[str]) -> int | None:
     return min(cuts) if cuts else None
 
 
-def _serve_replica_id() -> str | None:
-    """This Serve replica's id (what the request router knows it by); None outside Serve."""
+def _serve_ids() -> tuple[str, str | None]:
+    """(application name, this replica's id as the request router knows it); outside Serve
+    ("local", None). Rank actors are named slidespec-<app>-<replica>-rank<r>."""
     try:
         from ray import serve
 
-        return serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        return context.app_name, context.replica_id.unique_id
     except Exception:  # noqa: BLE001 - not running inside a Serve replica
-        return None
+        return "local", None

@@ -25,11 +25,12 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already returned
 
-    def add(self, token_ids: list[int]) -> str:
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """The new text; on the `final` call everything left, incomplete characters too."""
         self.ids.extend(token_ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         end = len(text)
-        while end > self.sent and text[end - 1] == "\ufffd":
+        while not final and end > self.sent and text[end - 1] == "\ufffd":
             end -= 1
         delta, self.sent = text[self.sent:end], max(self.sent, end)
         return delta

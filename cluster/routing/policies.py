@@ -30,6 +30,7 @@ class RouteRequest:
     tokens: Sequence[int]
     max_new_tokens: int
     session_id: str = ""
+    exclude: frozenset[str] = frozenset()  # replicas a retry must avoid
 
     @property
     def cost(self) -> int:

@@ -27,7 +27,8 @@ ROUTED_METHOD = "generate"  # other methods (load, model info) go to any replica
 def route_request(body: dict[str, Any]) -> RouteRequest:
     sampling = body.get("sampling") or {}
     return RouteRequest(str(body.get("request_id", "")), body.get("prompt_token_ids") or [],
-                        int(sampling.get("max_new_tokens", 128)), str(body.get("session_id") or ""))
+                        int(sampling.get("max_new_tokens", 128)), str(body.get("session_id") or ""),
+                        frozenset(body.get("exclude_replicas") or ()))
 
 
 class SlidespecRequestRouter(FIFOMixin, RequestRouter):
@@ -41,6 +42,8 @@ class SlidespecRequestRouter(FIFOMixin, RequestRouter):
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        allowed = {r: by_id[r] for r in by_id if r not in request.exclude}
+        by_id = allowed or by_id  # a retry avoids replicas that failed it, unless none is left
         for replica in candidate_replicas:
             if replica.routing_stats:
                 load_board.BOARD.report(replica.replica_id.unique_id, replica.routing_stats)

@@ -38,12 +38,12 @@ def _args(target: str, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def apps(ray_serve, models):
+    """Engine deployment handles of two applications (the ingress in front is not used here)."""
     target, draft = models
     spec = {"algorithm": "standalone", "draft_model": draft, "num_steps": 3}
-    return {
-        "plain": serve.run(build_app(_args(target)), name="plain", route_prefix="/plain"),
-        "spec": serve.run(build_app(_args(target, speculative=spec)), name="spec", route_prefix="/spec"),
-    }
+    for name, extra in (("plain", {}), ("spec", {"speculative": spec})):
+        serve.run(build_app(_args(target, grpc={"port": 0}, **extra)), name=name, route_prefix=f"/{name}")
+    return {name: serve.get_deployment_handle("LLMServer", app_name=name) for name in ("plain", "spec")}
 
 
 async def _generate(handle, prompt, max_new=NEW):
@@ -88,7 +88,8 @@ def test_http_stream_and_bad_input(apps, ray_serve):
                        ({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "temperature"),
                        ({"prompt_token_ids": [1], "sampling": {"colour": 1}}, "colour"),
                        ({"prompt_token_ids": [1, 99999]}, "vocabulary"),
-                       ({"prompt_token_ids": [1] * 1024}, "context length")]:
+                       ({"prompt_token_ids": [1] * 1024}, "context length"),
+                       ({"prompt_token_ids": [1], "sampling": {"stop": [""]}}, "sampling.stop")]:
         r = requests.post(f"{ray_serve}/plain", json=bad, timeout=60)
         assert r.status_code == 400 and field in r.json()["error"], r.text
         assert "Traceback" not in r.json()["error"]
@@ -115,7 +116,7 @@ def test_killed_rank_fails_in_flight_request_and_serve_replaces_the_replica(apps
         async for update in handle.options(stream=True).generate.remote(body):
             seen += len(update["token_ids"])
             if seen >= 5:
-                ray.kill(ray.get_actor(f"slidespec-{before}-rank1"))
+                ray.kill(ray.get_actor(f"slidespec-plain-{before}-rank1"))
 
     with pytest.raises(Exception, match="failed in replica"):  # an error, within the timeout: no hang
         asyncio.run(asyncio.wait_for(in_flight(), timeout=60))

@@ -1,7 +1,8 @@
 """`ops/serve.yaml` deployed the way the README says: `ray start --head`, `serve deploy`,
-`serve status` shows the application RUNNING, a streamed HTTP request is served, then
-`serve shutdown` and `ray stop`. `ray start --head` turns on token authentication, so the CLI
-runs with RAY_AUTH_MODE=token. Only the HTTP port is changed (to a free one)."""
+`serve status` shows the application RUNNING, a streamed HTTP request and a `slidespec generate`
+gRPC call are served, then `serve shutdown` and `ray stop`. `ray start --head` turns on token
+authentication, so the CLI runs with RAY_AUTH_MODE=token. Only the ports are changed (to free
+ones)."""
 
 import json
 import os
@@ -41,6 +42,8 @@ def test_serve_yaml_deploys_and_serves_a_streamed_request(cluster, tmp_path):
     config = yaml.safe_load(open(os.path.join(ROOT, "ops", "serve.yaml")))
     port = free_port()
     config["http_options"]["port"] = port
+    grpc_port = free_port()
+    config["applications"][0]["args"]["grpc"]["port"] = grpc_port
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     deployed = _run("serve", "deploy", str(path), "-a", address, env=env)
@@ -59,5 +62,8 @@ def test_serve_yaml_deploys_and_serves_a_streamed_request(cluster, tmp_path):
         updates = [json.loads(line) for line in r.iter_lines() if line]
     assert len(updates) >= 2, "tokens should stream back in several messages"
     assert sum(len(u["token_ids"]) for u in updates) == 8 and updates[-1]["finish_reason"] == "length"
+    cli = _run("slidespec", "generate", "--token-ids", "5,6,7,8", "--max-new-tokens", "6", "--temperature", "0",
+               "--target", f"127.0.0.1:{grpc_port}", env=env)
+    assert cli.returncode == 0 and "6 tokens" in cli.stderr, cli.stderr
     shutdown = _run("serve", "shutdown", "-y", "-a", address, env=env)
     assert shutdown.returncode == 0, shutdown.stderr

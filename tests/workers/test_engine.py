@@ -7,10 +7,8 @@ import shutil
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
-from tests.hf_models import WINDOW, make_tiny_model, random_prompts
+from tests.hf_models import WINDOW, add_tokenizer, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
 from workers.memory.allocator import cdiv
 
@@ -201,21 +199,10 @@ def test_abort_frees_kv(engine):
     engine.check_no_leak()
 
 
-def _train_tokenizer(path: str) -> None:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=256, special_tokens=["<unk>", "<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    from tokenizers import decoders
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
-
-
 def test_text_prompts_with_tokenizer(gemma3_dir, tmp_path):
     model_dir = str(tmp_path / "with_tok")
     shutil.copytree(gemma3_dir, model_dir)
-    _train_tokenizer(model_dir)
+    add_tokenizer(model_dir)
     eng = Engine(model=model_dir, page_size=4, max_total_tokens=2048)
     tok = eng.tokenizer
     (by_text,) = eng.generate(prompts=["the quick brown fox"], sampling=GREEDY)

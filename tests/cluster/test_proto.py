@@ -1,0 +1,27 @@
+"""The checked-in generated gRPC code is what cluster/proto/generate.sh makes from the proto
+(grpcio-tools 1.84), and proto3 defaults are explicit: an unset temperature is not greedy."""
+
+import filecmp
+import os
+import subprocess
+
+from cluster.proto.slidespec.v1 import generation_pb2 as pb
+from cluster.grpc_server import request_to_body
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GENERATED = ["generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"]
+
+
+def test_generated_code_is_up_to_date(tmp_path):
+    subprocess.run([os.path.join(ROOT, "cluster", "proto", "generate.sh"), str(tmp_path)], check=True)
+    for name in GENERATED:
+        fresh = tmp_path / "cluster" / "proto" / "slidespec" / "v1" / name
+        assert filecmp.cmp(fresh, os.path.join(ROOT, "cluster", "proto", "slidespec", "v1", name), shallow=False), name
+
+
+def test_unset_sampling_fields_take_engine_defaults():
+    body = request_to_body(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2])), None)
+    assert body["sampling"] == {}  # the engine's defaults: temperature 1.0, max_new_tokens 128, ...
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]))
+    request.sampling.temperature = 0.0
+    assert request_to_body(request, None)["sampling"] == {"temperature": 0.0}
