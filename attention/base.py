@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from attention.batch import AttentionBatch
+from attention.forward_mode import ForwardMode
 from attention.kv_pool import KVPool
 
 
@@ -54,6 +55,10 @@ class AttentionBackend(abc.ABC):
 
     def __init__(self, device: torch.device, debug_kv_checks: bool = False) -> None:
         self.device = device
+
+    def kernel_name(self, mode: ForwardMode) -> str | None:
+        """The kernel this backend runs for a forward mode (recorded in traces)."""
+        return self.name
 
     def prepare(self, layers: list[AttentionLayer], page_size: int) -> None:
         """Check at start-up that this backend can run these layers; raise ValueError if not."""

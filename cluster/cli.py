@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token-file", default=None, help="file holding the bearer token")
     gen.add_argument("--tls-ca", default=None, help="PEM of the CA that signed the server certificate")
     gen.set_defaults(func=_generate)
+    from ops import diagnose
+
+    diag = sub.add_parser("diagnose", help="report accept length over time and find drops in OTLP JSON traces")
+    diagnose.add_arguments(diag)
+    diag.set_defaults(func=diagnose.run)
     return parser
 
 

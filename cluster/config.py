@@ -73,6 +73,27 @@ class GrpcArgs(BaseModel):
         return self
 
 
+class TracingArgs(BaseModel):
+    """OpenTelemetry export of request, router and engine-step spans."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exporter: Literal["none", "otlp_grpc", "otlp_http", "file", "memory"] = "none"
+    endpoint: str | None = Field(None, description="otlp_*: collector endpoint (e.g. 127.0.0.1:4317)")
+    insecure: bool = Field(True, description="otlp_grpc: plaintext to the collector")
+    file_dir: str | None = Field(None, description="file: directory of OTLP JSON-lines files, one per process")
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of traces kept (parent-based)")
+    service_name: str = "slidespec"
+
+    @model_validator(mode="after")
+    def _destination(self) -> "TracingArgs":
+        if self.exporter.startswith("otlp") and not self.endpoint:
+            raise ValueError("tracing.endpoint: required by the otlp exporters")
+        if self.exporter == "file" and not self.file_dir:
+            raise ValueError("tracing.file_dir: required by the file exporter")
+        return self
+
+
 class RouterArgs(BaseModel):
     """How requests are spread over replicas (cluster.routing.policies)."""
 
@@ -107,6 +128,8 @@ class AppArgs(EngineArgs):
     routing_stats_period_s: float = Field(2.0, gt=0)
     grpc: GrpcArgs = Field(default_factory=GrpcArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)
+    tracing: TracingArgs = Field(default_factory=TracingArgs)
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="also serve /metrics on 127.0.0.1:PORT")
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.model_fields})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 import ray
@@ -28,6 +28,7 @@ from cluster.config import GrpcArgs
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
 from cluster.routing.load_board import BOARD
+from cluster.telemetry import RequestTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +98,15 @@ def _cause(exc: BaseException) -> BaseException:
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, llm, args: GrpcArgs, tokenize: Callable[[str], list[int]] | None,
-                 ready: Callable[[], bool], model_info: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+                 ready: Callable[[], bool], model_info: Callable[[], Awaitable[dict[str, Any]]],
+                 telemetry: Callable[[dict[str, Any], Mapping[str, str]], RequestTelemetry]) -> None:
+        """`telemetry(body, call metadata)` starts a request's span and metrics."""
         self.llm = llm
         self.args = args
         self.tokenize = tokenize
         self.ready = ready
         self.model_info = model_info
+        self.telemetry = telemetry
         self._calls: dict[str, Any] = {}  # request id -> the Serve response being streamed
         self._aborted: set[str] = set()
         self.retried = 0  # attempts repeated on another replica
@@ -112,12 +116,29 @@ class GenerationService(pb_grpc.GenerationServicer):
             body = request_to_body(request, self.tokenize)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        rid = body["request_id"]
-        if rid in self._calls:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in use")
+        if body["request_id"] in self._calls:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {body['request_id']!r} is already in use")
+        telemetry = self.telemetry(body, dict(context.invocation_metadata() or ()))
         stream = not request.HasField("stream") or request.stream
-        collected: list[pb.GenerateResponse] = []
-        sent = 0
+        error = None
+        try:
+            if stream:
+                async for response in self._attempts(body, context, telemetry):
+                    yield response
+            else:
+                collected = [response async for response in self._attempts(body, context, telemetry)]
+                if collected:
+                    yield merge_responses(collected)
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            telemetry.end(error)
+
+    async def _attempts(self, body: dict[str, Any], context: grpc.aio.ServicerContext,
+                        telemetry: RequestTelemetry) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's responses, retried on another replica while nothing was sent."""
+        rid, sent = body["request_id"], 0
         for attempt in range(self.args.retries + 1):
             if not self.ready():
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy replica of the engine deployment")
@@ -125,16 +146,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             self._calls[rid] = call
             try:
                 async for update in call:
-                    response = update_to_response(update)
+                    telemetry.update(update)
                     if update["finished"]:
                         BOARD.finished(rid, update.get("load"))
-                    if stream:
-                        sent += 1
-                        yield response
-                    else:
-                        collected.append(response)
-                if not stream and collected:
-                    yield merge_responses(collected)
+                    sent += 1
+                    yield update_to_response(update)
                 return
             except (asyncio.CancelledError, RequestCancelledError):
                 call.cancel()
@@ -144,8 +160,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status code below
                 code, message = self._status(exc)
-                retry = code is grpc.StatusCode.UNAVAILABLE and sent == 0 and attempt < self.args.retries
-                if not retry:
+                if not (code is grpc.StatusCode.UNAVAILABLE and sent == 0 and attempt < self.args.retries):
                     await context.abort(code, message)
                 decision = BOARD.pop_decision(rid)
                 if decision is not None:  # try another replica than the one that failed

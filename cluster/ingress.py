@@ -18,10 +18,15 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+import prometheus_client
+from grpc_health.v1 import health_pb2
+
 from cluster.config import AppArgs
 from cluster.grpc_server import SERVICE, GenerationService, _cause, start_server
+from cluster.metrics import ServingMetrics
 from cluster.routing.load_board import BOARD
-from grpc_health.v1 import health_pb2
+from cluster.telemetry import RequestTelemetry
+from cluster.tracing import flush_all, tracer_for
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,7 +42,12 @@ class GrpcIngress:
         self.tokenizer = load_tokenizer(model)
         tokenize = self.tokenizer.encode if self.tokenizer is not None else None
         self.running_replicas = 0
-        self.service = GenerationService(llm, self.args.grpc, tokenize, lambda: self.running_replicas > 0, self._model_info)
+        self.tracer = tracer_for(self.args.tracing, "ingress")
+        self.metrics = ServingMetrics(self.args.model)
+        if self.args.metrics_port is not None:
+            prometheus_client.start_http_server(self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry)
+        self.service = GenerationService(llm, self.args.grpc, tokenize, lambda: self.running_replicas > 0, self._model_info,
+                                         self._telemetry)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
 
@@ -54,6 +64,9 @@ class GrpcIngress:
             serving = health_pb2.HealthCheckResponse.SERVING if self.running_replicas else health_pb2.HealthCheckResponse.NOT_SERVING
             self.health.set(SERVICE, serving)
             await asyncio.sleep(1.0)
+
+    def _telemetry(self, body: dict[str, Any], metadata: dict[str, str]) -> RequestTelemetry:
+        return RequestTelemetry(self.tracer, self.metrics, self.args.model, body, metadata)
 
     async def _model_info(self) -> dict[str, Any]:
         info = await self.llm.model_info.remote()
@@ -72,8 +85,10 @@ class GrpcIngress:
     async def __call__(self, request) -> Any:
         """HTTP: POST a JSON request ({"prompt" | "prompt_token_ids", "sampling", "session_id"});
         the answer streams back as JSON lines; a bad request gets 400 naming the field."""
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse, Response, StreamingResponse
 
+        if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
+            return Response(self.metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
         try:
             body = await request.json()
             if not isinstance(body, dict):
@@ -100,3 +115,4 @@ class GrpcIngress:
     async def __del__(self) -> None:
         self._watcher.cancel()
         await self.server.stop(grace=5)
+        flush_all()

@@ -19,9 +19,12 @@ import ray
 import torch
 import torch.distributed as dist
 
+from cluster.config import TracingArgs
+from cluster.tracing import context_from_carrier, engine_info, flush_all, record_step, tracer_for
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop, Update
+from workers.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +46,13 @@ def update_to_wire(update: Update) -> dict[str, Any]:
 
 class RankActor:
     def __init__(self, rank: int, tp_size: int, engine_kwargs: dict[str, Any], torch_threads: int = 1,
-                 control_timeout_s: float = 600.0) -> None:
+                 control_timeout_s: float = 600.0, tracing: dict[str, Any] | None = None) -> None:
         self.rank = rank
         self.tp_size = tp_size
         self.engine_kwargs = engine_kwargs
         self.control_timeout_s = control_timeout_s
+        self.tracer = tracer_for(TracingArgs(**(tracing or {})), f"rank{rank}") if rank == 0 else None
+        self._trace_contexts: dict[str, Any] = {}  # request id -> its request span's context
         torch.set_num_threads(torch_threads)
         self.loop: RankLoop | None = None
         self._thread: threading.Thread | None = None
@@ -70,20 +75,26 @@ class RankActor:
                                 rank=self.rank, world_size=self.tp_size, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if device == "cuda" else dist.group.WORLD
         engine = Engine(**self.engine_kwargs, tp=TPGroup(self.rank, self.tp_size, dist.group.WORLD))
-        self.loop = RankLoop(engine, self.rank, control if self.tp_size > 1 else None, self._on_update)
+        self.engine_info = engine_info(engine)
+        self.num_steps = engine.spec.num_steps if engine.spec else 0
+        self.loop = RankLoop(engine, self.rank, control if self.tp_size > 1 else None, self._on_update,
+                             on_step=self._on_step if self.tracer is not None else None)
         self._thread = threading.Thread(target=self.loop.run, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
         cfg = engine.cfg
         return {"rank": self.rank, "architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
-                "context_length": engine.context_length, "max_window": cfg.max_window,
-                "speculative": engine.spec.drafter.algorithm if engine.spec else None, "kv": engine.kv_stats()}
+                "context_length": engine.context_length, **self.engine_info, "kv": engine.kv_stats()}
 
     # -- rank 0 ----------------------------------------------------------------------------------
-    async def generate(self, rid: str, prompt_ids: list[int], sampling: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, rid: str, prompt_ids: list[int], sampling: dict[str, Any],
+                       trace_context: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
         """Stream a request's updates (new token ids; the last one with finish reason and usage).
-        Invalid requests raise ValueError naming the field before anything is queued."""
+        Invalid requests raise ValueError naming the field before anything is queued.
+        `trace_context`: the W3C carrier of the request's span; step spans join that trace."""
         stream: asyncio.Queue[Update] = asyncio.Queue()
         self._streams[rid] = stream
+        if self.tracer is not None and trace_context:
+            self._trace_contexts[rid] = context_from_carrier(trace_context)
         finished = False
         try:
             self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
@@ -93,6 +104,7 @@ class RankActor:
                 yield update_to_wire(update)
         finally:
             self._streams.pop(rid, None)
+            self._trace_contexts.pop(rid, None)
             if not finished:  # the caller went away: free the request's KV at the next step
                 self.loop.abort(rid)
 
@@ -114,6 +126,11 @@ class RankActor:
             "token_load": sum(r.num_tokens for r in running),
             "mean_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
         }
+
+    def _on_step(self, step: StepRecord) -> None:
+        """Called by the loop thread after every step: its span, in its requests' traces."""
+        contexts = [self._trace_contexts.get(rid) for rid in step.request_ids]
+        record_step(self.tracer, step, contexts, self.engine_info, self.loop.engine.kv_stats(), self.num_steps)
 
     def _on_update(self, update: Update) -> None:
         """Called by the loop thread: hand the update to the request's stream."""
@@ -141,6 +158,7 @@ class RankActor:
             self.loop.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        flush_all()
         if dist.is_initialized():
             if self.loop is not None and self.loop.error is None:
                 dist.barrier(group=self.loop.group)  # no rank closes connections another still reads

@@ -33,7 +33,7 @@ class RequestError(RuntimeError):
 def parse_request(body: dict[str, Any], tokenizer, default_id: str) -> tuple[str, list[int], SamplingParams, list[str]]:
     """(request id, prompt token ids, sampling params, stop strings) from a request dict;
     ValueError names the offending field."""
-    known = {"request_id", "prompt", "prompt_token_ids", "sampling", "session_id", "exclude_replicas"}
+    known = {"request_id", "prompt", "prompt_token_ids", "sampling", "session_id", "exclude_replicas", "trace_context"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise ValueError(f"request: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -81,7 +81,8 @@ class LLMServer:
             self.ranks.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
                 name=f"slidespec-{app}-{self.replica_tag}-rank{rank}", max_concurrency=1000,
-            ).remote(rank, self.args.tp_size, self.engine_kwargs, self.args.torch_threads_per_rank))
+            ).remote(rank, self.args.tp_size, self.engine_kwargs, self.args.torch_threads_per_rank,
+                     tracing=self.args.tracing.model_dump()))
         addr, port = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
         logger.info("replica %s: %d rank(s) up: %s", self.replica_tag, len(self.ranks), self.info)
@@ -94,7 +95,8 @@ class LLMServer:
         rid, prompt_ids, sampling, stop = parse_request(body, self.tokenizer, f"{self.replica_tag}-{next(self._ids)}")
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         text = ""
-        stream = self.ranks[0].generate.options(num_returns="streaming").remote(rid, prompt_ids, dataclasses.asdict(sampling))
+        stream = self.ranks[0].generate.options(num_returns="streaming").remote(
+            rid, prompt_ids, dataclasses.asdict(sampling), body.get("trace_context"))
         try:
             async for ref in stream:
                 try:

@@ -13,13 +13,13 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from attention import ForwardMode
 from workers.distributed import SINGLE_RANK, TPGroup
-from workers.forward_batch import ForwardBatch
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
@@ -27,9 +27,10 @@ from workers.request import FinishReason, Request
 from workers.sampler import sample
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler
-from workers.spec import ForwardRecord, SpecConfig, SpecStats, StepRecord
+from workers.spec import SpecConfig, SpecStats
 from workers.spec.loader import build_drafter, plan_draft
 from workers.spec.worker import SpecWorker
+from workers.step_record import ForwardRecord, StepRecord
 from workers.tokenizer import load_tokenizer
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
@@ -110,8 +111,10 @@ class Engine:
         if draft is not None:
             draft_tp = tp if spec.draft_tp == "shard" else SINGLE_RANK
             drafter = build_drafter(draft, self.runner, self.allocator, self.scheduler, backend, self.dtype, self.device,
-                                    self._record, tp=draft_tp, seed=seed, debug_kv_checks=debug_kv_checks)
-            self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler, self._record)
+                                    tp=draft_tp, seed=seed, debug_kv_checks=debug_kv_checks)
+            drafter.runner.recorder = self._record
+            self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
+        self.runner.recorder = self._record
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -173,7 +176,7 @@ class Engine:
 
     def step(self) -> list[tuple[str, list[int], bool]]:
         """Run one scheduler step; returns (request id, new token ids, finished) per request."""
-        self.last_step = StepRecord()
+        self.last_step = StepRecord(start_ns=time.time_ns())
         sb = self.scheduler.schedule()
         if sb is None:
             return []
@@ -184,7 +187,6 @@ class Engine:
         else:
             batch = self.scheduler.build(sb)
             out = self.runner.forward(batch)
-            self._record("target", batch)
             sampled = [r for r, s in zip(sb.reqs, sb.samples) if s]
             tokens = sample(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
             for req, logits in zip(sampled, out.logits):
@@ -194,10 +196,14 @@ class Engine:
             if self.spec is not None:
                 self.spec.after_extend(sb, out.hidden)
         self.scheduler.release_windows(sb.reqs)
+        step = self.last_step
+        step.request_ids = [r.rid for r in sb.reqs]
+        step.seq_lens = [r.num_tokens for r in sb.reqs]
+        step.end_ns = time.time_ns()
         return [(req.rid, new, req.finished) for req, new in events]
 
-    def _record(self, model: str, batch: ForwardBatch) -> None:
-        self.last_step.forwards.append(ForwardRecord(model, batch.forward_mode.name, batch.batch_size, len(batch.positions)))
+    def _record(self, forward: ForwardRecord) -> None:
+        self.last_step.forwards.append(forward)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+import time
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from workers.distributed import SINGLE_RANK, TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.memory import KVAllocator, build_pool
 from workers.models import ModelConfig, build_model
+from workers.step_record import ForwardRecord
 
 
 class RunnableModel(Protocol):
@@ -36,10 +38,12 @@ class ModelRunner:
     forward: frozen-KV drafts read the target's), and its own attention backend."""
 
     def __init__(self, model: nn.Module, pool: KVPool | None, attention_backend: str, device: torch.device,
-                 page_size: int, debug_kv_checks: bool = False) -> None:
+                 page_size: int, debug_kv_checks: bool = False, role: str = "target") -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        self.role = role  # "target" or "draft", in forward records
+        self.recorder: Callable[[ForwardRecord], None] | None = None
         self.backend = create_backend(attention_backend, device, debug_kv_checks=debug_kv_checks)
         self.backend.prepare(model.attention_layers, page_size)
 
@@ -57,6 +61,7 @@ class ModelRunner:
         use_swa_pool: bool = True,
         seed: int = 0,
         debug_kv_checks: bool = False,
+        role: str = "target",
     ) -> "ModelRunner":
         """A Hugging Face causal LM with its own pool on a (possibly shared) allocator."""
         model = build_model(cfg, model_dir, load_format, dtype, device, tp, seed)
@@ -64,7 +69,7 @@ class ModelRunner:
         # The pool is chosen from this model's own layers; the allocator may be shared with
         # another model (DESIGN.md §4, invariant 1).
         pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
-        return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks)
+        return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool | None = None) -> ForwardOutput:
@@ -72,7 +77,13 @@ class ModelRunner:
         pool = pool if pool is not None else self.pool
         if pool is None:
             raise RuntimeError("model runner: this model owns no KV pool; pass the pool it reads")
+        start = time.time_ns()
         batch.attn_backend = self.backend
         self.backend.init_forward_metadata(batch, pool)
         hidden, handed_on = self.model(batch)
-        return ForwardOutput(self.model.compute_logits(hidden[batch.logits_indices]), handed_on)
+        out = ForwardOutput(self.model.compute_logits(hidden[batch.logits_indices]), handed_on)
+        if self.recorder is not None:
+            mode = batch.forward_mode
+            self.recorder(ForwardRecord(self.role, mode.name, batch.batch_size, len(batch.positions),
+                                        self.backend.kernel_name(mode) or "", start, time.time_ns()))
+        return out

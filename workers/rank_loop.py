@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from workers.engine import Engine, RequestOutput
 from workers.sampling_params import SamplingParams
+from workers.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,15 @@ class Update:
 
 class RankLoop:
     def __init__(self, engine: Engine, rank: int, group: dist.ProcessGroup | None = None,
-                 on_update: Callable[[Update], None] | None = None, idle_wait_s: float = 0.5) -> None:
-        """`group`: the CPU (gloo) group the plan is broadcast over; None when alone."""
+                 on_update: Callable[[Update], None] | None = None, idle_wait_s: float = 0.5,
+                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+        """`group`: the CPU (gloo) group the plan is broadcast over; None when alone.
+        `on_update` (rank 0) gets every request's new tokens; `on_step` (rank 0) every step's record."""
         self.engine = engine
         self.rank = rank
         self.group = group
         self.on_update = on_update or (lambda update: None)
+        self.on_step = on_step
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._lock = threading.Lock()
@@ -161,6 +165,8 @@ class RankLoop:
     def _step(self) -> None:
         events = self.engine.step()
         self.steps += 1
+        if self.rank == 0 and self.on_step is not None:
+            self.on_step(self.engine.last_step)
         for rid, tokens, finished in events:
             if finished:
                 self._finish(rid, tokens)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable
 
 import torch
 
@@ -32,7 +31,6 @@ from workers.sampler import draw
 from workers.scheduler import Scheduler
 from workers.spec.stats import SpecStats
 
-Recorder = Callable[[str, ForwardBatch], None]
 HiddenRows = dict[str, tuple[int, torch.Tensor]]  # request id -> (position of row 0, target hidden rows)
 
 
@@ -55,13 +53,12 @@ class Drafter:
     reads_hidden = False  # entries read the target's hidden states
 
     def __init__(self, algorithm: str, pool_kind: str, runner: ModelRunner, target: ModelRunner,
-                 scheduler: Scheduler, record: Recorder) -> None:
+                 scheduler: Scheduler) -> None:
         self.algorithm = algorithm
         self.pool_kind = pool_kind
         self.runner = runner
         self.target = target
         self.scheduler = scheduler
-        self.record = record
 
     def goal(self, req: Request) -> int:
         """Draft positions that should hold entries once the target has run: the entries of
@@ -93,7 +90,7 @@ class Drafter:
             logits_rows=[e for e, p in zip(ends, proposes) if p],
             spec_hidden=spec_hidden,
         )
-        out = self._forward(batch)
+        out = self.runner.forward(batch)
         proposing = [r for (r, _, _), p in zip(todo, proposes) if p]
         for r, _, b in todo:
             r.spec.draft_len = b
@@ -112,12 +109,7 @@ class Drafter:
             logits_rows=range(len(reqs)),
             spec_hidden=hidden if self.reads_hidden else None,
         )
-        return self._forward(batch)
-
-    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
-        out = self.runner.forward(batch)
-        self.record("draft", batch)
-        return out
+        return self.runner.forward(batch)
 
     def _propose(self, reqs: list[Request], out: ForwardOutput, rows: list[int]) -> None:
         """The first draft token of the next round for each request, from its logits row."""
@@ -169,9 +161,7 @@ class FrozenKVDrafter(Drafter):
             query_offset=offset,
             spec_hidden=hidden,
         )
-        out = self.runner.forward(batch, pool=self.target.pool)
-        self.record("draft", batch)
-        return out
+        return self.runner.forward(batch, pool=self.target.pool)
 
 
 def _rows(hidden: tuple[int, torch.Tensor], start: int, end: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from workers.models.frozen_kv_mtp import FrozenKVMTPHead, frozen_kv_config
 from workers.models.loader import build_module
 from workers.scheduler import Scheduler
 from workers.spec.config import DRAFT_POOLS, SpecConfig
-from workers.spec.drafter import DRAFTERS, Drafter, Recorder
+from workers.spec.drafter import DRAFTERS, Drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,6 @@ def build_drafter(
     attention_backend: str,
     dtype: torch.dtype,
     device: torch.device,
-    record: Recorder,
     tp: TPGroup = SINGLE_RANK,
     seed: int = 0,
     debug_kv_checks: bool = False,
@@ -78,7 +77,7 @@ def build_drafter(
     if plan.build is None:
         runner = ModelRunner.load(plan.cfg, spec.draft_model, allocator, attention_backend, dtype, device,
                                   spec.draft_load_format, tp, use_swa_pool=plan.pool_kind == "swa", seed=seed,
-                                  debug_kv_checks=debug_kv_checks)
+                                  debug_kv_checks=debug_kv_checks, role="draft")
     else:
         model = build_module(lambda: plan.build(target.model, tp), f"{spec.algorithm} draft head", spec.draft_model,
                              spec.draft_load_format, dtype, device, seed, plan.cfg.initializer_range)
@@ -87,6 +86,6 @@ def build_drafter(
             attn = model.attention_layers[0]
             windows = {layer.layer_id: layer.sliding_window for layer in model.attention_layers}
             pool = build_pool(windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool=False)
-        runner = ModelRunner(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks)
+        runner = ModelRunner(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role="draft")
     target.model.model.capture_layers = plan.capture_layers
-    return DRAFTERS[spec.algorithm](spec.algorithm, plan.pool_kind, runner, target, scheduler, record)
+    return DRAFTERS[spec.algorithm](spec.algorithm, plan.pool_kind, runner, target, scheduler)

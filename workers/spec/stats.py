@@ -35,22 +35,3 @@ class SpecStats:
 
     def copy(self) -> "SpecStats":
         return SpecStats(self.num_steps, self.verify_steps, list(self.accept_lengths), list(self.accepted_per_position))
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardRecord:
-    """One forward pass of a step: which model, which mode, how big."""
-
-    model: str  # "target" or "draft"
-    mode: str  # ForwardMode name
-    batch_size: int
-    num_tokens: int
-
-
-@dataclasses.dataclass
-class StepRecord:
-    """What one engine step ran, in order, and the accept lengths of its verify step."""
-
-    forwards: list[ForwardRecord] = dataclasses.field(default_factory=list)
-    accept_lengths: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> accept length
-    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # request id -> verified drafts

@@ -22,18 +22,16 @@ from workers.request import Request
 from workers.sampler import draw, sampling_probs
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.spec.accept import verify_greedy, verify_sampling
-from workers.spec.drafter import Drafter, DraftState, HiddenRows, Recorder
+from workers.spec.drafter import Drafter, DraftState, HiddenRows
 from workers.spec.stats import SpecStats
 
 
 class SpecWorker:
-    def __init__(self, num_steps: int, target: ModelRunner, drafter: Drafter, scheduler: Scheduler,
-                 record: Recorder) -> None:
+    def __init__(self, num_steps: int, target: ModelRunner, drafter: Drafter, scheduler: Scheduler) -> None:
         self.num_steps = num_steps
         self.target = target
         self.drafter = drafter
         self.scheduler = scheduler
-        self.record = record
         self.last_accept_lengths: dict[str, int] = {}
         self.last_drafts: dict[str, list[int]] = {}
 
@@ -74,7 +72,6 @@ class SpecWorker:
             logits_rows=range(len(reqs) * (k + 1)),
         )
         out = self.target.forward(batch)
-        self.record("target", batch)
 
         events, live, rows = [], [], {}
         self.last_accept_lengths = {}

@@ -1,0 +1,85 @@
+"""One request's telemetry at the ingress: its request span (GenAI semantic conventions), its
+router span, and the latency and speculative-decoding metrics of its responses."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from cluster.metrics import ServingMetrics
+from cluster.routing.load_board import BOARD
+from cluster.tracing import carrier_for, context_from_carrier
+
+OPERATION = "text_completion"
+
+
+class RequestTelemetry:
+    def __init__(self, tracer: trace.Tracer | None, metrics: ServingMetrics | None, model: str,
+                 body: dict[str, Any], metadata: Mapping[str, str]) -> None:
+        """Start the request span (child of a `traceparent` in the call's metadata, if any) and
+        put its W3C context into the request so the engine's step spans join the trace."""
+        self.tracer, self.metrics = tracer, metrics
+        self.rid = body["request_id"]
+        self.start, self.start_ns = time.monotonic(), time.time_ns()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.span = None
+        if tracer is not None:
+            sampling = body.get("sampling", {})
+            attrs = {"gen_ai.operation.name": OPERATION, "gen_ai.request.model": model, "gen_ai.response.id": self.rid,
+                     "gen_ai.usage.input_tokens": len(body.get("prompt_token_ids", ()))}
+            for name, key in (("max_tokens", "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                              ("top_k", "top_k"), ("seed", "seed")):
+                if key in sampling:
+                    attrs[f"gen_ai.request.{name}"] = sampling[key]
+            self.span = tracer.start_span(f"{OPERATION} {model}", context=context_from_carrier(metadata),
+                                          kind=SpanKind.SERVER, attributes=attrs, start_time=self.start_ns)
+            body["trace_context"] = carrier_for(self.span)
+
+    def update(self, update: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            if self.metrics is not None:
+                self.metrics.first_token(now - self.start)
+            if self.span is not None:
+                self.span.set_attribute("gen_ai.server.time_to_first_token", now - self.start)
+                self._router_span()
+        elif self.metrics is not None:
+            self.metrics.next_tokens(now - self.last, len(update["token_ids"]))
+        self.last = now
+        if update["finished"]:
+            if self.metrics is not None:
+                self.metrics.finished(update)
+            if self.span is not None:
+                self.span.set_attributes({
+                    "gen_ai.usage.output_tokens": update.get("completion_tokens", 0),
+                    "gen_ai.response.finish_reasons": [update.get("finish_reason") or ""],
+                    "slidespec.replica": update.get("replica", ""),
+                })
+                spec = update.get("spec")
+                if spec:
+                    self.span.set_attributes({"slidespec.spec.mean_accept_length": spec["mean_accept_length"],
+                                              "slidespec.spec.verify_steps": spec["verify_steps"]})
+
+    def _router_span(self) -> None:
+        decision = BOARD.decisions.pop(self.rid, None)
+        if decision is None:
+            return
+        chosen_by, candidates, chosen = decision
+        attrs = {"slidespec.router.policy": chosen_by.policy, "slidespec.router.candidates": candidates,
+                 "slidespec.router.chosen": chosen, "slidespec.router.reason": chosen_by.reason}
+        if chosen_by.prefix_match is not None:
+            attrs["slidespec.router.prefix_match"] = chosen_by.prefix_match
+        self.tracer.start_span("route", context=trace.set_span_in_context(self.span), start_time=self.start_ns,
+                               attributes=attrs).end()
+
+    def end(self, error: str | None = None) -> None:
+        if self.span is None:
+            return
+        if error is not None:
+            self.span.set_status(Status(StatusCode.ERROR, error))
+        self.span.end()

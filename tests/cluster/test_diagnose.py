@@ -1,0 +1,90 @@
+"""`slidespec diagnose` on real traces: engine steps recorded through OpenTelemetry's OTLP
+JSON-lines file exporter. A healthy run (a copy of the target as draft, SWA then full-only draft
+pool) shows no drop; putting back the upstream mistake of invariant 1 for the full-only pool
+makes accept length drop there, and the report names the draft pool attribute that changed."""
+
+import os
+
+import pytest
+import torch
+
+from attention.trtllm_mha import TRTLLMMHABackend
+from cluster.config import TracingArgs
+from cluster.tracing import _PROVIDERS, engine_info, flush_all, record_step, tracer_for
+from ops.diagnose import diagnose, load_spans, step_points
+from tests.hf_models import make_tiny_model
+from tests.spec_models import make_perturbed_copy
+from tests.workers.test_spec import _UpstreamReadsByAllocator
+from workers.engine import Engine, SamplingParams
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diag")
+    target = str(root / "gemma3")
+    make_tiny_model("gemma3", target)
+    return target, make_perturbed_copy(target, str(root / "copy"), noise=0.0)
+
+
+def _traced_phase(target, draft, pool, tracer, monkeypatch=None):
+    eng = Engine(model=target, page_size=4, attention_backend="trtllm_mha", chunked_prefill_size=16,
+                 max_total_tokens=4096, speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K,
+                                                     "draft_pool": pool})
+    if monkeypatch is not None:
+        draft_pool, alloc, windows = eng.spec.drafter.runner.pool, eng.allocator, dict(eng.cfg.layer_windows)
+        original = TRTLLMMHABackend.init_forward_metadata
+
+        def mistaken(self, batch, pool_):
+            if pool_ is draft_pool:
+                pool_ = _UpstreamReadsByAllocator(pool_, alloc, windows, batch.out_cache_loc)
+            original(self, batch, pool_)
+
+        monkeypatch.setattr(TRTLLMMHABackend, "init_forward_metadata", mistaken)
+    info = engine_info(eng)
+    g = torch.Generator().manual_seed(len(pool))
+    for _ in range(2):
+        for n in (37, 45, 52):
+            eng.add_request(torch.randint(0, 256, (n,), generator=g).tolist(),
+                            SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+            record_step(tracer, eng.last_step, [None] * len(eng.last_step.request_ids), info, eng.kv_stats(), K)
+    monkeypatch is not None and monkeypatch.undo()
+
+
+def _trace_dir(tmp_path, target, draft, mistake, monkeypatch):
+    _PROVIDERS.clear()
+    trace_dir = str(tmp_path / "traces")
+    tracer = tracer_for(TracingArgs(exporter="file", file_dir=trace_dir), "rank0")
+    _traced_phase(target, draft, "swa", tracer)
+    _traced_phase(target, draft, "full", tracer, monkeypatch if mistake else None)
+    flush_all()
+    _PROVIDERS.clear()
+    return trace_dir
+
+
+def test_healthy_traces_show_no_drop(models, tmp_path, monkeypatch):
+    trace_dir = _trace_dir(tmp_path, *models, mistake=False, monkeypatch=monkeypatch)
+    points = step_points(load_spans([trace_dir]))
+    assert points and all(n == K + 1 for p in points for n in p.accept_lengths)
+    text, drop = diagnose([trace_dir], str(tmp_path / "healthy.png"))
+    assert drop is None and "no accept-length drop detected" in text
+    assert os.path.getsize(tmp_path / "healthy.png") > 1000
+
+
+def test_upstream_mistake_is_diagnosed(models, tmp_path, monkeypatch, capsys):
+    from cluster.cli import main
+
+    trace_dir = _trace_dir(tmp_path, *models, mistake=True, monkeypatch=monkeypatch)
+    plot = str(tmp_path / "drop.png")
+    assert main(["diagnose", trace_dir, "--plot", plot]) == 0
+    text = capsys.readouterr().out
+    print(text)
+    assert "DROP at step" in text
+    assert "slidespec.draft.pool: swa -> full" in text
+    _, drop = diagnose([trace_dir])
+    assert drop.before == pytest.approx(K + 1) and drop.after < K
+    assert "by draft pool:" in text and "by backend:" in text and "acceptance by draft position" in text
+    assert os.path.getsize(plot) > 1000

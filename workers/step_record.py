@@ -1,0 +1,30 @@
+"""What one engine step ran: its forwards in order, with timings, and its verify results.
+Traces and metrics are built from these records (cluster.tracing)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardRecord:
+    """One forward pass of a step."""
+
+    model: str  # "target" or "draft"
+    mode: str  # ForwardMode name
+    batch_size: int
+    num_tokens: int
+    kernel: str  # the attention kernel the backend runs for this mode
+    start_ns: int  # wall clock (time.time_ns) around the forward, as seen by the host
+    end_ns: int
+
+
+@dataclasses.dataclass
+class StepRecord:
+    forwards: list[ForwardRecord] = dataclasses.field(default_factory=list)
+    request_ids: list[str] = dataclasses.field(default_factory=list)  # requests this step served
+    seq_lens: list[int] = dataclasses.field(default_factory=list)  # their lengths after the step
+    accept_lengths: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> accept length
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # request id -> verified drafts
+    start_ns: int = 0
+    end_ns: int = 0
