@@ -5,35 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 
 logger = logging.getLogger("slidespec")
-
-
-def _demo(args: argparse.Namespace) -> int:
-    """Generate for a few concurrent requests on the shipped tiny hybrid-SWA model."""
-    from workers.engine import Engine, SamplingParams
-
-    load_format = "dummy" if args.dummy else "auto"
-    eng = Engine(model=args.model, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                 chunked_prefill_size=args.chunked_prefill_size, load_format=load_format)
-    cfg = eng.cfg
-    logger.info("model %s: %d layers, windows %s", cfg.architecture, cfg.num_layers,
-                sorted({w for w in cfg.layer_windows.values()}, key=lambda w: (w is None, w)))
-    prompts = [[(7 * i + j) % cfg.vocab_size for j in range(n)] for i, n in enumerate(args.prompt_lens)]
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = eng.generate(prompt_token_ids=prompts, sampling=sampling)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outs)
-    for out in outs:
-        shown = out.text if out.text is not None else out.token_ids[:16]
-        print(f"{out.request_id}: prompt {len(out.prompt_token_ids)} tokens -> {len(out.token_ids)} tokens "
-              f"({out.finish_reason}): {shown}")
-    print(f"{generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tokens/s; KV after: {eng.kv_stats()}")
-    eng.check_no_leak()
-    eng.shutdown()
-    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -63,21 +36,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ops import DEFAULT_MODEL
-
     parser = argparse.ArgumentParser(prog="slidespec", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the engine on the shipped tiny model")
-    demo.add_argument("--model", default=DEFAULT_MODEL)
-    demo.add_argument("--dummy", action="store_true", default=None,
-                      help="random weights (default when the model directory has no weights)")
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--max-total-tokens", type=int, default=8192)
-    demo.add_argument("--chunked-prefill-size", type=int, default=256)
-    demo.add_argument("--max-new-tokens", type=int, default=256)
-    demo.add_argument("--prompt-lens", type=int, nargs="+", default=[40, 130, 300, 75])
-    demo.set_defaults(func=_demo)
+    from ops import demo
+
+    demo_parser = sub.add_parser("demo", help="run the whole system locally on the shipped tiny models")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(func=demo.run)
     gen = sub.add_parser("generate", help="stream a completion from a running slidespec gRPC server")
     gen.add_argument("prompt", help="text, or comma-separated token ids with --token-ids")
     gen.add_argument("--target", default="127.0.0.1:50051")
@@ -102,11 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if getattr(args, "dummy", False) is None:
-        import glob
-        import os
-
-        args.dummy = not glob.glob(os.path.join(args.model, "*.safetensors"))
     return args.func(args)
 
 

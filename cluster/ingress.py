@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import Any
 
 from ray import serve
@@ -42,8 +43,9 @@ class GrpcIngress:
         self.tokenizer = load_tokenizer(model)
         tokenize = self.tokenizer.encode if self.tokenizer is not None else None
         self.running_replicas = 0
+        self.model_name = os.path.basename(os.path.normpath(self.args.model))  # served name in spans and metrics
         self.tracer = tracer_for(self.args.tracing, "ingress")
-        self.metrics = ServingMetrics(self.args.model)
+        self.metrics = ServingMetrics(self.model_name)
         if self.args.metrics_port is not None:
             prometheus_client.start_http_server(self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry)
         self.service = GenerationService(llm, self.args.grpc, tokenize, lambda: self.running_replicas > 0, self._model_info,
@@ -66,11 +68,11 @@ class GrpcIngress:
             await asyncio.sleep(1.0)
 
     def _telemetry(self, body: dict[str, Any], metadata: dict[str, str]) -> RequestTelemetry:
-        return RequestTelemetry(self.tracer, self.metrics, self.args.model, body, metadata)
+        return RequestTelemetry(self.tracer, self.metrics, self.model_name, body, metadata)
 
     async def _model_info(self) -> dict[str, Any]:
         info = await self.llm.model_info.remote()
-        return dict(model=self.args.model, architecture=info["architecture"], vocab_size=info["vocab_size"],
+        return dict(model=self.model_name, architecture=info["architecture"], vocab_size=info["vocab_size"],
                     context_length=info["context_length"], max_window=info["max_window"] or 0,
                     tp_size=info["tp_size"], speculative_algorithm=info["speculative"] or "",
                     num_replicas=self.running_replicas, routing_policy=self.args.router.policy)

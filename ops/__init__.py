@@ -4,3 +4,8 @@ import os
 
 MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
 DEFAULT_MODEL = os.path.join(MODELS_DIR, "tiny-gemma3")
+DRAFT_MODELS = {
+    "standalone": os.path.join(MODELS_DIR, "tiny-gemma3-draft"),
+    "eagle": os.path.join(MODELS_DIR, "tiny-gemma3-eagle"),
+    "frozen_kv_mtp": os.path.join(MODELS_DIR, "tiny-gemma3-mtp"),
+}
