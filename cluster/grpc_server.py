@@ -98,7 +98,7 @@ def _cause(exc: BaseException) -> BaseException:
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, llm, args: GrpcArgs, tokenize: Callable[[str], list[int]] | None,
-                 ready: Callable[[], bool], model_info: Callable[[], Awaitable[dict[str, Any]]],
+                 ready: Callable[[], Awaitable[bool]], model_info: Callable[[], Awaitable[dict[str, Any]]],
                  telemetry: Callable[[dict[str, Any], Mapping[str, str]], RequestTelemetry]) -> None:
         """`telemetry(body, call metadata)` starts a request's span and metrics."""
         self.llm = llm
@@ -140,7 +140,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         """The request's responses, retried on another replica while nothing was sent."""
         rid, sent = body["request_id"], 0
         for attempt in range(self.args.retries + 1):
-            if not self.ready():
+            if not await self.ready():
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy replica of the engine deployment")
             call = self.llm.options(stream=True).generate.remote(body)
             self._calls[rid] = call

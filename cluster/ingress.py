@@ -48,24 +48,32 @@ class GrpcIngress:
         self.metrics = ServingMetrics(self.model_name)
         if self.args.metrics_port is not None:
             prometheus_client.start_http_server(self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry)
-        self.service = GenerationService(llm, self.args.grpc, tokenize, lambda: self.running_replicas > 0, self._model_info,
-                                         self._telemetry)
+        self.app_name = serve.get_replica_context().app_name
+        self.service = GenerationService(llm, self.args.grpc, tokenize, self._ready, self._model_info, self._telemetry)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
 
     async def _watch_replicas(self) -> None:
         """Readiness: SERVING while the engine deployment has a running replica."""
-        app = serve.get_replica_context().app_name
         while True:
-            try:
-                status = await asyncio.to_thread(serve.status)
-                deployment = status.applications[app].deployments.get(ENGINE_DEPLOYMENT)
-                self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
-            except Exception as exc:  # noqa: BLE001 - keep the last known state; try again
-                logger.warning("could not read the engine deployment's status: %s", exc)
-            serving = health_pb2.HealthCheckResponse.SERVING if self.running_replicas else health_pb2.HealthCheckResponse.NOT_SERVING
-            self.health.set(SERVICE, serving)
+            await self._refresh_replicas()
             await asyncio.sleep(1.0)
+
+    async def _refresh_replicas(self) -> None:
+        try:
+            status = await asyncio.to_thread(serve.status)
+            deployment = status.applications[self.app_name].deployments.get(ENGINE_DEPLOYMENT)
+            self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
+        except Exception as exc:  # noqa: BLE001 - keep the last known state; try again
+            logger.warning("could not read the engine deployment's status: %s", exc)
+        serving = health_pb2.HealthCheckResponse.SERVING if self.running_replicas else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set(SERVICE, serving)
+
+    async def _ready(self) -> bool:
+        """Whether a replica runs; asks Serve again before saying no (the watcher may lag)."""
+        if not self.running_replicas:
+            await self._refresh_replicas()
+        return self.running_replicas > 0
 
     def _telemetry(self, body: dict[str, Any], metadata: dict[str, str]) -> RequestTelemetry:
         return RequestTelemetry(self.tracer, self.metrics, self.model_name, body, metadata)

@@ -125,8 +125,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ntraces: {trace_dir} (OTLP JSON lines); `slidespec diagnose {trace_dir}` says:")
     try:
         text, _ = diagnose([trace_dir], os.path.join(trace_dir, "accept_length.png"))
-        print("\n".join(f"  {line}" for line in text.splitlines()[:12]))
-        print(f"  ... plot: {os.path.join(trace_dir, 'accept_length.png')}")
+        lines = text.splitlines()
+        summary = [lines[0]] + [line for line in lines if line.startswith(("acceptance by", "no accept", "DROP", "  slidespec."))]
+        print("\n".join(f"  {line}" for line in summary))
+        print(f"  plot: {os.path.join(trace_dir, 'accept_length.png')}")
     except ValueError as exc:
         print(f"  {exc}")
     return 0
