@@ -81,7 +81,7 @@ def make_eagle_head(target_dir: str, out_dir: str, version: int, seed: int = 0, 
 def make_frozen_kv_head(target_dir: str, out_dir: str, seed: int = 0, kv_source_layers: list[int] | None = None) -> str:
     """A frozen-KV MTP head whose layers read the given (default: last SWA, last full) target layers."""
     tc = _config(target_dir)
-    h, heads, kv_heads = tc["hidden_size"], tc["num_attention_heads"], tc["num_key_value_heads"]
+    h, heads = tc["hidden_size"], tc["num_attention_heads"]
     d = tc.get("head_dim") or h // heads
     inter = 2 * h
     gemma = "gemma" in tc.get("model_type", "")
@@ -127,3 +127,12 @@ def make_perturbed_copy(target_dir: str, out_dir: str, noise: float, seed: int =
             weights[name] = t + noise * t.std() * torch.randn(t.shape, generator=g)
     save_file(weights, path)
     return out_dir
+
+
+def make_target_and_draft(root, noise: float = 0.0) -> tuple[str, str]:
+    """A tiny Gemma 3 target in root/gemma3 and a perturbed copy of it as standalone draft."""
+    from tests.hf_models import make_tiny_model
+
+    target = str(root / "gemma3")
+    make_tiny_model("gemma3", target)
+    return target, make_perturbed_copy(target, str(root / "draft"), noise=noise)

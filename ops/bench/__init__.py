@@ -1,0 +1,14 @@
+"""Benchmarks; each records what it measured under ops/bench/results/."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def emit(result: dict[str, Any], out: str | None) -> None:
+    """Print a benchmark's result as one JSON line and, with `out`, write it there too."""
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import socket
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
+from ops.bench import emit
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop
@@ -160,10 +160,7 @@ def main() -> None:
         print(f"{mode:10s} {rows[mode]:8.1f} steps/s  {1e3 / rows[mode]:6.2f} ms/step", flush=True)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch_threads": 1, "steps": args.steps,
               "steps_per_s": {k: round(v, 1) for k, v in rows.items()}}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(json.dumps(result))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

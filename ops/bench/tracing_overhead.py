@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
@@ -16,6 +15,7 @@ import torch
 from cluster.config import TracingArgs
 from cluster.tracing import engine_info, flush_all, record_step, tracer_for
 from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops.bench import emit
 from workers.engine import Engine, SamplingParams
 
 PROMPT = [1] + list(range(100, 164))
@@ -58,10 +58,7 @@ def main() -> None:
     result = {"ms_per_step_off": round(off * 1e3, 3), "ms_per_step_on": round(on * 1e3, 3),
               "overhead_ms_per_step": round((on - off) * 1e3, 3), "overhead_percent": round(100 * (on - off) / off, 1),
               "requests": args.requests, "max_new_tokens": args.max_new_tokens, "algorithm": args.algorithm}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(json.dumps(result))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

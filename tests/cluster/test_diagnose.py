@@ -12,8 +12,7 @@ from attention.trtllm_mha import TRTLLMMHABackend
 from cluster.config import TracingArgs
 from cluster.tracing import _PROVIDERS, engine_info, flush_all, record_step, tracer_for
 from ops.diagnose import diagnose, load_spans, step_points
-from tests.hf_models import make_tiny_model
-from tests.spec_models import make_perturbed_copy
+from tests.spec_models import make_target_and_draft
 from tests.workers.test_spec import _UpstreamReadsByAllocator
 from workers.engine import Engine, SamplingParams
 
@@ -22,10 +21,7 @@ K = 3
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("diag")
-    target = str(root / "gemma3")
-    make_tiny_model("gemma3", target)
-    return target, make_perturbed_copy(target, str(root / "copy"), noise=0.0)
+    return make_target_and_draft(tmp_path_factory.mktemp("diag"))
 
 
 def _traced_phase(target, draft, pool, tracer, monkeypatch=None):

@@ -15,8 +15,8 @@ from ray import serve
 
 from cluster.app import build_app
 from cluster.config import AppArgs
-from tests.hf_models import make_tiny_model, random_prompts
-from tests.spec_models import make_perturbed_copy
+from tests.hf_models import random_prompts
+from tests.spec_models import make_target_and_draft
 from workers.engine import Engine, SamplingParams
 
 NEW = 20
@@ -25,10 +25,7 @@ PROMPTS = random_prompts([29, 11, 17, 40])
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    target = str(root / "gemma3")
-    make_tiny_model("gemma3", target)
-    return target, make_perturbed_copy(target, str(root / "draft"), noise=0.1)
+    return make_target_and_draft(tmp_path_factory.mktemp("serve"), noise=0.1)
 
 
 def _args(target: str, **extra) -> dict:

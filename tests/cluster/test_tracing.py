@@ -15,9 +15,7 @@ from ray import serve
 
 from cluster.app import build_app
 from cluster.client import GenerationClient
-from tests.cluster.conftest import free_port
-from tests.hf_models import make_tiny_model
-from tests.spec_models import make_perturbed_copy
+from tests.spec_models import make_target_and_draft
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 K = 3
@@ -49,10 +47,7 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def app(ray_serve, receiver, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tracing")
-    target = str(root / "gemma3")
-    make_tiny_model("gemma3", target)
-    draft = make_perturbed_copy(target, str(root / "draft"), noise=0.0)
+    target, draft = make_target_and_draft(tmp_path_factory.mktemp("tracing"))
     handle = serve.run(build_app(dict(
         model=target, page_size=4, chunked_prefill_size=16, max_total_tokens=2048, context_length=512,
         speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K},

@@ -6,7 +6,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from tests.hf_models import WINDOW, add_tokenizer, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams

@@ -4,7 +4,6 @@ frozen-KV heads run every forward mode; logits agree with decoding without specu
 bf16 noise up to any first divergence (the criterion of the engine's GPU test)."""
 
 import pytest
-import torch
 
 from tests.hf_models import make_tiny_model, random_prompts
 from tests.spec_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy

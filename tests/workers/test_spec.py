@@ -4,7 +4,6 @@ canary (with the upstream mistake of invariant 1 put back), rejection sampling e
 distribution, bad configurations and KV accounting."""
 
 import collections
-import os
 
 import pytest
 import torch
