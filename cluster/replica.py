@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import AppArgs
 from cluster.rank_actor import RankActor
 from workers.sampling_params import SamplingParams
-from workers.tokenizer import IncrementalDetokenizer, load_tokenizer
+from workers.tokenizer import IncrementalDetokenizer, StopStrings, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class LLMServer:
         replica's load. A stop string ends the request (its text is cut before the stop)."""
         rid, prompt_ids, sampling, stop = parse_request(body, self.tokenizer, f"{self.replica_tag}-{next(self._ids)}")
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        text = ""
+        stops, emitted = StopStrings(stop), 0
         stream = self.ranks[0].generate.options(num_returns="streaming").remote(
             rid, prompt_ids, dataclasses.asdict(sampling), body.get("trace_context"))
         try:
@@ -108,12 +108,13 @@ class LLMServer:
                 if "error" in update:
                     raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {update['error']}")
                 update["request_id"], update["replica"] = rid, self.replica_tag
+                emitted += len(update["token_ids"])
                 if detok is not None:
-                    update["text"] = detok.add(update["token_ids"], final=update["finished"])
-                    cut = _first_stop(text, update["text"], stop)
-                    if cut is not None:
-                        update.update(text=update["text"][:cut], finished=True, finish_reason="stop")
-                    text += update["text"]
+                    delta = detok.add(update["token_ids"], final=update["finished"])
+                    update["text"] = stops.add(delta, final=update["finished"])
+                    if stops.stopped:
+                        update.update(finished=True, finish_reason="stop", prompt_tokens=len(prompt_ids),
+                                      completion_tokens=emitted)
                 if update["finished"]:
                     update["load"] = await self.load()
                 yield update
@@ -154,17 +155,6 @@ class LLMServer:
             logger.warning("replica %s: rank shutdown failed (%s); killing the rank actors", self.replica_tag, exc)
         for actor in ranks:
             ray.kill(actor, no_restart=True)
-
-
-def _first_stop(before: str, delta: str, stops: list[str]) -> int | None:
-    """Where in `delta` to cut so that the text ends before the first stop string, if one
-    completes in it (it may start in `before`)."""
-    text, cuts = before + delta, []
-    for stop in stops:
-        at = text.find(stop, max(0, len(before) - len(stop) + 1))
-        if at != -1:
-            cuts.append(max(0, at - len(before)))
-    return min(cuts) if cuts else None
 
 
 def _serve_ids() -> tuple[str, str | None]:

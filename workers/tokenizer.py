@@ -34,3 +34,30 @@ class IncrementalDetokenizer:
             end -= 1
         delta, self.sent = text[self.sent:end], max(self.sent, end)
         return delta
+
+
+class StopStrings:
+    """Cuts streamed text before the first stop string. Text that could still turn into a stop
+    string (a suffix that is a proper prefix of one) is held back until the next delta says."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def add(self, delta: str, final: bool = False) -> str:
+        """The text to send now; after it `stopped` tells whether a stop string ended the text."""
+        self.text += delta
+        longest = max((len(s) for s in self.stops), default=0)
+        hits = [i for i in (self.text.find(s, max(0, self.sent - longest + 1)) for s in self.stops) if i != -1]
+        if hits:
+            self.stopped = True
+            end = max(self.sent, min(hits))
+        elif final:
+            end = len(self.text)
+        else:
+            held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+            end = len(self.text) - held
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out

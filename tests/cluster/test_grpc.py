@@ -22,7 +22,8 @@ from ray import serve
 from cluster.app import build_app
 from cluster.client import AsyncGenerationClient, GenerationClient
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
-from tests.hf_models import add_tokenizer, make_tiny_model, random_prompts
+from ops import DEFAULT_MODEL
+from tests.hf_models import random_prompts
 from workers.engine import Engine, SamplingParams
 
 COMMON = dict(page_size=4, chunked_prefill_size=8, max_total_tokens=4096, context_length=512, tp_size=1,
@@ -49,11 +50,9 @@ def _self_signed(tmp_path) -> tuple[str, str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("grpc") / "gemma3")
-    make_tiny_model("gemma3", path)
-    add_tokenizer(path)
-    return path
+def model():
+    """The shipped trained model: it writes real text, which stop strings need."""
+    return DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +121,7 @@ def _collect(responses):
 def test_streamed_generation_matches_the_in_process_engine(api, model):
     ref_engine = Engine(model=model, page_size=4, chunked_prefill_size=8, max_total_tokens=4096, context_length=512)
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    for prompt in ["the quick brown fox", random_prompts([23])[0]]:
+    for prompt in ["def main(argv):\n    ", random_prompts([23])[0]]:
         ids = ref_engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         (ref,) = ref_engine.generate(prompt_token_ids=[ids], sampling=greedy)
         tokens, text, last = _collect(api.generate(prompt, max_new_tokens=16, temperature=0.0, ignore_eos=True))
@@ -160,6 +159,16 @@ def test_64_concurrent_streams_over_two_replicas(servers):
     results = asyncio.run(run())
     assert all(n == 12 for n, _ in results)
     assert len({replica for _, replica in results}) == 2
+    _assert_kv_full()
+
+
+def test_stop_string_ends_the_text_before_it(api):
+    prompt = "import os\n\n\ndef main(argv):\n    "
+    _, full, _ = _collect(api.generate(prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    tokens, text, last = _collect(api.generate(prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
+    assert text == full[:full.index(stop)] and stop not in text
+    assert last.finish_reason == pb.FINISH_REASON_STOP and last.usage.completion_tokens == len(tokens) < 40
     _assert_kv_full()
 
 

@@ -242,3 +242,17 @@ def test_missing_weights_are_named(tmp_path):
     save_file(weights, os.path.join(path, "model.safetensors"))
     with pytest.raises(ValueError, match="k_proj|qkv_proj"):
         Engine(model=path)
+
+
+@pytest.mark.parametrize("deltas, stops, sent, stopped", [
+    (["def f", "(x):\n    ret", "urn x"], ["return"], ["def f", "(x):\n    ", ""], True),  # stop across deltas
+    (["abc", "de"], ["xyz"], ["abc", "de"], False),
+    (["ab", "x", "y"], ["xyz"], ["ab", "", "xy"], False),  # "xy" held back, then flushed at the end
+    (["time", ", sys"], ["e, "], ["tim", ""], True),  # held back "e" was the start of the stop
+])
+def test_stop_strings_cut_before_the_stop(deltas, stops, sent, stopped):
+    from workers.tokenizer import StopStrings
+
+    filt = StopStrings(stops)
+    out = [filt.add(d, final=i == len(deltas) - 1) for i, d in enumerate(deltas)]
+    assert out == sent and filt.stopped == stopped
