@@ -26,6 +26,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from cluster.config import GrpcArgs
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
+from cluster.replica import RequestError
 from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
 from cluster.routing.load_board import BOARD
 from cluster.telemetry import RequestTelemetry
@@ -91,7 +92,7 @@ def merge_responses(responses: list[pb.GenerateResponse]) -> pb.GenerateResponse
     return merged
 
 
-def _cause(exc: BaseException) -> BaseException:
+def unwrap(exc: BaseException) -> BaseException:
     """The exception a Ray task raised, without Ray's wrapper (and its remote traceback)."""
     return getattr(exc, "cause", None) or exc
 
@@ -174,12 +175,12 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-        cause = _cause(exc)
+        cause = unwrap(exc)
         if isinstance(cause, ValueError):
             return grpc.StatusCode.INVALID_ARGUMENT, str(cause)
         if isinstance(exc, BackPressureError) or isinstance(cause, BackPressureError):
             return grpc.StatusCode.RESOURCE_EXHAUSTED, "the engine deployment's request queue is full; retry later"
-        if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)) or "RequestError" in type(cause).__name__:
+        if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, RequestError)):
             return grpc.StatusCode.UNAVAILABLE, f"a replica failed: {cause}"
         return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {cause}"
 

@@ -23,7 +23,7 @@ import prometheus_client
 from grpc_health.v1 import health_pb2
 
 from cluster.config import AppArgs
-from cluster.grpc_server import SERVICE, GenerationService, _cause, start_server
+from cluster.grpc_server import SERVICE, GenerationService, start_server, unwrap
 from cluster.metrics import ServingMetrics
 from cluster.routing.load_board import BOARD
 from cluster.telemetry import RequestTelemetry
@@ -108,7 +108,7 @@ class GrpcIngress:
             updates = self.llm.options(stream=True).generate.remote(body)
             first = await updates.__anext__()
         except Exception as exc:  # noqa: BLE001 - bad input is a 400; anything else a 503
-            cause = _cause(exc)
+            cause = unwrap(exc)
             status = 400 if isinstance(cause, ValueError) else 503
             return JSONResponse({"error": str(cause)}, status_code=status)
 
@@ -118,7 +118,7 @@ class GrpcIngress:
                 async for update in updates:
                     yield json.dumps(update) + "\n"
             except Exception as exc:  # noqa: BLE001 - the stream has started: report in band
-                yield json.dumps({"error": str(_cause(exc))}) + "\n"
+                yield json.dumps({"error": str(unwrap(exc))}) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
