@@ -78,7 +78,7 @@ class TracingArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    exporter: Literal["none", "otlp_grpc", "otlp_http", "file", "memory"] = "none"
+    exporter: Literal["none", "otlp_grpc", "otlp_http", "file"] = "none"
     endpoint: str | None = Field(None, description="otlp_*: collector endpoint (e.g. 127.0.0.1:4317)")
     insecure: bool = Field(True, description="otlp_grpc: plaintext to the collector")
     file_dir: str | None = Field(None, description="file: directory of OTLP JSON-lines files, one per process")

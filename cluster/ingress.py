@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import uuid
 from typing import Any
 
 from ray import serve
@@ -90,7 +91,8 @@ class GrpcIngress:
 
     async def stats(self) -> dict[str, Any]:
         """Replica loads as last reported, and how many attempts were retried elsewhere."""
-        return {"loads": BOARD.snapshot(), "retried": self.service.retried, "running_replicas": self.running_replicas}
+        return {"loads": BOARD.snapshot(), "retried": self.service.retried, "running_replicas": self.running_replicas,
+                "pending_decisions": len(BOARD.decisions)}
 
     async def __call__(self, request) -> Any:
         """HTTP: POST a JSON request ({"prompt" | "prompt_token_ids", "sampling", "session_id"});
@@ -99,17 +101,21 @@ class GrpcIngress:
 
         if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
             return Response(self.metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        body: Any = None
         try:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ValueError("request: must be a JSON object")
             if isinstance(body.get("prompt"), str) and self.tokenizer is not None:
                 body["prompt_token_ids"] = self.tokenizer.encode(body.pop("prompt"))
+            body.setdefault("request_id", uuid.uuid4().hex)  # the router's load accounting keys on it
             updates = self.llm.options(stream=True).generate.remote(body)
             first = await updates.__anext__()
         except Exception as exc:  # noqa: BLE001 - bad input is a 400; anything else a 503
             cause = unwrap(exc)
             status = 400 if isinstance(cause, ValueError) else 503
+            if isinstance(body, dict):
+                BOARD.pop_decision(str(body.get("request_id", "")))
             return JSONResponse({"error": str(cause)}, status_code=status)
 
         async def lines():
@@ -119,6 +125,8 @@ class GrpcIngress:
                     yield json.dumps(update) + "\n"
             except Exception as exc:  # noqa: BLE001 - the stream has started: report in band
                 yield json.dumps({"error": str(unwrap(exc))}) + "\n"
+            finally:
+                BOARD.pop_decision(body["request_id"])
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -66,7 +66,7 @@ class RequestTelemetry:
                                               "slidespec.spec.verify_steps": spec["verify_steps"]})
 
     def _router_span(self) -> None:
-        decision = BOARD.decisions.pop(self.rid, None)
+        decision = BOARD.pop_decision(self.rid)
         if decision is None:
             return
         chosen_by, candidates, chosen = decision
@@ -78,6 +78,7 @@ class RequestTelemetry:
                                attributes=attrs).end()
 
     def end(self, error: str | None = None) -> None:
+        BOARD.pop_decision(self.rid)  # unread when tracing is off or no token came back
         if self.span is None:
             return
         if error is not None:

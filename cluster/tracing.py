@@ -18,7 +18,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Link, SpanKind
 
@@ -48,9 +48,7 @@ def _exporter(args: TracingArgs, component: str) -> SpanExporter:
         os.makedirs(args.file_dir, exist_ok=True)
         # One file per process: concurrent appends from several processes could interleave.
         return FileSpanExporter(os.path.join(args.file_dir, f"{component}-{socket.gethostname()}-{os.getpid()}.jsonl"))
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    return InMemorySpanExporter()
+    raise ValueError(f"tracing.exporter: unknown {args.exporter!r}")
 
 
 def tracer_for(args: TracingArgs, component: str) -> trace.Tracer | None:
@@ -62,10 +60,7 @@ def tracer_for(args: TracingArgs, component: str) -> trace.Tracer | None:
         provider = TracerProvider(resource=Resource.create({"service.name": args.service_name,
                                                             "slidespec.component": component}),
                                   sampler=ParentBased(TraceIdRatioBased(args.sample_ratio)))
-        exporter = _exporter(args, component)
-        processor = SimpleSpanProcessor(exporter) if args.exporter == "memory" else BatchSpanProcessor(exporter)
-        provider.add_span_processor(processor)
-        provider.exporter = exporter  # the in-memory exporter's spans, for tests
+        provider.add_span_processor(BatchSpanProcessor(_exporter(args, component)))
         _PROVIDERS[key] = provider
     return _PROVIDERS[key].get_tracer("slidespec")
 

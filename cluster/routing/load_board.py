@@ -43,6 +43,11 @@ class LoadBoard:
             self._reported.pop(replica, None)
             self._in_flight = {rid: v for rid, v in self._in_flight.items() if v[0] != replica}
 
+    def decide(self, request_id: str, decision: Decision, candidates: list[str]) -> None:
+        """The router's choice for a request, until its span is written or the request ends."""
+        with self._lock:
+            self.decisions[request_id] = (decision, candidates, decision.ranked[0])
+
     def pop_decision(self, request_id: str) -> tuple[Decision, list[str], str] | None:
         with self._lock:
             return self.decisions.pop(request_id, None)

@@ -49,7 +49,7 @@ class SlidespecRequestRouter(FIFOMixin, RequestRouter):
                 load_board.BOARD.report(replica.replica_id.unique_id, replica.routing_stats)
         ids = sorted(by_id)
         decision = self.policy.choose(request, ids, load_board.BOARD.token_loads(ids))
-        load_board.BOARD.decisions[request.request_id] = (decision, ids, decision.ranked[0])
+        load_board.BOARD.decide(request.request_id, decision, ids)
         return [[by_id[r]] for r in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

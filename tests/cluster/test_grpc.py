@@ -160,6 +160,7 @@ def test_64_concurrent_streams_over_two_replicas(servers):
     assert all(n == 12 for n, _ in results)
     assert len({replica for _, replica in results}) == 2
     _assert_kv_full()
+    assert servers["api"][2].stats.remote().result()["pending_decisions"] == 0  # routing records do not pile up
 
 
 def test_stop_string_ends_the_text_before_it(api):

@@ -112,3 +112,11 @@ def test_load_board_counts_in_flight_and_reports():
 def test_unknown_policy_is_named():
     with pytest.raises(ValueError, match="router.policy"):
         make_policy("random_walk")
+
+
+def test_load_board_decisions_are_kept_until_read():
+    board = LoadBoard()
+    decision = CacheAware().choose(_req(0), REPLICAS, {})
+    board.decide("req-0", decision, REPLICAS)
+    assert board.pop_decision("req-0")[2] == decision.ranked[0]
+    assert board.pop_decision("req-0") is None and not board.decisions
