@@ -130,6 +130,7 @@ class AppArgs(EngineArgs):
     router: RouterArgs = Field(default_factory=RouterArgs)
     tracing: TracingArgs = Field(default_factory=TracingArgs)
     metrics_port: int | None = Field(None, ge=0, le=65535, description="also serve /metrics on 127.0.0.1:PORT")
+    max_request_bytes: int = Field(16 << 20, ge=1024, description="HTTP request bodies over this get 413")
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.model_fields})

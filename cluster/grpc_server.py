@@ -14,22 +14,21 @@ the replica's next step.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
-import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from cluster.config import GrpcArgs
+from cluster.gateway import RESOURCE_EXHAUSTED, Gateway, RequestFailed
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
-from cluster.replica import RequestError
 from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
-from cluster.routing.load_board import BOARD
+from cluster.protocol import InvalidRequest
 from cluster.telemetry import RequestTelemetry
+from workers.rank_loop import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -37,32 +36,30 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "ignore_eos")
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+STATUS = {ErrorCode.INVALID_ARGUMENT.value: grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INTERNAL.value: grpc.StatusCode.INTERNAL,
+          ErrorCode.UNAVAILABLE.value: grpc.StatusCode.UNAVAILABLE, RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-class InvalidArgument(ValueError):
-    pass
-
-
-def request_to_body(request: pb.GenerateRequest, tokenize: Callable[[str], list[int]] | None) -> dict[str, Any]:
-    """The engine deployment's request dict. Text is tokenized here so the router sees tokens."""
+def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The request dict both doors validate (`cluster.protocol`): only the fields that are set."""
+    body: dict[str, Any] = {}
     which = request.WhichOneof("input")
-    if which is None:
-        raise InvalidArgument("prompt / prompt_token_ids: give one of them")
     if which == "prompt":
-        if tokenize is None:
-            raise InvalidArgument("prompt: this model has no tokenizer; send prompt_token_ids")
-        ids = tokenize(request.prompt)
-    else:
-        ids = list(request.prompt_token_ids.ids)
+        body["prompt"] = request.prompt
+    elif which == "prompt_token_ids":
+        body["prompt_token_ids"] = list(request.prompt_token_ids.ids)
+    if request.request_id:
+        body["request_id"] = request.request_id
+    if request.session_id:
+        body["session_id"] = request.session_id
     s = request.sampling
     sampling: dict[str, Any] = {name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)}
     if s.stop:
         sampling["stop"] = list(s.stop)
     if s.stop_token_ids:
         sampling["stop_token_ids"] = list(s.stop_token_ids)
-    body = {"request_id": request.request_id or uuid.uuid4().hex, "prompt_token_ids": ids, "sampling": sampling}
-    if request.session_id:
-        body["session_id"] = request.session_id
+    if sampling:
+        body["sampling"] = sampling
     return body
 
 
@@ -92,105 +89,50 @@ def merge_responses(responses: list[pb.GenerateResponse]) -> pb.GenerateResponse
     return merged
 
 
-def unwrap(exc: BaseException) -> BaseException:
-    """The exception a Ray task raised, without Ray's wrapper (and its remote traceback)."""
-    return getattr(exc, "cause", None) or exc
-
-
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, llm, args: GrpcArgs, tokenize: Callable[[str], list[int]] | None,
-                 ready: Callable[[], Awaitable[bool]], model_info: Callable[[], Awaitable[dict[str, Any]]],
+    def __init__(self, gateway: Gateway, ready: Callable[[], Awaitable[bool]],
+                 model_info: Callable[[], Awaitable[dict[str, Any]]],
+                 loads: Callable[[], Awaitable[list[dict[str, Any]]]],
                  telemetry: Callable[[dict[str, Any], Mapping[str, str]], RequestTelemetry]) -> None:
-        """`telemetry(body, call metadata)` starts a request's span and metrics."""
-        self.llm = llm
-        self.args = args
-        self.tokenize = tokenize
+        """`telemetry(body, call metadata)` starts a request's span and metrics; `loads()` asks
+        every engine replica for its live load."""
+        self.gateway = gateway
         self.ready = ready
         self.model_info = model_info
+        self.loads = loads
         self.telemetry = telemetry
-        self._calls: dict[str, Any] = {}  # request id -> the Serve response being streamed
-        self._aborted: set[str] = set()
-        self.retried = 0  # attempts repeated on another replica
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            body = request_to_body(request, self.tokenize)
-        except ValueError as exc:
+            body = await self.gateway.prepare(request_to_body(request))
+        except InvalidRequest as exc:
+            logger.info("rejected a gRPC request: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if body["request_id"] in self._calls:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {body['request_id']!r} is already in use")
         telemetry = self.telemetry(body, dict(context.invocation_metadata() or ()))
         stream = not request.HasField("stream") or request.stream
-        error = None
         try:
             if stream:
-                async for response in self._attempts(body, context, telemetry):
-                    yield response
+                async for update in self.gateway.generate(body, telemetry):
+                    yield update_to_response(update)
             else:
-                collected = [response async for response in self._attempts(body, context, telemetry)]
+                collected = [update_to_response(u) async for u in self.gateway.generate(body, telemetry)]
                 if collected:
                     yield merge_responses(collected)
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        except RequestFailed as failed:
+            telemetry.end(failed.code, failed.message)
+            await context.abort(STATUS[failed.code], failed.message)
+        except asyncio.CancelledError:
+            expired = context.time_remaining() is not None and context.time_remaining() <= 0
+            telemetry.end("deadline_exceeded" if expired else "cancelled")
             raise
-        finally:
-            telemetry.end(error)
-
-    async def _attempts(self, body: dict[str, Any], context: grpc.aio.ServicerContext,
-                        telemetry: RequestTelemetry) -> AsyncIterator[pb.GenerateResponse]:
-        """The request's responses, retried on another replica while nothing was sent."""
-        rid, sent = body["request_id"], 0
-        for attempt in range(self.args.retries + 1):
-            if not await self.ready():
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy replica of the engine deployment")
-            call = self.llm.options(stream=True).generate.remote(body)
-            self._calls[rid] = call
-            try:
-                async for update in call:
-                    telemetry.update(update)
-                    if update["finished"]:
-                        BOARD.finished(rid, update.get("load"))
-                    sent += 1
-                    yield update_to_response(update)
-                return
-            except (asyncio.CancelledError, RequestCancelledError):
-                call.cancel()
-                if rid in self._aborted:  # the Abort RPC cancelled it: end the stream normally
-                    yield pb.GenerateResponse(request_id=rid, finished=True, finish_reason=pb.FINISH_REASON_ABORT)
-                    return
-                raise
-            except Exception as exc:  # noqa: BLE001 - mapped to a status code below
-                code, message = self._status(exc)
-                if not (code is grpc.StatusCode.UNAVAILABLE and sent == 0 and attempt < self.args.retries):
-                    await context.abort(code, message)
-                decision = BOARD.pop_decision(rid)
-                if decision is not None:  # try another replica than the one that failed
-                    body["exclude_replicas"] = sorted({*body.get("exclude_replicas", ()), decision[2]})
-                self.retried += 1
-                logger.warning("request %s failed before its first token (%s); retrying", rid, message)
-                await asyncio.sleep(self.args.retry_backoff_s * 2**attempt)
-            finally:
-                self._calls.pop(rid, None)
-                self._aborted.discard(rid)
-
-    @staticmethod
-    def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-        cause = unwrap(exc)
-        if isinstance(cause, ValueError):
-            return grpc.StatusCode.INVALID_ARGUMENT, str(cause)
-        if isinstance(exc, BackPressureError) or isinstance(cause, BackPressureError):
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, "the engine deployment's request queue is full; retry later"
-        if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, RequestError)):
-            return grpc.StatusCode.UNAVAILABLE, f"a replica failed: {cause}"
-        return grpc.StatusCode.INTERNAL, f"{type(cause).__name__}: {cause}"
+        except BaseException as exc:
+            telemetry.end(ErrorCode.INTERNAL.value, f"{type(exc).__name__}: {exc}")
+            raise
+        else:
+            telemetry.end()
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        call = self._calls.get(request.request_id)
-        if call is None:
-            return pb.AbortResponse(aborted=False)
-        self._aborted.add(request.request_id)
-        call.cancel()
-        return pb.AbortResponse(aborted=True)
+        return pb.AbortResponse(aborted=await self.gateway.abort(request.request_id))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         info = await self.model_info()
@@ -198,8 +140,54 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:
         fields = set(pb.ReplicaLoad.DESCRIPTOR.fields_by_name)
+        loads = sorted(await self.loads(), key=lambda load: load["replica"])
         return pb.GetLoadResponse(replicas=[pb.ReplicaLoad(**{k: v for k, v in load.items() if k in fields})
-                                            for _, load in sorted(BOARD.snapshot().items())])
+                                            for load in loads])
+
+
+class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A message that does not parse (garbage bytes, invalid UTF-8 in a string field) is the
+    client's error: INVALID_ARGUMENT naming the message type, not gRPC's default UNKNOWN."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # noqa: BLE001 - DecodeError, UnicodeDecodeError, ...
+                return _Undecodable(f"request: not a valid message for {handler_call_details.method}: {exc}")
+
+        kind = "unary_stream" if handler.unary_stream else "unary_unary" if handler.unary_unary else None
+        if kind is None:
+            return handler
+        behavior = getattr(handler, kind)  # async or sync (the health servicer is sync)
+        if kind == "unary_stream":
+            async def checked(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                responses = behavior(request, context)
+                if hasattr(responses, "__aiter__"):
+                    async for response in responses:
+                        yield response
+                else:
+                    for response in responses:
+                        yield response
+        else:
+            async def checked(request, context):
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                response = behavior(request, context)
+                return await response if inspect.isawaitable(response) else response
+        return handler._replace(request_deserializer=deserialize, **{kind: checked})
+
+
+class _Undecodable:
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -225,7 +213,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 async def start_server(service: GenerationService, args: GrpcArgs) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Build and start the server; returns it, the port it bound and its health servicer."""
-    interceptors = []
+    interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequestInterceptor()]
     if args.auth_token_file:
         interceptors.append(BearerTokenInterceptor(open(args.auth_token_file).read().strip()))
     options = [("grpc.max_receive_message_length", args.max_message_bytes),

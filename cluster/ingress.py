@@ -14,21 +14,27 @@ import asyncio
 import json
 import logging
 import os
-import uuid
-from typing import Any
-
-from ray import serve
-from ray.serve.handle import DeploymentHandle
+from typing import Any, AsyncIterator, Mapping
 
 import prometheus_client
+import ray
 from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.config import AppArgs
-from cluster.grpc_server import SERVICE, GenerationService, start_server, unwrap
+from cluster.gateway import RESOURCE_EXHAUSTED, Gateway, RequestFailed
+from cluster.grpc_server import SERVICE, GenerationService, start_server
 from cluster.metrics import ServingMetrics
+from cluster.protocol import InvalidRequest, PromptLimits
+from cluster.rank_actor import rank0_replica, rank_actor_name
 from cluster.routing.load_board import BOARD
 from cluster.telemetry import RequestTelemetry
 from cluster.tracing import flush_all, tracer_for
+from workers.engine import resolve_context_length
+from workers.models import load_model_config
+from workers.rank_loop import ErrorCode
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,9 +46,10 @@ class GrpcIngress:
     async def __init__(self, llm: DeploymentHandle, args: dict[str, Any]) -> None:
         self.args = AppArgs(**args)
         self.llm = llm
-        model = self.args.engine_args().engine_kwargs()["model"]
-        self.tokenizer = load_tokenizer(model)
-        tokenize = self.tokenizer.encode if self.tokenizer is not None else None
+        engine_kwargs = self.args.engine_args().engine_kwargs()
+        self.tokenizer = load_tokenizer(engine_kwargs["model"])
+        context_length = resolve_context_length(load_model_config(engine_kwargs["model"]), self.args.context_length,
+                                                self.args.max_total_tokens)
         self.running_replicas = 0
         self.model_name = os.path.basename(os.path.normpath(self.args.model))  # served name in spans and metrics
         self.tracer = tracer_for(self.args.tracing, "ingress")
@@ -50,7 +57,9 @@ class GrpcIngress:
         if self.args.metrics_port is not None:
             prometheus_client.start_http_server(self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry)
         self.app_name = serve.get_replica_context().app_name
-        self.service = GenerationService(llm, self.args.grpc, tokenize, self._ready, self._model_info, self._telemetry)
+        self.gateway = Gateway(llm, self.app_name, self.tokenizer, PromptLimits.of(context_length, self.tokenizer),
+                               self._ready, self.args.grpc.retries, self.args.grpc.retry_backoff_s)
+        self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
 
@@ -76,7 +85,22 @@ class GrpcIngress:
             await self._refresh_replicas()
         return self.running_replicas > 0
 
-    def _telemetry(self, body: dict[str, Any], metadata: dict[str, str]) -> RequestTelemetry:
+    async def _loads(self) -> list[dict[str, Any]]:
+        """Every engine replica's live load, asked of its rank-0 actor (a replica that does not
+        answer within a second is left out)."""
+        named = await asyncio.to_thread(ray.util.list_named_actors, True)
+        replicas = [r for r in (rank0_replica(self.app_name, a["name"]) for a in named) if r is not None]
+
+        async def one(replica: str) -> dict[str, Any] | None:
+            try:
+                actor = ray.get_actor(rank_actor_name(self.app_name, replica, 0))
+                return {"replica": replica, **await asyncio.wait_for(actor.load.remote(), timeout=1.0)}
+            except Exception:  # noqa: BLE001 - gone or going
+                return None
+
+        return [load for load in await asyncio.gather(*map(one, replicas)) if load is not None]
+
+    def _telemetry(self, body: dict[str, Any], metadata: Mapping[str, str]) -> RequestTelemetry:
         return RequestTelemetry(self.tracer, self.metrics, self.model_name, body, metadata)
 
     async def _model_info(self) -> dict[str, Any]:
@@ -91,42 +115,49 @@ class GrpcIngress:
 
     async def stats(self) -> dict[str, Any]:
         """Replica loads as last reported, and how many attempts were retried elsewhere."""
-        return {"loads": BOARD.snapshot(), "retried": self.service.retried, "running_replicas": self.running_replicas,
+        return {"loads": BOARD.snapshot(), "retried": self.gateway.retried, "running_replicas": self.running_replicas,
                 "pending_decisions": len(BOARD.decisions)}
 
     async def __call__(self, request) -> Any:
         """HTTP: POST a JSON request ({"prompt" | "prompt_token_ids", "sampling", "session_id"});
-        the answer streams back as JSON lines; a bad request gets 400 naming the field."""
-        from starlette.responses import JSONResponse, Response, StreamingResponse
-
+        the answer streams back as JSON lines; GET .../metrics is the Prometheus exposition.
+        A bad request gets 400 naming the field, at once; a body over `max_request_bytes` 413."""
         if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
             return Response(self.metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
-        body: Any = None
+        if request.method != "POST":
+            return _error(405, f"method: {request.method} is not allowed; POST a JSON request")
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("request: must be a JSON object")
-            if isinstance(body.get("prompt"), str) and self.tokenizer is not None:
-                body["prompt_token_ids"] = self.tokenizer.encode(body.pop("prompt"))
-            body.setdefault("request_id", uuid.uuid4().hex)  # the router's load accounting keys on it
-            updates = self.llm.options(stream=True).generate.remote(body)
+            body = await read_json(request, self.args.max_request_bytes)
+            routed = await self.gateway.prepare(body)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
+        except InvalidRequest as exc:
+            logger.info("rejected an HTTP request: %s", exc)
+            self.metrics.ended(ErrorCode.INVALID_ARGUMENT.value)
+            return _error(400, str(exc))
+        telemetry = self._telemetry(routed, dict(request.headers))
+        updates = self.gateway.generate(routed, telemetry)
+        try:
             first = await updates.__anext__()
-        except Exception as exc:  # noqa: BLE001 - bad input is a 400; anything else a 503
-            cause = unwrap(exc)
-            status = 400 if isinstance(cause, ValueError) else 503
-            if isinstance(body, dict):
-                BOARD.pop_decision(str(body.get("request_id", "")))
-            return JSONResponse({"error": str(cause)}, status_code=status)
+        except RequestFailed as failed:
+            telemetry.end(failed.code, failed.message)
+            return _error(HTTP_STATUS.get(failed.code, 500), failed.message)
 
-        async def lines():
-            yield json.dumps(first) + "\n"
+        async def lines() -> AsyncIterator[str]:
+            outcome = None
             try:
+                yield _line(first)
                 async for update in updates:
-                    yield json.dumps(update) + "\n"
-            except Exception as exc:  # noqa: BLE001 - the stream has started: report in band
-                yield json.dumps({"error": str(unwrap(exc))}) + "\n"
+                    yield _line(update)
+            except RequestFailed as failed:  # the stream has started: report in band
+                outcome = failed.code
+                yield json.dumps({"error": failed.message, "code": failed.code}) + "\n"
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
             finally:
-                BOARD.pop_decision(body["request_id"])
+                await updates.aclose()
+                telemetry.end(outcome)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -134,3 +165,40 @@ class GrpcIngress:
         self._watcher.cancel()
         await self.server.stop(grace=5)
         flush_all()
+
+
+HTTP_STATUS = {ErrorCode.INVALID_ARGUMENT.value: 400, ErrorCode.INTERNAL.value: 500, ErrorCode.UNAVAILABLE.value: 503,
+               RESOURCE_EXHAUSTED: 429}
+INTERNAL_FIELDS = ("load",)  # the router's business, not the client's
+PARSE_OFF_LOOP_BYTES = 64 << 10
+
+
+class BodyTooLarge(ValueError):
+    pass
+
+
+async def read_json(request, limit: int) -> Any:
+    """The request's JSON body, refused before reading when its declared length is over
+    `limit`, and while reading once that many bytes came; large bodies parse off the loop."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request: body of {int(declared)} bytes is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request: body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw) if size <= PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request: not valid JSON ({exc})") from None
+
+
+def _line(update: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in update.items() if k not in INTERNAL_FIELDS}) + "\n"
+
+
+def _error(status: int, message: str) -> Response:
+    return JSONResponse({"error": message}, status_code=status)

@@ -39,7 +39,9 @@ class ServingMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("slidespec:inter_token_latency_seconds", "Time between streamed responses, per token", m,
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("slidespec:requests", "Finished requests", m + ["finish_reason"], registry=r)
+        self.requests = Counter("slidespec:requests", "Requests by how they ended: finish reason (stop, length, abort, "
+                                "error) or, when they did not finish, cancelled, deadline_exceeded or an error code",
+                                m + ["finish_reason"], registry=r)
         self.kv_usage = Gauge("slidespec:kv_usage", "KV pool use (0-1) as last reported by the replica",
                               m + ["replica", "pool"], registry=r)
         self.queue = Gauge("slidespec:num_requests", "Requests running or waiting, as last reported by the replica",
@@ -54,8 +56,7 @@ class ServingMetrics:
             self.itl.labels(self.model).observe(seconds / tokens)
 
     def finished(self, update: dict[str, Any]) -> None:
-        """A request's last response: its finish reason, speculative statistics, replica load."""
-        self.requests.labels(self.model, update.get("finish_reason") or "unknown").inc()
+        """A request's last response: its speculative statistics and its replica's load."""
         spec = update.get("spec")
         if spec and spec["verify_steps"]:
             num_steps = len(spec["accepted_per_position"])
@@ -71,6 +72,9 @@ class ServingMetrics:
         load = update.get("load")
         if load:
             self.load(load)
+
+    def ended(self, reason: str) -> None:
+        self.requests.labels(self.model, reason).inc()
 
     def load(self, load: dict[str, Any]) -> None:
         replica = load["replica"]

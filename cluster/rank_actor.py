@@ -23,17 +23,30 @@ from cluster.config import TracingArgs
 from cluster.tracing import context_from_carrier, engine_info, flush_all, record_step, tracer_for
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
-from workers.rank_loop import RankLoop, Update
+from workers.rank_loop import ErrorCode, RankLoop, Update
 from workers.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
+
+
+def rank_actor_name(app: str, replica: str, rank: int) -> str:
+    """The Ray name of a replica's rank actor (the ingress reaches rank 0 by it)."""
+    return f"slidespec-{app}-{replica}-rank{rank}"
+
+
+def rank0_replica(app: str, name: str) -> str | None:
+    """The replica whose rank-0 actor has this Ray name in this application, if any (Serve's
+    replica ids have no dashes, so another application's longer name cannot match)."""
+    prefix, suffix = f"slidespec-{app}-", "-rank0"
+    replica = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+    return replica if replica and "-" not in replica else None
 
 
 def update_to_wire(update: Update) -> dict[str, Any]:
     """A rank loop update as the plain dict that crosses process boundaries."""
     out: dict[str, Any] = {"token_ids": update.token_ids, "finished": update.finished}
     if update.error is not None:
-        out["error"] = update.error
+        out["error"] = {"code": update.code.value, "message": update.error}
     if update.output is not None:
         o = update.output
         out.update(finish_reason=o.finish_reason, prompt_tokens=len(o.prompt_token_ids), completion_tokens=len(o.token_ids))
@@ -42,6 +55,11 @@ def update_to_wire(update: Update) -> dict[str, Any]:
                            "accepted_per_position": o.spec.accepted_per_position,
                            "mean_accept_length": o.spec.mean_accept_length}
     return out
+
+
+def error_update(code: ErrorCode, message: str) -> dict[str, Any]:
+    """The last update of a request that ended with an error before or without tokens."""
+    return {"token_ids": [], "finished": True, "error": {"code": code.value, "message": message}}
 
 
 class RankActor:
@@ -89,15 +107,26 @@ class RankActor:
     async def generate(self, rid: str, prompt_ids: list[int], sampling: dict[str, Any],
                        trace_context: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
         """Stream a request's updates (new token ids; the last one with finish reason and usage).
-        Invalid requests raise ValueError naming the field before anything is queued.
+        A request that fails, invalid ones included, ends with an update carrying `error`
+        (code and message) rather than an exception: bad input is not a fault of this actor.
         `trace_context`: the W3C carrier of the request's span; step spans join that trace."""
+        if rid in self._streams:
+            yield error_update(ErrorCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in use")
+            return
+        try:
+            self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
+        except (ValueError, TypeError) as exc:
+            yield error_update(ErrorCode.INVALID_ARGUMENT, str(exc))
+            return
+        except RuntimeError as exc:  # the loop stopped
+            yield error_update(ErrorCode.UNAVAILABLE, str(exc))
+            return
         stream: asyncio.Queue[Update] = asyncio.Queue()
         self._streams[rid] = stream
         if self.tracer is not None and trace_context:
             self._trace_contexts[rid] = context_from_carrier(trace_context)
         finished = False
         try:
-            self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
             while not finished:
                 update = await stream.get()
                 finished = update.finished
@@ -112,20 +141,8 @@ class RankActor:
         self.loop.abort(rid)
 
     def load(self) -> dict[str, Any]:
-        """Running and waiting requests and KV use (read without stopping the loop)."""
-        engine = self.loop.engine
-        sched = engine.scheduler
-        kv = engine.kv_stats()
-        running = list(sched.running)
-        lengths = [n for r in running if r.spec is not None for n in r.spec.stats.accept_lengths]
-        return {
-            "running": len(running),
-            "waiting": self.loop.in_flight - len(running),
-            "kv_full_used": kv["full_total"] - kv["full_free"], "kv_full_total": kv["full_total"],
-            "kv_swa_used": kv["swa_total"] - kv["swa_free"], "kv_swa_total": kv["swa_total"],
-            "token_load": sum(r.num_tokens for r in running),
-            "mean_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
-        }
+        """Running and waiting requests and KV use, live (read without stopping the loop)."""
+        return self.loop.load()
 
     def _on_step(self, step: StepRecord) -> None:
         """Called by the loop thread after every step: its span, in its requests' traces."""

@@ -19,47 +19,14 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import AppArgs
-from cluster.rank_actor import RankActor
+from cluster.gateway import unwrap
+from cluster.protocol import InvalidRequest, PromptLimits, RoutedBody, parse_request
+from cluster.rank_actor import RankActor, error_update, rank_actor_name
+from workers.rank_loop import ErrorCode
 from workers.sampling_params import SamplingParams
 from workers.tokenizer import IncrementalDetokenizer, StopStrings, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(RuntimeError):
-    """A request failed inside the replica (a rank died, the engine stopped)."""
-
-
-def parse_request(body: dict[str, Any], tokenizer, default_id: str) -> tuple[str, list[int], SamplingParams, list[str]]:
-    """(request id, prompt token ids, sampling params, stop strings) from a request dict;
-    ValueError names the offending field."""
-    known = {"request_id", "prompt", "prompt_token_ids", "sampling", "session_id", "exclude_replicas", "trace_context"}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ValueError(f"request: unknown field(s) {unknown}; known: {sorted(known)}")
-    if ("prompt" in body) == ("prompt_token_ids" in body):
-        raise ValueError("prompt / prompt_token_ids: give exactly one of them")
-    if "prompt" in body:
-        if tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids")
-        if not isinstance(body["prompt"], str):
-            raise ValueError("prompt: must be a string")
-        ids = tokenizer.encode(body["prompt"])
-    else:
-        ids = body["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise ValueError("prompt_token_ids: must be a list of integers")
-    sampling = dict(body.get("sampling") or {})
-    stop = sampling.pop("stop", None) or []
-    if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
-        raise ValueError("sampling.stop: must be a list of non-empty strings")
-    if stop and tokenizer is None:
-        raise ValueError("sampling.stop: stop strings need a tokenizer; use stop_token_ids")
-    fields = set(SamplingParams.__dataclass_fields__) - {"return_logits"}
-    bad = sorted(set(sampling) - fields)
-    if bad:
-        raise ValueError(f"sampling: unknown field(s) {bad}; known: {sorted(fields | {'stop'})}")
-    return str(body.get("request_id") or default_id), list(ids), SamplingParams(**sampling), stop
 
 
 class LLMServer:
@@ -80,19 +47,26 @@ class LLMServer:
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank + 1) if pg else None
             self.ranks.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-                name=f"slidespec-{app}-{self.replica_tag}-rank{rank}", max_concurrency=1000,
+                name=rank_actor_name(app, self.replica_tag, rank), max_concurrency=1000,
             ).remote(rank, self.args.tp_size, self.engine_kwargs, self.args.torch_threads_per_rank,
                      tracing=self.args.tracing.model_dump()))
         addr, port = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
+        self.limits = PromptLimits.of(self.info["context_length"], self.tokenizer)
         logger.info("replica %s: %d rank(s) up: %s", self.replica_tag, len(self.ranks), self.info)
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream a request: dicts with new `token_ids` (and `text` when the model has a
         tokenizer); the last carries finish reason, usage, speculative statistics and this
-        replica's load. A stop string ends the request (its text is cut before the stop)."""
-        rid, prompt_ids, sampling, stop = parse_request(body, self.tokenizer, f"{self.replica_tag}-{next(self._ids)}")
+        replica's load. A stop string ends the request (its text is cut before the stop).
+        A request that fails ends with an update carrying `error` ({code, message}); invalid
+        input is answered that way too, never raised (it is not a fault of the replica)."""
+        try:
+            rid, prompt_ids, sampling, stop = await self._parse(body)
+        except ValueError as exc:
+            yield {**error_update(ErrorCode.INVALID_ARGUMENT, str(exc)), "replica": self.replica_tag}
+            return
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         stops, emitted = StopStrings(stop), 0
         stream = self.ranks[0].generate.options(num_returns="streaming").remote(
@@ -101,18 +75,15 @@ class LLMServer:
             async for ref in stream:
                 try:
                     update = await ref
-                except ray.exceptions.RayTaskError as exc:
-                    if isinstance(exc.cause, ValueError):  # the request was invalid: say why, no traceback
-                        raise ValueError(str(exc.cause)) from None
-                    raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {exc.cause!r}") from exc
-                if "error" in update:
-                    raise RequestError(f"request {rid!r} failed in replica {self.replica_tag}: {update['error']}")
+                except ray.exceptions.RayError as exc:
+                    update = error_update(ErrorCode.UNAVAILABLE,
+                                          f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}")
                 update["request_id"], update["replica"] = rid, self.replica_tag
                 emitted += len(update["token_ids"])
                 if detok is not None:
                     delta = detok.add(update["token_ids"], final=update["finished"])
                     update["text"] = stops.add(delta, final=update["finished"])
-                    if stops.stopped:
+                    if stops.stopped and "error" not in update:
                         update.update(finished=True, finish_reason="stop", prompt_tokens=len(prompt_ids),
                                       completion_tokens=emitted)
                 if update["finished"]:
@@ -123,6 +94,22 @@ class LLMServer:
         finally:
             if not stream.completed():  # cancelled, failed or cut at a stop string: free the KV
                 self.ranks[0].abort.remote(rid)
+
+    async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
+        """(request id, prompt token ids, sampling params, stop strings); ValueError names the
+        field. The ingress has validated and tokenized already; direct handle callers may send
+        text, tokenized here off the event loop."""
+        parsed = parse_request(body, RoutedBody)
+        if parsed.stop and self.tokenizer is None:
+            raise InvalidRequest("sampling.stop: stop strings need a tokenizer; use stop_token_ids")
+        ids = parsed.body.prompt_token_ids
+        if ids is None:
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt: this model has no tokenizer; send prompt_token_ids")
+            self.limits.check_text(parsed.body.prompt)
+            ids = await asyncio.to_thread(self.tokenizer.encode, parsed.body.prompt)
+        rid = parsed.request_id or f"{self.replica_tag}-{next(self._ids)}"
+        return rid, list(ids), parsed.sampling, parsed.stop
 
     async def abort(self, rid: str) -> None:
         await self.ranks[0].abort.remote(rid)

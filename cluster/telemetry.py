@@ -26,6 +26,7 @@ class RequestTelemetry:
         self.start, self.start_ns = time.monotonic(), time.time_ns()
         self.first: float | None = None
         self.last: float | None = None
+        self.finish_reason: str | None = None
         self.span = None
         if tracer is not None:
             sampling = body.get("sampling", {})
@@ -52,6 +53,7 @@ class RequestTelemetry:
             self.metrics.next_tokens(now - self.last, len(update["token_ids"]))
         self.last = now
         if update["finished"]:
+            self.finish_reason = update.get("finish_reason") or "unknown"
             if self.metrics is not None:
                 self.metrics.finished(update)
             if self.span is not None:
@@ -77,10 +79,14 @@ class RequestTelemetry:
         self.tracer.start_span("route", context=trace.set_span_in_context(self.span), start_time=self.start_ns,
                                attributes=attrs).end()
 
-    def end(self, error: str | None = None) -> None:
+    def end(self, outcome: str | None = None, error: str | None = None) -> None:
+        """The request is over: counted once by how it ended (its finish reason, or `outcome`
+        when it did not finish: cancelled, deadline_exceeded or an error code)."""
         BOARD.pop_decision(self.rid)  # unread when tracing is off or no token came back
+        if self.metrics is not None:
+            self.metrics.ended(self.finish_reason or outcome or "unknown")
         if self.span is None:
             return
-        if error is not None:
-            self.span.set_status(Status(StatusCode.ERROR, error))
+        if error is not None or (self.finish_reason is None and outcome is not None):
+            self.span.set_status(Status(StatusCode.ERROR, error or outcome))
         self.span.end()

@@ -24,9 +24,9 @@ from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
 from workers.request import FinishReason, Request
-from workers.sampler import sample
+from workers.sampler import draw_each
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
+from workers.scheduler import ScheduledBatch, Scheduler
 from workers.spec import SpecConfig, SpecStats
 from workers.spec.loader import build_drafter, plan_draft
 from workers.spec.worker import SpecWorker
@@ -37,6 +37,7 @@ __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
 logger = logging.getLogger(__name__)
 
+MAX_FAILED_STEPS = 3  # consecutive steps whose forward raised before the engine gives up
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,6 +50,7 @@ class RequestOutput:
     text: str | None = None
     logits: list[torch.Tensor] | None = None  # per generated token, when return_logits
     spec: SpecStats | None = None  # speculative decoding record (accept lengths, per position)
+    error: str | None = None  # why the request failed, when finish_reason is "error"
 
 
 class Engine:
@@ -81,7 +83,7 @@ class Engine:
         if not 0.0 < swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {swa_full_tokens_ratio}")
         self.cfg = load_model_config(model)
-        self.context_length = min(context_length or self.cfg.max_position_embeddings, max_total_tokens)
+        self.context_length = resolve_context_length(self.cfg, context_length, max_total_tokens)
         self.tokenizer = load_tokenizer(model)
         spec = SpecConfig.from_dict(speculative) if speculative is not None else None
         draft = plan_draft(spec, self.cfg, self.context_length) if spec is not None else None
@@ -118,6 +120,7 @@ class Engine:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
+        self.failed_steps = 0  # consecutive steps whose forward raised
         logger.info(
             "engine: %s on %s/%s, backend %s, KV %s, speculative %s", self.cfg.architecture, self.device, self.dtype,
             backend, self.kv_stats(), f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
@@ -142,7 +145,7 @@ class Engine:
         if not prompt:
             raise ValueError(f"{field}: empty prompt")
         vocab = self.cfg.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{field}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if len(prompt) >= self.context_length:
@@ -175,32 +178,58 @@ class Engine:
         return True
 
     def step(self) -> list[tuple[str, list[int], bool]]:
-        """Run one scheduler step; returns (request id, new token ids, finished) per request."""
+        """Run one scheduler step; returns (request id, new token ids, finished) per request.
+
+        A request whose own processing raises (its sampling, its verification) ends with finish
+        reason "error" and the rest of the batch goes on. When the forward itself raises, the
+        batch's requests fail and the engine goes on, unless it is one rank of several (the
+        ranks may have diverged) or steps keep failing: then the exception propagates."""
         self.last_step = StepRecord(start_ns=time.time_ns())
         sb = self.scheduler.schedule()
         if sb is None:
             return []
-        if sb.mode is ForwardMode.DECODE and self.spec is not None:
-            events = self.spec.decode_round(sb.reqs)
-            self.last_step.accept_lengths = self.spec.last_accept_lengths
-            self.last_step.drafts = self.spec.last_drafts
-        else:
-            batch = self.scheduler.build(sb)
-            out = self.runner.forward(batch)
-            sampled = [r for r, s in zip(sb.reqs, sb.samples) if s]
-            tokens = sample(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
-            for req, logits in zip(sampled, out.logits):
-                if req.sampling.return_logits:
-                    req.logits.append(logits.cpu())
-            events = self.scheduler.process(sb, tokens)
-            if self.spec is not None:
-                self.spec.after_extend(sb, out.hidden)
+        try:
+            events = self._run(sb)
+            self.failed_steps = 0
+        except Exception as exc:
+            self.failed_steps += 1
+            if self.tp.size > 1 or self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            logger.exception("step failed; failing its %d request(s)", len(sb.reqs))
+            for req in sb.reqs:
+                self.scheduler.fail(req, f"the batch's forward failed: {type(exc).__name__}: {exc}")
+            events = []
         self.scheduler.release_windows(sb.reqs)
         step = self.last_step
         step.request_ids = [r.rid for r in sb.reqs]
         step.seq_lens = [r.num_tokens for r in sb.reqs]
         step.end_ns = time.time_ns()
-        return [(req.rid, new, req.finished) for req, new in events]
+        reported = {req.rid for req, _ in events}
+        return ([(req.rid, new, req.finished) for req, new in events]
+                + [(req.rid, [], True) for req in sb.reqs if req.finished and req.rid not in reported])
+
+    def _run(self, sb: ScheduledBatch) -> list[tuple[Request, list[int]]]:
+        if sb.mode is ForwardMode.DECODE and self.spec is not None:
+            events = self.spec.decode_round(sb.reqs)
+            self.last_step.accept_lengths = self.spec.last_accept_lengths
+            self.last_step.drafts = self.spec.last_drafts
+            return events
+        batch = self.scheduler.build(sb)
+        out = self.runner.forward(batch)
+        sampled = [r for r, s in zip(sb.reqs, sb.samples) if s]
+        tokens, _, errors = draw_each(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
+        for i, exc in errors.items():
+            self.scheduler.fail(sampled[i], exc)
+        for req, logits in zip(sampled, out.logits):
+            if req.sampling.return_logits and not req.finished:
+                req.logits.append(logits.cpu())
+        live = [(r, n, s) for r, n, s in zip(sb.reqs, sb.q_lens, sb.samples) if not r.finished]
+        events = self.scheduler.process(ScheduledBatch(sb.mode, [r for r, _, _ in live], [n for _, n, _ in live],
+                                                       [s for _, _, s in live]),
+                                        [t for t in tokens if t is not None])
+        if self.spec is not None:
+            self.spec.after_extend(sb, out.hidden)
+        return events
 
     def _record(self, forward: ForwardRecord) -> None:
         self.last_step.forwards.append(forward)
@@ -218,6 +247,7 @@ class Engine:
             text=self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else None,
             logits=list(req.logits) if req.sampling.return_logits else None,
             spec=req.spec.stats.copy() if req.spec is not None else None,
+            error=req.error,
         )
 
     def release(self, request_id: str) -> None:
@@ -300,6 +330,11 @@ class Engine:
             if not req.finished:
                 self.abort(rid)
         self._requests.clear()
+
+
+def resolve_context_length(cfg, context_length: int | None, max_total_tokens: int) -> int:
+    """The longest sequence an engine serves: the model's, or the one asked for, within the pool."""
+    return min(context_length or cfg.max_position_embeddings, max_total_tokens)
 
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -14,11 +14,12 @@ Runs under `torch.distributed` alone (benchmarks) or inside Ray rank actors (ser
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import queue
 import random
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,14 @@ class StepPlan:
         return bool(self.new or self.aborts or self.stop)
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a request ended with an error; the front doors map these to status codes."""
+
+    INVALID_ARGUMENT = "invalid_argument"  # its own content: never retried
+    INTERNAL = "internal"  # its own processing raised: never retried, the loop goes on
+    UNAVAILABLE = "unavailable"  # the loop (or a rank) broke: may be retried elsewhere
+
+
 @dataclasses.dataclass(frozen=True)
 class Update:
     """What rank 0 reports for a request after a step."""
@@ -56,7 +65,8 @@ class Update:
     token_ids: list[int]  # new tokens
     finished: bool
     output: RequestOutput | None = None  # the final record, when finished
-    error: str | None = None  # the request cannot finish: the loop broke
+    error: str | None = None  # the request cannot finish, and why
+    code: ErrorCode | None = None  # with `error`
 
 
 class RankLoop:
@@ -103,6 +113,22 @@ class RankLoop:
     def in_flight(self) -> int:
         with self._lock:
             return len(self._in_flight)
+
+    def load(self) -> dict[str, Any]:
+        """Live counts for routing and `GetLoad`: requests running and waiting (queued here or in
+        the scheduler), KV pages in use, token load and mean accept length of running requests.
+        Read from another thread without stopping the loop; a stopped loop runs nothing."""
+        kv = self.engine.kv_stats()
+        running = [] if self.error is not None else list(self.engine.scheduler.running)
+        lengths = [n for r in running if r.spec is not None for n in r.spec.stats.accept_lengths]
+        return {
+            "running": len(running),
+            "waiting": 0 if self.error is not None else max(0, self.in_flight - len(running)),
+            "kv_full_used": kv["full_total"] - kv["full_free"], "kv_full_total": kv["full_total"],
+            "kv_swa_used": kv["swa_total"] - kv["swa_free"], "kv_swa_total": kv["swa_total"],
+            "token_load": sum(r.num_tokens for r in running),
+            "mean_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
+        }
 
     # -- every rank ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -156,8 +182,13 @@ class RankLoop:
         return box[0]
 
     def _apply(self, plan: StepPlan) -> None:
+        """Admit and abort as rank 0 decided. A request that cannot be admitted fails alone."""
         for new in plan.new:
-            self.engine.add_request(new.prompt_ids, new.sampling, request_id=new.rid)
+            try:
+                self.engine.add_request(new.prompt_ids, new.sampling, request_id=new.rid)
+            except Exception as exc:  # noqa: BLE001 - the same on every rank: this request fails
+                code = ErrorCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL
+                self._end(Update(new.rid, [], True, error=_describe(exc), code=code))
         for rid in plan.aborts:
             if self.engine.abort(rid):
                 self._finish(rid, [])
@@ -166,25 +197,54 @@ class RankLoop:
         events = self.engine.step()
         self.steps += 1
         if self.rank == 0 and self.on_step is not None:
-            self.on_step(self.engine.last_step)
+            self._report(self.on_step, self.engine.last_step)
         for rid, tokens, finished in events:
             if finished:
                 self._finish(rid, tokens)
             elif self.rank == 0:
-                self.on_update(Update(rid, tokens, False))
+                self._report(self.on_update, Update(rid, tokens, False))
 
     def _finish(self, rid: str, tokens: list[int]) -> None:
-        output = self.engine.output(rid)
+        """A finished request's last update; building it fails only this request."""
+        try:
+            output = self.engine.output(rid)
+        except Exception as exc:  # noqa: BLE001 - e.g. detokenizing its output raised
+            logger.warning("request %s: building its output failed: %s", rid, _describe(exc))
+            update = Update(rid, tokens, True, error=_describe(exc), code=ErrorCode.INTERNAL)
+        else:
+            update = (Update(rid, tokens, True, output, error=output.error, code=ErrorCode.INTERNAL)
+                      if output.error is not None else Update(rid, tokens, True, output))
         self.engine.release(rid)
+        self._end(update)
+
+    def _end(self, update: Update) -> None:
         with self._lock:
-            self._in_flight.discard(rid)
+            self._in_flight.discard(update.rid)
         if self.rank == 0:
-            self.on_update(Update(rid, tokens, True, output))
+            self._report(self.on_update, update)
+
+    def _report(self, callback: Callable, item: object) -> None:
+        """A failing callback (a closed stream, a broken exporter) must not stop the loop."""
+        try:
+            callback(item)
+        except Exception:  # noqa: BLE001 - logged; the loop goes on
+            logger.exception("rank %d: reporting %s failed", self.rank, type(item).__name__)
 
     def _fail_all(self, message: str) -> None:
-        """Every request submitted and not finished (queued or running) ends with an error."""
+        """Every request submitted and not finished (queued or running) ends with an error and,
+        where the engine still can, gives its KV back."""
         with self._lock:
             rids, self._in_flight = sorted(self._in_flight), set()
+        for rid in rids:
+            try:
+                self.engine.abort(rid)
+                self.engine.release(rid)
+            except Exception:  # noqa: BLE001 - the engine may be broken; the requests end anyway
+                logger.warning("rank %d: could not free request %s", self.rank, rid)
         if self.rank == 0:
             for rid in rids:
-                self.on_update(Update(rid, [], True, error=message))
+                self._report(self.on_update, Update(rid, [], True, error=message, code=ErrorCode.UNAVAILABLE))
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"

@@ -18,6 +18,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # this request's own processing raised; `Request.error` says what
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,6 +34,7 @@ class Request:
     finish_reason: FinishReason | None = None
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
     spec: "DraftState | None" = None  # speculative decoding state, when a draft model runs
+    error: str | None = None  # why the request failed (finish reason ERROR)
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
 
 `sampling_probs` is the one definition of the distribution a request samples from; the
-speculative verifier's rejection sampling uses it too.
+speculative verifier's rejection sampling uses it too. `draw_each` keeps one request's bad
+row from failing the others: when the batch raises, rows are drawn one by one and only the
+rows that raise again are reported as failed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,27 @@ def draw(
             tokens[i] = torch.multinomial(dists[j], 1, generator=generators[i])[0]
             probs[i] = dists[j]
     return tokens.tolist(), probs
+
+
+def draw_each(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> tuple[list[int | None], list[torch.Tensor | None], dict[int, Exception]]:
+    """`draw`, isolating failures: (tokens, distributions, {row: exception}); a failed row's
+    token is None. A failure costs the other rows their reproducibility for this draw only
+    (their generators were advanced by the failed batch attempt)."""
+    try:
+        tokens, probs = draw(logits, params, generators)
+        return list(tokens), probs, {}
+    except Exception:  # noqa: BLE001 - find the rows that raise on their own
+        tokens, probs, errors = [None] * len(params), [None] * len(params), {}
+        for i, (p, g) in enumerate(zip(params, generators)):
+            try:
+                (tokens[i],), (probs[i],) = draw(logits[i:i + 1], [p], [g])
+            except Exception as exc:  # noqa: BLE001 - reported per row
+                errors[i] = exc
+        return tokens, probs, errors
 
 
 def sample(

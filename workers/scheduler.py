@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 
 import torch
 
@@ -23,6 +24,8 @@ from workers.forward_batch import ForwardBatch
 from workers.memory import KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
 from workers.request import FinishReason, Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -192,6 +195,14 @@ class Scheduler:
         if len(req.output_ids) >= sp.max_new_tokens or req.num_tokens >= req.max_len:
             return FinishReason.LENGTH
         return None
+
+    def fail(self, req: Request, error: BaseException | str) -> None:
+        """End a request whose own processing raised; it gives back everything it holds."""
+        if req.finished:
+            return
+        req.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        logger.warning("request %s failed: %s", req.rid, req.error)
+        self.finish(req, FinishReason.ERROR)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request and give back everything it holds."""

@@ -37,27 +37,50 @@ class IncrementalDetokenizer:
 
 
 class StopStrings:
-    """Cuts streamed text before the first stop string. Text that could still turn into a stop
-    string (a suffix that is a proper prefix of one) is held back until the next delta says."""
+    """Cuts streamed text before the first stop string to be completed. Text that could still
+    turn into a stop string (a suffix that is a proper prefix of one) is held back until the
+    next delta says. Each stop string runs a Knuth-Morris-Pratt matcher over the text as it
+    streams, so the cost is linear in the text whatever the lengths of the stop strings."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
-        self.text = ""
-        self.sent = 0
+        self._failure = [_prefix_function(s) for s in stops]
+        self._matched = [0] * len(stops)  # longest prefix of each stop that ends the text so far
+        self.pending = ""  # text not sent yet
         self.stopped = False
 
     def add(self, delta: str, final: bool = False) -> str:
         """The text to send now; after it `stopped` tells whether a stop string ended the text."""
-        self.text += delta
-        longest = max((len(s) for s in self.stops), default=0)
-        hits = [i for i in (self.text.find(s, max(0, self.sent - longest + 1)) for s in self.stops) if i != -1]
-        if hits:
-            self.stopped = True
-            end = max(self.sent, min(hits))
-        elif final:
-            end = len(self.text)
-        else:
-            held = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-            end = len(self.text) - held
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        if self.stopped:
+            return ""
+        base = len(self.pending)
+        self.pending += delta
+        for offset, char in enumerate(delta):
+            for i, stop in enumerate(self.stops):
+                if self._advance(i, stop, char) == len(stop):
+                    self.stopped = True
+                    out, self.pending = self.pending[:base + offset + 1 - len(stop)], ""
+                    return out
+        held = 0 if final else max(self._matched, default=0)
+        out, self.pending = self.pending[:len(self.pending) - held], self.pending[len(self.pending) - held:]
         return out
+
+    def _advance(self, i: int, stop: str, char: str) -> int:
+        q, failure = self._matched[i], self._failure[i]
+        while q and stop[q] != char:
+            q = failure[q - 1]
+        if stop[q] == char:
+            q += 1
+        self._matched[i] = q
+        return q
+
+
+def _prefix_function(s: str) -> list[int]:
+    """pi[i]: length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    pi = [0] * len(s)
+    for i in range(1, len(s)):
+        q = pi[i - 1]
+        while q and s[i] != s[q]:
+            q = pi[q - 1]
+        pi[i] = q + (s[i] == s[q])
+    return pi

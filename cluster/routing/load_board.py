@@ -34,6 +34,12 @@ class LoadBoard:
             if replica_load and "replica" in replica_load:
                 self._reported[replica_load["replica"]] = dict(replica_load)
 
+    def replica_of(self, request_id: str) -> str | None:
+        """The replica a live request was routed to, if it was."""
+        with self._lock:
+            entry = self._in_flight.get(request_id)
+            return entry[0] if entry else None
+
     def report(self, replica: str, load: dict[str, Any]) -> None:
         with self._lock:
             self._reported[replica] = dict(load)

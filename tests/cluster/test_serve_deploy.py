@@ -1,13 +1,16 @@
 """`ops/serve.yaml` deployed the way the README says: `ray start --head`, `serve deploy`,
 `serve status` shows the application RUNNING, a streamed HTTP request and a `slidespec generate`
-gRPC call are served, then `serve shutdown` and `ray stop`. `ray start --head` turns on token
+gRPC call are served, then `serve shutdown`; the head node stops with its own process. `ray start --head` turns on token
 authentication, so the CLI runs with RAY_AUTH_MODE=token. Only the ports are changed (to free
 ones)."""
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -26,15 +29,33 @@ def _run(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
+    """A head node of our own: `ray start --head --block` in its own session, in its own temp dir,
+    stopped by signalling that process (never `ray stop`, which stops every cluster of the user)."""
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
     gcs, dashboard = free_port(), free_port()
-    started = _run("ray", "start", "--head", "--num-cpus", "8", "--node-ip-address", "127.0.0.1",
-                   "--dashboard-host", "127.0.0.1", "--port", str(gcs), "--dashboard-port", str(dashboard),
-                   "--disable-usage-stats", env=env)
-    assert started.returncode == 0, started.stderr
-    yield env, f"http://127.0.0.1:{dashboard}"
-    _run("ray", "stop", "--force", env=env)
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    head = subprocess.Popen(
+        [os.path.join(BIN, "ray"), "start", "--head", "--block", "--num-cpus", "8", "--node-ip-address", "127.0.0.1",
+         "--dashboard-host", "127.0.0.1", "--port", str(gcs), "--dashboard-port", str(dashboard),
+         "--temp-dir", temp_dir, "--disable-usage-stats"],
+        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.monotonic() + 120
+        while _run("serve", "status", "-a", address, env=env, timeout=60).returncode != 0:
+            assert head.poll() is None, "ray start --head exited"
+            assert time.monotonic() < deadline, "the head node did not come up"
+            time.sleep(2)
+        yield env, address
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_serve_yaml_deploys_and_serves_a_streamed_request(cluster, tmp_path):

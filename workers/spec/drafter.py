@@ -27,7 +27,7 @@ from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
 from workers.model_runner import ForwardOutput, ModelRunner
 from workers.request import Request
-from workers.sampler import draw
+from workers.sampler import draw_each
 from workers.scheduler import Scheduler
 from workers.spec.stats import SpecStats
 
@@ -115,9 +115,12 @@ class Drafter:
         """The first draft token of the next round for each request, from its logits row."""
         if not reqs:
             return
-        tokens, probs = draw(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
-        for r, t, p, row in zip(reqs, tokens, probs, rows):
-            r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = t, p, out.hidden[row]
+        tokens, probs, errors = draw_each(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        for i, (r, t, p, row) in enumerate(zip(reqs, tokens, probs, rows)):
+            if i in errors:
+                self.scheduler.fail(r, errors[i])
+            else:
+                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = t, p, out.hidden[row]
 
 
 class EagleDrafter(Drafter):

@@ -19,7 +19,7 @@ from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
 from workers.model_runner import ModelRunner
 from workers.request import Request
-from workers.sampler import draw, sampling_probs
+from workers.sampler import draw_each, sampling_probs
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.spec.accept import verify_greedy, verify_sampling
 from workers.spec.drafter import Drafter, DraftState, HiddenRows
@@ -48,18 +48,27 @@ class SpecWorker:
         self.drafter.catch_up(ForwardMode.EXTEND, [r for r in sb.reqs if not r.finished], rows)
 
     def decode_round(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
+        """One round for every request; a request whose sampling or verification raises fails
+        alone (`Scheduler.fail`) and leaves the round."""
         k = self.num_steps
         drafts = [[r.spec.next_token] for r in reqs]
         draft_probs = [[r.spec.next_probs] for r in reqs]
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
-        params, generators = [r.sampling for r in reqs], [r.generator for r in reqs]
         for j in range(2, k + 1):
             out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
-            tokens, probs = draw(out.logits, params, generators)
+            tokens, probs, errors = draw_each(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
             for d, dp, t, p in zip(drafts, draft_probs, tokens, probs):
                 d.append(t)
                 dp.append(p)
             hidden = out.hidden
+            if errors:
+                for i, exc in errors.items():
+                    self.scheduler.fail(reqs[i], exc)
+                keep = [i for i in range(len(reqs)) if i not in errors]
+                reqs, drafts, draft_probs = [reqs[i] for i in keep], [drafts[i] for i in keep], [draft_probs[i] for i in keep]
+                hidden = hidden[keep]
+        if not reqs:
+            return []
 
         starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
         batch = ForwardBatch.build(
@@ -78,23 +87,34 @@ class SpecWorker:
         self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
         best = out.logits.argmax(dim=-1).tolist()  # one device sync for every greedy request
         for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
-            logits = out.logits[i * (k + 1):(i + 1) * (k + 1)]
-            if req.sampling.greedy:
-                accepted, bonus = verify_greedy(best[i * (k + 1):(i + 1) * (k + 1)], d)
-            else:
-                target_probs = sampling_probs(logits, [req.sampling] * (k + 1))
-                accepted, bonus = verify_sampling(target_probs, torch.stack(dp), d, req.generator)
-            req.spec.stats.record(accepted)
-            self.last_accept_lengths[req.rid] = accepted + 1
-            new = self.scheduler.commit(req, d[:accepted] + [bonus], start + accepted + 1)
-            if req.sampling.return_logits:
-                req.logits.extend(logits[: len(new)].cpu())
-            events.append((req, new))
-            if req.finished:
+            try:
+                new = self._accept(req, start, d, dp, out.logits[i * (k + 1):(i + 1) * (k + 1)],
+                                   best[i * (k + 1):(i + 1) * (k + 1)])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self.scheduler.fail(req, exc)
                 continue
-            self.scheduler.trim(req)  # rejected drafts' slots
-            self.drafter.after_verify(req, accepted, k)
-            rows[req.rid] = (start, out.hidden[i * (k + 1):(i + 1) * (k + 1)])
-            live.append(req)
+            events.append((req, new))
+            if not req.finished:
+                rows[req.rid] = (start, out.hidden[i * (k + 1):(i + 1) * (k + 1)])
+                live.append(req)
         self.drafter.catch_up(ForwardMode.DRAFT_EXTEND_V2, live, rows)
         return events
+
+    def _accept(self, req: Request, start: int, drafts: list[int], draft_probs: list[torch.Tensor | None],
+                logits: torch.Tensor, best: list[int]) -> list[int]:
+        """Verify one request's drafts, commit the accepted tokens and the bonus; its new tokens."""
+        k = self.num_steps
+        if req.sampling.greedy:
+            accepted, bonus = verify_greedy(best, drafts)
+        else:
+            target_probs = sampling_probs(logits, [req.sampling] * (k + 1))
+            accepted, bonus = verify_sampling(target_probs, torch.stack(draft_probs), drafts, req.generator)
+        req.spec.stats.record(accepted)
+        self.last_accept_lengths[req.rid] = accepted + 1
+        new = self.scheduler.commit(req, drafts[:accepted] + [bonus], start + accepted + 1)
+        if req.sampling.return_logits:
+            req.logits.extend(logits[: len(new)].cpu())
+        if not req.finished:
+            self.scheduler.trim(req)  # rejected drafts' slots
+            self.drafter.after_verify(req, accepted, k)
+        return new

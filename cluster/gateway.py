@@ -1,0 +1,176 @@
+"""What both front doors (gRPC and HTTP) do with a generation request, in one place.
+
+`prepare` checks sizes, validates every field and tokenizes text off the event loop, so a
+malformed or oversized request is answered at once and never reaches the router. `generate`
+streams a prepared request from the engine deployment: request ids are unique among live
+requests on both doors, a replica failure before the first token is retried on another
+replica, and every failure ends as a `RequestFailed` carrying its error code; nothing that
+failed because of its own content is retried. `abort` asks the engine that holds a request to
+end it, so the stream still ends with the request's own last update and usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import ray
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
+
+from cluster.protocol import InvalidRequest, PromptLimits, check_sizes, parse_request
+from cluster.rank_actor import rank_actor_name
+from cluster.routing.load_board import BOARD
+from cluster.telemetry import RequestTelemetry
+from workers.rank_loop import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+RESOURCE_EXHAUSTED = "resource_exhausted"  # the engine deployment's queue is full
+LONG_PROMPT_CHARS = 4096  # texts longer than this are tokenized on a worker thread
+
+
+class RequestFailed(Exception):
+    """A request that ended without finishing; `code` is an `ErrorCode` value or RESOURCE_EXHAUSTED."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The exception a Ray task raised, without Ray's wrapper (and its remote traceback)."""
+    return getattr(exc, "cause", None) or exc
+
+
+class Gateway:
+    def __init__(self, llm, app_name: str, tokenizer, limits: PromptLimits, ready: Callable[[], Awaitable[bool]],
+                 retries: int, retry_backoff_s: float) -> None:
+        self.llm = llm
+        self.app_name = app_name
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.ready = ready
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._calls: dict[str, Any] = {}  # live request id -> its Serve call (None before it is sent)
+        self._aborted: set[str] = set()
+        self.retried = 0  # attempts repeated on another replica
+
+    # -- before routing -------------------------------------------------------------------------
+    async def prepare(self, body: Any) -> dict[str, Any]:
+        """The dict the engine deployment gets: validated, tokenized, with a request id.
+        InvalidRequest names the field."""
+        if isinstance(body, dict):
+            check_sizes(body, self.limits)
+        parsed = parse_request(body)
+        if parsed.stop and self.tokenizer is None:
+            raise InvalidRequest("sampling.stop: stop strings need a tokenizer; use stop_token_ids")
+        ids = parsed.body.prompt_token_ids
+        if ids is None:
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt: this model has no tokenizer; send prompt_token_ids")
+            prompt = parsed.body.prompt
+            ids = (self.tokenizer.encode(prompt) if len(prompt) <= LONG_PROMPT_CHARS
+                   else await asyncio.to_thread(self.tokenizer.encode, prompt))
+        if not ids:
+            raise InvalidRequest("prompt_token_ids: empty prompt")
+        self.limits.check_ids(len(ids), "prompt" if parsed.body.prompt is not None else "prompt_token_ids")
+        routed = {"request_id": parsed.request_id or uuid.uuid4().hex, "prompt_token_ids": ids,
+                  "sampling": parsed.body.sampling.model_dump(exclude_defaults=True)}
+        if parsed.body.session_id:
+            routed["session_id"] = parsed.body.session_id
+        return routed
+
+    # -- streaming -------------------------------------------------------------------------------
+    async def generate(self, routed: dict[str, Any], telemetry: RequestTelemetry) -> AsyncIterator[dict[str, Any]]:
+        """The request's updates; the last is finished. Raises RequestFailed."""
+        rid = routed["request_id"]
+        if rid in self._calls:
+            raise RequestFailed(ErrorCode.INVALID_ARGUMENT.value, f"request_id: {rid!r} is already in use")
+        self._calls[rid] = None
+        sent = 0
+        try:
+            for attempt in range(self.retries + 1):
+                retryable = sent == 0 and attempt < self.retries
+                try:
+                    async for update in self._attempt(routed):
+                        telemetry.update(update)
+                        sent += 1
+                        yield update
+                    return
+                except RequestFailed as failed:
+                    if not (failed.code == ErrorCode.UNAVAILABLE.value and retryable):
+                        raise
+                    self._before_retry(routed, failed.message)
+                await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+        finally:
+            self._calls.pop(rid, None)
+            self._aborted.discard(rid)
+
+    async def _attempt(self, routed: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        rid = routed["request_id"]
+        if not await self.ready():
+            raise RequestFailed(ErrorCode.UNAVAILABLE.value, "no healthy replica of the engine deployment")
+        if rid in self._aborted:
+            yield {"request_id": rid, "token_ids": [], "finished": True, "finish_reason": "abort"}
+            return
+        call = self.llm.options(stream=True).generate.remote(routed)
+        self._calls[rid] = call
+        try:
+            async for update in call:
+                if update["finished"]:
+                    BOARD.finished(rid, update.get("load"))
+                error = update.get("error")
+                if error is not None:
+                    raise RequestFailed(error["code"], error["message"])
+                yield update
+        except (asyncio.CancelledError, RequestCancelledError):
+            call.cancel()
+            if rid in self._aborted:  # aborted before a replica took it: end the stream normally
+                yield {"request_id": rid, "token_ids": [], "finished": True, "finish_reason": "abort"}
+                return
+            raise
+        except RequestFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Serve and Ray failures: classified here
+            raise RequestFailed(*_classify(exc)) from None
+
+    def _before_retry(self, routed: dict[str, Any], message: str) -> None:
+        decision = BOARD.pop_decision(routed["request_id"])
+        if decision is not None:  # try another replica than the one that failed
+            routed["exclude_replicas"] = sorted({*routed.get("exclude_replicas", ()), decision[2]})
+        self.retried += 1
+        logger.warning("request %s failed before its first token (%s); retrying", routed["request_id"], message)
+
+    # -- control ---------------------------------------------------------------------------------
+    async def abort(self, rid: str) -> bool:
+        """End a live request. The replica holding it aborts it in its engine, so the stream ends
+        with its own last update (finish reason "abort", the usage it consumed); a request not
+        yet on a replica is cancelled."""
+        if rid not in self._calls:
+            return False
+        replica = BOARD.replica_of(rid)
+        if replica is not None:
+            try:
+                actor = ray.get_actor(rank_actor_name(self.app_name, replica, 0))
+                await actor.abort.remote(rid)
+                return True
+            except Exception as exc:  # noqa: BLE001 - the replica went away: cancel instead
+                logger.info("abort %s: replica %s unreachable (%s); cancelling", rid, replica, exc)
+        call = self._calls.get(rid)
+        self._aborted.add(rid)
+        if call is not None:
+            call.cancel()
+        return True
+
+
+def _classify(exc: BaseException) -> tuple[str, str]:
+    cause = unwrap(exc)
+    if isinstance(exc, BackPressureError) or isinstance(cause, BackPressureError):
+        return RESOURCE_EXHAUSTED, "the engine deployment's request queue is full; retry later"
+    if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return ErrorCode.UNAVAILABLE.value, f"a replica failed: {cause}"
+    return ErrorCode.INTERNAL.value, f"{type(cause).__name__}: {cause}"
