@@ -16,9 +16,11 @@ import logging
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import grpc
 import ray
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
+from cluster.metrics import ServingMetrics
 from cluster.protocol import InvalidRequest, PromptLimits, check_sizes, parse_request
 from cluster.rank_actor import rank_actor_name
 from cluster.routing.load_board import BOARD
@@ -28,6 +30,13 @@ from workers.rank_loop import ErrorCode
 logger = logging.getLogger(__name__)
 
 RESOURCE_EXHAUSTED = "resource_exhausted"  # the engine deployment's queue is full
+# error code -> (gRPC status, HTTP status) on the two doors
+STATUS = {
+    ErrorCode.INVALID_ARGUMENT.value: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    ErrorCode.INTERNAL.value: (grpc.StatusCode.INTERNAL, 500),
+    ErrorCode.UNAVAILABLE.value: (grpc.StatusCode.UNAVAILABLE, 503),
+    RESOURCE_EXHAUSTED: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+}
 LONG_PROMPT_CHARS = 4096  # texts longer than this are tokenized on a worker thread
 
 
@@ -47,8 +56,9 @@ def unwrap(exc: BaseException) -> BaseException:
 
 class Gateway:
     def __init__(self, llm, app_name: str, tokenizer, limits: PromptLimits, ready: Callable[[], Awaitable[bool]],
-                 retries: int, retry_backoff_s: float) -> None:
+                 retries: int, retry_backoff_s: float, metrics: ServingMetrics | None = None) -> None:
         self.llm = llm
+        self.metrics = metrics
         self.app_name = app_name
         self.tokenizer = tokenizer
         self.limits = limits
@@ -60,9 +70,22 @@ class Gateway:
         self.retried = 0  # attempts repeated on another replica
 
     # -- before routing -------------------------------------------------------------------------
-    async def prepare(self, body: Any) -> dict[str, Any]:
+    async def prepare(self, body: Any, door: str) -> dict[str, Any]:
         """The dict the engine deployment gets: validated, tokenized, with a request id.
-        InvalidRequest names the field."""
+        InvalidRequest names the field; a rejection is logged (no traceback) and counted."""
+        try:
+            return await self._prepare(body)
+        except InvalidRequest as exc:
+            self.rejected(door, exc)
+            raise
+
+    def rejected(self, door: str, exc: Exception) -> None:
+        """Bad input is the client's business: logged without a traceback, and counted."""
+        logger.info("rejected a %s request: %s", door, exc)
+        if self.metrics is not None:
+            self.metrics.ended(ErrorCode.INVALID_ARGUMENT.value)
+
+    async def _prepare(self, body: Any) -> dict[str, Any]:
         if isinstance(body, dict):
             check_sizes(body, self.limits)
         parsed = parse_request(body)

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cluster.config import GrpcArgs
-from cluster.gateway import RESOURCE_EXHAUSTED, Gateway, RequestFailed
+from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
 from cluster.protocol import InvalidRequest
@@ -36,8 +36,6 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "ignore_eos")
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-STATUS = {ErrorCode.INVALID_ARGUMENT.value: grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INTERNAL.value: grpc.StatusCode.INTERNAL,
-          ErrorCode.UNAVAILABLE.value: grpc.StatusCode.UNAVAILABLE, RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
@@ -104,9 +102,8 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            body = await self.gateway.prepare(request_to_body(request))
+            body = await self.gateway.prepare(request_to_body(request), "gRPC")
         except InvalidRequest as exc:
-            logger.info("rejected a gRPC request: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         telemetry = self.telemetry(body, dict(context.invocation_metadata() or ()))
         stream = not request.HasField("stream") or request.stream
@@ -120,7 +117,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     yield merge_responses(collected)
         except RequestFailed as failed:
             telemetry.end(failed.code, failed.message)
-            await context.abort(STATUS[failed.code], failed.message)
+            await context.abort(STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[0], failed.message)
         except asyncio.CancelledError:
             expired = context.time_remaining() is not None and context.time_remaining() <= 0
             telemetry.end("deadline_exceeded" if expired else "cancelled")

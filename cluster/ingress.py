@@ -24,7 +24,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.config import AppArgs
-from cluster.gateway import RESOURCE_EXHAUSTED, Gateway, RequestFailed
+from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.grpc_server import SERVICE, GenerationService, start_server
 from cluster.metrics import ServingMetrics
 from cluster.protocol import InvalidRequest, PromptLimits
@@ -58,7 +58,7 @@ class GrpcIngress:
             prometheus_client.start_http_server(self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry)
         self.app_name = serve.get_replica_context().app_name
         self.gateway = Gateway(llm, self.app_name, self.tokenizer, PromptLimits.of(context_length, self.tokenizer),
-                               self._ready, self.args.grpc.retries, self.args.grpc.retry_backoff_s)
+                               self._ready, self.args.grpc.retries, self.args.grpc.retry_backoff_s, self.metrics)
         self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
@@ -128,12 +128,12 @@ class GrpcIngress:
             return _error(405, f"method: {request.method} is not allowed; POST a JSON request")
         try:
             body = await read_json(request, self.args.max_request_bytes)
-            routed = await self.gateway.prepare(body)
-        except BodyTooLarge as exc:
-            return _error(413, str(exc))
         except InvalidRequest as exc:
-            logger.info("rejected an HTTP request: %s", exc)
-            self.metrics.ended(ErrorCode.INVALID_ARGUMENT.value)
+            self.gateway.rejected("HTTP", exc)
+            return _error(413 if isinstance(exc, BodyTooLarge) else 400, str(exc))
+        try:
+            routed = await self.gateway.prepare(body, "HTTP")
+        except InvalidRequest as exc:
             return _error(400, str(exc))
         telemetry = self._telemetry(routed, dict(request.headers))
         updates = self.gateway.generate(routed, telemetry)
@@ -141,7 +141,7 @@ class GrpcIngress:
             first = await updates.__anext__()
         except RequestFailed as failed:
             telemetry.end(failed.code, failed.message)
-            return _error(HTTP_STATUS.get(failed.code, 500), failed.message)
+            return _error(STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1], failed.message)
 
         async def lines() -> AsyncIterator[str]:
             outcome = None
@@ -167,13 +167,11 @@ class GrpcIngress:
         flush_all()
 
 
-HTTP_STATUS = {ErrorCode.INVALID_ARGUMENT.value: 400, ErrorCode.INTERNAL.value: 500, ErrorCode.UNAVAILABLE.value: 503,
-               RESOURCE_EXHAUSTED: 429}
 INTERNAL_FIELDS = ("load",)  # the router's business, not the client's
 PARSE_OFF_LOOP_BYTES = 64 << 10
 
 
-class BodyTooLarge(ValueError):
+class BodyTooLarge(InvalidRequest):
     pass
 
 

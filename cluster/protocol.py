@@ -11,11 +11,10 @@ tokens of the longest vocabulary entry cannot fit, whatever it tokenizes to.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from workers.rank_loop import ErrorCode
 from workers.sampling_params import SamplingParams
 
 MAX_ID_CHARS = 256  # request_id, session_id
@@ -105,6 +104,8 @@ def _describe(exc: ValidationError) -> str:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     if error["type"] == "extra_forbidden":
         return f"{path or 'request'}: unknown field"
+    if error["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{path or 'request'}: must be an object"
     return f"{path or 'request'}: {error['msg']}"
 
 
@@ -143,17 +144,3 @@ def check_sizes(body: dict[str, Any], limits: PromptLimits) -> None:
         limits.check_text(prompt)
     if isinstance(ids, list):
         limits.check_ids(len(ids))
-
-
-def error_status(code: str) -> tuple[str, int]:
-    """(gRPC status name, HTTP status) of an engine error code."""
-    return ERROR_STATUS.get(code, ("INTERNAL", 500))
-
-
-ERROR_STATUS: dict[str, tuple[str, int]] = {
-    ErrorCode.INVALID_ARGUMENT.value: ("INVALID_ARGUMENT", 400),
-    ErrorCode.INTERNAL.value: ("INTERNAL", 500),
-    ErrorCode.UNAVAILABLE.value: ("UNAVAILABLE", 503),
-}
-
-Tokenize = Callable[[str], list[int]]

@@ -1,6 +1,7 @@
 """`ops/serve.yaml` deployed the way the README says: `ray start --head`, `serve deploy`,
 `serve status` shows the application RUNNING, a streamed HTTP request and a `slidespec generate`
-gRPC call are served, then `serve shutdown`; the head node stops with its own process. `ray start --head` turns on token
+gRPC call are served, then `serve shutdown`; the head node stops with its own process, and
+another Ray cluster of the same user keeps running. `ray start --head` turns on token
 authentication, so the CLI runs with RAY_AUTH_MODE=token. Only the ports are changed (to free
 ones)."""
 
@@ -28,34 +29,59 @@ def _run(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProce
                           timeout=timeout, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A head node of our own: `ray start --head --block` in its own session, in its own temp dir,
-    stopped by signalling that process (never `ray stop`, which stops every cluster of the user)."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
-    gcs, dashboard = free_port(), free_port()
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    head = subprocess.Popen(
-        [os.path.join(BIN, "ray"), "start", "--head", "--block", "--num-cpus", "8", "--node-ip-address", "127.0.0.1",
-         "--dashboard-host", "127.0.0.1", "--port", str(gcs), "--dashboard-port", str(dashboard),
-         "--temp-dir", temp_dir, "--disable-usage-stats"],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 120
-        while _run("serve", "status", "-a", address, env=env, timeout=60).returncode != 0:
-            assert head.poll() is None, "ray start --head exited"
+class Head:
+    """A head node of our own: `ray start --head --block` in its own session and temp dir, stopped
+    by signalling that process (never `ray stop`, which stops every cluster of the user)."""
+
+    def __init__(self, env: dict) -> None:
+        self.env = env
+        gcs, dashboard = free_port(), free_port()
+        self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths must fit 107 bytes
+        self.process = subprocess.Popen(
+            [os.path.join(BIN, "ray"), "start", "--head", "--block", "--num-cpus", "8", "--node-ip-address", "127.0.0.1",
+             "--dashboard-host", "127.0.0.1", "--port", str(gcs), "--dashboard-port", str(dashboard),
+             "--temp-dir", self.temp_dir, "--disable-usage-stats"],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.address = f"http://127.0.0.1:{dashboard}"
+
+    def wait_up(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.up():
+            assert self.process.poll() is None, "ray start --head exited"
             assert time.monotonic() < deadline, "the head node did not come up"
             time.sleep(2)
-        yield env, address
+
+    def up(self) -> bool:
+        return _run("serve", "status", "-a", self.address, env=self.env, timeout=60).returncode == 0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def heads():
+    """Our head node, and a bystander cluster of the same user that the tests must leave alone."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    ours, bystander = Head(env), Head(env)
+    try:
+        ours.wait_up()
+        bystander.wait_up()
+        yield ours, bystander
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        ours.stop()
+        bystander.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(heads):
+    return heads[0].env, heads[0].address
 
 
 def test_serve_yaml_deploys_and_serves_a_streamed_request(cluster, tmp_path):
@@ -88,3 +114,10 @@ def test_serve_yaml_deploys_and_serves_a_streamed_request(cluster, tmp_path):
     assert cli.returncode == 0 and "6 tokens" in cli.stderr, cli.stderr
     shutdown = _run("serve", "shutdown", "-y", "-a", address, env=env)
     assert shutdown.returncode == 0, shutdown.stderr
+
+
+def test_stopping_our_head_leaves_other_clusters_running(heads):
+    ours, bystander = heads
+    ours.stop()
+    assert ours.process.returncode is not None and not ours.up()
+    assert bystander.process.poll() is None and bystander.up()

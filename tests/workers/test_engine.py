@@ -6,6 +6,8 @@ import os
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.hf_models import WINDOW, add_tokenizer, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
@@ -256,3 +258,30 @@ def test_stop_strings_cut_before_the_stop(deltas, stops, sent, stopped):
     filt = StopStrings(stops)
     out = [filt.add(d, final=i == len(deltas) - 1) for i, d in enumerate(deltas)]
     assert out == sent and filt.stopped == stopped
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Reference: the text before the stop string whose first occurrence ends earliest (the first
+    listed among those ending at the same place)."""
+    best = None
+    for i, s in enumerate(stops):
+        at = text.find(s)
+        if at != -1 and (best is None or (at + len(s), i) < best[0]):
+            best = ((at + len(s), i), at)
+    return (text, False) if best is None else (text[:best[1]], True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab c", max_size=40), stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=5),
+                                                              min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 40), max_size=6))
+def test_streamed_stop_strings_match_the_whole_text_reference(text, stops, cuts):
+    """However the text is split into deltas, what is sent is the reference cut, and nothing
+    sent can later turn out to belong to a stop string."""
+    from workers.tokenizer import StopStrings
+
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    filt = StopStrings(stops)
+    sent = "".join(filt.add(d, final=i == len(deltas) - 1) for i, d in enumerate(deltas))
+    assert (sent, filt.stopped) == _first_stop(text, stops)
