@@ -6,7 +6,7 @@ import enum
 
 
 class ForwardMode(enum.Enum):
-    """Forward modes of DESIGN.md §5.
+    """Forward modes of docs/design.md §5.
 
     EXTEND: prefill or a prefill chunk (ragged query lengths, may have a cached prefix).
     DECODE: one new token per request (also draft decode steps).

@@ -3,8 +3,8 @@
 Each layer's KV lives in one index space: *full* (one slot per token, `out_cache_loc` and
 `req_to_token` are in it) or *swa* (a smaller pool of a hybrid pair, reached through the
 allocator's page-aligned `full_to_swa` map). Only the pool object handed to a forward says
-which: a backend asks it per forward and never infers it from an allocator (invariant 1) nor
-caches the answer across forwards (invariant 2).
+which: a backend asks it per forward and never infers it from an allocator (docs/design.md §4.1) nor
+caches the answer across forwards (docs/design.md §4.2).
 
 Each layer's KV is one buffer in flashinfer's stacked paged "HND" layout, `[num_pages, 2,
 num_kv_heads, page_size, head_dim]` (index 0 of dim 1 is K, 1 is V), which XQA, FMHA-v2 and

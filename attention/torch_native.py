@@ -76,8 +76,12 @@ class TorchNativeBackend(AttentionBackend):
         num_tokens = q.shape[0]
         if k is not None:
             locs = md.swa_out_loc if is_swa else batch.out_cache_loc
-            pool.set_kv(layer.layer_id, locs, k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
-                        v.view(num_tokens, layer.num_kv_heads, layer.head_dim))
+            pool.set_kv(
+                layer.layer_id,
+                locs,
+                k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
+                v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
+            )
         kv_buf = pool.kv_cache(layer.layer_id)
         page_size = pool.page_size
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
@@ -85,7 +89,7 @@ class TorchNativeBackend(AttentionBackend):
         for req in md.requests:
             if req.q_end == req.q_start:
                 continue
-            q_pos = batch.positions[req.q_start:req.q_end]
+            q_pos = batch.positions[req.q_start : req.q_end]
             if is_swa:
                 locs, first_pos = req.swa_locs, req.swa_first_pos
             else:
@@ -102,8 +106,7 @@ class TorchNativeBackend(AttentionBackend):
             offs = locs % page_size
             keys = kv_buf[pages, 0, :, offs, :]
             values = kv_buf[pages, 1, :, offs, :]
-            out[req.q_start:req.q_end] = dense_attention(
-                q[req.q_start:req.q_end], keys, values, mask, layer.scaling, layer.logit_softcap, layer.sinks
+            out[req.q_start : req.q_end] = dense_attention(
+                q[req.q_start : req.q_end], keys, values, mask, layer.scaling, layer.logit_softcap, layer.sinks
             ).to(q.dtype)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
-

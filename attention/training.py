@@ -29,7 +29,9 @@ class TrainingBackend(AttentionBackend):
             raise ValueError(f"training batches hold sequences of one length, got {sorted(set(batch.q_lens_cpu))}")
         self._batch = batch
 
-    def forward(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
         batch = self._batch
         b, t = batch.batch_size, batch.q_lens_cpu[0]
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -47,6 +49,6 @@ class TrainingBackend(AttentionBackend):
         mask = pos[None, :] <= pos[:, None] - offset
         if layer.sliding_window is not None:
             mask &= pos[None, :] > pos[:, None] - layer.sliding_window
-        mask[: offset, 0] = True  # queries with no visible key: attend key 0 (callers drop these rows)
+        mask[:offset, 0] = True  # queries with no visible key: attend key 0 (callers drop these rows)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=hkv != h)
         return out.transpose(1, 2).reshape(b * t, h * d)

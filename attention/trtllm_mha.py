@@ -1,6 +1,6 @@
 """The `trtllm_mha` backend: TensorRT-LLM attention kernels over hybrid SWA KV pools.
 
-Correct by construction where the upstream engine was not (DESIGN.md §4):
+Correct by construction where the upstream engine was not (docs/design.md §4):
 1. a layer's index space comes from the pool handed to this forward (`pool.is_swa_layer`),
    never from an allocator;
 2. nothing about a pool is kept between forwards: `init_forward_metadata` resolves it anew,
@@ -137,8 +137,10 @@ class TRTLLMMHABackend(AttentionBackend):
         if kernel == "decode" and not q_len_per_req:
             raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
         if batch.query_offset and (kernel != "decode" or q_len_per_req != 1):
-            raise KernelContractError(f"{mode.name}: queries past the KV end (offset {batch.query_offset}) must be "
-                                      f"single decode queries, got query lengths {q_lens}")
+            raise KernelContractError(
+                f"{mode.name}: queries past the KV end (offset {batch.query_offset}) must be "
+                f"single decode queries, got query lengths {q_lens}"
+            )
         device = batch.positions.device
         p = pool.page_size
         max_seq_len = max(seq_lens, default=0)
@@ -185,8 +187,10 @@ class TRTLLMMHABackend(AttentionBackend):
             return -1
         window_left = layer.sliding_window - 1 - md.query_offset
         if window_left < 0:
-            raise KernelContractError(f"{md.mode.name} layer {layer.layer_id}: queries {md.query_offset} positions past "
-                                      f"the KV end see nothing of a {layer.sliding_window}-token window")
+            raise KernelContractError(
+                f"{md.mode.name} layer {layer.layer_id}: queries {md.query_offset} positions past "
+                f"the KV end see nothing of a {layer.sliding_window}-token window"
+            )
         return window_left
 
     def _route(self, md: ForwardMetadata, layer: AttentionLayer) -> str:
@@ -211,7 +215,9 @@ class TRTLLMMHABackend(AttentionBackend):
         pool = md.pool
         is_swa = pool.is_swa_layer(layer.layer_id)
         if is_swa and layer.sliding_window is None:
-            raise KernelContractError(f"{md.mode.name} layer {layer.layer_id}: no sliding window but its KV is in the SWA pool")
+            raise KernelContractError(
+                f"{md.mode.name} layer {layer.layer_id}: no sliding window but its KV is in the SWA pool"
+            )
         route = self._route(md, layer)
         window_left = self._window_left(md, layer)
         where = f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)"
@@ -240,8 +246,14 @@ class TRTLLMMHABackend(AttentionBackend):
             call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=md.q_len_per_req, mask=md.mask)
             run = self.kernels.decode
         else:
-            call = ContextCall(**common, cum_seq_lens_q=md.cu_seq_lens_q, cum_seq_lens_kv=md.cu_seq_lens_kv,
-                               max_q_len=md.max_q_len, max_kv_len=md.max_seq_len, logits_soft_cap=layer.logit_softcap)
+            call = ContextCall(
+                **common,
+                cum_seq_lens_q=md.cu_seq_lens_q,
+                cum_seq_lens_kv=md.cu_seq_lens_kv,
+                max_q_len=md.max_q_len,
+                max_kv_len=md.max_seq_len,
+                logits_soft_cap=layer.logit_softcap,
+            )
             run = self.kernels.context
         if self.check_contracts:
             call.check()

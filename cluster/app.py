@@ -47,5 +47,8 @@ def build_app(args: dict[str, Any]) -> Application:
     else:
         options["num_replicas"] = cfg.num_replicas
     engine = serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
-    return serve.deployment(GrpcIngress).options(num_replicas=1, ray_actor_options={"num_cpus": 0.5}).bind(
-        engine, cfg.model_dump())
+    return (
+        serve.deployment(GrpcIngress)
+        .options(num_replicas=1, ray_actor_options={"num_cpus": 0.5})
+        .bind(engine, cfg.model_dump())
+    )

@@ -1,13 +1,14 @@
 """Python clients of the `slidespec.v1.Generation` gRPC API (blocking and asyncio).
 
-    client = GenerationClient("127.0.0.1:50051")
-    for response in client.generate("Once upon a time", max_new_tokens=32, temperature=0.0):
-        print(response.text, end="")
+client = GenerationClient("127.0.0.1:50051")
+for response in client.generate("Once upon a time", max_new_tokens=32, temperature=0.0):
+    print(response.text, end="")
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,8 +19,15 @@ from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
-def build_request(prompt: str | Sequence[int], request_id: str = "", session_id: str = "", stream: bool = True,
-                  stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), **sampling: Any) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | Sequence[int],
+    request_id: str = "",
+    session_id: str = "",
+    stream: bool = True,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    **sampling: Any,
+) -> pb.GenerateRequest:
     """A GenerateRequest: text or token ids, and sampling fields (temperature, top_p, top_k,
     max_new_tokens, seed, ignore_eos) left unset unless given."""
     request = pb.GenerateRequest(request_id=request_id, session_id=session_id, stream=stream)
@@ -44,8 +52,14 @@ def _credentials(root_cert: bytes | None) -> grpc.ChannelCredentials | None:
 
 
 class GenerationClient:
-    def __init__(self, target: str, token: str | None = None, root_cert: bytes | None = None,
-                 max_message_bytes: int = 16 << 20, server_name: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        root_cert: bytes | None = None,
+        max_message_bytes: int = 16 << 20,
+        server_name: str | None = None,
+    ) -> None:
         """`root_cert`: PEM of the CA that signed the server's certificate (TLS when given);
         `token`: sent as `authorization: Bearer <token>`."""
         options = _channel_args(max_message_bytes)
@@ -57,7 +71,9 @@ class GenerationClient:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def generate(self, prompt: str | Sequence[int], timeout: float | None = None, **kwargs: Any) -> Iterator[pb.GenerateResponse]:
+    def generate(
+        self, prompt: str | Sequence[int], timeout: float | None = None, **kwargs: Any
+    ) -> Iterator[pb.GenerateResponse]:
         """Stream responses; raises grpc.RpcError with the server's status code."""
         return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
 
@@ -84,16 +100,20 @@ class GenerationClient:
 
 
 class AsyncGenerationClient:
-    def __init__(self, target: str, token: str | None = None, root_cert: bytes | None = None,
-                 max_message_bytes: int = 16 << 20) -> None:
+    def __init__(
+        self, target: str, token: str | None = None, root_cert: bytes | None = None, max_message_bytes: int = 16 << 20
+    ) -> None:
         options = _channel_args(max_message_bytes)
         creds = _credentials(root_cert)
-        self.channel = (grpc.aio.secure_channel(target, creds, options) if creds
-                        else grpc.aio.insecure_channel(target, options))
+        self.channel = (
+            grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
+        )
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def generate(self, prompt: str | Sequence[int], timeout: float | None = None, **kwargs: Any) -> AsyncIterator[pb.GenerateResponse]:
+    def generate(
+        self, prompt: str | Sequence[int], timeout: float | None = None, **kwargs: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
         return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self.metadata)
 
     async def abort(self, request_id: str) -> bool:

@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ops import MODELS_DIR
+# Where a shipped model's name (`model: tiny-gemma3`) is looked up: the repository's model data
+# directory (a path to data, not an import: `cluster` never imports `ops`).
+SHIPPED_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models")
 
 
 class EngineArgs(BaseModel):
@@ -28,17 +30,19 @@ class EngineArgs(BaseModel):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
     debug_kv_checks: bool = False
-    speculative: dict[str, Any] | None = Field(None, description="algorithm, draft_model, num_steps, draft_pool, draft_tp")
+    speculative: dict[str, Any] | None = Field(
+        None, description="algorithm, draft_model, num_steps, draft_pool, draft_tp"
+    )
 
     @field_validator("model")
     @classmethod
     def _resolve_model(cls, value: str) -> str:
         if os.path.isdir(value):
             return os.path.abspath(value)
-        shipped = os.path.join(MODELS_DIR, value)
+        shipped = os.path.join(SHIPPED_MODELS_DIR, value)
         if os.path.isdir(shipped):
             return shipped
-        raise ValueError(f"model: {value!r} is neither a directory nor a shipped model in {MODELS_DIR}")
+        raise ValueError(f"model: {value!r} is neither a directory nor a shipped model in {SHIPPED_MODELS_DIR}")
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs = self.model_dump()
@@ -63,7 +67,7 @@ class GrpcArgs(BaseModel):
     retry_backoff_s: float = Field(0.2, ge=0)
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> "GrpcArgs":
+    def _tls_pair(self) -> GrpcArgs:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("grpc.tls_cert_file / grpc.tls_key_file: give both or neither")
         for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
@@ -86,7 +90,7 @@ class TracingArgs(BaseModel):
     service_name: str = "slidespec"
 
     @model_validator(mode="after")
-    def _destination(self) -> "TracingArgs":
+    def _destination(self) -> TracingArgs:
         if self.exporter.startswith("otlp") and not self.endpoint:
             raise ValueError("tracing.endpoint: required by the otlp exporters")
         if self.exporter == "file" and not self.file_dir:
@@ -106,8 +110,10 @@ class RouterArgs(BaseModel):
     virtual_nodes: int = Field(64, ge=1, description="consistent_hash: points per replica on the ring")
 
     def policy_kwargs(self) -> dict[str, Any]:
-        own = {"cache_aware": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold"),
-               "consistent_hash": ("virtual_nodes",)}.get(self.policy, ())
+        own = {
+            "cache_aware": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold"),
+            "consistent_hash": ("virtual_nodes",),
+        }.get(self.policy, ())
         return {"policy": self.policy, **{name: getattr(self, name) for name in own}}
 
 
@@ -124,7 +130,9 @@ class AppArgs(EngineArgs):
     health_check_timeout_s: float = Field(10.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica takes at once")
-    max_queued_requests: int = Field(1024, ge=1, description="requests waiting for a replica; more get RESOURCE_EXHAUSTED")
+    max_queued_requests: int = Field(
+        1024, ge=1, description="requests waiting for a replica; more get RESOURCE_EXHAUSTED"
+    )
     routing_stats_period_s: float = Field(2.0, gt=0)
     grpc: GrpcArgs = Field(default_factory=GrpcArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import ray
@@ -55,8 +56,17 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 class Gateway:
-    def __init__(self, llm, app_name: str, tokenizer, limits: PromptLimits, ready: Callable[[], Awaitable[bool]],
-                 retries: int, retry_backoff_s: float, metrics: ServingMetrics | None = None) -> None:
+    def __init__(
+        self,
+        llm,
+        app_name: str,
+        tokenizer,
+        limits: PromptLimits,
+        ready: Callable[[], Awaitable[bool]],
+        retries: int,
+        retry_backoff_s: float,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
         self.llm = llm
         self.metrics = metrics
         self.app_name = app_name
@@ -96,13 +106,19 @@ class Gateway:
             if self.tokenizer is None:
                 raise InvalidRequest("prompt: this model has no tokenizer; send prompt_token_ids")
             prompt = parsed.body.prompt
-            ids = (self.tokenizer.encode(prompt) if len(prompt) <= LONG_PROMPT_CHARS
-                   else await asyncio.to_thread(self.tokenizer.encode, prompt))
+            ids = (
+                self.tokenizer.encode(prompt)
+                if len(prompt) <= LONG_PROMPT_CHARS
+                else await asyncio.to_thread(self.tokenizer.encode, prompt)
+            )
         if not ids:
             raise InvalidRequest("prompt_token_ids: empty prompt")
         self.limits.check_ids(len(ids), "prompt" if parsed.body.prompt is not None else "prompt_token_ids")
-        routed = {"request_id": parsed.request_id or uuid.uuid4().hex, "prompt_token_ids": ids,
-                  "sampling": parsed.body.sampling.model_dump(exclude_defaults=True)}
+        routed = {
+            "request_id": parsed.request_id or uuid.uuid4().hex,
+            "prompt_token_ids": ids,
+            "sampling": parsed.body.sampling.model_dump(exclude_defaults=True),
+        }
         if parsed.body.session_id:
             routed["session_id"] = parsed.body.session_id
         return routed

@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,18 +63,27 @@ def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
 
 
 def update_to_response(update: dict[str, Any]) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=update.get("request_id", ""), token_ids=update["token_ids"],
-                                   text=update.get("text", ""), finished=update["finished"],
-                                   replica=update.get("replica", ""))
+    response = pb.GenerateResponse(
+        request_id=update.get("request_id", ""),
+        token_ids=update["token_ids"],
+        text=update.get("text", ""),
+        finished=update["finished"],
+        replica=update.get("replica", ""),
+    )
     if update["finished"]:
         response.finish_reason = FINISH_REASONS.get(update.get("finish_reason"), pb.FINISH_REASON_UNSPECIFIED)
         response.usage.prompt_tokens = update.get("prompt_tokens", 0)
         response.usage.completion_tokens = update.get("completion_tokens", 0)
         spec = update.get("spec")
         if spec:
-            response.spec.CopyFrom(pb.SpecStats(verify_steps=spec["verify_steps"], mean_accept_length=spec["mean_accept_length"],
-                                                accepted_per_position=spec["accepted_per_position"],
-                                                accept_lengths=spec["accept_lengths"]))
+            response.spec.CopyFrom(
+                pb.SpecStats(
+                    verify_steps=spec["verify_steps"],
+                    mean_accept_length=spec["mean_accept_length"],
+                    accepted_per_position=spec["accepted_per_position"],
+                    accept_lengths=spec["accept_lengths"],
+                )
+            )
     return response
 
 
@@ -88,10 +98,14 @@ def merge_responses(responses: list[pb.GenerateResponse]) -> pb.GenerateResponse
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, gateway: Gateway, ready: Callable[[], Awaitable[bool]],
-                 model_info: Callable[[], Awaitable[dict[str, Any]]],
-                 loads: Callable[[], Awaitable[list[dict[str, Any]]]],
-                 telemetry: Callable[[dict[str, Any], Mapping[str, str]], RequestTelemetry]) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        ready: Callable[[], Awaitable[bool]],
+        model_info: Callable[[], Awaitable[dict[str, Any]]],
+        loads: Callable[[], Awaitable[list[dict[str, Any]]]],
+        telemetry: Callable[[dict[str, Any], Mapping[str, str]], RequestTelemetry],
+    ) -> None:
         """`telemetry(body, call metadata)` starts a request's span and metrics; `loads()` asks
         every engine replica for its live load."""
         self.gateway = gateway
@@ -100,7 +114,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.loads = loads
         self.telemetry = telemetry
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             body = await self.gateway.prepare(request_to_body(request), "gRPC")
         except InvalidRequest as exc:
@@ -138,8 +154,9 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:
         fields = set(pb.ReplicaLoad.DESCRIPTOR.fields_by_name)
         loads = sorted(await self.loads(), key=lambda load: load["replica"])
-        return pb.GetLoadResponse(replicas=[pb.ReplicaLoad(**{k: v for k, v in load.items() if k in fields})
-                                            for load in loads])
+        return pb.GetLoadResponse(
+            replicas=[pb.ReplicaLoad(**{k: v for k, v in load.items() if k in fields}) for load in loads]
+        )
 
 
 class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
@@ -163,6 +180,7 @@ class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
             return handler
         behavior = getattr(handler, kind)  # async or sync (the health servicer is sync)
         if kind == "unary_stream":
+
             async def checked(request, context):
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -174,11 +192,13 @@ class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
                     for response in responses:
                         yield response
         else:
+
             async def checked(request, context):
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 response = behavior(request, context)
                 return await response if inspect.isawaitable(response) else response
+
         return handler._replace(request_deserializer=deserialize, **{kind: checked})
 
 
@@ -208,13 +228,17 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_stream if handler_call_details.method.endswith("/Generate") else self._deny
 
 
-async def start_server(service: GenerationService, args: GrpcArgs) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+async def start_server(
+    service: GenerationService, args: GrpcArgs
+) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Build and start the server; returns it, the port it bound and its health servicer."""
     interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequestInterceptor()]
     if args.auth_token_file:
         interceptors.append(BearerTokenInterceptor(open(args.auth_token_file).read().strip()))
-    options = [("grpc.max_receive_message_length", args.max_message_bytes),
-               ("grpc.max_send_message_length", args.max_message_bytes)]
+    options = [
+        ("grpc.max_receive_message_length", args.max_message_bytes),
+        ("grpc.max_send_message_length", args.max_message_bytes),
+    ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -222,12 +246,20 @@ async def start_server(service: GenerationService, args: GrpcArgs) -> tuple[grpc
     reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{args.host}:{args.port}"
     if args.tls_cert_file:
-        creds = grpc.ssl_server_credentials([(open(args.tls_key_file, "rb").read(), open(args.tls_cert_file, "rb").read())])
+        creds = grpc.ssl_server_credentials(
+            [(open(args.tls_key_file, "rb").read(), open(args.tls_cert_file, "rb").read())]
+        )
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
     await server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the server is up
-    logger.info("gRPC %s on %s:%d (%s, %s)", SERVICE, args.host, port, "TLS" if args.tls_cert_file else "plaintext",
-                "token auth" if args.auth_token_file else "no auth")
+    logger.info(
+        "gRPC %s on %s:%d (%s, %s)",
+        SERVICE,
+        args.host,
+        port,
+        "TLS" if args.tls_cert_file else "plaintext",
+        "token auth" if args.auth_token_file else "no auth",
+    )
     return server, port, health_servicer

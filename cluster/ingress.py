@@ -14,7 +14,8 @@ import asyncio
 import json
 import logging
 import os
-from typing import Any, AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import prometheus_client
 import ray
@@ -48,17 +49,28 @@ class GrpcIngress:
         self.llm = llm
         engine_kwargs = self.args.engine_args().engine_kwargs()
         self.tokenizer = load_tokenizer(engine_kwargs["model"])
-        context_length = resolve_context_length(load_model_config(engine_kwargs["model"]), self.args.context_length,
-                                                self.args.max_total_tokens)
+        context_length = resolve_context_length(
+            load_model_config(engine_kwargs["model"]), self.args.context_length, self.args.max_total_tokens
+        )
         self.running_replicas = 0
         self.model_name = os.path.basename(os.path.normpath(self.args.model))  # served name in spans and metrics
         self.tracer = tracer_for(self.args.tracing, "ingress")
         self.metrics = ServingMetrics(self.model_name)
         if self.args.metrics_port is not None:
-            prometheus_client.start_http_server(self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry)
+            prometheus_client.start_http_server(
+                self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry
+            )
         self.app_name = serve.get_replica_context().app_name
-        self.gateway = Gateway(llm, self.app_name, self.tokenizer, PromptLimits.of(context_length, self.tokenizer),
-                               self._ready, self.args.grpc.retries, self.args.grpc.retry_backoff_s, self.metrics)
+        self.gateway = Gateway(
+            llm,
+            self.app_name,
+            self.tokenizer,
+            PromptLimits.of(context_length, self.tokenizer),
+            self._ready,
+            self.args.grpc.retries,
+            self.args.grpc.retry_backoff_s,
+            self.metrics,
+        )
         self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
@@ -76,7 +88,11 @@ class GrpcIngress:
             self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
         except Exception as exc:  # noqa: BLE001 - keep the last known state; try again
             logger.warning("could not read the engine deployment's status: %s", exc)
-        serving = health_pb2.HealthCheckResponse.SERVING if self.running_replicas else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.running_replicas
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         self.health.set(SERVICE, serving)
 
     async def _ready(self) -> bool:
@@ -105,18 +121,29 @@ class GrpcIngress:
 
     async def _model_info(self) -> dict[str, Any]:
         info = await self.llm.model_info.remote()
-        return dict(model=self.model_name, architecture=info["architecture"], vocab_size=info["vocab_size"],
-                    context_length=info["context_length"], max_window=info["max_window"] or 0,
-                    tp_size=info["tp_size"], speculative_algorithm=info["speculative"] or "",
-                    num_replicas=self.running_replicas, routing_policy=self.args.router.policy)
+        return dict(
+            model=self.model_name,
+            architecture=info["architecture"],
+            vocab_size=info["vocab_size"],
+            context_length=info["context_length"],
+            max_window=info["max_window"] or 0,
+            tp_size=info["tp_size"],
+            speculative_algorithm=info["speculative"] or "",
+            num_replicas=self.running_replicas,
+            routing_policy=self.args.router.policy,
+        )
 
     async def ports(self) -> dict[str, int]:
         return {"grpc": self.grpc_port}
 
     async def stats(self) -> dict[str, Any]:
         """Replica loads as last reported, and how many attempts were retried elsewhere."""
-        return {"loads": BOARD.snapshot(), "retried": self.gateway.retried, "running_replicas": self.running_replicas,
-                "pending_decisions": len(BOARD.decisions)}
+        return {
+            "loads": BOARD.snapshot(),
+            "retried": self.gateway.retried,
+            "running_replicas": self.running_replicas,
+            "pending_decisions": len(BOARD.decisions),
+        }
 
     async def __call__(self, request) -> Any:
         """HTTP: POST a JSON request ({"prompt" | "prompt_token_ids", "sampling", "session_id"});

@@ -24,28 +24,59 @@ class ServingMetrics:
         self.model = model
         r, m = self.registry, ["model"]
         self.num_drafts = Counter("slidespec:spec_decode_num_drafts", "Draft chains verified", m, registry=r)
-        self.num_draft_tokens = Counter("slidespec:spec_decode_num_draft_tokens", "Draft tokens proposed", m, registry=r)
-        self.num_accepted_tokens = Counter("slidespec:spec_decode_num_accepted_tokens", "Draft tokens accepted", m,
-                                           registry=r)
-        self.accepted_per_pos = Counter("slidespec:spec_decode_num_accepted_tokens_per_pos",
-                                        "Draft tokens accepted at each draft position", m + ["position"], registry=r)
-        self.accept_length = Gauge("slidespec:spec_accept_length",
-                                   f"Mean accept length (accepted drafts + 1) over the last {RECENT_VERIFY_STEPS} verify steps",
-                                   m, registry=r)
-        self.accept_rate = Gauge("slidespec:spec_accept_rate",
-                                 f"Accepted / proposed draft tokens over the last {RECENT_VERIFY_STEPS} verify steps", m,
-                                 registry=r)
-        self.ttft = Histogram("slidespec:time_to_first_token_seconds", "Time to first token", m,
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("slidespec:inter_token_latency_seconds", "Time between streamed responses, per token", m,
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("slidespec:requests", "Requests by how they ended: finish reason (stop, length, abort, "
-                                "error) or, when they did not finish, cancelled, deadline_exceeded or an error code",
-                                m + ["finish_reason"], registry=r)
-        self.kv_usage = Gauge("slidespec:kv_usage", "KV pool use (0-1) as last reported by the replica",
-                              m + ["replica", "pool"], registry=r)
-        self.queue = Gauge("slidespec:num_requests", "Requests running or waiting, as last reported by the replica",
-                           m + ["replica", "state"], registry=r)
+        self.num_draft_tokens = Counter(
+            "slidespec:spec_decode_num_draft_tokens", "Draft tokens proposed", m, registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            "slidespec:spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "slidespec:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position",
+            m + ["position"],
+            registry=r,
+        )
+        self.accept_length = Gauge(
+            "slidespec:spec_accept_length",
+            f"Mean accept length (accepted drafts + 1) over the last {RECENT_VERIFY_STEPS} verify steps",
+            m,
+            registry=r,
+        )
+        self.accept_rate = Gauge(
+            "slidespec:spec_accept_rate",
+            f"Accepted / proposed draft tokens over the last {RECENT_VERIFY_STEPS} verify steps",
+            m,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "slidespec:time_to_first_token_seconds", "Time to first token", m, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "slidespec:inter_token_latency_seconds",
+            "Time between streamed responses, per token",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "slidespec:requests",
+            "Requests by how they ended: finish reason (stop, length, abort, "
+            "error) or, when they did not finish, cancelled, deadline_exceeded or an error code",
+            m + ["finish_reason"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "slidespec:kv_usage",
+            "KV pool use (0-1) as last reported by the replica",
+            m + ["replica", "pool"],
+            registry=r,
+        )
+        self.queue = Gauge(
+            "slidespec:num_requests",
+            "Requests running or waiting, as last reported by the replica",
+            m + ["replica", "state"],
+            registry=r,
+        )
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_VERIFY_STEPS)
 
     def first_token(self, seconds: float) -> None:
@@ -68,7 +99,9 @@ class ServingMetrics:
                 self.accepted_per_pos.labels(self.model, str(position)).inc(count)
             self._recent.extend((n, num_steps) for n in spec["accept_lengths"])
             self.accept_length.labels(self.model).set(sum(n for n, _ in self._recent) / len(self._recent))
-            self.accept_rate.labels(self.model).set(sum(n - 1 for n, _ in self._recent) / sum(k for _, k in self._recent))
+            self.accept_rate.labels(self.model).set(
+                sum(n - 1 for n, _ in self._recent) / sum(k for _, k in self._recent)
+            )
         load = update.get("load")
         if load:
             self.load(load)
@@ -80,7 +113,9 @@ class ServingMetrics:
         replica = load["replica"]
         for pool in ("full", "swa"):
             total = load.get(f"kv_{pool}_total", 0)
-            self.kv_usage.labels(self.model, replica, pool).set(load.get(f"kv_{pool}_used", 0) / total if total else 0.0)
+            self.kv_usage.labels(self.model, replica, pool).set(
+                load.get(f"kv_{pool}_used", 0) / total if total else 0.0
+            )
         for state in ("running", "waiting"):
             self.queue.labels(self.model, replica, state).set(load.get(state, 0))
 

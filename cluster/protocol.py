@@ -117,7 +117,7 @@ class PromptLimits:
     max_token_chars: int  # characters of the longest vocabulary entry (an upper bound per token)
 
     @classmethod
-    def of(cls, context_length: int, tokenizer) -> "PromptLimits":
+    def of(cls, context_length: int, tokenizer) -> PromptLimits:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
         return cls(context_length, max(1, longest))
 
@@ -129,12 +129,14 @@ class PromptLimits:
         if len(prompt) > self.max_prompt_chars:
             raise InvalidRequest(
                 f"prompt: {len(prompt)} characters cannot fit the context length of {self.context_length} tokens "
-                f"(at most {self.max_prompt_chars} characters with this tokenizer)")
+                f"(at most {self.max_prompt_chars} characters with this tokenizer)"
+            )
 
     def check_ids(self, count: int, field: str = "prompt_token_ids") -> None:
         if count >= self.context_length:
             raise InvalidRequest(
-                f"{field}: prompt of {count} tokens leaves no room in the context length {self.context_length}")
+                f"{field}: prompt of {count} tokens leaves no room in the context length {self.context_length}"
+            )
 
 
 def check_sizes(body: dict[str, Any], limits: PromptLimits) -> None:

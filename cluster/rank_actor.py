@@ -13,7 +13,8 @@ import datetime
 import logging
 import socket
 import threading
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import ray
 import torch
@@ -38,7 +39,7 @@ def rank0_replica(app: str, name: str) -> str | None:
     """The replica whose rank-0 actor has this Ray name in this application, if any (Serve's
     replica ids have no dashes, so another application's longer name cannot match)."""
     prefix, suffix = f"slidespec-{app}-", "-rank0"
-    replica = name[len(prefix):-len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
+    replica = name[len(prefix) : -len(suffix)] if name.startswith(prefix) and name.endswith(suffix) else ""
     return replica if replica and "-" not in replica else None
 
 
@@ -49,11 +50,16 @@ def update_to_wire(update: Update) -> dict[str, Any]:
         out["error"] = {"code": update.code.value, "message": update.error}
     if update.output is not None:
         o = update.output
-        out.update(finish_reason=o.finish_reason, prompt_tokens=len(o.prompt_token_ids), completion_tokens=len(o.token_ids))
+        out.update(
+            finish_reason=o.finish_reason, prompt_tokens=len(o.prompt_token_ids), completion_tokens=len(o.token_ids)
+        )
         if o.spec is not None:
-            out["spec"] = {"verify_steps": o.spec.verify_steps, "accept_lengths": o.spec.accept_lengths,
-                           "accepted_per_position": o.spec.accepted_per_position,
-                           "mean_accept_length": o.spec.mean_accept_length}
+            out["spec"] = {
+                "verify_steps": o.spec.verify_steps,
+                "accept_lengths": o.spec.accept_lengths,
+                "accepted_per_position": o.spec.accepted_per_position,
+                "mean_accept_length": o.spec.mean_accept_length,
+            }
     return out
 
 
@@ -63,8 +69,15 @@ def error_update(code: ErrorCode, message: str) -> dict[str, Any]:
 
 
 class RankActor:
-    def __init__(self, rank: int, tp_size: int, engine_kwargs: dict[str, Any], torch_threads: int = 1,
-                 control_timeout_s: float = 600.0, tracing: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        tp_size: int,
+        engine_kwargs: dict[str, Any],
+        torch_threads: int = 1,
+        control_timeout_s: float = 600.0,
+        tracing: dict[str, Any] | None = None,
+    ) -> None:
         self.rank = rank
         self.tp_size = tp_size
         self.engine_kwargs = engine_kwargs
@@ -89,23 +102,40 @@ class RankActor:
         self._aio = asyncio.get_running_loop()
         device = self.engine_kwargs.get("device", "cpu")
         timeout = datetime.timedelta(seconds=self.control_timeout_s)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=self.rank, world_size=self.tp_size, timeout=timeout)
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.tp_size,
+            timeout=timeout,
+        )
         control = dist.new_group(backend="gloo", timeout=timeout) if device == "cuda" else dist.group.WORLD
         engine = Engine(**self.engine_kwargs, tp=TPGroup(self.rank, self.tp_size, dist.group.WORLD))
         self.engine_info = engine_info(engine)
         self.num_steps = engine.spec.num_steps if engine.spec else 0
-        self.loop = RankLoop(engine, self.rank, control if self.tp_size > 1 else None, self._on_update,
-                             on_step=self._on_step if self.tracer is not None else None)
+        self.loop = RankLoop(
+            engine,
+            self.rank,
+            control if self.tp_size > 1 else None,
+            self._on_update,
+            on_step=self._on_step if self.tracer is not None else None,
+        )
         self._thread = threading.Thread(target=self.loop.run, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
         cfg = engine.cfg
-        return {"rank": self.rank, "architecture": cfg.architecture, "vocab_size": cfg.vocab_size,
-                "context_length": engine.context_length, **self.engine_info, "kv": engine.kv_stats()}
+        return {
+            "rank": self.rank,
+            "architecture": cfg.architecture,
+            "vocab_size": cfg.vocab_size,
+            "context_length": engine.context_length,
+            **self.engine_info,
+            "kv": engine.kv_stats(),
+        }
 
     # -- rank 0 ----------------------------------------------------------------------------------
-    async def generate(self, rid: str, prompt_ids: list[int], sampling: dict[str, Any],
-                       trace_context: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def generate(
+        self, rid: str, prompt_ids: list[int], sampling: dict[str, Any], trace_context: dict[str, str] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
         """Stream a request's updates (new token ids; the last one with finish reason and usage).
         A request that fails, invalid ones included, ends with an update carrying `error`
         (code and message) rather than an exception: bad input is not a fault of this actor.

@@ -13,7 +13,8 @@ import dataclasses
 import itertools
 import logging
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -45,11 +46,21 @@ class LLMServer:
         self.ranks = []
         for rank in range(self.args.tp_size):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank + 1) if pg else None
-            self.ranks.append(actor_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-                name=rank_actor_name(app, self.replica_tag, rank), max_concurrency=1000,
-            ).remote(rank, self.args.tp_size, self.engine_kwargs, self.args.torch_threads_per_rank,
-                     tracing=self.args.tracing.model_dump()))
+            self.ranks.append(
+                actor_cls.options(
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    scheduling_strategy=strategy,
+                    name=rank_actor_name(app, self.replica_tag, rank),
+                    max_concurrency=1000,
+                ).remote(
+                    rank,
+                    self.args.tp_size,
+                    self.engine_kwargs,
+                    self.args.torch_threads_per_rank,
+                    tracing=self.args.tracing.model_dump(),
+                )
+            )
         addr, port = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
         self.limits = PromptLimits.of(self.info["context_length"], self.tokenizer)
@@ -69,23 +80,31 @@ class LLMServer:
             return
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         stops, emitted = StopStrings(stop), 0
-        stream = self.ranks[0].generate.options(num_returns="streaming").remote(
-            rid, prompt_ids, dataclasses.asdict(sampling), body.get("trace_context"))
+        stream = (
+            self.ranks[0]
+            .generate.options(num_returns="streaming")
+            .remote(rid, prompt_ids, dataclasses.asdict(sampling), body.get("trace_context"))
+        )
         try:
             async for ref in stream:
                 try:
                     update = await ref
                 except ray.exceptions.RayError as exc:
-                    update = error_update(ErrorCode.UNAVAILABLE,
-                                          f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}")
+                    update = error_update(
+                        ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}"
+                    )
                 update["request_id"], update["replica"] = rid, self.replica_tag
                 emitted += len(update["token_ids"])
                 if detok is not None:
                     delta = detok.add(update["token_ids"], final=update["finished"])
                     update["text"] = stops.add(delta, final=update["finished"])
                     if stops.stopped and "error" not in update:
-                        update.update(finished=True, finish_reason="stop", prompt_tokens=len(prompt_ids),
-                                      completion_tokens=emitted)
+                        update.update(
+                            finished=True,
+                            finish_reason="stop",
+                            prompt_tokens=len(prompt_ids),
+                            completion_tokens=emitted,
+                        )
                 if update["finished"]:
                     update["load"] = await self.load()
                 yield update
@@ -127,8 +146,9 @@ class LLMServer:
     # -- Serve hooks ---------------------------------------------------------------------------
     async def check_health(self) -> None:
         """Fails when a rank actor died or a rank loop stopped; Serve then replaces the replica."""
-        await asyncio.wait_for(asyncio.gather(*[a.ping.remote() for a in self.ranks]),
-                               timeout=self.args.health_check_timeout_s)
+        await asyncio.wait_for(
+            asyncio.gather(*[a.ping.remote() for a in self.ranks]), timeout=self.args.health_check_timeout_s
+        )
 
     async def record_routing_stats(self) -> dict[str, Any]:
         return await self.load()

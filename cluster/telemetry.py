@@ -4,7 +4,8 @@ router span, and the latency and speculative-decoding metrics of its responses."
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -17,8 +18,14 @@ OPERATION = "text_completion"
 
 
 class RequestTelemetry:
-    def __init__(self, tracer: trace.Tracer | None, metrics: ServingMetrics | None, model: str,
-                 body: dict[str, Any], metadata: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        tracer: trace.Tracer | None,
+        metrics: ServingMetrics | None,
+        model: str,
+        body: dict[str, Any],
+        metadata: Mapping[str, str],
+    ) -> None:
         """Start the request span (child of a `traceparent` in the call's metadata, if any) and
         put its W3C context into the request so the engine's step spans join the trace."""
         self.tracer, self.metrics = tracer, metrics
@@ -30,14 +37,28 @@ class RequestTelemetry:
         self.span = None
         if tracer is not None:
             sampling = body.get("sampling", {})
-            attrs = {"gen_ai.operation.name": OPERATION, "gen_ai.request.model": model, "gen_ai.response.id": self.rid,
-                     "gen_ai.usage.input_tokens": len(body.get("prompt_token_ids", ()))}
-            for name, key in (("max_tokens", "max_new_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                              ("top_k", "top_k"), ("seed", "seed")):
+            attrs = {
+                "gen_ai.operation.name": OPERATION,
+                "gen_ai.request.model": model,
+                "gen_ai.response.id": self.rid,
+                "gen_ai.usage.input_tokens": len(body.get("prompt_token_ids", ())),
+            }
+            for name, key in (
+                ("max_tokens", "max_new_tokens"),
+                ("temperature", "temperature"),
+                ("top_p", "top_p"),
+                ("top_k", "top_k"),
+                ("seed", "seed"),
+            ):
                 if key in sampling:
                     attrs[f"gen_ai.request.{name}"] = sampling[key]
-            self.span = tracer.start_span(f"{OPERATION} {model}", context=context_from_carrier(metadata),
-                                          kind=SpanKind.SERVER, attributes=attrs, start_time=self.start_ns)
+            self.span = tracer.start_span(
+                f"{OPERATION} {model}",
+                context=context_from_carrier(metadata),
+                kind=SpanKind.SERVER,
+                attributes=attrs,
+                start_time=self.start_ns,
+            )
             body["trace_context"] = carrier_for(self.span)
 
     def update(self, update: dict[str, Any]) -> None:
@@ -57,27 +78,38 @@ class RequestTelemetry:
             if self.metrics is not None:
                 self.metrics.finished(update)
             if self.span is not None:
-                self.span.set_attributes({
-                    "gen_ai.usage.output_tokens": update.get("completion_tokens", 0),
-                    "gen_ai.response.finish_reasons": [update.get("finish_reason") or ""],
-                    "slidespec.replica": update.get("replica", ""),
-                })
+                self.span.set_attributes(
+                    {
+                        "gen_ai.usage.output_tokens": update.get("completion_tokens", 0),
+                        "gen_ai.response.finish_reasons": [update.get("finish_reason") or ""],
+                        "slidespec.replica": update.get("replica", ""),
+                    }
+                )
                 spec = update.get("spec")
                 if spec:
-                    self.span.set_attributes({"slidespec.spec.mean_accept_length": spec["mean_accept_length"],
-                                              "slidespec.spec.verify_steps": spec["verify_steps"]})
+                    self.span.set_attributes(
+                        {
+                            "slidespec.spec.mean_accept_length": spec["mean_accept_length"],
+                            "slidespec.spec.verify_steps": spec["verify_steps"],
+                        }
+                    )
 
     def _router_span(self) -> None:
         decision = BOARD.pop_decision(self.rid)
         if decision is None:
             return
         chosen_by, candidates, chosen = decision
-        attrs = {"slidespec.router.policy": chosen_by.policy, "slidespec.router.candidates": candidates,
-                 "slidespec.router.chosen": chosen, "slidespec.router.reason": chosen_by.reason}
+        attrs = {
+            "slidespec.router.policy": chosen_by.policy,
+            "slidespec.router.candidates": candidates,
+            "slidespec.router.chosen": chosen,
+            "slidespec.router.reason": chosen_by.reason,
+        }
         if chosen_by.prefix_match is not None:
             attrs["slidespec.router.prefix_match"] = chosen_by.prefix_match
-        self.tracer.start_span("route", context=trace.set_span_in_context(self.span), start_time=self.start_ns,
-                               attributes=attrs).end()
+        self.tracer.start_span(
+            "route", context=trace.set_span_in_context(self.span), start_time=self.start_ns, attributes=attrs
+        ).end()
 
     def end(self, outcome: str | None = None, error: str | None = None) -> None:
         """The request is over: counted once by how it ended (its finish reason, or `outcome`

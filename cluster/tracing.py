@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
@@ -27,8 +28,12 @@ from workers.step_record import StepRecord
 
 STEP_SPAN = "engine step"
 # Forward modes whose time counts as drafting / verifying / draft catch-up in a step span.
-PHASES = {("draft", "DECODE"): "draft", ("target", "TARGET_VERIFY"): "verify", ("draft", "DRAFT_EXTEND_V2"): "draft_extend",
-          ("draft", "EXTEND"): "draft_extend"}
+PHASES = {
+    ("draft", "DECODE"): "draft",
+    ("target", "TARGET_VERIFY"): "verify",
+    ("draft", "DRAFT_EXTEND_V2"): "draft_extend",
+    ("draft", "EXTEND"): "draft_extend",
+}
 
 _PROVIDERS: dict[str, TracerProvider] = {}
 
@@ -57,9 +62,10 @@ def tracer_for(args: TracingArgs, component: str) -> trace.Tracer | None:
         return None
     key = f"{component}:{args.model_dump_json()}"
     if key not in _PROVIDERS:
-        provider = TracerProvider(resource=Resource.create({"service.name": args.service_name,
-                                                            "slidespec.component": component}),
-                                  sampler=ParentBased(TraceIdRatioBased(args.sample_ratio)))
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": args.service_name, "slidespec.component": component}),
+            sampler=ParentBased(TraceIdRatioBased(args.sample_ratio)),
+        )
         provider.add_span_processor(BatchSpanProcessor(_exporter(args, component)))
         _PROVIDERS[key] = provider
     return _PROVIDERS[key].get_tracer("slidespec")
@@ -84,13 +90,18 @@ def carrier_for(span: trace.Span) -> dict[str, str]:
 
 def engine_info(engine) -> dict[str, Any]:
     """The configuration a step span records (backend, window, algorithm, draft pool)."""
-    return {"attention_backend": engine.runner.backend.name, "max_window": engine.cfg.max_window,
-            "speculative": engine.spec.drafter.algorithm if engine.spec else None,
-            "draft_pool": engine.spec.drafter.pool_kind if engine.spec else None}
+    return {
+        "attention_backend": engine.runner.backend.name,
+        "max_window": engine.cfg.max_window,
+        "speculative": engine.spec.drafter.algorithm if engine.spec else None,
+        "draft_pool": engine.spec.drafter.pool_kind if engine.spec else None,
+    }
 
 
-def step_attributes(step: StepRecord, engine_info: Mapping[str, Any], kv: Mapping[str, int], num_steps: int) -> dict[str, Any]:
-    """A step span's attributes (DESIGN.md §8)."""
+def step_attributes(
+    step: StepRecord, engine_info: Mapping[str, Any], kv: Mapping[str, int], num_steps: int
+) -> dict[str, Any]:
+    """A step span's attributes (docs/design.md §8)."""
     window = engine_info.get("max_window")
     phases = {"draft": 0, "verify": 0, "draft_extend": 0}
     for f in step.forwards:
@@ -131,19 +142,38 @@ def step_attributes(step: StepRecord, engine_info: Mapping[str, Any], kv: Mappin
     return attrs
 
 
-def record_step(tracer: trace.Tracer, step: StepRecord, parents: Iterable[Any], engine_info: Mapping[str, Any],
-                kv: Mapping[str, int], num_steps: int) -> None:
+def record_step(
+    tracer: trace.Tracer,
+    step: StepRecord,
+    parents: Iterable[Any],
+    engine_info: Mapping[str, Any],
+    kv: Mapping[str, int],
+    num_steps: int,
+) -> None:
     """One span per engine step in the trace of the step's first request (linked to the other
     requests' traces), with a child span per forward pass."""
     contexts = [c for c in parents if c is not None]
     links = [Link(trace.get_current_span(c).get_span_context()) for c in contexts[1:]]
-    span = tracer.start_span(STEP_SPAN, context=contexts[0] if contexts else None, links=links,
-                             kind=SpanKind.INTERNAL, start_time=step.start_ns,
-                             attributes=step_attributes(step, engine_info, kv, num_steps))
+    span = tracer.start_span(
+        STEP_SPAN,
+        context=contexts[0] if contexts else None,
+        links=links,
+        kind=SpanKind.INTERNAL,
+        start_time=step.start_ns,
+        attributes=step_attributes(step, engine_info, kv, num_steps),
+    )
     child_context = trace.set_span_in_context(span)
     for f in step.forwards:
-        tracer.start_span(f"{f.model} {f.mode}", context=child_context, start_time=f.start_ns, attributes={
-            "slidespec.model": f.model, "slidespec.forward_mode": f.mode, "slidespec.batch_size": f.batch_size,
-            "slidespec.num_tokens": f.num_tokens, "slidespec.attention.kernel": f.kernel,
-        }).end(end_time=f.end_ns)
+        tracer.start_span(
+            f"{f.model} {f.mode}",
+            context=child_context,
+            start_time=f.start_ns,
+            attributes={
+                "slidespec.model": f.model,
+                "slidespec.forward_mode": f.mode,
+                "slidespec.batch_size": f.batch_size,
+                "slidespec.num_tokens": f.num_tokens,
+                "slidespec.attention.kernel": f.kernel,
+            },
+        ).end(end_time=f.end_ns)
     span.end(end_time=step.end_ns)

@@ -2,7 +2,8 @@
 
 import os
 
-MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")
+from cluster.config import SHIPPED_MODELS_DIR as MODELS_DIR
+
 DEFAULT_MODEL = os.path.join(MODELS_DIR, "tiny-gemma3")
 DRAFT_MODELS = {
     "standalone": os.path.join(MODELS_DIR, "tiny-gemma3-draft"),

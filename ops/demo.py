@@ -33,8 +33,12 @@ PROMPTS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--algorithm", default="eagle", choices=sorted(DRAFT_MODELS),
-                        help="speculative decoding with the shipped draft for this algorithm")
+    parser.add_argument(
+        "--algorithm",
+        default="eagle",
+        choices=sorted(DRAFT_MODELS),
+        help="speculative decoding with the shipped draft for this algorithm",
+    )
     parser.add_argument("--num-steps", type=int, default=4, help="draft tokens per round")
     parser.add_argument("--requests", type=int, default=len(PROMPTS), help="concurrent requests")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -56,14 +60,22 @@ async def _send(target: str, prompts: list[str], max_new_tokens: int) -> list[di
 
     async def one(i: int, prompt: str) -> dict:
         start, first, text, last = time.perf_counter(), None, "", None
-        async for response in client.generate(prompt, request_id=f"demo-{i}", max_new_tokens=max_new_tokens,
-                                              temperature=0.0):
+        async for response in client.generate(
+            prompt, request_id=f"demo-{i}", max_new_tokens=max_new_tokens, temperature=0.0
+        ):
             first = first or time.perf_counter()
             text += response.text
             last = response
-        return {"prompt": prompt, "text": text, "tokens": last.usage.completion_tokens, "replica": last.replica,
-                "accept_length": last.spec.mean_accept_length, "verify_steps": last.spec.verify_steps,
-                "ttft_s": first - start, "seconds": time.perf_counter() - start}
+        return {
+            "prompt": prompt,
+            "text": text,
+            "tokens": last.usage.completion_tokens,
+            "replica": last.replica,
+            "accept_length": last.spec.mean_accept_length,
+            "verify_steps": last.spec.verify_steps,
+            "ttft_s": first - start,
+            "seconds": time.perf_counter() - start,
+        }
 
     try:
         return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
@@ -82,40 +94,74 @@ def run(args: argparse.Namespace) -> int:
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="slidespec-traces-")
     http_port = _free_port()
     app_args = dict(
-        model=DEFAULT_MODEL, tp_size=args.tp_size, num_replicas=args.replicas, page_size=16, max_total_tokens=16384,
-        chunked_prefill_size=256, max_running_requests=32,
-        speculative={"algorithm": args.algorithm, "draft_model": DRAFT_MODELS[args.algorithm], "num_steps": args.num_steps},
-        router={"policy": "cache_aware"}, grpc={"port": 0}, tracing={"exporter": "file", "file_dir": trace_dir},
+        model=DEFAULT_MODEL,
+        tp_size=args.tp_size,
+        num_replicas=args.replicas,
+        page_size=16,
+        max_total_tokens=16384,
+        chunked_prefill_size=256,
+        max_running_requests=32,
+        speculative={
+            "algorithm": args.algorithm,
+            "draft_model": DRAFT_MODELS[args.algorithm],
+            "num_steps": args.num_steps,
+        },
+        router={"policy": "cache_aware"},
+        grpc={"port": 0},
+        tracing={"exporter": "file", "file_dir": trace_dir},
     )
-    print(f"starting a local Ray cluster and the Serve app: {os.path.basename(DEFAULT_MODEL)} + {args.algorithm} draft "
-          f"({args.num_steps} steps), {args.replicas} replica(s) x tp {args.tp_size}")
-    ray.init(num_cpus=max(8, 2 * args.replicas * (args.tp_size + 1) + 2), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "500"}})
+    print(
+        f"starting a local Ray cluster and the Serve app: {os.path.basename(DEFAULT_MODEL)} + {args.algorithm} draft "
+        f"({args.num_steps} steps), {args.replicas} replica(s) x tp {args.tp_size}"
+    )
+    ray.init(
+        num_cpus=max(8, 2 * args.replicas * (args.tp_size + 1) + 2),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "500"}},
+    )
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         start = time.perf_counter()
         ingress = serve.run(build_app(app_args), name="slidespec", route_prefix="/generate")
         grpc_port = ingress.ports.remote().result()["grpc"]
-        print(f"up in {time.perf_counter() - start:.1f} s: gRPC on 127.0.0.1:{grpc_port}, HTTP on 127.0.0.1:{http_port}\n")
+        print(
+            f"up in {time.perf_counter() - start:.1f} s: gRPC on 127.0.0.1:{grpc_port}, HTTP on 127.0.0.1:{http_port}\n"
+        )
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
         start = time.perf_counter()
         results = asyncio.run(_send(f"127.0.0.1:{grpc_port}", prompts, args.max_new_tokens))
         elapsed = time.perf_counter() - start
         for i, r in enumerate(results):
             shown = (r["prompt"] + r["text"]).replace("\n", "\n    | ")
-            print(f"--- demo-{i}: {r['tokens']} tokens, accept length {r['accept_length']:.2f} over {r['verify_steps']} "
-                  f"verify steps, first token {r['ttft_s'] * 1e3:.0f} ms, replica {r['replica']}\n    | {shown}\n")
+            print(
+                f"--- demo-{i}: {r['tokens']} tokens, accept length {r['accept_length']:.2f} over {r['verify_steps']} "
+                f"verify steps, first token {r['ttft_s'] * 1e3:.0f} ms, replica {r['replica']}\n    | {shown}\n"
+            )
         total = sum(r["tokens"] for r in results)
         steps = sum(r["verify_steps"] for r in results)
         mean = sum(r["accept_length"] * r["verify_steps"] for r in results) / max(1, steps)
-        print(f"{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; "
-              f"mean accept length {mean:.2f}")
+        print(
+            f"{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; "
+            f"mean accept length {mean:.2f}"
+        )
         metrics = requests.get(f"http://127.0.0.1:{http_port}/generate/metrics", timeout=30).text
-        shown = [line for line in metrics.splitlines() if line.startswith(
-            ("slidespec:spec_accept_length", "slidespec:spec_accept_rate", "slidespec:spec_decode_num_drafts_total",
-             "slidespec:spec_decode_num_accepted_tokens_total", "slidespec:time_to_first_token_seconds_count"))]
+        shown = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith(
+                (
+                    "slidespec:spec_accept_length",
+                    "slidespec:spec_accept_rate",
+                    "slidespec:spec_decode_num_drafts_total",
+                    "slidespec:spec_decode_num_accepted_tokens_total",
+                    "slidespec:time_to_first_token_seconds_count",
+                )
+            )
+        ]
         print(f"\nmetrics: http://127.0.0.1:{http_port}/generate/metrics (Prometheus), for example:")
         print("\n".join(f"  {line}" for line in shown))
     finally:
@@ -126,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         text, _ = diagnose([trace_dir], os.path.join(trace_dir, "accept_length.png"))
         lines = text.splitlines()
-        summary = [lines[0]] + [line for line in lines if line.startswith(("acceptance by", "no accept", "DROP", "  slidespec."))]
+        summary = [lines[0]] + [
+            line for line in lines if line.startswith(("acceptance by", "no accept", "DROP", "  slidespec."))
+        ]
         print("\n".join(f"  {line}" for line in summary))
         print(f"  plot: {os.path.join(trace_dir, 'accept_length.png')}")
     except ValueError as exc:

@@ -21,13 +21,21 @@ import os
 import statistics
 import sys
 from collections import Counter, defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 STEP_SPAN = "engine step"
 # Attributes compared across a drop: what configuration or state a step ran with.
-DESCRIPTIVE = ("slidespec.draft.pool", "slidespec.attention.backend", "slidespec.attention.kernel",
-               "slidespec.spec.algorithm", "slidespec.spec.num_steps", "slidespec.forward_mode", "service.name",
-               "slidespec.component")
+DESCRIPTIVE = (
+    "slidespec.draft.pool",
+    "slidespec.attention.backend",
+    "slidespec.attention.kernel",
+    "slidespec.spec.algorithm",
+    "slidespec.spec.num_steps",
+    "slidespec.forward_mode",
+    "service.name",
+    "slidespec.component",
+)
 MIN_SEGMENT = 5
 MIN_T = 4.0
 MIN_DROP = 0.5
@@ -73,8 +81,11 @@ def _attrs(items: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def trace_files(paths: list[str]) -> list[str]:
     files = []
     for path in paths:
-        files += sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.json"))) \
-            if os.path.isdir(path) else [path]
+        files += (
+            sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.json")))
+            if os.path.isdir(path)
+            else [path]
+        )
     if not files:
         raise ValueError(f"TRACES: no trace files in {paths}")
     return files
@@ -92,17 +103,26 @@ def load_spans(paths: list[str]) -> list[dict[str, Any]]:
                     resource = _attrs(rs.get("resource", {}).get("attributes", []))
                     for ss in rs.get("scopeSpans", []):
                         for span in ss.get("spans", []):
-                            spans.append({"name": span["name"], "trace_id": span.get("traceId"),
-                                          "span_id": span.get("spanId"), "parent": span.get("parentSpanId"),
-                                          "start": int(span.get("startTimeUnixNano", 0)),
-                                          "end": int(span.get("endTimeUnixNano", 0)),
-                                          "attrs": {**resource, **_attrs(span.get("attributes", []))}})
+                            spans.append(
+                                {
+                                    "name": span["name"],
+                                    "trace_id": span.get("traceId"),
+                                    "span_id": span.get("spanId"),
+                                    "parent": span.get("parentSpanId"),
+                                    "start": int(span.get("startTimeUnixNano", 0)),
+                                    "end": int(span.get("endTimeUnixNano", 0)),
+                                    "attrs": {**resource, **_attrs(span.get("attributes", []))},
+                                }
+                            )
     return spans
 
 
 def step_points(spans: list[dict[str, Any]]) -> list[StepPoint]:
-    points = [StepPoint(s["start"], s["attrs"]["slidespec.spec.accept_lengths"], s["attrs"])
-              for s in spans if s["name"] == STEP_SPAN and s["attrs"].get("slidespec.spec.accept_lengths")]
+    points = [
+        StepPoint(s["start"], s["attrs"]["slidespec.spec.accept_lengths"], s["attrs"])
+        for s in spans
+        if s["name"] == STEP_SPAN and s["attrs"].get("slidespec.spec.accept_lengths")
+    ]
     return sorted(points, key=lambda p: p.start)
 
 
@@ -121,7 +141,7 @@ def find_drop(points: list[StepPoint]) -> Drop | None:
         if t >= MIN_T and (best is None or (t, drop) > (best.t, best.before - best.after)):
             best = Drop(i, ma, mb, t, [])
     if best is not None:
-        best.changed = changed_attributes(points[:best.index], points[best.index:])
+        best.changed = changed_attributes(points[: best.index], points[best.index :])
     return best
 
 
@@ -153,8 +173,12 @@ def breakdowns(points: list[StepPoint]) -> dict[str, dict[str, list[int]]]:
     groups: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
     for p in points:
         a = p.attrs
-        for dim, key in (("forward mode", "slidespec.forward_mode"), ("backend", "slidespec.attention.backend"),
-                         ("draft pool", "slidespec.draft.pool"), ("algorithm", "slidespec.spec.algorithm")):
+        for dim, key in (
+            ("forward mode", "slidespec.forward_mode"),
+            ("backend", "slidespec.attention.backend"),
+            ("draft pool", "slidespec.draft.pool"),
+            ("algorithm", "slidespec.spec.algorithm"),
+        ):
             groups[dim][str(a.get(key, "?"))] += p.accept_lengths
         groups["batch size"][str(len(p.accept_lengths))] += p.accept_lengths
         rids = a.get("slidespec.spec.request_ids") or []
@@ -176,8 +200,10 @@ def position_rates(points: list[StepPoint]) -> list[float]:
 def report(points: list[StepPoint], drop: Drop | None) -> str:
     lines = []
     lengths = [n for p in points for n in p.accept_lengths]
-    lines.append(f"{len(lengths)} verify results in {len(points)} engine steps; mean accept length "
-                 f"{statistics.fmean(lengths):.2f}")
+    lines.append(
+        f"{len(lengths)} verify results in {len(points)} engine steps; mean accept length "
+        f"{statistics.fmean(lengths):.2f}"
+    )
     for dim, groups in breakdowns(points).items():
         if dim == "request" and len(groups) > 20:
             continue
@@ -192,8 +218,10 @@ def report(points: list[StepPoint], drop: Drop | None) -> str:
         lines.append("\nno accept-length drop detected")
     else:
         at = points[drop.index]
-        lines.append(f"\nDROP at step {drop.index} of {len(points)} (t = {(at.start - points[0].start) / 1e9:.2f} s): "
-                     f"mean accept length {drop.before:.2f} -> {drop.after:.2f} (Welch t {drop.t:.1f})")
+        lines.append(
+            f"\nDROP at step {drop.index} of {len(points)} (t = {(at.start - points[0].start) / 1e9:.2f} s): "
+            f"mean accept length {drop.before:.2f} -> {drop.after:.2f} (Welch t {drop.t:.1f})"
+        )
         if drop.changed:
             lines.append("attributes that changed at the drop:")
             lines += [f"  {key}: {before} -> {after}" for key, before, after in drop.changed]

@@ -41,24 +41,65 @@ TARGET = "tiny-gemma3"
 DRAFTS = {"standalone": "tiny-gemma3-draft", "eagle": "tiny-gemma3-eagle", "frozen_kv_mtp": "tiny-gemma3-mtp"}
 
 TARGET_CONFIG = dict(
-    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=VOCAB, hidden_size=256,
-    intermediate_size=768, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    query_pre_attn_scalar=64, sliding_window=WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-    max_position_embeddings=4096, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-    initializer_range=0.02, bos_token_id=None, pad_token_id=0, eos_token_id=1,
+    architectures=["Gemma3ForCausalLM"],
+    model_type="gemma3_text",
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    query_pre_attn_scalar=64,
+    sliding_window=WINDOW,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+    bos_token_id=None,
+    pad_token_id=0,
+    eos_token_id=1,
 )
-DRAFT_CONFIG = {**TARGET_CONFIG, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "head_dim": 32,
-                "query_pre_attn_scalar": 32, "layer_types": ["sliding_attention", "full_attention"]}
+DRAFT_CONFIG = {
+    **TARGET_CONFIG,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
 EAGLE_CONFIG = dict(
-    architectures=["LlamaForCausalLMEagle"], model_type="llama", vocab_size=VOCAB, hidden_size=256,
-    intermediate_size=768, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=4096, rope_theta=10000.0,
-    tie_word_embeddings=False, initializer_range=0.02, bos_token_id=None, eos_token_id=1,
+    architectures=["LlamaForCausalLMEagle"],
+    model_type="llama",
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+    bos_token_id=None,
+    eos_token_id=1,
 )
-MTP_CONFIG = {**TARGET_CONFIG, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": [4, 5],
-              "intermediate_size": 512}
+MTP_CONFIG = {
+    **TARGET_CONFIG,
+    "architectures": ["FrozenKVMTPForCausalLM"],
+    "kv_source_layers": [4, 5],
+    "intermediate_size": 512,
+}
 
 
 # -- prepare -------------------------------------------------------------------------------------
@@ -86,8 +127,12 @@ def train_tokenizer(texts: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
@@ -109,8 +154,12 @@ def prepare(data: str) -> None:
     train, held = encode(train_texts), encode(held_texts)
     np.savez_compressed(data, train=train, held_out=held)
     logger.info("tokens: %d train, %d held out -> %s", len(train), len(held), data)
-    for name, config in ((TARGET, TARGET_CONFIG), (DRAFTS["standalone"], DRAFT_CONFIG), (DRAFTS["eagle"], EAGLE_CONFIG),
-                         (DRAFTS["frozen_kv_mtp"], MTP_CONFIG)):
+    for name, config in (
+        (TARGET, TARGET_CONFIG),
+        (DRAFTS["standalone"], DRAFT_CONFIG),
+        (DRAFTS["eagle"], EAGLE_CONFIG),
+        (DRAFTS["frozen_kv_mtp"], MTP_CONFIG),
+    ):
         path = os.path.join(MODELS_DIR, name)
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w") as f:
@@ -124,7 +173,7 @@ def batches(ids: np.ndarray, batch: int, seq: int, seed: int, device: str):
     data = torch.from_numpy(ids.astype(np.int64))
     while True:
         starts = rng.integers(0, len(data) - seq - 1, size=batch)
-        yield torch.stack([data[s:s + seq + 1] for s in starts]).to(device)
+        yield torch.stack([data[s : s + seq + 1] for s in starts]).to(device)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int = 100) -> float:
@@ -158,8 +207,12 @@ def _autocast(device: str):
 
 
 def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    return F.kl_div(F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1),
-                    log_target=True, reduction="batchmean")
+    return F.kl_div(
+        F.log_softmax(student_logits.float(), -1),
+        F.log_softmax(teacher_logits.float(), -1),
+        log_target=True,
+        reduction="batchmean",
+    )
 
 
 def train_hf(config: dict, data, steps: int, seconds: float, lr: float, device: str, teacher=None):
@@ -179,8 +232,9 @@ def train_hf(config: dict, data, steps: int, seconds: float, lr: float, device: 
                 target_logits = teacher(tokens[:, :-1]).logits
             return _kl(logits.flatten(0, 1), target_logits.flatten(0, 1))
 
-    run_training("target" if teacher is None else "standalone draft", list(model.parameters()), loss_fn, data, steps,
-                 seconds, lr)
+    run_training(
+        "target" if teacher is None else "standalone draft", list(model.parameters()), loss_fn, data, steps, seconds, lr
+    )
     return model.eval()
 
 
@@ -192,16 +246,29 @@ def training_batch(tokens: torch.Tensor, backend, query_offset: int = 0, spec_hi
     b, t = tokens.shape
     lens = torch.full((b,), t, dtype=torch.int32, device=tokens.device)
     batch = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=b, input_ids=tokens.flatten(),
-        positions=torch.arange(t, device=tokens.device).repeat(b), q_lens=lens, seq_lens=lens, q_lens_cpu=[t] * b,
-        seq_lens_cpu=[t] * b, out_cache_loc=torch.zeros(0, dtype=torch.int64), req_pool_indices=torch.zeros(0),
-        req_to_token=torch.zeros(0), logits_indices=torch.arange(b * t, device=tokens.device), query_offset=query_offset,
-        spec_hidden=spec_hidden, attn_backend=backend)
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=b,
+        input_ids=tokens.flatten(),
+        positions=torch.arange(t, device=tokens.device).repeat(b),
+        q_lens=lens,
+        seq_lens=lens,
+        q_lens_cpu=[t] * b,
+        seq_lens_cpu=[t] * b,
+        out_cache_loc=torch.zeros(0, dtype=torch.int64),
+        req_pool_indices=torch.zeros(0),
+        req_to_token=torch.zeros(0),
+        logits_indices=torch.arange(b * t, device=tokens.device),
+        query_offset=query_offset,
+        spec_hidden=spec_hidden,
+        attn_backend=backend,
+    )
     backend.init_forward_metadata(batch, None)
     return batch
 
 
-def train_heads(target_dir: str, data, steps: int, seconds: float, lr: float, device: str) -> dict[str, torch.nn.Module]:
+def train_heads(
+    target_dir: str, data, steps: int, seconds: float, lr: float, device: str
+) -> dict[str, torch.nn.Module]:
     """EAGLE-1 and frozen-KV MTP heads on our target (loaded from its checkpoint), distilled from it."""
     from attention.training import TrainingBackend
     from workers.models import build_model, load_model_config
@@ -214,8 +281,9 @@ def train_heads(target_dir: str, data, steps: int, seconds: float, lr: float, de
     target = build_model(cfg, target_dir, "auto", torch.float32, dev)
     backend = TrainingBackend(dev)
     with torch.device(dev):
-        eagle = EagleHead(load_eagle_config(os.path.join(MODELS_DIR, DRAFTS["eagle"]), cfg, "dummy"), target,
-                          _single_rank())
+        eagle = EagleHead(
+            load_eagle_config(os.path.join(MODELS_DIR, DRAFTS["eagle"]), cfg, "dummy"), target, _single_rank()
+        )
         mtp_cfg, sources = frozen_kv_config(os.path.join(MODELS_DIR, DRAFTS["frozen_kv_mtp"]), cfg)
         mtp = FrozenKVMTPHead(mtp_cfg, sources, target, _single_rank())
     heads = {"eagle": eagle, "frozen_kv_mtp": mtp}
@@ -309,7 +377,7 @@ def evaluate(data_path: str, prompts: int, prompt_len: int, new_tokens: int, num
 
     held = np.load(data_path)["held_out"].astype(np.int64)
     stride = (len(held) - prompt_len) // prompts
-    batch = [held[i * stride:i * stride + prompt_len].tolist() for i in range(prompts)]
+    batch = [held[i * stride : i * stride + prompt_len].tolist() for i in range(prompts)]
     target = os.path.join(MODELS_DIR, TARGET)
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     result = {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "num_steps": num_steps}
@@ -317,14 +385,20 @@ def evaluate(data_path: str, prompts: int, prompt_len: int, new_tokens: int, num
     ref = Engine(model=target, max_total_tokens=32768).generate(prompt_token_ids=batch, sampling=sp)
     result["no_speculation_s"] = round(time.perf_counter() - start, 2)
     for algorithm, name in DRAFTS.items():
-        eng = Engine(model=target, max_total_tokens=32768, speculative={
-            "algorithm": algorithm, "draft_model": os.path.join(MODELS_DIR, name), "num_steps": num_steps})
+        eng = Engine(
+            model=target,
+            max_total_tokens=32768,
+            speculative={"algorithm": algorithm, "draft_model": os.path.join(MODELS_DIR, name), "num_steps": num_steps},
+        )
         start = time.perf_counter()
         outs = eng.generate(prompt_token_ids=batch, sampling=sp)
         lengths = [n for o in outs for n in o.spec.accept_lengths]
-        result[algorithm] = {"mean_accept_length": round(sum(lengths) / len(lengths), 3), "verify_steps": len(lengths),
-                             "seconds": round(time.perf_counter() - start, 2),
-                             "same_tokens_as_no_speculation": [o.token_ids for o in outs] == [o.token_ids for o in ref]}
+        result[algorithm] = {
+            "mean_accept_length": round(sum(lengths) / len(lengths), 3),
+            "verify_steps": len(lengths),
+            "seconds": round(time.perf_counter() - start, 2),
+            "same_tokens_as_no_speculation": [o.token_ids for o in outs] == [o.token_ids for o in ref],
+        }
     return result
 
 
@@ -353,8 +427,12 @@ def main() -> None:
     if args.command == "prepare":
         prepare(args.data)
     elif args.command == "train":
-        train(args.data, args.out, args.device, {"target": args.target_seconds, "standalone": args.draft_seconds,
-                                                   "heads": args.head_seconds})
+        train(
+            args.data,
+            args.out,
+            args.device,
+            {"target": args.target_seconds, "standalone": args.draft_seconds, "heads": args.head_seconds},
+        )
     elif args.command == "install":
         install(args.out)
     else:

@@ -1,5 +1,28 @@
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOW_TO_FIX = "fix with `ruff check --fix . && ruff format .` from the repository root, then what remains by hand"
+
+
+def pytest_sessionstart(session):
+    """The whole suite (the README's test command, CI) starts with the linter and the formatter
+    check, so a style problem fails in seconds and says how to fix it. A run of chosen tests
+    (explicit paths) skips it."""
+    if session.config.args != [os.path.join(ROOT, "tests")] and session.config.args != ["tests"]:
+        return
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.exit("lint: ruff is not installed; install the test extra: pip install -e '.[test]'", returncode=1)
+    for check in (["check", "."], ["format", "--check", "."]):
+        done = subprocess.run([ruff, *check], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            report = f"{done.stdout}{done.stderr}"
+            pytest.exit(f"lint: `ruff {' '.join(check)}` failed:\n{report}\n{HOW_TO_FIX}", returncode=1)
 
 
 def pytest_collection_modifyitems(config, items):

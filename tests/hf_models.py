@@ -27,9 +27,18 @@ TINY_MODELS = {
     "llama": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(num_hidden_layers=2, head_dim=16, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
     ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, head_dim=32)),
@@ -37,17 +46,30 @@ TINY_MODELS = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        dict(num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
-             attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-             layer_types=["sliding_attention", "full_attention"] * 2),
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
     ),
     "gemma3": (
         "Gemma3TextConfig",
         "Gemma3ForCausalLM",
-        dict(num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
-             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+        ),
     ),
 }
 
@@ -81,8 +103,12 @@ def add_tokenizer(path: str, vocab_size: int = 256) -> None:
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     tok.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(path)

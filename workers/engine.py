@@ -1,10 +1,10 @@
 """The in-process engine: one model on one device, continuous batching, Python API.
 
-    eng = Engine(model="path/to/hf_dir", device="cpu", dtype="float32", page_size=16,
-                 attention_backend="torch_native", max_total_tokens=8192)
-    outs = eng.generate(prompt_token_ids=[[...]], sampling=SamplingParams(max_new_tokens=32, temperature=0.0))
-    for delta in eng.stream(prompt_token_ids=[...], sampling=...): ...
-    eng.shutdown()
+eng = Engine(model="path/to/hf_dir", device="cpu", dtype="float32", page_size=16,
+             attention_backend="torch_native", max_total_tokens=8192)
+outs = eng.generate(prompt_token_ids=[[...]], sampling=SamplingParams(max_new_tokens=32, temperature=0.0))
+for delta in eng.stream(prompt_token_ids=[...], sampling=...): ...
+eng.shutdown()
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import itertools
 import logging
 import random
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -27,9 +28,9 @@ from workers.request import FinishReason, Request
 from workers.sampler import draw_each
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
-from workers.spec import SpecConfig, SpecStats
-from workers.spec.loader import build_drafter, plan_draft
-from workers.spec.worker import SpecWorker
+from workers.speculative import SpecConfig, SpecStats
+from workers.speculative.loader import build_drafter, plan_draft
+from workers.speculative.worker import SpecWorker
 from workers.step_record import ForwardRecord, StepRecord
 from workers.tokenizer import load_tokenizer
 
@@ -99,21 +100,49 @@ class Engine:
         window = max(windows, default=None)
         if window is not None:
             swa_pages = max(1, round(full_pages * swa_full_tokens_ratio))
-            self.allocator: KVAllocator = HybridSWAAllocator(self.req_to_token, full_pages, swa_pages, page_size, window)
+            self.allocator: KVAllocator = HybridSWAAllocator(
+                self.req_to_token, full_pages, swa_pages, page_size, window
+            )
         else:
             self.allocator = KVAllocator(self.req_to_token, full_pages, page_size)
         backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
         self.tp = tp
-        self.runner = ModelRunner.load(self.cfg, model, self.allocator, backend, self.dtype, self.device, load_format,
-                                       tp=tp, seed=seed, debug_kv_checks=debug_kv_checks)
-        self.scheduler = Scheduler(self.allocator, self.req_to_token, chunked_prefill_size, max_running_requests,
-                                   self.cfg.eos_token_ids, lookahead)
+        self.runner = ModelRunner.load(
+            self.cfg,
+            model,
+            self.allocator,
+            backend,
+            self.dtype,
+            self.device,
+            load_format,
+            tp=tp,
+            seed=seed,
+            debug_kv_checks=debug_kv_checks,
+        )
+        self.scheduler = Scheduler(
+            self.allocator,
+            self.req_to_token,
+            chunked_prefill_size,
+            max_running_requests,
+            self.cfg.eos_token_ids,
+            lookahead,
+        )
         self.last_step = StepRecord()
         self.spec: SpecWorker | None = None
         if draft is not None:
             draft_tp = tp if spec.draft_tp == "shard" else SINGLE_RANK
-            drafter = build_drafter(draft, self.runner, self.allocator, self.scheduler, backend, self.dtype, self.device,
-                                    tp=draft_tp, seed=seed, debug_kv_checks=debug_kv_checks)
+            drafter = build_drafter(
+                draft,
+                self.runner,
+                self.allocator,
+                self.scheduler,
+                backend,
+                self.dtype,
+                self.device,
+                tp=draft_tp,
+                seed=seed,
+                debug_kv_checks=debug_kv_checks,
+            )
             drafter.runner.recorder = self._record
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
         self.runner.recorder = self._record
@@ -122,13 +151,19 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self.failed_steps = 0  # consecutive steps whose forward raised
         logger.info(
-            "engine: %s on %s/%s, backend %s, KV %s, speculative %s", self.cfg.architecture, self.device, self.dtype,
-            backend, self.kv_stats(), f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
+            "engine: %s on %s/%s, backend %s, KV %s, speculative %s",
+            self.cfg.architecture,
+            self.device,
+            self.dtype,
+            backend,
+            self.kv_stats(),
+            f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
         )
 
     # -- request lifecycle -------------------------------------------------------------
-    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         req = self._make_request(prompt_token_ids, sampling or SamplingParams(), request_id, "prompt_token_ids")
         self._requests[req.rid] = req
         self.scheduler.add(req)
@@ -205,8 +240,9 @@ class Engine:
         step.seq_lens = [r.num_tokens for r in sb.reqs]
         step.end_ns = time.time_ns()
         reported = {req.rid for req, _ in events}
-        return ([(req.rid, new, req.finished) for req, new in events]
-                + [(req.rid, [], True) for req in sb.reqs if req.finished and req.rid not in reported])
+        return [(req.rid, new, req.finished) for req, new in events] + [
+            (req.rid, [], True) for req in sb.reqs if req.finished and req.rid not in reported
+        ]
 
     def _run(self, sb: ScheduledBatch) -> list[tuple[Request, list[int]]]:
         if sb.mode is ForwardMode.DECODE and self.spec is not None:
@@ -224,9 +260,10 @@ class Engine:
             if req.sampling.return_logits and not req.finished:
                 req.logits.append(logits.cpu())
         live = [(r, n, s) for r, n, s in zip(sb.reqs, sb.q_lens, sb.samples) if not r.finished]
-        events = self.scheduler.process(ScheduledBatch(sb.mode, [r for r, _, _ in live], [n for _, n, _ in live],
-                                                       [s for _, _, s in live]),
-                                        [t for t in tokens if t is not None])
+        events = self.scheduler.process(
+            ScheduledBatch(sb.mode, [r for r, _, _ in live], [n for _, n, _ in live], [s for _, _, s in live]),
+            [t for t in tokens if t is not None],
+        )
         if self.spec is not None:
             self.spec.after_extend(sb, out.hidden)
         return events
@@ -292,11 +329,13 @@ class Engine:
         prompt: str | None = None,
     ) -> Iterator[list[int]]:
         """Yield a request's new token ids as they are sampled. Closing the iterator aborts it."""
-        (ids,) = self._prompt_ids(None if prompt_token_ids is None else [prompt_token_ids], None if prompt is None else [prompt])
+        (ids,) = self._prompt_ids(
+            None if prompt_token_ids is None else [prompt_token_ids], None if prompt is None else [prompt]
+        )
         rid = self.add_request(ids, sampling)
         try:
             while True:
-                for event_rid, new, finished in self.step():
+                for event_rid, new, _ in self.step():
                     if event_rid == rid:
                         yield new
                 if self._requests[rid].finished:
@@ -305,7 +344,9 @@ class Engine:
             self.abort(rid)
             self.release(rid)
 
-    def _prompt_ids(self, prompt_token_ids: Sequence[Sequence[int]] | None, prompts: Sequence[str] | None) -> list[list[int]]:
+    def _prompt_ids(
+        self, prompt_token_ids: Sequence[Sequence[int]] | None, prompts: Sequence[str] | None
+    ) -> list[list[int]]:
         if (prompt_token_ids is None) == (prompts is None):
             raise ValueError("prompt_token_ids / prompts: give exactly one of them")
         if prompts is None:

@@ -6,7 +6,8 @@ Implements `attention.AttentionBatch`; the model and the sampler read the rest.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ class ForwardBatch:
         logits_rows: Sequence[int],
         query_offset: int = 0,
         spec_hidden: torch.Tensor | None = None,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """`input_ids[i]` are request i's new tokens, at positions `prefix_lens[i]` onwards
         (shifted by `query_offset` for read-only queries past the KV); `logits_rows` lists
         (flattened) token rows whose logits the caller needs."""

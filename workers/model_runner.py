@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -37,8 +38,16 @@ class ModelRunner:
     """A model, the KV pool its layers read and write (None when a pool is handed to every
     forward: frozen-KV drafts read the target's), and its own attention backend."""
 
-    def __init__(self, model: nn.Module, pool: KVPool | None, attention_backend: str, device: torch.device,
-                 page_size: int, debug_kv_checks: bool = False, role: str = "target") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        pool: KVPool | None,
+        attention_backend: str,
+        device: torch.device,
+        page_size: int,
+        debug_kv_checks: bool = False,
+        role: str = "target",
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
@@ -62,12 +71,12 @@ class ModelRunner:
         seed: int = 0,
         debug_kv_checks: bool = False,
         role: str = "target",
-    ) -> "ModelRunner":
+    ) -> ModelRunner:
         """A Hugging Face causal LM with its own pool on a (possibly shared) allocator."""
         model = build_model(cfg, model_dir, load_format, dtype, device, tp, seed)
         attn = model.attention_layers[0]
         # The pool is chosen from this model's own layers; the allocator may be shared with
-        # another model (DESIGN.md §4, invariant 1).
+        # another model (docs/design.md §4.1).
         pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
         return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role)
 
@@ -84,6 +93,15 @@ class ModelRunner:
         out = ForwardOutput(self.model.compute_logits(hidden[batch.logits_indices]), handed_on)
         if self.recorder is not None:
             mode = batch.forward_mode
-            self.recorder(ForwardRecord(self.role, mode.name, batch.batch_size, len(batch.positions),
-                                        self.backend.kernel_name(mode) or "", start, time.time_ns()))
+            self.recorder(
+                ForwardRecord(
+                    self.role,
+                    mode.name,
+                    batch.batch_size,
+                    len(batch.positions),
+                    self.backend.kernel_name(mode) or "",
+                    start,
+                    time.time_ns(),
+                )
+            )
         return out

@@ -19,7 +19,8 @@ import logging
 import queue
 import random
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,15 @@ class Update:
 
 
 class RankLoop:
-    def __init__(self, engine: Engine, rank: int, group: dist.ProcessGroup | None = None,
-                 on_update: Callable[[Update], None] | None = None, idle_wait_s: float = 0.5,
-                 on_step: Callable[[StepRecord], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        on_update: Callable[[Update], None] | None = None,
+        idle_wait_s: float = 0.5,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
         """`group`: the CPU (gloo) group the plan is broadcast over; None when alone.
         `on_update` (rank 0) gets every request's new tokens; `on_step` (rank 0) every step's record."""
         self.engine = engine
@@ -124,8 +131,10 @@ class RankLoop:
         return {
             "running": len(running),
             "waiting": 0 if self.error is not None else max(0, self.in_flight - len(running)),
-            "kv_full_used": kv["full_total"] - kv["full_free"], "kv_full_total": kv["full_total"],
-            "kv_swa_used": kv["swa_total"] - kv["swa_free"], "kv_swa_total": kv["swa_total"],
+            "kv_full_used": kv["full_total"] - kv["full_free"],
+            "kv_full_total": kv["full_total"],
+            "kv_swa_used": kv["swa_total"] - kv["swa_free"],
+            "kv_swa_total": kv["swa_total"],
             "token_load": sum(r.num_tokens for r in running),
             "mean_accept_length": sum(lengths) / len(lengths) if lengths else 0.0,
         }
@@ -212,8 +221,11 @@ class RankLoop:
             logger.warning("request %s: building its output failed: %s", rid, _describe(exc))
             update = Update(rid, tokens, True, error=_describe(exc), code=ErrorCode.INTERNAL)
         else:
-            update = (Update(rid, tokens, True, output, error=output.error, code=ErrorCode.INTERNAL)
-                      if output.error is not None else Update(rid, tokens, True, output))
+            update = (
+                Update(rid, tokens, True, output, error=output.error, code=ErrorCode.INTERNAL)
+                if output.error is not None
+                else Update(rid, tokens, True, output)
+            )
         self.engine.release(rid)
         self._end(update)
 

@@ -11,7 +11,7 @@ import torch
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from workers.spec.drafter import DraftState
+    from workers.speculative.drafter import DraftState
 
 
 class FinishReason(str, enum.Enum):
@@ -33,7 +33,7 @@ class Request:
     kv_len: int = 0  # tokens whose KV is written
     finish_reason: FinishReason | None = None
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    spec: "DraftState | None" = None  # speculative decoding state, when a draft model runs
+    spec: DraftState | None = None  # speculative decoding state, when a draft model runs
     error: str | None = None  # why the request failed (finish reason ERROR)
 
     @property
@@ -53,4 +53,4 @@ class Request:
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n) : end - n]

@@ -8,7 +8,7 @@ rows that raise again are reported as failed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -69,7 +69,7 @@ def draw_each(
         tokens, probs, errors = [None] * len(params), [None] * len(params), {}
         for i, (p, g) in enumerate(zip(params, generators)):
             try:
-                (tokens[i],), (probs[i],) = draw(logits[i:i + 1], [p], [g])
+                (tokens[i],), (probs[i],) = draw(logits[i : i + 1], [p], [g])
             except Exception as exc:  # noqa: BLE001 - reported per row
                 errors[i] = exc
         return tokens, probs, errors

@@ -40,9 +40,12 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: must be a positive integer, got {self.max_new_tokens!r}")
         if not _is_real(self.temperature) or not (
-                self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
-            raise ValueError(f"temperature: must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
-                             f"{MAX_TEMPERATURE:g}], got {self.temperature!r}")
+            self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE
+        ):
+            raise ValueError(
+                f"temperature: must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, "
+                f"{MAX_TEMPERATURE:g}], got {self.temperature!r}"
+            )
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOKEN_ID:

@@ -96,8 +96,10 @@ class Scheduler:
         swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
         while self.waiting and len(self.running) < self.max_running and self.req_to_token.num_free:
             need = self.kv_need(len(self.waiting[0].prompt_ids), self.waiting[0].max_len)
-            if (self._reserved.full_pages + need.full_pages > alloc.full.num_pages
-                    or self._reserved.swa_pages + need.swa_pages > swa_total):
+            if (
+                self._reserved.full_pages + need.full_pages > alloc.full.num_pages
+                or self._reserved.swa_pages + need.swa_pages > swa_total
+            ):
                 break
             req = self.waiting.popleft()
             req.row = self.req_to_token.alloc()

@@ -32,7 +32,7 @@ class IncrementalDetokenizer:
         end = len(text)
         while not final and end > self.sent and text[end - 1] == "\ufffd":
             end -= 1
-        delta, self.sent = text[self.sent:end], max(self.sent, end)
+        delta, self.sent = text[self.sent : end], max(self.sent, end)
         return delta
 
 
@@ -59,10 +59,10 @@ class StopStrings:
             for i, stop in enumerate(self.stops):
                 if self._advance(i, stop, char) == len(stop):
                     self.stopped = True
-                    out, self.pending = self.pending[:base + offset + 1 - len(stop)], ""
+                    out, self.pending = self.pending[: base + offset + 1 - len(stop)], ""
                     return out
         held = 0 if final else max(self._matched, default=0)
-        out, self.pending = self.pending[:len(self.pending) - held], self.pending[len(self.pending) - held:]
+        out, self.pending = self.pending[: len(self.pending) - held], self.pending[len(self.pending) - held :]
         return out
 
     def _advance(self, i: int, stop: str, char: str) -> int:

@@ -1,10 +1,10 @@
-"""Kernel sets by hardware (DESIGN.md §7), as data: which functions run decode/verify and
+"""Kernel sets by hardware (docs/design.md §7), as data: which functions run decode/verify and
 context attention, and which features and page sizes each supports."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,14 +34,42 @@ def _reference(kind: str) -> Callable:
 
 
 KERNEL_SETS = {
-    "cpu": KernelSet("cpu", "reference_decode", "reference_context", _reference("decode"), _reference("context"),
-                     decode_softcap=False, context_softcap=True, needs_chain_mask=True, page_sizes=None, self_checking=True),
-    "sm90": KernelSet("sm90", "xqa", "fmha_v2", flashinfer_hopper.decode, flashinfer_hopper.context,
-                      decode_softcap=False, context_softcap=True, needs_chain_mask=True, page_sizes=(16, 32, 64, 128),
-                      self_checking=False),
-    "sm100": KernelSet("sm100", "trtllm_gen_decode", "trtllm_gen_context", flashinfer_blackwell.decode,
-                       flashinfer_blackwell.context, decode_softcap=False, context_softcap=False, needs_chain_mask=False,
-                       page_sizes=(16, 32, 64), self_checking=False),
+    "cpu": KernelSet(
+        "cpu",
+        "reference_decode",
+        "reference_context",
+        _reference("decode"),
+        _reference("context"),
+        decode_softcap=False,
+        context_softcap=True,
+        needs_chain_mask=True,
+        page_sizes=None,
+        self_checking=True,
+    ),
+    "sm90": KernelSet(
+        "sm90",
+        "xqa",
+        "fmha_v2",
+        flashinfer_hopper.decode,
+        flashinfer_hopper.context,
+        decode_softcap=False,
+        context_softcap=True,
+        needs_chain_mask=True,
+        page_sizes=(16, 32, 64, 128),
+        self_checking=False,
+    ),
+    "sm100": KernelSet(
+        "sm100",
+        "trtllm_gen_decode",
+        "trtllm_gen_context",
+        flashinfer_blackwell.decode,
+        flashinfer_blackwell.context,
+        decode_softcap=False,
+        context_softcap=False,
+        needs_chain_mask=False,
+        page_sizes=(16, 32, 64),
+        self_checking=False,
+    ),
 }
 
 
@@ -51,6 +79,8 @@ def select_kernels(device: torch.device) -> KernelSet:
     major, _ = torch.cuda.get_device_capability(device)
     by_major = {9: "sm90", 10: "sm100"}
     if major not in by_major:
-        raise ValueError(f"attention_backend: trtllm_mha has no kernels for compute capability {major}.x "
-                         "(Hopper SM90 and Blackwell SM100/103 only); use torch_native")
+        raise ValueError(
+            f"attention_backend: trtllm_mha has no kernels for compute capability {major}.x "
+            "(Hopper SM90 and Blackwell SM100/103 only); use torch_native"
+        )
     return KERNEL_SETS[by_major[major]]

@@ -82,11 +82,19 @@ class _Common:
 
     def _check_common(self, q_lens: list[int]) -> None:
         if self.block_tables.dtype != torch.int32 or self.seq_lens.dtype != torch.int32:
-            raise self.fail("block_tables/seq_lens", f"must be int32, got {self.block_tables.dtype}/{self.seq_lens.dtype}")
+            raise self.fail(
+                "block_tables/seq_lens", f"must be int32, got {self.block_tables.dtype}/{self.seq_lens.dtype}"
+            )
         if self.kv_cache.dim() != 5 or self.kv_cache.shape[1] != 2:
             raise self.fail("kv_cache", f"must be [pages, 2, kv_heads, page, dim], got {tuple(self.kv_cache.shape)}")
-        if self.query.dim() != 3 or self.query.shape[1] % self.kv_cache.shape[2] or self.query.shape[2] != self.kv_cache.shape[4]:
-            raise self.fail("query", f"shape {tuple(self.query.shape)} does not fit kv_cache {tuple(self.kv_cache.shape)}")
+        if (
+            self.query.dim() != 3
+            or self.query.shape[1] % self.kv_cache.shape[2]
+            or self.query.shape[2] != self.kv_cache.shape[4]
+        ):
+            raise self.fail(
+                "query", f"shape {tuple(self.query.shape)} does not fit kv_cache {tuple(self.kv_cache.shape)}"
+            )
         if self.block_tables.shape[0] != self.batch_size:
             raise self.fail("block_tables", f"{self.block_tables.shape[0]} rows for a batch of {self.batch_size}")
         if self.window_left < -1:
@@ -97,18 +105,28 @@ class _Common:
         num_pages, p = self.kv_cache.shape[0], self.page_size
         for b, (q_len, kv_len) in enumerate(zip(q_lens, seq_lens)):
             if kv_len < q_len:
-                raise self.fail("seq_lens", f"request {b} has {kv_len} KV tokens for {q_len} queries; KV lengths must include the new tokens")
+                raise self.fail(
+                    "seq_lens",
+                    f"request {b} has {kv_len} KV tokens for {q_len} queries; KV lengths must include the new tokens",
+                )
             used = cdiv(kv_len, p)
             if used > self.block_tables.shape[1]:
-                raise self.fail("block_tables", f"request {b} needs {used} pages, table has {self.block_tables.shape[1]} columns")
+                raise self.fail(
+                    "block_tables", f"request {b} needs {used} pages, table has {self.block_tables.shape[1]} columns"
+                )
             pages = self.block_tables[b, :used]
             if bool(((pages < 0) | (pages >= num_pages)).any()):
                 bad = pages[(pages < 0) | (pages >= num_pages)].tolist()
-                raise self.fail("block_tables", f"request {b} names pages {bad[:4]} outside the pool's {num_pages} pages")
+                raise self.fail(
+                    "block_tables", f"request {b} names pages {bad[:4]} outside the pool's {num_pages} pages"
+                )
             first_visible = kv_len - q_len - self.window_left if self.window_left >= 0 else 0
-            needed = pages[max(0, first_visible) // p:]
+            needed = pages[max(0, first_visible) // p :]
             if bool((needed == 0).any()):
-                raise self.fail("block_tables", f"request {b} would read padding page 0 inside its window (an evicted or unassigned page)")
+                raise self.fail(
+                    "block_tables",
+                    f"request {b} would read padding page 0 inside its window (an evicted or unassigned page)",
+                )
 
 
 @dataclasses.dataclass
@@ -130,7 +148,9 @@ class DecodeCall(_Common):
             shape = (self.batch_size, q, 2 * cdiv(q, 32))
             if self.mask is None or self.mask.dtype != torch.uint16 or tuple(self.mask.shape) != shape:
                 got = None if self.mask is None else (self.mask.dtype, tuple(self.mask.shape))
-                raise self.fail("mask", f"verify with q_len_per_req {q} needs a uint16 mask of shape {shape}, got {got}")
+                raise self.fail(
+                    "mask", f"verify with q_len_per_req {q} needs a uint16 mask of shape {shape}, got {got}"
+                )
 
 
 @dataclasses.dataclass
@@ -152,13 +172,26 @@ class ContextCall(_Common):
         b = self.batch_size
         for name in ("cum_seq_lens_q", "cum_seq_lens_kv"):
             t = getattr(self, name)
-            if t is None or t.dtype != torch.int32 or t.shape != (b + 1,) or int(t[0]) != 0 or bool((t.diff() < 0).any()):
-                raise self.fail(name, f"must be a non-decreasing int32 [batch+1] from 0, got {None if t is None else t.tolist()}")
+            if (
+                t is None
+                or t.dtype != torch.int32
+                or t.shape != (b + 1,)
+                or int(t[0]) != 0
+                or bool((t.diff() < 0).any())
+            ):
+                raise self.fail(
+                    name, f"must be a non-decreasing int32 [batch+1] from 0, got {None if t is None else t.tolist()}"
+                )
         if int(self.cum_seq_lens_q[-1]) != self.query.shape[0]:
-            raise self.fail("cum_seq_lens_q", f"ends at {int(self.cum_seq_lens_q[-1])} but query has {self.query.shape[0]} rows")
+            raise self.fail(
+                "cum_seq_lens_q", f"ends at {int(self.cum_seq_lens_q[-1])} but query has {self.query.shape[0]} rows"
+            )
         if not torch.equal(self.cum_seq_lens_kv.diff(), self.seq_lens):
             raise self.fail("cum_seq_lens_kv", "differences do not equal seq_lens")
         q_lens = self.q_lens
         self._check_common(q_lens)
         if b and (self.max_q_len < max(q_lens) or self.max_kv_len < int(self.seq_lens.max())):
-            raise self.fail("max_q_len/max_kv_len", f"{self.max_q_len}/{self.max_kv_len} below the batch's {max(q_lens)}/{int(self.seq_lens.max())}")
+            raise self.fail(
+                "max_q_len/max_kv_len",
+                f"{self.max_q_len}/{self.max_kv_len} below the batch's {max(q_lens)}/{int(self.seq_lens.max())}",
+            )

@@ -15,13 +15,15 @@ from attention.kernels.calls import ContextCall, DecodeCall, _Common, cdiv, unpa
 def _gather(call: _Common, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Request b's K and V, `[seq_len, Hkv, D]`, read page by page from the block table."""
     kv_len, p = int(call.seq_lens[b]), call.page_size
-    pages = call.block_tables[b, :cdiv(kv_len, p)].long()
+    pages = call.block_tables[b, : cdiv(kv_len, p)].long()
     kv = call.kv_cache[pages]  # [n_pages, 2, Hkv, P, D]
     kv = kv.permute(1, 0, 3, 2, 4).reshape(2, -1, kv.shape[2], kv.shape[4])[:, :kv_len]
     return kv[0], kv[1]
 
 
-def _attend(call: _Common, b: int, q: torch.Tensor, softcap: float | None, draft_mask: torch.Tensor | None) -> torch.Tensor:
+def _attend(
+    call: _Common, b: int, q: torch.Tensor, softcap: float | None, draft_mask: torch.Tensor | None
+) -> torch.Tensor:
     k, v = _gather(call, b)
     kv_len, q_len = k.shape[0], q.shape[0]
     device = q.device
@@ -29,7 +31,7 @@ def _attend(call: _Common, b: int, q: torch.Tensor, softcap: float | None, draft
     window = call.window_left + 1 if call.window_left >= 0 else None
     mask = causal_window_mask(q_pos, torch.arange(kv_len, device=device), window)
     if draft_mask is not None:  # the draft block (last q_len keys) follows the packed mask
-        mask[:, kv_len - q_len:] &= draft_mask
+        mask[:, kv_len - q_len :] &= draft_mask
     return dense_attention(q, k, v, mask, call.bmm1_scale, softcap, call.sinks)
 
 
@@ -50,5 +52,5 @@ def context(call: ContextCall) -> torch.Tensor:
     out = torch.empty(call.query.shape, dtype=torch.float32, device=call.query.device)
     for b in range(call.batch_size):
         if cu[b + 1] > cu[b]:
-            out[cu[b]:cu[b + 1]] = _attend(call, b, call.query[cu[b]:cu[b + 1]], call.logits_soft_cap, None)
+            out[cu[b] : cu[b + 1]] = _attend(call, b, call.query[cu[b] : cu[b + 1]], call.logits_soft_cap, None)
     return out.to(call.query.dtype)

@@ -21,8 +21,9 @@ class LoadBoard:
         self._reported: dict[str, dict[str, Any]] = {}  # replica -> its last load snapshot
         self.decisions: dict[str, tuple[Decision, list[str], str]] = {}  # request id -> (decision, candidates, chosen)
 
-    def routed(self, request: RouteRequest, replica: str, decision: Decision | None = None,
-               candidates: list[str] | None = None) -> None:
+    def routed(
+        self, request: RouteRequest, replica: str, decision: Decision | None = None, candidates: list[str] | None = None
+    ) -> None:
         with self._lock:
             self._in_flight[request.request_id] = (replica, request.cost)
             if decision is not None:

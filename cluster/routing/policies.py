@@ -1,11 +1,11 @@
 """Replica selection policies, independent of Ray: each ranks the candidate replicas for a request.
 
-| policy | choice |
-| --- | --- |
-| round_robin | the next replica in turn |
-| power_of_two | of two random replicas, the one with less token load |
-| cache_aware | the replica whose served prefixes match the request longest, while the load is balanced; the least loaded one when it is not (SGLang router style) |
-| consistent_hash | a hash ring over the session key: a session stays on its replica; when a replica leaves only its sessions move |
+- round_robin: the next replica in turn.
+- power_of_two: of two random replicas, the one with less token load.
+- cache_aware: the replica whose served prefixes match the request longest, while the load is
+  balanced; the least loaded one when it is not (SGLang router style).
+- consistent_hash: a hash ring over the session key: a session stays on its replica; when a
+  replica leaves, only its sessions move.
 
 Token load of a replica = prompt + max_new_tokens of the requests routed to it and not finished,
 or what the replica itself last reported, whichever is larger.
@@ -19,7 +19,8 @@ import dataclasses
 import hashlib
 import itertools
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from cluster.routing.prefix_tree import PrefixTree
 
@@ -93,8 +94,13 @@ class PowerOfTwo(Policy):
 class CacheAware(Policy):
     name = "cache_aware"
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: float = 256,
-                 balance_rel_threshold: float = 1.5, max_tree_tokens: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: float = 256,
+        balance_rel_threshold: float = 1.5,
+        max_tree_tokens: int = 1 << 20,
+    ) -> None:
         """Imbalanced when max load - min load > balance_abs_threshold (tokens) and max load >
         balance_rel_threshold x min load; then the least loaded replica wins. Otherwise the best
         prefix match wins when it covers more than cache_threshold of the prompt, else the

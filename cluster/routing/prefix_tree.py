@@ -4,13 +4,13 @@ send requests that share a long prefix to the replica most likely to hold its KV
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class _Node:
     __slots__ = ("edge", "children", "last_used", "parent")
 
-    def __init__(self, edge: tuple[int, ...], parent: "_Node | None") -> None:
+    def __init__(self, edge: tuple[int, ...], parent: _Node | None) -> None:
         self.edge = edge  # tokens on the edge into this node
         self.children: dict[int, _Node] = {}
         self.last_used = 0

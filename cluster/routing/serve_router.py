@@ -26,9 +26,13 @@ ROUTED_METHOD = "generate"  # other methods (load, model info) go to any replica
 
 def route_request(body: dict[str, Any]) -> RouteRequest:
     sampling = body.get("sampling") or {}
-    return RouteRequest(str(body.get("request_id", "")), body.get("prompt_token_ids") or [],
-                        int(sampling.get("max_new_tokens", 128)), str(body.get("session_id") or ""),
-                        frozenset(body.get("exclude_replicas") or ()))
+    return RouteRequest(
+        str(body.get("request_id", "")),
+        body.get("prompt_token_ids") or [],
+        int(sampling.get("max_new_tokens", 128)),
+        str(body.get("session_id") or ""),
+        frozenset(body.get("exclude_replicas") or ()),
+    )
 
 
 class SlidespecRequestRouter(FIFOMixin, RequestRouter):
@@ -36,8 +40,9 @@ class SlidespecRequestRouter(FIFOMixin, RequestRouter):
         self.policy: Policy = make_policy(policy, **params)
         self._requests: dict[str, RouteRequest] = {}  # Serve's internal request id -> request
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         request = self._route_request(pending_request)
         if request is None or not candidate_replicas:
             return [candidate_replicas]

@@ -36,9 +36,17 @@ def tiny_model_dir() -> str:
     """A Gemma 3-style hybrid config small enough that the control path dominates a step."""
     path = tempfile.mkdtemp(prefix="control_path_")
     cfg = transformers.Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=4096)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+    )
     cfg.architectures = ["Gemma3ForCausalLM"]
     cfg.save_pretrained(path)
     return path
@@ -89,8 +97,9 @@ def bench_rank_loop(model: str, steps: int) -> float:
 
 def _tp_rank(rank: int, port: int, model: str, steps: int, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     loop = RankLoop(Engine(**engine_kwargs(model), tp=TPGroup(rank, 2, dist.group.WORLD)), rank, dist.group.WORLD)
     if rank == 0:
         thread = threading.Thread(target=loop.run)
@@ -131,8 +140,10 @@ def bench_tp2_ray(model: str, steps: int) -> float:
 
         async def stream() -> float:
             times = []
-            body = {"prompt_token_ids": [1, 2, 3, 4], "sampling": {"max_new_tokens": steps + 1, "temperature": 0.0,
-                                                                   "ignore_eos": True}}
+            body = {
+                "prompt_token_ids": [1, 2, 3, 4],
+                "sampling": {"max_new_tokens": steps + 1, "temperature": 0.0, "ignore_eos": True},
+            }
             async for _ in handle.options(stream=True).generate.remote(body):
                 times.append(time.perf_counter())
             return (len(times) - 1) / (times[-1] - times[0])
@@ -158,8 +169,12 @@ def main() -> None:
     for mode in args.modes:
         rows[mode] = MODES[mode](model, args.steps)
         print(f"{mode:10s} {rows[mode]:8.1f} steps/s  {1e3 / rows[mode]:6.2f} ms/step", flush=True)
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "torch_threads": 1, "steps": args.steps,
-              "steps_per_s": {k: round(v, 1) for k, v in rows.items()}}
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "torch_threads": 1,
+        "steps": args.steps,
+        "steps_per_s": {k: round(v, 1) for k, v in rows.items()},
+    }
     emit(result, args.out)
 
 

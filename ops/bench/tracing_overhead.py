@@ -22,12 +22,16 @@ PROMPT = [1] + list(range(100, 164))
 
 
 def run(tracer, requests: int, max_new_tokens: int, algorithm: str) -> tuple[float, int]:
-    eng = Engine(model=DEFAULT_MODEL, max_total_tokens=16384,
-                 speculative={"algorithm": algorithm, "draft_model": DRAFT_MODELS[algorithm], "num_steps": 4})
+    eng = Engine(
+        model=DEFAULT_MODEL,
+        max_total_tokens=16384,
+        speculative={"algorithm": algorithm, "draft_model": DRAFT_MODELS[algorithm], "num_steps": 4},
+    )
     info = engine_info(eng)
     for i in range(requests):
-        eng.add_request([t + i for t in PROMPT], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                                                ignore_eos=True))
+        eng.add_request(
+            [t + i for t in PROMPT], SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        )
     steps, start = 0, time.perf_counter()
     while eng.has_unfinished():
         eng.step()
@@ -55,9 +59,15 @@ def main() -> None:
             rows[mode].append(seconds / steps)
     flush_all()
     off, on = min(rows["off"]), min(rows["on"])
-    result = {"ms_per_step_off": round(off * 1e3, 3), "ms_per_step_on": round(on * 1e3, 3),
-              "overhead_ms_per_step": round((on - off) * 1e3, 3), "overhead_percent": round(100 * (on - off) / off, 1),
-              "requests": args.requests, "max_new_tokens": args.max_new_tokens, "algorithm": args.algorithm}
+    result = {
+        "ms_per_step_off": round(off * 1e3, 3),
+        "ms_per_step_on": round(on * 1e3, 3),
+        "overhead_ms_per_step": round((on - off) * 1e3, 3),
+        "overhead_percent": round(100 * (on - off) / off, 1),
+        "requests": args.requests,
+        "max_new_tokens": args.max_new_tokens,
+        "algorithm": args.algorithm,
+    }
     emit(result, args.out)
 
 

@@ -65,15 +65,24 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def decode_bandwidth(batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int, page: int, window_left: int) -> dict:
+def decode_bandwidth(
+    batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int, page: int, window_left: int
+) -> dict:
     pages_per_req = -(-kv_len // page)
     num_pages = batch * pages_per_req
     cache = torch.randn(num_pages + 1, 2, kv_heads, page, head_dim, dtype=torch.bfloat16, device="cuda")
     tables = (torch.randperm(num_pages, device="cuda") + 1).to(torch.int32).view(batch, pages_per_req)
     call = DecodeCall(
         query=torch.randn(batch, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"),
-        kv_cache=cache, block_tables=tables, seq_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"),
-        bmm1_scale=head_dim**-0.5, window_left=window_left, sinks=None, where="bench", max_seq_len=kv_len)
+        kv_cache=cache,
+        block_tables=tables,
+        seq_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"),
+        bmm1_scale=head_dim**-0.5,
+        window_left=window_left,
+        sinks=None,
+        where="bench",
+        max_seq_len=kv_len,
+    )
     call.check()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     eager_ms = _time_ms(lambda: flashinfer_hopper.decode(call, workspace))
@@ -82,9 +91,18 @@ def decode_bandwidth(batch: int, kv_len: int, kv_heads: int, head_dim: int, grou
     kv_bytes = batch * visible * kv_heads * head_dim * 2 * cache.element_size()
     copy = copy_bandwidth(kv_bytes)
     return {
-        "batch": batch, "kv_len": kv_len, "kv_heads": kv_heads, "head_dim": head_dim, "group": group, "page": page,
-        "window_left": window_left, "decode_ms": round(ms, 4), "decode_ms_eager": round(eager_ms, 4), "decode_GBps": round(kv_bytes / ms / 1e6, 1),
-        "copy_GBps": round(copy, 1), "fraction_of_copy": round(kv_bytes / ms / 1e6 / copy, 3),
+        "batch": batch,
+        "kv_len": kv_len,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "group": group,
+        "page": page,
+        "window_left": window_left,
+        "decode_ms": round(ms, 4),
+        "decode_ms_eager": round(eager_ms, 4),
+        "decode_GBps": round(kv_bytes / ms / 1e6, 1),
+        "copy_GBps": round(copy, 1),
+        "fraction_of_copy": round(kv_bytes / ms / 1e6 / copy, 3),
     }
 
 
@@ -99,17 +117,24 @@ def main() -> None:
     p.add_argument("--window-left", type=int, default=-1)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    rows = [decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left)
-            for b in args.batch for n in args.kv_len for pg in args.page]
+    rows = [
+        decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left)
+        for b in args.batch
+        for n in args.kv_len
+        for pg in args.page
+    ]
     lines = [json.dumps({"device": torch.cuda.get_device_name(), **r}) for r in rows]
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"{'batch':>5} {'kv_len':>6} {'page':>4} {'ms':>8} {'eager ms':>8} {'decode GB/s':>11} {'copy GB/s':>9} {'frac':>5}")
+    header = ("batch", 5), ("kv_len", 6), ("page", 4), ("ms", 8), ("eager ms", 8), ("decode GB/s", 11), ("copy GB/s", 9)
+    print(" ".join(f"{name:>{width}}" for name, width in header) + f" {'frac':>5}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['decode_ms']:>8.3f} {r['decode_ms_eager']:>8.3f} "
-              f"{r['decode_GBps']:>11.0f} {r['copy_GBps']:>9.0f} {r['fraction_of_copy']:>5.2f}")
+        print(
+            f"{r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['decode_ms']:>8.3f} {r['decode_ms_eager']:>8.3f} "
+            f"{r['decode_GBps']:>11.0f} {r['copy_GBps']:>9.0f} {r['fraction_of_copy']:>5.2f}"
+        )
 
 
 if __name__ == "__main__":

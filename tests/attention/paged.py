@@ -7,8 +7,15 @@ import torch
 from attention.kernels.calls import cdiv
 
 
-def random_paged_kv(kv_lens: list[int], page: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", seed: int = 0):
+def random_paged_kv(
+    kv_lens: list[int],
+    page: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+):
     """(kv_cache `[pages+1, 2, Hkv, page, D]`, int32 block tables, [(k, v) dense per request])."""
     g = torch.Generator().manual_seed(seed)
     n_pages = sum(cdiv(n, page) for n in kv_lens)

@@ -42,7 +42,9 @@ class Scenario:
                 v = torch.randn(n, HKV, D, generator=self.gen)
                 self.full_pool.set_kv(layer.layer_id, locs, k, v)
                 swa = self.hybrid_pool.is_swa_layer(layer.layer_id)
-                self.hybrid_pool.set_kv(layer.layer_id, self.hybrid_pool.translate_full_to_swa(locs) if swa else locs, k, v)
+                self.hybrid_pool.set_kv(
+                    layer.layer_id, self.hybrid_pool.translate_full_to_swa(locs) if swa else locs, k, v
+                )
             self.alloc.release_window(row, start + n)
         return row
 

@@ -17,8 +17,17 @@ from tests.attention.paged import random_paged_kv
 pytestmark = pytest.mark.gpu
 
 # (page size, head dim, query heads per KV head)
-COMBOS = [(16, 64, 1), (16, 128, 4), (16, 256, 8), (32, 64, 4), (32, 128, 8), (32, 256, 1),
-          (64, 64, 8), (64, 128, 1), (64, 256, 4)]
+COMBOS = [
+    (16, 64, 1),
+    (16, 128, 4),
+    (16, 256, 8),
+    (32, 64, 4),
+    (32, 128, 8),
+    (32, 256, 1),
+    (64, 64, 8),
+    (64, 128, 1),
+    (64, 256, 4),
+]
 VERIFY_Q = [2, 3, 4, 5, 6, 7, 8, 3, 5]
 KV_HEADS = 2
 KV_LENS = [300, 1000, 131, 517]
@@ -52,14 +61,24 @@ def test_xqa_decode_and_verify(workspace, combo, verify, window_left):
     sinks = torch.randn(heads, device="cuda", generator=g) if combo % 3 == 0 else None
     call = DecodeCall(
         query=torch.randn(len(KV_LENS) * q_len, heads, head_dim, device="cuda", generator=g).bfloat16(),
-        kv_cache=cache, block_tables=tables, seq_lens=torch.tensor(KV_LENS, dtype=torch.int32, device="cuda"),
-        bmm1_scale=head_dim**-0.5, window_left=window_left, sinks=sinks, where="TARGET_VERIFY test",
-        max_seq_len=max(KV_LENS), q_len_per_req=q_len,
-        mask=chain_mask(len(KV_LENS), q_len, torch.device("cuda")) if q_len > 1 else None)
+        kv_cache=cache,
+        block_tables=tables,
+        seq_lens=torch.tensor(KV_LENS, dtype=torch.int32, device="cuda"),
+        bmm1_scale=head_dim**-0.5,
+        window_left=window_left,
+        sinks=sinks,
+        where="TARGET_VERIFY test",
+        max_seq_len=max(KV_LENS),
+        q_len_per_req=q_len,
+        mask=chain_mask(len(KV_LENS), q_len, torch.device("cuda")) if q_len > 1 else None,
+    )
     call.check()
     out = flashinfer_hopper.decode(call, workspace)
     err = _rel_err(out, reference.decode(_as_float32(call)))
-    print(f"xqa page={page} d={head_dim} group={group} q_len={q_len} window={window_left} sinks={sinks is not None}: {err:.2e}")
+    print(
+        f"xqa page={page} d={head_dim} group={group} q_len={q_len} window={window_left} "
+        f"sinks={sinks is not None}: {err:.2e}"
+    )
     assert err <= 1e-2
 
 
@@ -76,12 +95,24 @@ def test_fmha_v2_context_with_cached_prefix(workspace, combo, window_left, softc
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device="cuda")  # noqa: E731
     call = ContextCall(
         query=torch.randn(sum(q_lens), heads, head_dim, device="cuda", generator=g).bfloat16(),
-        kv_cache=cache, block_tables=tables, seq_lens=torch.tensor(KV_LENS, dtype=torch.int32, device="cuda"),
-        bmm1_scale=head_dim**-0.5, window_left=window_left, sinks=sinks, where="EXTEND test",
-        cum_seq_lens_q=cu(q_lens), cum_seq_lens_kv=cu(KV_LENS), max_q_len=max(q_lens), max_kv_len=max(KV_LENS),
-        logits_soft_cap=softcap)
+        kv_cache=cache,
+        block_tables=tables,
+        seq_lens=torch.tensor(KV_LENS, dtype=torch.int32, device="cuda"),
+        bmm1_scale=head_dim**-0.5,
+        window_left=window_left,
+        sinks=sinks,
+        where="EXTEND test",
+        cum_seq_lens_q=cu(q_lens),
+        cum_seq_lens_kv=cu(KV_LENS),
+        max_q_len=max(q_lens),
+        max_kv_len=max(KV_LENS),
+        logits_soft_cap=softcap,
+    )
     call.check()
     out = flashinfer_hopper.context(call, workspace)
     err = _rel_err(out, reference.context(_as_float32(call)))
-    print(f"fmha_v2 page={page} d={head_dim} group={group} window={window_left} softcap={softcap} sinks={sinks is not None}: {err:.2e}")
+    print(
+        f"fmha_v2 page={page} d={head_dim} group={group} window={window_left} softcap={softcap} "
+        f"sinks={sinks is not None}: {err:.2e}"
+    )
     assert err <= 1e-2

@@ -1,4 +1,4 @@
-"""One regression test per invariant of DESIGN.md §4, each run twice: as built ("fixed") and
+"""One regression test per invariant of docs/design.md §4, each run twice: as built ("fixed") and
 with the upstream mistake put back ("upstream_mistake"), which must make the test's check
 fail. The mistakes are re-created here, in the tests, as the bug reports describe them."""
 
@@ -78,8 +78,11 @@ def test_pool_decides_not_allocator(variant, monkeypatch):
     if variant == "upstream_mistake":
         windows = {layer.layer_id: layer.sliding_window for layer in sc.layers}
         original = TRTLLMMHABackend.init_forward_metadata
-        monkeypatch.setattr(TRTLLMMHABackend, "init_forward_metadata",
-                            lambda self, b, pool: original(self, b, _AllocatorDecides(pool, sc.alloc, windows)))
+        monkeypatch.setattr(
+            TRTLLMMHABackend,
+            "init_forward_metadata",
+            lambda self, b, pool: original(self, b, _AllocatorDecides(pool, sc.alloc, windows)),
+        )
     _expect(variant, lambda: _close(sc.run(backend, sc.full_pool, batch, qkv), refs))
 
 
@@ -131,19 +134,29 @@ def test_decode_kernel_only_for_uniform_verify(variant, monkeypatch):
     used = []
     for kind in ("decode", "context"):
         fn = getattr(backend.kernels, kind)
-        monkeypatch.setattr(backend, "kernels", backend.kernels.__class__(
-            **{**backend.kernels.__dict__, kind: (lambda f, k: lambda call, ws: used.append(k) or f(call, ws))(fn, kind)}))
+        monkeypatch.setattr(
+            backend,
+            "kernels",
+            backend.kernels.__class__(
+                **{
+                    **backend.kernels.__dict__,
+                    kind: (lambda f, k: lambda call, ws: used.append(k) or f(call, ws))(fn, kind),
+                }
+            ),
+        )
 
     def check():
-        for mode, q_lens, kernel in [(ForwardMode.TARGET_VERIFY, [4] * 8, "decode"),
-                                     (ForwardMode.DRAFT_EXTEND_V2, [1, 3, 2, 4, 1, 1, 2, 3], "context")]:
+        for mode, q_lens, kernel in [
+            (ForwardMode.TARGET_VERIFY, [4] * 8, "decode"),
+            (ForwardMode.DRAFT_EXTEND_V2, [1, 3, 2, 4, 1, 1, 2, 3], "context"),
+        ]:
             used.clear()
             batch = sc.batch(mode, rows, q_lens)
             qkv = sc.qkv(sum(q_lens))
             refs = sc.reference(sc.hybrid_pool, batch, qkv)
             _close(sc.run(backend, sc.hybrid_pool, batch, qkv), refs)
             assert set(used) == {kernel}, f"{mode.name} ran {used}"
-            for r, q in zip(rows, q_lens):  # accepted tokens stay; nothing else to roll back here
+            for r in rows:  # accepted tokens stay; nothing else to roll back here
                 sc.alloc.release_window(r, sc.alloc.allocated_len(r))
 
     _expect(variant, check)

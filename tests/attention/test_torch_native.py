@@ -68,9 +68,16 @@ def _reference(q, k, v, prefix, layer):
 def test_matches_dense_reference(swa_layer, softcap, sinks):
     prefix_lens, q_lens = [7, 12, 0], [3, 1, 6]
     pool, batch, dense_k, dense_v, _ = _setup(prefix_lens, q_lens)
-    layer = AttentionLayer(0 if swa_layer else 1, H, HKV, D, scaling=D**-0.5,
-                           sliding_window=WINDOW if swa_layer else None, logit_softcap=softcap,
-                           sinks=torch.randn(H) if sinks else None)
+    layer = AttentionLayer(
+        0 if swa_layer else 1,
+        H,
+        HKV,
+        D,
+        scaling=D**-0.5,
+        sliding_window=WINDOW if swa_layer else None,
+        logit_softcap=softcap,
+        sinks=torch.randn(H) if sinks else None,
+    )
     backend = create_backend("torch_native", torch.device("cpu"))
     backend.init_forward_metadata(batch, pool)
     g = torch.Generator().manual_seed(1)
@@ -80,13 +87,13 @@ def test_matches_dense_reference(swa_layer, softcap, sinks):
     out = backend.forward(layer, q, new_k.reshape(-1, HKV * D), new_v.reshape(-1, HKV * D)).view(-1, H, D)
     start = 0
     for prefix, n, k, v in zip(prefix_lens, q_lens, dense_k, dense_v):
-        ref = _reference(q[start:start + n].view(n, H, D), k, v, prefix, layer)
-        torch.testing.assert_close(out[start:start + n], ref, atol=1e-5, rtol=1e-5)
+        ref = _reference(q[start : start + n].view(n, H, D), k, v, prefix, layer)
+        torch.testing.assert_close(out[start : start + n], ref, atol=1e-5, rtol=1e-5)
         start += n
 
 
 def test_reading_an_evicted_slot_fails_loudly():
-    pool, batch, *_ , alloc = _setup([12], [1])
+    pool, batch, *_, alloc = _setup([12], [1])
     alloc.release_window(batch.req_pool_indices[0].item(), 20)  # evict more than the window allows
     backend = create_backend("torch_native", torch.device("cpu"))
     backend.init_forward_metadata(batch, pool)

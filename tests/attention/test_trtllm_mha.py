@@ -27,8 +27,13 @@ def test_routing_table():
     for mode, kernel in table.items():
         names = {ks: (getattr(KERNEL_SETS[ks], f"{kernel}_name") if kernel else "-") for ks in KERNEL_SETS}
         print(f"  {mode:16s} {str(kernel):8s} {names}")
-    assert table == {"EXTEND": "context", "DECODE": "decode", "IDLE": None,
-                     "TARGET_VERIFY": "decode", "DRAFT_EXTEND_V2": "context"}
+    assert table == {
+        "EXTEND": "context",
+        "DECODE": "decode",
+        "IDLE": None,
+        "TARGET_VERIFY": "decode",
+        "DRAFT_EXTEND_V2": "context",
+    }
     assert (KERNEL_SETS["sm90"].decode_name, KERNEL_SETS["sm90"].context_name) == ("xqa", "fmha_v2")
     backend = TRTLLMMHABackend(CPU)
     assert backend.kernel_name(ForwardMode.TARGET_VERIFY) == "reference_decode"
@@ -54,9 +59,15 @@ def model_dir(request, tmp_path_factory):
 
 def _busy_run(model_dir: str, backend: str, page_size: int):
     b = BUSY[page_size]
-    eng = Engine(model=model_dir, page_size=page_size, attention_backend=backend, chunked_prefill_size=b["chunk"],
-                 max_total_tokens=b["full_pages"] * page_size, swa_full_tokens_ratio=b["swa_pages"] / b["full_pages"],
-                 max_running_requests=16)
+    eng = Engine(
+        model=model_dir,
+        page_size=page_size,
+        attention_backend=backend,
+        chunked_prefill_size=b["chunk"],
+        max_total_tokens=b["full_pages"] * page_size,
+        swa_full_tokens_ratio=b["swa_pages"] / b["full_pages"],
+        max_running_requests=16,
+    )
     g = torch.Generator().manual_seed(11)
     sp = SamplingParams(max_new_tokens=b["new"], temperature=0.0, ignore_eos=True)
     rids = [eng.add_request(torch.randint(0, 256, (n,), generator=g).tolist(), sp) for n in [b["long"]] + b["others"]]
@@ -109,7 +120,9 @@ def _paged(kv_lens, page=4, hkv=2, d=8, seed=0):
     return random_paged_kv(kv_lens, page, hkv, d, seed=seed)
 
 
-@pytest.mark.parametrize("q_len, window_left, sinks", [(1, -1, False), (1, 5, True), (4, -1, False), (5, 6, False), (3, 2, True)])
+@pytest.mark.parametrize(
+    "q_len, window_left, sinks", [(1, -1, False), (1, 5, True), (4, -1, False), (5, 6, False), (3, 2, True)]
+)
 def test_reference_decode_kernel(q_len, window_left, sinks):
     kv_lens = [9, 17, 6]
     cache, tables, dense = _paged(kv_lens)
@@ -117,16 +130,28 @@ def test_reference_decode_kernel(q_len, window_left, sinks):
     g = torch.Generator().manual_seed(1)
     query = torch.randn(len(kv_lens) * q_len, h, 8, generator=g)
     sink = torch.randn(h, generator=g) if sinks else None
-    call = DecodeCall(query=query, kv_cache=cache, block_tables=tables, seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
-                      bmm1_scale=0.3, window_left=window_left, sinks=sink, where="TEST", max_seq_len=max(kv_lens),
-                      q_len_per_req=q_len, mask=chain_mask(len(kv_lens), q_len, CPU) if q_len > 1 else None)
+    call = DecodeCall(
+        query=query,
+        kv_cache=cache,
+        block_tables=tables,
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        bmm1_scale=0.3,
+        window_left=window_left,
+        sinks=sink,
+        where="TEST",
+        max_seq_len=max(kv_lens),
+        q_len_per_req=q_len,
+        mask=chain_mask(len(kv_lens), q_len, CPU) if q_len > 1 else None,
+    )
     out = reference_decode(call)
     for b, (n, (k, v)) in enumerate(zip(kv_lens, dense)):
-        ref = _dense(query[b * q_len:(b + 1) * q_len], k, v, torch.arange(n - q_len, n), 0.3, window_left, sinks=sink)
-        torch.testing.assert_close(out[b * q_len:(b + 1) * q_len], ref, atol=1e-5, rtol=1e-5)
+        ref = _dense(query[b * q_len : (b + 1) * q_len], k, v, torch.arange(n - q_len, n), 0.3, window_left, sinks=sink)
+        torch.testing.assert_close(out[b * q_len : (b + 1) * q_len], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window_left, softcap, sinks", [(-1, None, False), (4, None, False), (-1, 10.0, False), (3, None, True)])
+@pytest.mark.parametrize(
+    "window_left, softcap, sinks", [(-1, None, False), (4, None, False), (-1, 10.0, False), (3, None, True)]
+)
 def test_reference_context_kernel_with_cached_prefix(window_left, softcap, sinks):
     kv_lens, q_lens = [9, 17, 6, 5], [3, 17, 1, 0]
     cache, tables, dense = _paged(kv_lens)
@@ -135,15 +160,27 @@ def test_reference_context_kernel_with_cached_prefix(window_left, softcap, sinks
     query = torch.randn(sum(q_lens), h, 8, generator=g)
     sink = torch.randn(h, generator=g) if sinks else None
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
-    call = ContextCall(query=query, kv_cache=cache, block_tables=tables, seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
-                       bmm1_scale=0.4, window_left=window_left, sinks=sink, where="TEST", cum_seq_lens_q=cu(q_lens),
-                       cum_seq_lens_kv=cu(kv_lens), max_q_len=max(q_lens), max_kv_len=max(kv_lens), logits_soft_cap=softcap)
+    call = ContextCall(
+        query=query,
+        kv_cache=cache,
+        block_tables=tables,
+        seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        bmm1_scale=0.4,
+        window_left=window_left,
+        sinks=sink,
+        where="TEST",
+        cum_seq_lens_q=cu(q_lens),
+        cum_seq_lens_kv=cu(kv_lens),
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+        logits_soft_cap=softcap,
+    )
     out = reference_context(call)
     start = 0
     for n, m, (k, v) in zip(kv_lens, q_lens, dense):
         if m:
-            ref = _dense(query[start:start + m], k, v, torch.arange(n - m, n), 0.4, window_left, softcap, sink)
-            torch.testing.assert_close(out[start:start + m], ref, atol=1e-5, rtol=1e-5)
+            ref = _dense(query[start : start + m], k, v, torch.arange(n - m, n), 0.4, window_left, softcap, sink)
+            torch.testing.assert_close(out[start : start + m], ref, atol=1e-5, rtol=1e-5)
         start += m
 
 
@@ -160,20 +197,32 @@ def test_chain_mask_packing():
 
 def _valid_decode():
     cache, tables, _ = _paged([9, 6])
-    return DecodeCall(query=torch.randn(4, 4, 8), kv_cache=cache, block_tables=tables,
-                      seq_lens=torch.tensor([9, 6], dtype=torch.int32), bmm1_scale=1.0, window_left=-1, sinks=None,
-                      where="TARGET_VERIFY layer 3 (swa pool, decode kernel)", max_seq_len=9, q_len_per_req=2,
-                      mask=chain_mask(2, 2, CPU))
+    return DecodeCall(
+        query=torch.randn(4, 4, 8),
+        kv_cache=cache,
+        block_tables=tables,
+        seq_lens=torch.tensor([9, 6], dtype=torch.int32),
+        bmm1_scale=1.0,
+        window_left=-1,
+        sinks=None,
+        where="TARGET_VERIFY layer 3 (swa pool, decode kernel)",
+        max_seq_len=9,
+        q_len_per_req=2,
+        mask=chain_mask(2, 2, CPU),
+    )
 
 
-@pytest.mark.parametrize("change, tensor", [
-    (dict(query=torch.randn(5, 4, 8)), "query"),
-    (dict(seq_lens=torch.tensor([9, 1], dtype=torch.int32)), "seq_lens"),
-    (dict(block_tables=torch.tensor([[1, 2, 3], [99, 4, 0]], dtype=torch.int32)), "block_tables"),
-    (dict(block_tables=torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int64)), "block_tables"),
-    (dict(mask=None), "mask"),
-    (dict(max_seq_len=6), "max_seq_len"),
-])
+@pytest.mark.parametrize(
+    "change, tensor",
+    [
+        (dict(query=torch.randn(5, 4, 8)), "query"),
+        (dict(seq_lens=torch.tensor([9, 1], dtype=torch.int32)), "seq_lens"),
+        (dict(block_tables=torch.tensor([[1, 2, 3], [99, 4, 0]], dtype=torch.int32)), "block_tables"),
+        (dict(block_tables=torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int64)), "block_tables"),
+        (dict(mask=None), "mask"),
+        (dict(max_seq_len=6), "max_seq_len"),
+    ],
+)
 def test_decode_contract_violations_name_mode_layer_and_tensor(change, tensor):
     _valid_decode().check()
     call = dataclasses.replace(_valid_decode(), **change)
@@ -207,12 +256,16 @@ def test_soft_capped_layers_take_the_context_kernel_for_decode():
     backend = TRTLLMMHABackend(CPU)
     used = []
     ks = backend.kernels
-    backend.kernels = dataclasses.replace(ks, decode=lambda c, w: used.append("decode") or ks.decode(c, w),
-                                          context=lambda c, w: used.append("context") or ks.context(c, w))
+    backend.kernels = dataclasses.replace(
+        ks,
+        decode=lambda c, w: used.append("decode") or ks.decode(c, w),
+        context=lambda c, w: used.append("context") or ks.context(c, w),
+    )
     batch = sc.batch(ForwardMode.DECODE, rows, [1, 1])
     q, k, v = sc.qkv(2)
     outs = sc.run(backend, sc.hybrid_pool, batch, (q, k, v), layers)
     from attention import create_backend
+
     refs = sc.run(create_backend("torch_native", CPU), sc.hybrid_pool, batch, (q, k, v), layers)
     assert used == ["context"] * 3
     for out, ref in zip(outs, refs):

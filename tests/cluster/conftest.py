@@ -16,8 +16,13 @@ def ray_serve():
     from ray import serve
 
     # Span batches leave every process within 0.2 s, so tests need not wait for shutdown.
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "200"}})
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "200"}},
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """`slidespec diagnose` on real traces: engine steps recorded through OpenTelemetry's OTLP
 JSON-lines file exporter. A healthy run (a copy of the target as draft, SWA then full-only draft
-pool) shows no drop; putting back the upstream mistake of invariant 1 for the full-only pool
+pool) shows no drop; putting back the upstream mistake of invariant 1 (docs/design.md §4.1) for the full-only pool
 makes accept length drop there, and the report names the draft pool attribute that changed."""
 
 import os
@@ -12,8 +12,8 @@ from attention.trtllm_mha import TRTLLMMHABackend
 from cluster.config import TracingArgs
 from cluster.tracing import _PROVIDERS, engine_info, flush_all, record_step, tracer_for
 from ops.diagnose import diagnose, load_spans, step_points
-from tests.spec_models import make_target_and_draft
-from tests.workers.test_spec import _UpstreamReadsByAllocator
+from tests.draft_models import make_target_and_draft
+from tests.workers.test_speculative import _UpstreamReadsByAllocator
 from workers.engine import Engine, SamplingParams
 
 K = 3
@@ -25,9 +25,14 @@ def models(tmp_path_factory):
 
 
 def _traced_phase(target, draft, pool, tracer, monkeypatch=None):
-    eng = Engine(model=target, page_size=4, attention_backend="trtllm_mha", chunked_prefill_size=16,
-                 max_total_tokens=4096, speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K,
-                                                     "draft_pool": pool})
+    eng = Engine(
+        model=target,
+        page_size=4,
+        attention_backend="trtllm_mha",
+        chunked_prefill_size=16,
+        max_total_tokens=4096,
+        speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K, "draft_pool": pool},
+    )
     if monkeypatch is not None:
         draft_pool, alloc, windows = eng.spec.drafter.runner.pool, eng.allocator, dict(eng.cfg.layer_windows)
         original = TRTLLMMHABackend.init_forward_metadata
@@ -42,8 +47,10 @@ def _traced_phase(target, draft, pool, tracer, monkeypatch=None):
     g = torch.Generator().manual_seed(len(pool))
     for _ in range(2):
         for n in (37, 45, 52):
-            eng.add_request(torch.randint(0, 256, (n,), generator=g).tolist(),
-                            SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+            eng.add_request(
+                torch.randint(0, 256, (n,), generator=g).tolist(),
+                SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True),
+            )
         while eng.has_unfinished():
             eng.step()
             record_step(tracer, eng.last_step, [None] * len(eng.last_step.request_ids), info, eng.kv_stats(), K)
@@ -71,7 +78,7 @@ def test_healthy_traces_show_no_drop(models, tmp_path, monkeypatch):
 
 
 def test_upstream_mistake_is_diagnosed(models, tmp_path, monkeypatch, capsys):
-    from cluster.cli import main
+    from ops.cli import main
 
     trace_dir = _trace_dir(tmp_path, *models, mistake=True, monkeypatch=monkeypatch)
     plot = str(tmp_path / "drop.png")

@@ -26,8 +26,15 @@ from ops import DEFAULT_MODEL
 from tests.hf_models import random_prompts
 from workers.engine import Engine, SamplingParams
 
-COMMON = dict(page_size=4, chunked_prefill_size=8, max_total_tokens=4096, context_length=512, tp_size=1,
-              health_check_period_s=1, health_check_timeout_s=5)
+COMMON = dict(
+    page_size=4,
+    chunked_prefill_size=8,
+    max_total_tokens=4096,
+    context_length=512,
+    tp_size=1,
+    health_check_period_s=1,
+    health_check_timeout_s=5,
+)
 TOKEN = "s3cret-token"
 
 
@@ -35,17 +42,26 @@ def _self_signed(tmp_path) -> tuple[str, str, bytes]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
     pem = cert.public_bytes(serialization.Encoding.PEM)
     (tmp_path / "cert.pem").write_bytes(pem)
-    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                         serialization.NoEncryption()))
+    (tmp_path / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"), pem
 
 
@@ -64,9 +80,18 @@ def servers(ray_serve, model, tmp_path_factory):
     (tmp / "token").write_text(TOKEN + "\n")
     apps = {
         "api": dict(num_replicas=2, router={"policy": "cache_aware"}, grpc={"port": 0}),
-        "secure": dict(num_replicas=1, max_ongoing_requests=1, max_queued_requests=1,
-                       grpc={"port": 0, "tls_cert_file": cert, "tls_key_file": key, "auth_token_file": str(tmp / "token"),
-                             "max_message_bytes": 4096}),
+        "secure": dict(
+            num_replicas=1,
+            max_ongoing_requests=1,
+            max_queued_requests=1,
+            grpc={
+                "port": 0,
+                "tls_cert_file": cert,
+                "tls_key_file": key,
+                "auth_token_file": str(tmp / "token"),
+                "max_message_bytes": 4096,
+            },
+        ),
     }
     out = {}
     for name, extra in apps.items():
@@ -84,8 +109,11 @@ def api(servers):
 
 def _rank0s(app: str = "") -> list:
     """Rank-0 actors of an application's engine replicas (every application's when "")."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"slidespec-{app}") and a["name"].endswith("-rank0")]
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"slidespec-{app}") and a["name"].endswith("-rank0")
+    ]
     actors = []
     for name in names:
         try:
@@ -145,8 +173,9 @@ def test_64_concurrent_streams_over_two_replicas(servers):
 
         async def one(i):
             tokens, replica = 0, ""
-            async for r in client.generate([3, 1, 4, 1, 5, 9, i % 200], max_new_tokens=12, temperature=0.0,
-                                           ignore_eos=True):
+            async for r in client.generate(
+                [3, 1, 4, 1, 5, 9, i % 200], max_new_tokens=12, temperature=0.0, ignore_eos=True
+            ):
                 tokens += len(r.token_ids)
                 replica = r.replica or replica
             return tokens, replica
@@ -166,9 +195,11 @@ def test_64_concurrent_streams_over_two_replicas(servers):
 def test_stop_string_ends_the_text_before_it(api):
     prompt = "import os\n\n\ndef main(argv):\n    "
     _, full, _ = _collect(api.generate(prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True))
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    tokens, text, last = _collect(api.generate(prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
-    assert text == full[:full.index(stop)] and stop not in text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    tokens, text, last = _collect(
+        api.generate(prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+    )
+    assert text == full[: full.index(stop)] and stop not in text
     assert last.finish_reason == pb.FINISH_REASON_STOP and last.usage.completion_tokens == len(tokens) < 40
     _assert_kv_full()
 
@@ -197,15 +228,18 @@ def test_abort_and_client_cancellation_free_kv(api):
     _assert_kv_full()
 
 
-@pytest.mark.parametrize("kwargs, code, words", [
-    (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "empty prompt"),
-    (dict(prompt=[1, 2], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    (dict(prompt=[1, 2], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    (dict(prompt=[1, 2], max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
-    (dict(prompt=[1, 999999]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
-    (dict(prompt=[1] * 600), grpc.StatusCode.INVALID_ARGUMENT, "context length"),
-    (dict(prompt=[1, 2], max_new_tokens=400, timeout=0.5), grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline"),
-])
+@pytest.mark.parametrize(
+    "kwargs, code, words",
+    [
+        (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "empty prompt"),
+        (dict(prompt=[1, 2], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(prompt=[1, 2], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (dict(prompt=[1, 2], max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        (dict(prompt=[1, 999999]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        (dict(prompt=[1] * 600), grpc.StatusCode.INVALID_ARGUMENT, "context length"),
+        (dict(prompt=[1, 2], max_new_tokens=400, timeout=0.5), grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline"),
+    ],
+)
 def test_error_codes_name_the_cause(api, kwargs, code, words):
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt")
@@ -263,7 +297,9 @@ def test_full_queue_is_resource_exhausted(servers):
 
     results = asyncio.run(run())
     exhausted = [r for r in results if r != "ok"]
-    assert exhausted and all(code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in msg for code, msg in exhausted)
+    assert exhausted and all(
+        code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in msg for code, msg in exhausted
+    )
     assert "ok" in results
     _assert_kv_full()
 

@@ -23,8 +23,17 @@ from cluster.client import GenerationClient
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from ops import DEFAULT_MODEL
 
-ARGS = dict(model=DEFAULT_MODEL, page_size=4, chunked_prefill_size=8, max_total_tokens=4096, context_length=512,
-            num_replicas=2, router={"policy": "round_robin"}, health_check_period_s=1, grpc={"port": 0})
+ARGS = dict(
+    model=DEFAULT_MODEL,
+    page_size=4,
+    chunked_prefill_size=8,
+    max_total_tokens=4096,
+    context_length=512,
+    num_replicas=2,
+    router={"policy": "round_robin"},
+    health_check_period_s=1,
+    grpc={"port": 0},
+)
 GENERATE = "/slidespec.v1.Generation/Generate"
 
 
@@ -62,27 +71,30 @@ def test_a_poison_request_is_invalid_and_every_replica_keeps_serving(app, temper
     assert _replicas(client) == before and len(before) == 2  # no replica died and was replaced
 
 
-@pytest.mark.parametrize("body, field", [
-    ('{"prompt": "hi", "sampling": {"temperature": NaN}}', "sampling.temperature"),
-    ('{"prompt": "hi", "sampling": {"temperature": 1e-45}}', "sampling.temperature"),
-    ('{"prompt": "hi", "sampling": {"seed": 18446744073709551616}}', "sampling.seed"),
-    ('{"prompt": "hi", "sampling": "greedy"}', "sampling"),
-    ('{"prompt": "hi", "sampling": ["x"]}', "sampling"),
-    ('{"prompt": "hi", "sampling": 5}', "sampling"),
-    ('{"prompt": "hi", "sampling": {"max_new_tokens": "5"}}', "sampling.max_new_tokens"),
-    ('{"prompt": "hi", "sampling": {"max_new_tokens": true}}', "sampling.max_new_tokens"),
-    ('{"prompt": "hi", "sampling": {"temperature": "0.5"}}', "sampling.temperature"),
-    ('{"prompt": "hi", "sampling": {"stop": "x"}}', "sampling.stop"),
-    ('{"prompt_token_ids": "1,2"}', "prompt_token_ids"),
-    ('{"prompt_token_ids": [1, "2"]}', "prompt_token_ids[1]"),
-    ('{"prompt_token_ids": [1, true]}', "prompt_token_ids[1]"),
-    ('{"prompt": 5}', "prompt"),
-    ('{"prompt": "hi", "request_id": 7}', "request_id"),
-    ('{"prompt": "hi", "colour": 1}', "colour"),
-    ('{"prompt": "hi", "prompt_token_ids": [1]}', "prompt / prompt_token_ids"),
-    ('[1, 2]', "request"),
-    ('not json', "request"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ('{"prompt": "hi", "sampling": {"temperature": NaN}}', "sampling.temperature"),
+        ('{"prompt": "hi", "sampling": {"temperature": 1e-45}}', "sampling.temperature"),
+        ('{"prompt": "hi", "sampling": {"seed": 18446744073709551616}}', "sampling.seed"),
+        ('{"prompt": "hi", "sampling": "greedy"}', "sampling"),
+        ('{"prompt": "hi", "sampling": ["x"]}', "sampling"),
+        ('{"prompt": "hi", "sampling": 5}', "sampling"),
+        ('{"prompt": "hi", "sampling": {"max_new_tokens": "5"}}', "sampling.max_new_tokens"),
+        ('{"prompt": "hi", "sampling": {"max_new_tokens": true}}', "sampling.max_new_tokens"),
+        ('{"prompt": "hi", "sampling": {"temperature": "0.5"}}', "sampling.temperature"),
+        ('{"prompt": "hi", "sampling": {"stop": "x"}}', "sampling.stop"),
+        ('{"prompt_token_ids": "1,2"}', "prompt_token_ids"),
+        ('{"prompt_token_ids": [1, "2"]}', "prompt_token_ids[1]"),
+        ('{"prompt_token_ids": [1, true]}', "prompt_token_ids[1]"),
+        ('{"prompt": 5}', "prompt"),
+        ('{"prompt": "hi", "request_id": 7}', "request_id"),
+        ('{"prompt": "hi", "colour": 1}', "colour"),
+        ('{"prompt": "hi", "prompt_token_ids": [1]}', "prompt / prompt_token_ids"),
+        ("[1, 2]", "request"),
+        ("not json", "request"),
+    ],
+)
 def test_a_malformed_http_body_gets_400_naming_the_field_at_once(app, body, field):
     _, url = app
     r = requests.post(url, data=body, timeout=5)  # a hang fails here
@@ -125,14 +137,23 @@ def test_a_duplicate_live_request_id_is_refused_on_both_doors(app):
 def test_undecodable_grpc_messages_are_invalid_argument(app):
     client, _ = app
     channel = client.channel
-    call = channel.unary_stream(GENERATE, request_serializer=lambda raw: raw, response_deserializer=pb.GenerateResponse.FromString)
-    for raw in (b"\xff\xff\xff\xff\xff\xff", os.urandom(64) + b"\x8f", b"\x12\x02\xff\xfe"):  # the last: invalid UTF-8 prompt
+    call = channel.unary_stream(
+        GENERATE, request_serializer=lambda raw: raw, response_deserializer=pb.GenerateResponse.FromString
+    )
+    for raw in (
+        b"\xff\xff\xff\xff\xff\xff",
+        os.urandom(64) + b"\x8f",
+        b"\x12\x02\xff\xfe",
+    ):  # the last: invalid UTF-8 prompt
         with pytest.raises(grpc.RpcError) as info:
             list(call(raw, timeout=5))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert "not a valid message" in info.value.details()
-    abort = channel.unary_unary("/slidespec.v1.Generation/Abort", request_serializer=lambda raw: raw,
-                                response_deserializer=pb.AbortResponse.FromString)
+    abort = channel.unary_unary(
+        "/slidespec.v1.Generation/Abort",
+        request_serializer=lambda raw: raw,
+        response_deserializer=pb.AbortResponse.FromString,
+    )
     with pytest.raises(grpc.RpcError) as info:
         abort(b"\x0a\x02\xff\xfe", timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -151,8 +172,10 @@ def _wait_idle(client, timeout: float = 10.0):
 
 def _counts(url: str) -> dict[str, float]:
     text = requests.get(f"{url}/metrics", timeout=5).text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^slidespec:requests_total\{finish_reason="([^"]+)".*\} (\S+)$', text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^slidespec:requests_total\{finish_reason="([^"]+)".*\} (\S+)$', text, re.M)
+    }
 
 
 def test_load_is_live_and_every_ending_is_counted(app):
@@ -175,8 +198,10 @@ def test_load_is_live_and_every_ending_is_counted(app):
     deadline = time.monotonic() + 5
     while True:
         after = _counts(url)
-        grew = {reason: after.get(reason, 0) - before.get(reason, 0)
-                for reason in ("abort", "cancelled", "deadline_exceeded", "invalid_argument")}
+        grew = {
+            reason: after.get(reason, 0) - before.get(reason, 0)
+            for reason in ("abort", "cancelled", "deadline_exceeded", "invalid_argument")
+        }
         if all(n >= 1 for n in grew.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -211,8 +236,14 @@ def test_oversized_inputs_are_answered_while_other_streams_flow(app):
     elapsed = time.monotonic() - start
     background.join(60)
     assert done.is_set()
-    assert answers["grpc 12 MB prompt"][0] == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in answers["grpc 12 MB prompt"][1]
-    assert answers["grpc 400 KB stop"][0] == grpc.StatusCode.INVALID_ARGUMENT and "sampling.stop" in answers["grpc 400 KB stop"][1]
+    assert (
+        answers["grpc 12 MB prompt"][0] == grpc.StatusCode.INVALID_ARGUMENT
+        and "prompt" in answers["grpc 12 MB prompt"][1]
+    )
+    assert (
+        answers["grpc 400 KB stop"][0] == grpc.StatusCode.INVALID_ARGUMENT
+        and "sampling.stop" in answers["grpc 400 KB stop"][1]
+    )
     assert answers["http 60 MB body"][0] == 413
     assert answers["http 12 MB prompt"][0] == 400 and answers["http 12 MB prompt"][1].startswith("prompt")
     assert answers["http 400 KB stop"][0] == 400 and "sampling.stop" in answers["http 400 KB stop"][1]
@@ -223,7 +254,7 @@ def test_oversized_inputs_are_answered_while_other_streams_flow(app):
 def test_bad_input_is_logged_without_a_traceback(app):
     client, url = app
     for temperature in (math.nan, -1.0):
-        _status(lambda: client.generate([1, 2], temperature=temperature))
+        _status(lambda t=temperature: client.generate([1, 2], temperature=t))
     requests.post(url, data='{"prompt": "hi", "sampling": 5}', timeout=5)
     requests.post(url, json={"prompt_token_ids": [1, 99999]}, timeout=5)  # found invalid by the engine
     time.sleep(1.0)
@@ -233,7 +264,7 @@ def test_bad_input_is_logged_without_a_traceback(app):
             continue
         text = open(path, errors="replace").read()
         for match in re.finditer(r"Traceback \(most recent call last\):(.*?)(?=\n\S|\Z)", text, re.S):
-            tail = text[match.end():match.end() + 400]
+            tail = text[match.end() : match.end() + 400]
             assert not re.search(r"InvalidRequest|ValueError|vocabulary|sampling\.", tail), f"{path}: {tail}"
         for line in text.splitlines():
             if " ERROR " in line or line.startswith("ERROR"):

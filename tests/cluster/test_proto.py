@@ -5,8 +5,8 @@ import filecmp
 import os
 import subprocess
 
-from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from cluster.grpc_server import request_to_body
+from cluster.proto.slidespec.v1 import generation_pb2 as pb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GENERATED = ["generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"]

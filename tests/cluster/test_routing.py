@@ -54,7 +54,9 @@ def test_cache_aware_goes_to_the_least_loaded_when_imbalanced():
     prefix = list(range(300))
     policy.on_routed(_req(0, prefix), "r0")
     request = _req(1, prefix + [7])
-    assert policy.choose(request, REPLICAS, {"r0": 300.0, "r1": 200.0, "r2": 250.0}).ranked[0] == "r0"  # gap 100: balanced
+    assert (
+        policy.choose(request, REPLICAS, {"r0": 300.0, "r1": 200.0, "r2": 250.0}).ranked[0] == "r0"
+    )  # gap 100: balanced
     imbalanced = policy.choose(request, REPLICAS, {"r0": 2000.0, "r1": 200.0, "r2": 250.0})
     assert imbalanced.ranked[0] == "r1" and imbalanced.reason == "imbalanced"
     # Both thresholds must be crossed: a large absolute gap with a small ratio is still balanced.

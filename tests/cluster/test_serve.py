@@ -16,8 +16,8 @@ from ray import serve
 from cluster.app import build_app
 from cluster.config import AppArgs
 from cluster.rank_actor import rank_actor_name
+from tests.draft_models import make_target_and_draft
 from tests.hf_models import random_prompts
-from tests.spec_models import make_target_and_draft
 from workers.engine import Engine, SamplingParams
 
 NEW = 20
@@ -30,8 +30,17 @@ def models(tmp_path_factory):
 
 
 def _args(target: str, **extra) -> dict:
-    return dict(model=target, tp_size=2, page_size=4, chunked_prefill_size=8, max_total_tokens=2048,
-                context_length=1024, health_check_period_s=1, health_check_timeout_s=5, **extra)
+    return dict(
+        model=target,
+        tp_size=2,
+        page_size=4,
+        chunked_prefill_size=8,
+        max_total_tokens=2048,
+        context_length=1024,
+        health_check_period_s=1,
+        health_check_timeout_s=5,
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +66,9 @@ async def _generate(handle, prompt, max_new=NEW):
 def test_tp2_replica_matches_the_in_process_engine(apps, models, app):
     target, draft = models
     spec = {"algorithm": "standalone", "draft_model": draft, "num_steps": 3} if app == "spec" else None
-    ref = Engine(model=target, page_size=4, chunked_prefill_size=8, max_total_tokens=2048, context_length=1024,
-                 speculative=spec).generate(prompt_token_ids=PROMPTS, sampling=SamplingParams(
-                     max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+    ref = Engine(
+        model=target, page_size=4, chunked_prefill_size=8, max_total_tokens=2048, context_length=1024, speculative=spec
+    ).generate(prompt_token_ids=PROMPTS, sampling=SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
 
     async def all_prompts():
         return await asyncio.gather(*[_generate(apps[app], p) for p in PROMPTS])
@@ -82,12 +91,14 @@ def test_http_stream_and_bad_input(apps, ray_serve):
         assert r.status_code == 200
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert sum(len(u["token_ids"]) for u in lines) == 5 and lines[-1]["finished"]
-    for bad, field in [({"prompt_token_ids": []}, "prompt_token_ids"),
-                       ({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "temperature"),
-                       ({"prompt_token_ids": [1], "sampling": {"colour": 1}}, "colour"),
-                       ({"prompt_token_ids": [1, 99999]}, "vocabulary"),
-                       ({"prompt_token_ids": [1] * 1024}, "context length"),
-                       ({"prompt_token_ids": [1], "sampling": {"stop": [""]}}, "sampling.stop")]:
+    for bad, field in [
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "temperature"),
+        ({"prompt_token_ids": [1], "sampling": {"colour": 1}}, "colour"),
+        ({"prompt_token_ids": [1, 99999]}, "vocabulary"),
+        ({"prompt_token_ids": [1] * 1024}, "context length"),
+        ({"prompt_token_ids": [1], "sampling": {"stop": [""]}}, "sampling.stop"),
+    ]:
         r = requests.post(f"{ray_serve}/plain", json=bad, timeout=60)
         assert r.status_code == 400 and field in r.json()["error"], r.text
         assert "Traceback" not in r.json()["error"]
@@ -109,7 +120,10 @@ def test_killed_rank_fails_in_flight_request_and_serve_replaces_the_replica(apps
     before = handle.model_info.remote().result()["replica"]
 
     async def in_flight():
-        body = {"prompt_token_ids": [1, 2, 3], "sampling": {"max_new_tokens": 900, "temperature": 0.0, "ignore_eos": True}}
+        body = {
+            "prompt_token_ids": [1, 2, 3],
+            "sampling": {"max_new_tokens": 900, "temperature": 0.0, "ignore_eos": True},
+        }
         seen, killed = 0, False
         async for update in handle.options(stream=True).generate.remote(body):
             seen += len(update["token_ids"])

@@ -25,8 +25,9 @@ BIN = os.path.dirname(sys.executable)
 
 
 def _run(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [os.path.join(BIN, args[0]), *args[1:]], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 class Head:
@@ -38,10 +39,31 @@ class Head:
         gcs, dashboard = free_port(), free_port()
         self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths must fit 107 bytes
         self.process = subprocess.Popen(
-            [os.path.join(BIN, "ray"), "start", "--head", "--block", "--num-cpus", "8", "--node-ip-address", "127.0.0.1",
-             "--dashboard-host", "127.0.0.1", "--port", str(gcs), "--dashboard-port", str(dashboard),
-             "--temp-dir", self.temp_dir, "--disable-usage-stats"],
-            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                os.path.join(BIN, "ray"),
+                "start",
+                "--head",
+                "--block",
+                "--num-cpus",
+                "8",
+                "--node-ip-address",
+                "127.0.0.1",
+                "--dashboard-host",
+                "127.0.0.1",
+                "--port",
+                str(gcs),
+                "--dashboard-port",
+                str(dashboard),
+                "--temp-dir",
+                self.temp_dir,
+                "--disable-usage-stats",
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.address = f"http://127.0.0.1:{dashboard}"
 
     def wait_up(self, timeout: float = 120) -> None:
@@ -109,8 +131,19 @@ def test_serve_yaml_deploys_and_serves_a_streamed_request(cluster, tmp_path):
         updates = [json.loads(line) for line in r.iter_lines() if line]
     assert len(updates) >= 2, "tokens should stream back in several messages"
     assert sum(len(u["token_ids"]) for u in updates) == 8 and updates[-1]["finish_reason"] == "length"
-    cli = _run("slidespec", "generate", "--token-ids", "5,6,7,8", "--max-new-tokens", "6", "--temperature", "0",
-               "--target", f"127.0.0.1:{grpc_port}", env=env)
+    cli = _run(
+        "slidespec",
+        "generate",
+        "--token-ids",
+        "5,6,7,8",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--target",
+        f"127.0.0.1:{grpc_port}",
+        env=env,
+    )
     assert cli.returncode == 0 and "6 tokens" in cli.stderr, cli.stderr
     shutdown = _run("serve", "shutdown", "-y", "-a", address, env=env)
     assert shutdown.returncode == 0, shutdown.stderr

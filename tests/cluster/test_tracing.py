@@ -15,7 +15,7 @@ from ray import serve
 
 from cluster.app import build_app
 from cluster.client import GenerationClient
-from tests.spec_models import make_target_and_draft
+from tests.draft_models import make_target_and_draft
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 K = 3
@@ -48,11 +48,22 @@ def receiver():
 @pytest.fixture(scope="module")
 def app(ray_serve, receiver, tmp_path_factory):
     target, draft = make_target_and_draft(tmp_path_factory.mktemp("tracing"))
-    handle = serve.run(build_app(dict(
-        model=target, page_size=4, chunked_prefill_size=16, max_total_tokens=2048, context_length=512,
-        speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K},
-        tracing={"exporter": "otlp_grpc", "endpoint": f"127.0.0.1:{receiver[1]}"}, grpc={"port": 0},
-    )), name="traced", route_prefix="/traced")
+    handle = serve.run(
+        build_app(
+            dict(
+                model=target,
+                page_size=4,
+                chunked_prefill_size=16,
+                max_total_tokens=2048,
+                context_length=512,
+                speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K},
+                tracing={"exporter": "otlp_grpc", "endpoint": f"127.0.0.1:{receiver[1]}"},
+                grpc={"port": 0},
+            )
+        ),
+        name="traced",
+        route_prefix="/traced",
+    )
     return handle, handle.ports.remote().result()["grpc"]
 
 
@@ -71,14 +82,19 @@ def test_one_trace_holds_request_router_and_step_spans(app, receiver):
     _, port = app
     client = GenerationClient(f"127.0.0.1:{port}")
     client.metadata = (("traceparent", f"00-{TRACE_ID}-00f067aa0ba902b7-01"),)
-    responses = list(client.generate([5, 9, 2, 6, 5, 3, 5, 8, 9, 7], max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    responses = list(
+        client.generate([5, 9, 2, 6, 5, 3, 5, 8, 9, 7], max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    )
     assert responses[-1].finished
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         mine = [(r, s) for r, s in sink.spans if s.trace_id.hex() == TRACE_ID]
         names = {s.name for _, s in mine}
-        if {"route", "engine step"} <= names and any(n.startswith("text_completion") for n in names) \
-                and any(_attr(s, "slidespec.spec.accept_lengths") for _, s in mine if s.name == "engine step"):
+        if (
+            {"route", "engine step"} <= names
+            and any(n.startswith("text_completion") for n in names)
+            and any(_attr(s, "slidespec.spec.accept_lengths") for _, s in mine if s.name == "engine step")
+        ):
             break
         time.sleep(0.2)
     else:
@@ -92,14 +108,22 @@ def test_one_trace_holds_request_router_and_step_spans(app, receiver):
     route = next(s for _, s in mine if s.name == "route")
     assert route.parent_span_id == request.span_id and _attr(route, "slidespec.router.policy") == "power_of_two"
     steps = sorted((s for _, s in mine if s.name == "engine step"), key=lambda s: s.start_time_unix_nano)
-    forwards = sorted((s for _, s in mine if s.parent_span_id in {st.span_id for st in steps}),
-                      key=lambda s: s.start_time_unix_nano)
+    forwards = sorted(
+        (s for _, s in mine if s.parent_span_id in {st.span_id for st in steps}), key=lambda s: s.start_time_unix_nano
+    )
     modes = [s.name for s in forwards]
-    first = {m: modes.index(m) for m in ("target EXTEND", "draft DECODE", "target TARGET_VERIFY", "draft DRAFT_EXTEND_V2")}
-    assert first["target EXTEND"] < first["draft DECODE"] < first["target TARGET_VERIFY"] < first["draft DRAFT_EXTEND_V2"]
+    first = {
+        m: modes.index(m) for m in ("target EXTEND", "draft DECODE", "target TARGET_VERIFY", "draft DRAFT_EXTEND_V2")
+    }
+    assert (
+        first["target EXTEND"] < first["draft DECODE"] < first["target TARGET_VERIFY"] < first["draft DRAFT_EXTEND_V2"]
+    )
     verify = [s for s in steps if _attr(s, "slidespec.spec.accept_lengths")]
     assert verify and all(_attr(s, "slidespec.spec.accept_lengths") == [K + 1] for s in verify[:-1])
-    assert _attr(verify[0], "slidespec.draft.pool") == "swa" and _attr(verify[0], "slidespec.spec.algorithm") == "standalone"
+    assert (
+        _attr(verify[0], "slidespec.draft.pool") == "swa"
+        and _attr(verify[0], "slidespec.spec.algorithm") == "standalone"
+    )
     assert _attr(verify[0], "slidespec.kv.swa_used") > 0 and _attr(verify[0], "slidespec.step.verify_ms") > 0
     assert {r["slidespec.component"] for r, s in mine} == {"ingress", "rank0"}
 
@@ -119,5 +143,5 @@ def test_metrics_count_drafts_and_latency(app, ray_serve):
     assert values[model_label] >= 6  # (9 - 1) / (K + 1) = 2 verify steps per request
     assert any(k.startswith("slidespec:spec_accept_length{") and v == K + 1 for k, v in values.items())
     assert any(k.startswith("slidespec:time_to_first_token_seconds_count") and v >= 3 for k, v in values.items())
-    assert any(k.startswith('slidespec:kv_usage{') for k in values)
+    assert any(k.startswith("slidespec:kv_usage{") for k in values)
     assert any(k.startswith("slidespec:spec_decode_num_accepted_tokens_per_pos_total") for k in values)

@@ -74,9 +74,13 @@ def test_bad_model_directory(tmp_path, gemma3_dir):
 
 
 def test_bad_engine_arguments(gemma3_dir):
-    for kwargs, field in [({"page_size": 0}, "page_size"), ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
-                          ({"dtype": "int7"}, "dtype"), ({"attention_backend": "nope"}, "attention_backend"),
-                          ({"load_format": "pickle"}, "load_format")]:
+    for kwargs, field in [
+        ({"page_size": 0}, "page_size"),
+        ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+        ({"dtype": "int7"}, "dtype"),
+        ({"attention_backend": "nope"}, "attention_backend"),
+        ({"load_format": "pickle"}, "load_format"),
+    ]:
         with pytest.raises(ValueError, match=field):
             Engine(model=gemma3_dir, **kwargs)
 
@@ -100,7 +104,9 @@ def test_swa_pool_stays_within_window_plus_a_page(gemma3_dir, page_size):
         assert swa_used <= len(running) * extend_bound
         if running and all(r.prefilled for r in running):
             decode_steps += 1
-            assert swa_used <= len(running) * decode_bound, f"SWA use {swa_used} over window+page for {len(running)} requests"
+            assert swa_used <= len(running) * decode_bound, (
+                f"SWA use {swa_used} over window+page for {len(running)} requests"
+            )
     assert decode_steps >= 4 * WINDOW
     assert peak_full > 3 * decode_bound  # full slots keep growing while SWA slots are recycled
     eng.check_no_leak()
@@ -124,7 +130,9 @@ def test_requests_wait_when_kv_is_short(gemma3_dir):
 
 def test_request_larger_than_pool_is_rejected(gemma3_dir):
     # Without chunking a 40-token prompt needs its whole prefill in the SWA pool (13 pages of 4).
-    eng = Engine(model=gemma3_dir, page_size=4, max_total_tokens=256, swa_full_tokens_ratio=0.1, chunked_prefill_size=None)
+    eng = Engine(
+        model=gemma3_dir, page_size=4, max_total_tokens=256, swa_full_tokens_ratio=0.1, chunked_prefill_size=None
+    )
     with pytest.raises(ValueError, match="prompt_token_ids.*SWA"):
         eng.generate(prompt_token_ids=[[1] * 40], sampling=SamplingParams(max_new_tokens=10))
     eng.check_no_leak()
@@ -140,8 +148,10 @@ def test_stop_conditions(engine, gemma3_dir):
     stop_at = next(i for i, t in enumerate(ref.token_ids) if i >= 3)
     stop_token = ref.token_ids[stop_at]
     first = ref.token_ids.index(stop_token)
-    (out,) = engine.generate(prompt_token_ids=[prompt], sampling=SamplingParams(
-        max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,)))
+    (out,) = engine.generate(
+        prompt_token_ids=[prompt],
+        sampling=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_token,)),
+    )
     assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: first + 1]
 
     cfg = json.load(open(os.path.join(gemma3_dir, "config.json")))
@@ -166,13 +176,21 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     prompts = random_prompts([10, 21], seed=7)
     sp = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=1234)
     alone = engine.generate(prompt_token_ids=[prompts[0]], sampling=sp)[0].token_ids
-    batched = engine.generate(prompt_token_ids=prompts, sampling=[sp, SamplingParams(max_new_tokens=10, seed=99)])[0].token_ids
+    batched = engine.generate(prompt_token_ids=prompts, sampling=[sp, SamplingParams(max_new_tokens=10, seed=99)])[
+        0
+    ].token_ids
     assert alone == batched
-    other = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(
-        max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=4321))[0].token_ids
+    other = engine.generate(
+        prompt_token_ids=[prompts[0]],
+        sampling=SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=4321),
+    )[0].token_ids
     assert other != alone
-    top1 = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(max_new_tokens=10, top_k=1, seed=5))[0]
-    greedy = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(max_new_tokens=10, temperature=0.0))[0]
+    top1 = engine.generate(prompt_token_ids=[prompts[0]], sampling=SamplingParams(max_new_tokens=10, top_k=1, seed=5))[
+        0
+    ]
+    greedy = engine.generate(
+        prompt_token_ids=[prompts[0]], sampling=SamplingParams(max_new_tokens=10, temperature=0.0)
+    )[0]
     assert top1.token_ids == greedy.token_ids
     engine.check_no_leak()
 
@@ -239,6 +257,7 @@ def test_missing_weights_are_named(tmp_path):
     path = str(tmp_path / "m")
     make_tiny_model("llama", path)
     from safetensors.torch import load_file, save_file
+
     weights = load_file(os.path.join(path, "model.safetensors"))
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, os.path.join(path, "model.safetensors"))
@@ -246,12 +265,15 @@ def test_missing_weights_are_named(tmp_path):
         Engine(model=path)
 
 
-@pytest.mark.parametrize("deltas, stops, sent, stopped", [
-    (["def f", "(x):\n    ret", "urn x"], ["return"], ["def f", "(x):\n    ", ""], True),  # stop across deltas
-    (["abc", "de"], ["xyz"], ["abc", "de"], False),
-    (["ab", "x", "y"], ["xyz"], ["ab", "", "xy"], False),  # "xy" held back, then flushed at the end
-    (["time", ", sys"], ["e, "], ["tim", ""], True),  # held back "e" was the start of the stop
-])
+@pytest.mark.parametrize(
+    "deltas, stops, sent, stopped",
+    [
+        (["def f", "(x):\n    ret", "urn x"], ["return"], ["def f", "(x):\n    ", ""], True),  # stop across deltas
+        (["abc", "de"], ["xyz"], ["abc", "de"], False),
+        (["ab", "x", "y"], ["xyz"], ["ab", "", "xy"], False),  # "xy" held back, then flushed at the end
+        (["time", ", sys"], ["e, "], ["tim", ""], True),  # held back "e" was the start of the stop
+    ],
+)
 def test_stop_strings_cut_before_the_stop(deltas, stops, sent, stopped):
     from workers.tokenizer import StopStrings
 
@@ -268,13 +290,15 @@ def _first_stop(text: str, stops: list[str]) -> tuple[str, bool]:
         at = text.find(s)
         if at != -1 and (best is None or (at + len(s), i) < best[0]):
             best = ((at + len(s), i), at)
-    return (text, False) if best is None else (text[:best[1]], True)
+    return (text, False) if best is None else (text[: best[1]], True)
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="ab c", max_size=40), stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=5),
-                                                              min_size=1, max_size=3),
-       cuts=st.lists(st.integers(0, 40), max_size=6))
+@given(
+    text=st.text(alphabet="ab c", max_size=40),
+    stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=5), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+)
 def test_streamed_stop_strings_match_the_whole_text_reference(text, stops, cuts):
     """However the text is split into deltas, what is sent is the reference cut, and nothing
     sent can later turn out to belong to a stop string."""

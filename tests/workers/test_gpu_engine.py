@@ -31,8 +31,11 @@ def compare_bf16_runs(ref_outs, outs, label: str) -> tuple[int, float]:
             assert rel <= BF16_NOISE, f"{label} request {i} step {step}: logits differ by {rel:.3g} of the largest"
             if a != b:
                 top2 = r.topk(2).values
-                print(f"{label} request {i}: first divergence at step {step}, reference gap {(top2[0] - top2[1]).item():.3g}, "
-                      f"logit difference {rel:.3g} of the largest")
+                print(
+                    f"{label} request {i}: first divergence at step {step}, "
+                    f"reference gap {(top2[0] - top2[1]).item():.3g}, "
+                    f"logit difference {rel:.3g} of the largest"
+                )
                 diverged += 1
                 break
     return diverged, worst
@@ -44,15 +47,31 @@ def test_trtllm_mha_matches_torch_native_on_gpu(tmp_path, name, page_size):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     path = str(tmp_path / name)
-    make_tiny_model(name, path, hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-                    sliding_window=32 if name != "qwen3" else None)
+    make_tiny_model(
+        name,
+        path,
+        hidden_size=256,
+        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=32 if name != "qwen3" else None,
+    )
     prompts = random_prompts([150, 40, 97, 300])
     sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True, return_logits=True)
     runs = {}
     for backend in ("torch_native", "trtllm_mha"):
-        eng = Engine(model=path, device="cuda", dtype="bfloat16", page_size=page_size, attention_backend=backend,
-                     chunked_prefill_size=64, debug_kv_checks=True)
+        eng = Engine(
+            model=path,
+            device="cuda",
+            dtype="bfloat16",
+            page_size=page_size,
+            attention_backend=backend,
+            chunked_prefill_size=64,
+            debug_kv_checks=True,
+        )
         runs[backend] = eng.generate(prompt_token_ids=prompts, sampling=sp)
         eng.check_no_leak()
     diverged, worst = compare_bf16_runs(runs["torch_native"], runs["trtllm_mha"], f"{name} page {page_size}")
-    print(f"{name} page {page_size}: {diverged} of {len(prompts)} requests diverged; largest logit difference {worst:.3g}")
+    print(
+        f"{name} page {page_size}: {diverged} of {len(prompts)} requests diverged; largest logit difference {worst:.3g}"
+    )

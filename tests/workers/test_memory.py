@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from workers.memory import HybridSWAAllocator, HybridSWAPool, KVAllocator, MHAPool, OutOfKVError, PageAllocator, ReqToTokenPool, build_pool
+from workers.memory import (
+    HybridSWAAllocator,
+    HybridSWAPool,
+    KVAllocator,
+    MHAPool,
+    OutOfKVError,
+    PageAllocator,
+    ReqToTokenPool,
+    build_pool,
+)
 
 
 def test_page_allocator_counts_and_double_free():

@@ -27,10 +27,10 @@ def reference(request, tmp_path_factory):
         for prompt in prompts:
             ids = torch.tensor([prompt])
             gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-            new = gen[0, len(prompt):].tolist()
+            new = gen[0, len(prompt) :].tolist()
             outputs.append(new)
             full = hf(gen[:, :-1]).logits[0].float()
-            logits.append(full[len(prompt) - 1:])
+            logits.append(full[len(prompt) - 1 :])
     return name, path, prompts, outputs, logits
 
 
@@ -38,10 +38,19 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_matches_transformers(reference, page_size, chunk):
     name, path, prompts, hf_tokens, hf_logits = reference
-    eng = Engine(model=path, device="cpu", dtype="float32", page_size=page_size, attention_backend="torch_native",
-                 max_total_tokens=4096, chunked_prefill_size=chunk)
-    outs = eng.generate(prompt_token_ids=prompts, sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
-                                                                          ignore_eos=True, return_logits=True))
+    eng = Engine(
+        model=path,
+        device="cpu",
+        dtype="float32",
+        page_size=page_size,
+        attention_backend="torch_native",
+        max_total_tokens=4096,
+        chunked_prefill_size=chunk,
+    )
+    outs = eng.generate(
+        prompt_token_ids=prompts,
+        sampling=SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True),
+    )
     for i, out in enumerate(outs):
         ours = torch.stack(out.logits)
         diff = (ours - hf_logits[i]).abs().max().item()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import workers.sampler as sampler_module
+from tests.draft_models import make_target_and_draft
 from tests.hf_models import make_tiny_model, random_prompts
-from tests.spec_models import make_target_and_draft
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import ErrorCode, RankLoop
 from workers.sampling_params import MIN_TEMPERATURE
@@ -28,20 +28,38 @@ def gemma3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spec_models(tmp_path_factory):
+def draft_models(tmp_path_factory):
     return make_target_and_draft(tmp_path_factory.mktemp("isolation"), noise=0.1)
 
 
 def _engine(model: str, **kwargs) -> Engine:
-    return Engine(model=model, page_size=4, max_total_tokens=2048, chunked_prefill_size=16, context_length=256, **kwargs)
+    return Engine(
+        model=model, page_size=4, max_total_tokens=2048, chunked_prefill_size=16, context_length=256, **kwargs
+    )
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -math.inf), ("temperature", 1e-38),
-    ("temperature", 1e-45), ("temperature", 5e-324), ("temperature", 1e30), ("top_p", math.nan),
-    ("seed", 2**64), ("seed", 2**70), ("max_new_tokens", True), ("top_k", False), ("top_k", 2**40),
-    ("temperature", "0.5"), ("ignore_eos", 1), ("stop_token_ids", (1, True)), ("stop_token_ids", tuple(range(2000))),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", -math.inf),
+        ("temperature", 1e-38),
+        ("temperature", 1e-45),
+        ("temperature", 5e-324),
+        ("temperature", 1e30),
+        ("top_p", math.nan),
+        ("seed", 2**64),
+        ("seed", 2**70),
+        ("max_new_tokens", True),
+        ("top_k", False),
+        ("top_k", 2**40),
+        ("temperature", "0.5"),
+        ("ignore_eos", 1),
+        ("stop_token_ids", (1, True)),
+        ("stop_token_ids", tuple(range(2000))),
+    ],
+)
 def test_sampling_params_refuse_what_the_sampler_cannot_use(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate()
@@ -50,8 +68,10 @@ def test_sampling_params_refuse_what_the_sampler_cannot_use(field, value):
 def test_the_smallest_temperature_allowed_samples_finite_tokens(gemma3_dir):
     eng = _engine(gemma3_dir)
     (ref,) = eng.generate(prompt_token_ids=[[3, 1, 4]], sampling=GREEDY)
-    (out,) = eng.generate(prompt_token_ids=[[3, 1, 4]], sampling=SamplingParams(
-        max_new_tokens=10, temperature=MIN_TEMPERATURE, ignore_eos=True, seed=1))
+    (out,) = eng.generate(
+        prompt_token_ids=[[3, 1, 4]],
+        sampling=SamplingParams(max_new_tokens=10, temperature=MIN_TEMPERATURE, ignore_eos=True, seed=1),
+    )
     assert out.token_ids == ref.token_ids  # this cold a distribution is the argmax
     eng.check_no_leak()
 
@@ -96,14 +116,14 @@ def _poison_rows(monkeypatch) -> None:
         return torch.where(bad[:, None], torch.full_like(probs, math.nan), probs)
 
     monkeypatch.setattr(sampler_module, "sampling_probs", poisoned)
-    import workers.spec.worker as spec_worker
+    import workers.speculative.worker as spec_worker
 
     monkeypatch.setattr(spec_worker, "sampling_probs", poisoned)
 
 
 @pytest.mark.parametrize("algorithm", [None, "standalone"])
-def test_an_exception_in_one_requests_sampling_fails_only_that_request(spec_models, monkeypatch, algorithm):
-    target, draft = spec_models
+def test_an_exception_in_one_requests_sampling_fails_only_that_request(draft_models, monkeypatch, algorithm):
+    target, draft = draft_models
     spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": 3} if algorithm else None
     prompts = random_prompts([9, 14, 6], seed=5)
     ref = _engine(target, speculative=spec).generate(prompt_token_ids=prompts, sampling=GREEDY)
@@ -133,8 +153,9 @@ def test_an_exception_in_one_requests_sampling_fails_only_that_request(spec_mode
 def test_an_exception_building_one_output_fails_only_that_request(gemma3_dir, monkeypatch):
     engine = _engine(gemma3_dir)
     real = engine.output
-    monkeypatch.setattr(engine, "output", lambda rid: (_ for _ in ()).throw(RuntimeError("no text")) if rid == "bad"
-                        else real(rid))
+    monkeypatch.setattr(
+        engine, "output", lambda rid: (_ for _ in ()).throw(RuntimeError("no text")) if rid == "bad" else real(rid)
+    )
     loop = Loop(engine)
     try:
         loop.submit("bad", [1, 2, 3], GREEDY)

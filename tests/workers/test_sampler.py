@@ -9,7 +9,9 @@ from workers.sampler import sample, sampling_probs
 from workers.sampling_params import SamplingParams
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.8), (0.5, 20, 0.6), (1.0, 1, 1.0)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.8), (0.5, 20, 0.6), (1.0, 1, 1.0)]
+)
 def test_probs_match_transformers_warpers(temperature, top_k, top_p):
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * 3
@@ -45,6 +47,11 @@ def test_sampled_frequencies_follow_the_distribution():
 def test_greedy_rows_take_argmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    params = [SamplingParams(temperature=0.0), SamplingParams(seed=1), SamplingParams(temperature=0.0), SamplingParams(seed=2)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=2),
+    ]
     tokens = sample(logits.clone(), params, gens)
     assert tokens[0] == logits[0].argmax().item() and tokens[2] == logits[2].argmax().item()

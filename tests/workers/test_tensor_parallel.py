@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.draft_models import make_eagle_head, make_perturbed_copy
 from tests.hf_models import make_tiny_model, random_prompts
-from tests.spec_models import make_eagle_head, make_perturbed_copy
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop
@@ -33,8 +33,13 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: 
     cuda = engine_kwargs.get("device") == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     control = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
     engine = Engine(**engine_kwargs, tp=TPGroup(rank, world, dist.group.WORLD))
     outputs = {}
@@ -62,8 +67,11 @@ def run_tp(world: int, engine_kwargs: dict, sampling: SamplingParams = GREEDY):
     """Outputs of PROMPTS from `world` ranks in lockstep (one process each)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, sampling, results))
-             for port in [_free_port()] for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, sampling, results))
+        for port in [_free_port()]
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out = pickle.loads(results.get(timeout=300))
@@ -78,17 +86,31 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     target = str(root / "gemma3")
     make_tiny_model("gemma3", target)
-    return {"target": target, "draft": make_perturbed_copy(target, str(root / "draft"), noise=0.1),
-            "eagle": make_eagle_head(target, str(root / "eagle"), 1)}
+    return {
+        "target": target,
+        "draft": make_perturbed_copy(target, str(root / "draft"), noise=0.1),
+        "eagle": make_eagle_head(target, str(root / "eagle"), 1),
+    }
 
 
-@pytest.mark.parametrize("world, speculative", [(2, None), (2, "standalone"), (2, "standalone-replicated"), (4, "eagle")])
+@pytest.mark.parametrize(
+    "world, speculative", [(2, None), (2, "standalone"), (2, "standalone-replicated"), (4, "eagle")]
+)
 def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
-    kwargs = dict(model=model_dirs["target"], page_size=4, chunked_prefill_size=8, max_total_tokens=2048,
-                  attention_backend="trtllm_mha")
+    kwargs = dict(
+        model=model_dirs["target"],
+        page_size=4,
+        chunked_prefill_size=8,
+        max_total_tokens=2048,
+        attention_backend="trtllm_mha",
+    )
     if speculative in ("standalone", "standalone-replicated"):
-        kwargs["speculative"] = {"algorithm": "standalone", "draft_model": model_dirs["draft"], "num_steps": 3,
-                                 "draft_tp": "replicate" if speculative.endswith("replicated") else "shard"}
+        kwargs["speculative"] = {
+            "algorithm": "standalone",
+            "draft_model": model_dirs["draft"],
+            "num_steps": 3,
+            "draft_tp": "replicate" if speculative.endswith("replicated") else "shard",
+        }
     elif speculative == "eagle":
         kwargs["speculative"] = {"algorithm": "eagle", "draft_model": model_dirs["eagle"], "num_steps": 3}
     single = Engine(**kwargs)

@@ -8,8 +8,8 @@ import torch
 
 from attention.training import TrainingBackend
 from ops.train_tiny_models import training_batch
+from tests.draft_models import make_eagle_head, make_frozen_kv_head
 from tests.hf_models import make_tiny_model, random_prompts
-from tests.spec_models import make_eagle_head, make_frozen_kv_head
 from workers.engine import Engine, SamplingParams
 
 CPU = torch.device("cpu")
@@ -20,8 +20,11 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_backend")
     target = str(root / "gemma3")
     make_tiny_model("gemma3", target)
-    return {"target": target, "eagle": make_eagle_head(target, str(root / "eagle"), 1),
-            "frozen_kv_mtp": make_frozen_kv_head(target, str(root / "mtp"))}
+    return {
+        "target": target,
+        "eagle": make_eagle_head(target, str(root / "eagle"), 1),
+        "frozen_kv_mtp": make_frozen_kv_head(target, str(root / "mtp")),
+    }
 
 
 def _target_pass(eng, tokens):
@@ -44,8 +47,13 @@ def test_target_forward_matches_engine_prefill(dirs):
 @pytest.mark.parametrize("algorithm", ["eagle", "frozen_kv_mtp"])
 def test_head_training_forward_matches_drafting(dirs, algorithm):
     prompt = random_prompts([40], seed=3)[0]
-    eng = Engine(model=dirs["target"], page_size=4, chunked_prefill_size=None, max_total_tokens=1024,
-                 speculative={"algorithm": algorithm, "draft_model": dirs[algorithm], "num_steps": 2})
+    eng = Engine(
+        model=dirs["target"],
+        page_size=4,
+        chunked_prefill_size=None,
+        max_total_tokens=1024,
+        speculative={"algorithm": algorithm, "draft_model": dirs[algorithm], "num_steps": 2},
+    )
     rid = eng.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=0.0))
     eng.step()  # prefill, then the draft's catch-up proposes the first draft of the next round
     req = eng._requests[rid]

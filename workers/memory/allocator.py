@@ -83,7 +83,9 @@ class KVAllocator:
         start = self._lens.get(row, 0)
         end = start + n
         if end > self.req_to_token.max_context_len:
-            raise OutOfKVError(f"request row {row}: {end} positions exceed the context of {self.req_to_token.max_context_len}")
+            raise OutOfKVError(
+                f"request row {row}: {end} positions exceed the context of {self.req_to_token.max_context_len}"
+            )
         p = self.page_size
         table = self.req_to_token.table
         new_pages = self.full.alloc(cdiv(end, p) - cdiv(start, p))
@@ -195,7 +197,9 @@ class HybridSWAAllocator(KVAllocator):
     def check_no_leak(self) -> None:
         super().check_no_leak()
         self.swa.check_no_leak()
-        if not torch.equal(self.full_to_swa.view(-1, self.page_size), self._page_offsets.expand(self.full.num_pages + 1, -1)):
+        if not torch.equal(
+            self.full_to_swa.view(-1, self.page_size), self._page_offsets.expand(self.full.num_pages + 1, -1)
+        ):
             raise AssertionError("SWA allocator: full_to_swa still maps some full page to an SWA page")
 
     def _on_new_pages(self, full_pages: list[int]) -> None:

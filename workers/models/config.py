@@ -90,7 +90,9 @@ def _windows(hf: PretrainedConfig, arch: ArchSpec) -> list[int | None]:
     window = getattr(hf, "sliding_window", None)
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is None:
-        layer_types = ["sliding_attention" if arch.window_on_all_layers and window else "full_attention"] * hf.num_hidden_layers
+        layer_types = [
+            "sliding_attention" if arch.window_on_all_layers and window else "full_attention"
+        ] * hf.num_hidden_layers
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise ValueError(f"layer_types: unsupported attention types {sorted(unknown)}")
@@ -101,7 +103,10 @@ def _windows(hf: PretrainedConfig, arch: ArchSpec) -> list[int | None]:
 
 def _rope(hf: PretrainedConfig, head_dim: int) -> tuple[dict[str, RopeConfig], list[str]]:
     """RoPE frequencies per layer type; transformers computes every non-default variant."""
-    params = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta", 10000.0)}
+    params = getattr(hf, "rope_parameters", None) or {
+        "rope_type": "default",
+        "rope_theta": getattr(hf, "rope_theta", 10000.0),
+    }
     layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
     per_type = all(isinstance(params.get(t), dict) for t in set(layer_types))
     keys = sorted(set(layer_types)) if per_type else ["all"]
@@ -114,7 +119,9 @@ def _rope(hf: PretrainedConfig, head_dim: int) -> tuple[dict[str, RopeConfig], l
             inv_freq = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             ropes[key] = RopeConfig(inv_freq, 1.0)
         elif rope_type in ROPE_INIT_FUNCTIONS:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), layer_type=key if per_type else None)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                hf, torch.device("cpu"), layer_type=key if per_type else None
+            )
             ropes[key] = RopeConfig(inv_freq.float(), float(scaling))
         else:
             raise ValueError(f"rope_parameters: unsupported rope_type {rope_type!r}")
@@ -138,7 +145,9 @@ def _generation_config(model_dir: str | None) -> Any:
     return GenerationConfig.from_pretrained(model_dir)
 
 
-def model_config_from_hf(hf: PretrainedConfig, model_dir: str | None = None, architecture: str | None = None) -> ModelConfig:
+def model_config_from_hf(
+    hf: PretrainedConfig, model_dir: str | None = None, architecture: str | None = None
+) -> ModelConfig:
     """`architecture` overrides the config's own (draft heads are built from Llama layers)."""
     archs = [architecture] if architecture else (getattr(hf, "architectures", None) or [])
     known = [a for a in archs if a in ARCHITECTURES]

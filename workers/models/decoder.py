@@ -7,7 +7,7 @@ Parameter names follow the Hugging Face checkpoints (with q/k/v and gate/up fuse
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -46,8 +46,9 @@ class SelfAttention(nn.Module):
     `layer_id` of another model (the target) wrote: frozen-KV draft layers.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, input_size: int | None = None,
-                 reads_kv_only: bool = False) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, tp: TPGroup, input_size: int | None = None, reads_kv_only: bool = False
+    ) -> None:
         super().__init__()
         input_size = input_size or cfg.hidden_size
         num_heads, num_kv_heads = QKVParallelLinear.local_heads(cfg.num_heads, cfg.num_kv_heads, tp)
@@ -55,7 +56,9 @@ class SelfAttention(nn.Module):
             self.qkv_proj = None
             self.q_proj = ColumnParallelLinear(input_size, [cfg.num_heads * cfg.head_dim], cfg.qkv_bias, tp)
         else:
-            self.qkv_proj = QKVParallelLinear(input_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp)
+            self.qkv_proj = QKVParallelLinear(
+                input_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp
+            )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.arch.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
@@ -72,7 +75,9 @@ class SelfAttention(nn.Module):
             logit_softcap=cfg.attn_logit_softcap,
         )
 
-    def forward(self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch
+    ) -> torch.Tensor:
         a = self.attn
         cos, sin = rope[self.rope_key]
         if self.qkv_proj is None:
@@ -107,8 +112,9 @@ class DecoderLayer(nn.Module):
     """A pre-norm decoder layer (Gemma: sandwich norms). `input_norm=False` drops the norm
     before attention (EAGLE-1's first layer)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False,
-                 input_norm: bool = True) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False, input_norm: bool = True
+    ) -> None:
         super().__init__()
         gemma = cfg.arch.gemma
         self.gemma = gemma
@@ -121,7 +127,9 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
 
-    def forward(self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch
+    ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), rope, batch)
         if self.gemma:
             hidden = hidden + self.post_attention_layernorm(attn)
@@ -140,8 +148,10 @@ class RotaryTables(nn.Module):
             self.register_buffer(f"inv_freq_{key}", rope.inv_freq.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {key: rope_cos_sin(positions, getattr(self, f"inv_freq_{key}"), r.attention_scaling, dtype)
-                for key, r in self.cfg.rope.items()}
+        return {
+            key: rope_cos_sin(positions, getattr(self, f"inv_freq_{key}"), r.attention_scaling, dtype)
+            for key, r in self.cfg.rope.items()
+        }
 
 
 class DecoderModel(nn.Module):
@@ -161,7 +171,9 @@ class DecoderModel(nn.Module):
             hidden = hidden * torch.tensor(self.cfg.hidden_size**0.5, dtype=hidden.dtype)
         return hidden
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final-norm hidden states, captured layer outputs concatenated or None)."""
         hidden = self.embed(input_ids)
         rope = self.rotary(positions, hidden.dtype)
@@ -206,23 +218,26 @@ class CausalLM(nn.Module):
         load_weights(self, weights, self.cfg.architecture, skip=skip)
 
 
-def load_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str,
-                 rename: dict[str, str] | None = None, skip: set[str] = frozenset(),
-                 stacked: tuple = STACKED_PARAMS) -> None:
+def load_weights(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    what: str,
+    rename: dict[str, str] | None = None,
+    skip: set[str] = frozenset(),
+    stacked: tuple = STACKED_PARAMS,
+) -> None:
     """Copy checkpoint tensors into `module`'s parameters (fusing `stacked` ones); every
     parameter must be set. `rename` maps checkpoint name prefixes to parameter prefixes."""
     params = dict(module.named_parameters())
     missing = {
-        (name, shard)
-        for name in params
-        for shard in ([s for fused, _, s in stacked if f".{fused}." in name] or [None])
+        (name, shard) for name in params for shard in ([s for fused, _, s in stacked if f".{fused}." in name] or [None])
     }
     for name, tensor in weights:
         if "rotary_emb" in name or name in skip:
             continue
         for old, new in (rename or {}).items():
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         target, shard = name, None
         for fused, part, shard_id in stacked:

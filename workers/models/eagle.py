@@ -67,23 +67,31 @@ def load_eagle_config(model_dir: str, target: ModelConfig, load_format: str = "a
     raw: dict[str, Any] = json.load(open(os.path.join(model_dir, "config.json")))
     archs = [a for a in raw.get("architectures") or [] if a in EAGLE_ARCHITECTURES]
     if not archs:
-        raise ValueError(f"speculative.draft_model: architectures {raw.get('architectures')} is not an EAGLE head "
-                         f"({sorted(EAGLE_ARCHITECTURES)})")
+        raise ValueError(
+            f"speculative.draft_model: architectures {raw.get('architectures')} is not an EAGLE head "
+            f"({sorted(EAGLE_ARCHITECTURES)})"
+        )
     version = EAGLE_ARCHITECTURES[archs[0]]
     hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cfg = model_config_from_hf(hf, model_dir, architecture="LlamaForCausalLM")
     if cfg.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative.draft_model: vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}")
+        raise ValueError(
+            f"speculative.draft_model: vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}"
+        )
     eagle = raw.get("eagle_config") or {}
     aux = eagle.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
     if version == 3:
         n = target.num_layers
         aux = tuple(aux) if aux else (1, n // 2 - 1, n - 4)
         if len(aux) != 3 or not all(0 <= i < n for i in aux):
-            raise ValueError(f"speculative.draft_model: eagle_aux_hidden_state_layer_ids {list(aux)} must name three of "
-                             f"the target's {n} layers")
+            raise ValueError(
+                f"speculative.draft_model: eagle_aux_hidden_state_layer_ids {list(aux)} must name three of "
+                f"the target's {n} layers"
+            )
         if cfg.num_layers != 1:
-            raise ValueError(f"speculative.draft_model: EAGLE-3 heads with {cfg.num_layers} layers are not supported (1)")
+            raise ValueError(
+                f"speculative.draft_model: EAGLE-3 heads with {cfg.num_layers} layers are not supported (1)"
+            )
     names = _checkpoint_names(model_dir) if load_format != "dummy" else frozenset()
     return EagleConfig(
         version=version,

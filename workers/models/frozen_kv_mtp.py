@@ -36,7 +36,9 @@ ARCHITECTURE = "FrozenKVMTPForCausalLM"
 def default_kv_source_layers(target: ModelConfig) -> list[int]:
     """The last sliding-window layer and the last full-attention layer of the target."""
     windows = target.layer_windows
-    last = [max((i for i, w in windows.items() if (w is not None) == sliding), default=None) for sliding in (True, False)]
+    last = [
+        max((i for i, w in windows.items() if (w is not None) == sliding), default=None) for sliding in (True, False)
+    ]
     return [i for i in last if i is not None]
 
 
@@ -48,9 +50,13 @@ def frozen_kv_config(model_dir: str, target: ModelConfig) -> tuple[ModelConfig, 
     sources = raw.get("kv_source_layers") or default_kv_source_layers(target)
     bad = [i for i in sources if not isinstance(i, int) or not 0 <= i < target.num_layers]
     if bad:
-        raise ValueError(f"speculative.draft_model: kv_source_layers {bad} are not layers of the target (0..{target.num_layers - 1})")
+        raise ValueError(
+            f"speculative.draft_model: kv_source_layers {bad} are not layers of the target (0..{target.num_layers - 1})"
+        )
     for key in ("hidden_size", "vocab_size", "head_dim", "num_attention_heads", "num_key_value_heads"):
-        ours = getattr(target, {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}.get(key, key))
+        ours = getattr(
+            target, {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}.get(key, key)
+        )
         if key in raw and raw[key] != ours:
             raise ValueError(f"speculative.draft_model: {key} {raw[key]} differs from the target's {ours}")
     cfg = dataclasses.replace(target, intermediate_size=raw.get("intermediate_size", target.intermediate_size))
@@ -77,8 +83,12 @@ class FrozenKVMTPHead(nn.Module):
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target = self._target[0]
         embeds = target.model.embed(batch.input_ids)
-        hidden = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
-                                    self.pre_fc_norm_hidden(batch.spec_hidden.to(embeds.dtype))], dim=-1))
+        hidden = self.fc(
+            torch.cat(
+                [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(batch.spec_hidden.to(embeds.dtype))],
+                dim=-1,
+            )
+        )
         rope = self.rotary(batch.positions, hidden.dtype)
         for layer in self.layers:
             hidden = layer(hidden, rope, batch)

@@ -6,7 +6,7 @@ slice of a full checkpoint tensor, so loading is the same for any `tp_size`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param((self.shard, hidden_size), self._load)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        rows = loaded[self.start:self.start + self.shard]
+        rows = loaded[self.start : self.start + self.shard]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
 
@@ -111,12 +111,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     SHARDS = ("q", "k", "v")
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup
+    ) -> None:
         self.head_dim = head_dim
         self.num_heads, self.num_kv_heads = self.local_heads(num_heads, num_kv_heads, tp)
         replicated = num_kv_heads < tp.size
         self._kv_head_start = tp.rank * num_kv_heads // tp.size if replicated else tp.rank * self.num_kv_heads
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp)
+        super().__init__(
+            hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp
+        )
 
     @staticmethod
     def local_heads(num_heads: int, num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
@@ -199,7 +203,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[T, rotary_dim]` for these positions, computed in float32 as HF does."""
     freqs = positions[:, None].float() * inv_freq[None, :].to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)

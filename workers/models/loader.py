@@ -8,7 +8,7 @@ import glob
 import json
 import logging
 import os
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -36,7 +36,9 @@ def safetensors_files(model_dir: str) -> list[str]:
         return files
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        raise ValueError(f"model: no *.safetensors weights in {model_dir!r} (use load_format='dummy' for random weights)")
+        raise ValueError(
+            f"model: no *.safetensors weights in {model_dir!r} (use load_format='dummy' for random weights)"
+        )
     return files
 
 
@@ -68,12 +70,21 @@ def build_model(
     tp: TPGroup = SINGLE_RANK,
     seed: int = 0,
 ) -> CausalLM:
-    return build_module(lambda: CausalLM(cfg, tp), cfg.architecture, model_dir, load_format, dtype, device, seed,
-                        cfg.initializer_range)
+    return build_module(
+        lambda: CausalLM(cfg, tp), cfg.architecture, model_dir, load_format, dtype, device, seed, cfg.initializer_range
+    )
 
 
-def build_module(make: Callable[[], nn.Module], what: str, model_dir: str | None, load_format: str,
-                 dtype: torch.dtype, device: torch.device, seed: int, init_std: float) -> nn.Module:
+def build_module(
+    make: Callable[[], nn.Module],
+    what: str,
+    model_dir: str | None,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    init_std: float,
+) -> nn.Module:
     """Create a model (target or draft head) in `dtype` on `device` and fill its weights from
     the directory's safetensors, or randomly (`load_format="dummy"`)."""
     if load_format not in LOAD_FORMATS:

@@ -1,6 +1,6 @@
 """Speculative decoding on CPU: lossless greedy output for every algorithm x draft pool kind x
 backend x target x page size, identical accept lengths on both backends, the accept-length
-canary (with the upstream mistake of invariant 1 put back), rejection sampling exact in
+canary (with the upstream mistake of invariant 1, docs/design.md §4.1, put back), rejection sampling exact in
 distribution, bad configurations and KV accounting."""
 
 import collections
@@ -11,11 +11,11 @@ from scipy.stats import chisquare
 
 from attention.trtllm_mha import TRTLLMMHABackend
 from tests.attention.test_invariants import _AllocatorDecides
+from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
 from tests.hf_models import WINDOW, make_tiny_model, random_prompts
-from tests.spec_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
 from workers.engine import Engine, SamplingParams
 from workers.memory import HybridSWAAllocator, MHAPool
-from workers.spec import worker as spec_worker
+from workers.speculative import worker as spec_worker
 
 K = 3
 PROMPT_LENS = [3 * WINDOW + 5, WINDOW + 3, 2 * WINDOW + 1]  # longer than the window
@@ -48,7 +48,9 @@ def models(tmp_path_factory):
             swa_draft = str(root / "llama_swa_draft")
             make_tiny_model("gemma3", swa_draft, seed=3)
         out[name] = {
-            "target": target, "copy": copy, "swa_draft": swa_draft,
+            "target": target,
+            "copy": copy,
+            "swa_draft": swa_draft,
             "exact_copy": make_perturbed_copy(target, str(root / f"{name}_exact"), noise=0.0),
             "eagle1": make_eagle_head(target, str(root / f"{name}_eagle1"), 1),
             "eagle3": make_eagle_head(target, str(root / f"{name}_eagle3"), 3, draft_vocab_size=200),
@@ -63,8 +65,15 @@ def baselines():
 
 
 def _engine(target: str, backend: str, page_size: int, speculative=None, **kw) -> Engine:
-    return Engine(model=target, page_size=page_size, attention_backend=backend, chunked_prefill_size=5,
-                  max_total_tokens=4096, speculative=speculative, **kw)
+    return Engine(
+        model=target,
+        page_size=page_size,
+        attention_backend=backend,
+        chunked_prefill_size=5,
+        max_total_tokens=4096,
+        speculative=speculative,
+        **kw,
+    )
 
 
 def _spec(algorithm: str, draft: str, pool: str | None = None, num_steps: int = K) -> dict:
@@ -85,8 +94,10 @@ def test_lossless_matrix(models, baselines, target, page_size, variant):
     for backend in BACKENDS:
         key = (target, page_size, backend)
         if key not in baselines:
-            baselines[key] = [o.token_ids for o in _engine(m["target"], backend, page_size).generate(
-                prompt_token_ids=prompts, sampling=GREEDY)]
+            baselines[key] = [
+                o.token_ids
+                for o in _engine(m["target"], backend, page_size).generate(prompt_token_ids=prompts, sampling=GREEDY)
+            ]
         eng = _engine(m["target"], backend, page_size, _spec(algorithm, m[draft], pool))
         assert eng.spec.drafter.pool_kind == pool
         outs = eng.generate(prompt_token_ids=prompts, sampling=GREEDY)
@@ -131,8 +142,14 @@ def test_incremental_drafts_equal_a_fresh_prefill(models, variant):
         before = {r.rid: r.tokens(0, r.num_tokens - 1) for r in eng.scheduler.running if r.prefilled}
         eng.step()
         rounds += [(before[rid], d) for rid, d in eng.last_step.drafts.items()]
-    fresh = Engine(model=m["target"], page_size=16, attention_backend="torch_native", chunked_prefill_size=None,
-                   max_total_tokens=4096, speculative=spec)
+    fresh = Engine(
+        model=m["target"],
+        page_size=16,
+        attention_backend="torch_native",
+        chunked_prefill_size=None,
+        max_total_tokens=4096,
+        speculative=spec,
+    )
     for tokens, drafts in rounds[::4]:
         rid = fresh.add_request(tokens, SamplingParams(max_new_tokens=K + 2, temperature=0.0, ignore_eos=True))
         while not fresh.last_step.drafts:
@@ -163,9 +180,16 @@ def _canary_run(m, backend: str, monkeypatch=None):
     other requests keep the SWA pool over 85% occupied (measured at every draft forward) with
     full slot ids above its size."""
     page = 4
-    eng = Engine(model=m["target"], page_size=page, attention_backend=backend, chunked_prefill_size=4,
-                 max_total_tokens=400 * page, swa_full_tokens_ratio=36 / 400, max_running_requests=16,
-                 speculative=_spec("standalone", m["exact_copy"], "full"))
+    eng = Engine(
+        model=m["target"],
+        page_size=page,
+        attention_backend=backend,
+        chunked_prefill_size=4,
+        max_total_tokens=400 * page,
+        swa_full_tokens_ratio=36 / 400,
+        max_running_requests=16,
+        speculative=_spec("standalone", m["exact_copy"], "full"),
+    )
     draft_runner, alloc = eng.spec.drafter.runner, eng.allocator
     if monkeypatch is not None:
         windows = dict(eng.cfg.layer_windows)
@@ -230,13 +254,22 @@ def test_rejection_sampling_is_exact_in_distribution(small_vocab, temperature, v
     rejection step) emits the draft's distribution instead, which the test must catch."""
     hf, target, draft = small_vocab
     if variant == "keep_every_draft":
-        monkeypatch.setattr(spec_worker, "verify_sampling", lambda tp, dp, drafts, g: (len(drafts), int(tp[-1].argmax())))
+        monkeypatch.setattr(
+            spec_worker, "verify_sampling", lambda tp, dp, drafts, g: (len(drafts), int(tp[-1].argmax()))
+        )
     prompt = [1, 5, 2, 7, 3, 0, 4, 6, 1, 2, 3]
     n = 3000
-    eng = Engine(model=target, page_size=4, max_running_requests=64, max_total_tokens=8192,
-                 speculative=_spec("standalone", draft, num_steps=3))
-    outs = eng.generate(prompt_token_ids=[prompt] * n, sampling=[
-        SamplingParams(max_new_tokens=2, temperature=temperature, ignore_eos=True, seed=s) for s in range(n)])
+    eng = Engine(
+        model=target,
+        page_size=4,
+        max_running_requests=64,
+        max_total_tokens=8192,
+        speculative=_spec("standalone", draft, num_steps=3),
+    )
+    outs = eng.generate(
+        prompt_token_ids=[prompt] * n,
+        sampling=[SamplingParams(max_new_tokens=2, temperature=temperature, ignore_eos=True, seed=s) for s in range(n)],
+    )
     eng.check_no_leak()
     counts = collections.Counter(tuple(o.token_ids) for o in outs)
     with torch.no_grad():
@@ -291,8 +324,10 @@ def test_stops_inside_accepted_drafts_match_plain_decoding(models):
     spec = _engine(m["target"], "trtllm_mha", 4, _spec("standalone", m["exact_copy"], "full"))
     (ref,) = plain.generate(prompt_token_ids=[prompt], sampling=GREEDY)
     stop = ref.token_ids[6]
-    for sp in (SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
-               SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True)):
+    for sp in (
+        SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)),
+        SamplingParams(max_new_tokens=7, temperature=0.0, ignore_eos=True),
+    ):
         (a,) = plain.generate(prompt_token_ids=[prompt], sampling=sp)
         (b,) = spec.generate(prompt_token_ids=[prompt], sampling=sp)
         assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason)
@@ -322,6 +357,6 @@ def test_step_records_show_the_round_in_order(models):
         steps.append([(f.model, f.mode) for f in eng.last_step.forwards])
     assert steps[0][:2] == [("target", "EXTEND"), ("draft", "EXTEND")]
     rounds = [s for s in steps if ("target", "TARGET_VERIFY") in s]
-    assert rounds and all(s[:K - 1] == [("draft", "DECODE")] * (K - 1) for s in rounds)
+    assert rounds and all(s[: K - 1] == [("draft", "DECODE")] * (K - 1) for s in rounds)
     assert all(s[K - 1] == ("target", "TARGET_VERIFY") and s[K] == ("draft", "DRAFT_EXTEND_V2") for s in rounds[:-1])
     eng.check_no_leak()

@@ -21,9 +21,9 @@ from workers.model_runner import ModelRunner
 from workers.request import Request
 from workers.sampler import draw_each, sampling_probs
 from workers.scheduler import ScheduledBatch, Scheduler
-from workers.spec.accept import verify_greedy, verify_sampling
-from workers.spec.drafter import Drafter, DraftState, HiddenRows
-from workers.spec.stats import SpecStats
+from workers.speculative.accept import verify_greedy, verify_sampling
+from workers.speculative.drafter import Drafter, DraftState, HiddenRows
+from workers.speculative.stats import SpecStats
 
 
 class SpecWorker:
@@ -43,7 +43,7 @@ class SpecWorker:
         rows: HiddenRows = {}
         start = 0
         for req, n in zip(sb.reqs, sb.q_lens):
-            rows[req.rid] = (req.kv_len - n, hidden[start:start + n])
+            rows[req.rid] = (req.kv_len - n, hidden[start : start + n])
             start += n
         self.drafter.catch_up(ForwardMode.EXTEND, [r for r in sb.reqs if not r.finished], rows)
 
@@ -65,7 +65,11 @@ class SpecWorker:
                 for i, exc in errors.items():
                     self.scheduler.fail(reqs[i], exc)
                 keep = [i for i in range(len(reqs)) if i not in errors]
-                reqs, drafts, draft_probs = [reqs[i] for i in keep], [drafts[i] for i in keep], [draft_probs[i] for i in keep]
+                reqs, drafts, draft_probs = (
+                    [reqs[i] for i in keep],
+                    [drafts[i] for i in keep],
+                    [draft_probs[i] for i in keep],
+                )
                 hidden = hidden[keep]
         if not reqs:
             return []
@@ -88,20 +92,33 @@ class SpecWorker:
         best = out.logits.argmax(dim=-1).tolist()  # one device sync for every greedy request
         for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
             try:
-                new = self._accept(req, start, d, dp, out.logits[i * (k + 1):(i + 1) * (k + 1)],
-                                   best[i * (k + 1):(i + 1) * (k + 1)])
+                new = self._accept(
+                    req,
+                    start,
+                    d,
+                    dp,
+                    out.logits[i * (k + 1) : (i + 1) * (k + 1)],
+                    best[i * (k + 1) : (i + 1) * (k + 1)],
+                )
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self.scheduler.fail(req, exc)
                 continue
             events.append((req, new))
             if not req.finished:
-                rows[req.rid] = (start, out.hidden[i * (k + 1):(i + 1) * (k + 1)])
+                rows[req.rid] = (start, out.hidden[i * (k + 1) : (i + 1) * (k + 1)])
                 live.append(req)
         self.drafter.catch_up(ForwardMode.DRAFT_EXTEND_V2, live, rows)
         return events
 
-    def _accept(self, req: Request, start: int, drafts: list[int], draft_probs: list[torch.Tensor | None],
-                logits: torch.Tensor, best: list[int]) -> list[int]:
+    def _accept(
+        self,
+        req: Request,
+        start: int,
+        drafts: list[int],
+        draft_probs: list[torch.Tensor | None],
+        logits: torch.Tensor,
+        best: list[int],
+    ) -> list[int]:
         """Verify one request's drafts, commit the accepted tokens and the bonus; its new tokens."""
         k = self.num_steps
         if req.sampling.greedy:

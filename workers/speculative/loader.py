@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,8 +16,8 @@ from workers.models.eagle import EagleHead, load_eagle_config
 from workers.models.frozen_kv_mtp import FrozenKVMTPHead, frozen_kv_config
 from workers.models.loader import build_module
 from workers.scheduler import Scheduler
-from workers.spec.config import DRAFT_POOLS, SpecConfig
-from workers.spec.drafter import DRAFTERS, Drafter
+from workers.speculative.config import DRAFT_POOLS, SpecConfig
+from workers.speculative.drafter import DRAFTERS, Drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,9 @@ def plan_draft(spec: SpecConfig, target: ModelConfig, context_length: int) -> Dr
     if spec.algorithm == "standalone":
         cfg = load_model_config(spec.draft_model)
         if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative.draft_model: vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}")
+            raise ValueError(
+                f"speculative.draft_model: vocabulary of {cfg.vocab_size} tokens, the target has {target.vocab_size}"
+            )
         pool_kind = spec.draft_pool or ("swa" if cfg.max_window is not None else "full")
         if pool_kind == "swa" and cfg.max_window is None:
             raise ValueError("speculative.draft_pool: 'swa' needs sliding-window layers; the draft has none")
@@ -49,14 +51,18 @@ def plan_draft(spec: SpecConfig, target: ModelConfig, context_length: int) -> Dr
         cfg, sources = frozen_kv_config(spec.draft_model, target)
         windows = [target.layer_windows[i] for i in sources if target.layer_windows[i] is not None]
         if windows and spec.num_steps > min(windows) - 1:
-            raise ValueError(f"speculative.num_steps: frozen-KV draft steps past the verified tokens must stay inside "
-                             f"the {min(windows)}-token window of the layers they read: at most {min(windows) - 1}")
+            raise ValueError(
+                f"speculative.num_steps: frozen-KV draft steps past the verified tokens must stay inside "
+                f"the {min(windows)}-token window of the layers they read: at most {min(windows) - 1}"
+            )
         plan = DraftPlan(spec, "target", cfg, lambda t, tp: FrozenKVMTPHead(cfg, sources, t, tp), None)
     if plan.pool_kind not in DRAFT_POOLS[spec.algorithm]:
         raise ValueError(f"speculative.draft_pool: {plan.pool_kind!r} is not supported by {spec.algorithm}")
     if plan.cfg.max_window is not None and plan.cfg.max_window > context_length:
-        raise ValueError(f"speculative.draft_model: sliding window {plan.cfg.max_window} is larger than the target's "
-                         f"context length {context_length}")
+        raise ValueError(
+            f"speculative.draft_model: sliding window {plan.cfg.max_window} is larger than the target's "
+            f"context length {context_length}"
+        )
     return plan
 
 
@@ -75,12 +81,31 @@ def build_drafter(
     """Load the draft model on the target's allocator, with its own attention backend."""
     spec = plan.spec
     if plan.build is None:
-        runner = ModelRunner.load(plan.cfg, spec.draft_model, allocator, attention_backend, dtype, device,
-                                  spec.draft_load_format, tp, use_swa_pool=plan.pool_kind == "swa", seed=seed,
-                                  debug_kv_checks=debug_kv_checks, role="draft")
+        runner = ModelRunner.load(
+            plan.cfg,
+            spec.draft_model,
+            allocator,
+            attention_backend,
+            dtype,
+            device,
+            spec.draft_load_format,
+            tp,
+            use_swa_pool=plan.pool_kind == "swa",
+            seed=seed,
+            debug_kv_checks=debug_kv_checks,
+            role="draft",
+        )
     else:
-        model = build_module(lambda: plan.build(target.model, tp), f"{spec.algorithm} draft head", spec.draft_model,
-                             spec.draft_load_format, dtype, device, seed, plan.cfg.initializer_range)
+        model = build_module(
+            lambda: plan.build(target.model, tp),
+            f"{spec.algorithm} draft head",
+            spec.draft_model,
+            spec.draft_load_format,
+            dtype,
+            device,
+            seed,
+            plan.cfg.initializer_range,
+        )
         pool = None
         if plan.pool_kind == "full":
             attn = model.attention_layers[0]

@@ -24,8 +24,17 @@ def _save(out_dir: str, config: dict, tensors: dict[str, torch.Tensor]) -> str:
     return out_dir
 
 
-def _llama_layer(prefix: str, g: torch.Generator, h: int, heads: int, kv_heads: int, d: int, inter: int,
-                 qkv_in: int, norms: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _llama_layer(
+    prefix: str,
+    g: torch.Generator,
+    h: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    inter: int,
+    qkv_in: int,
+    norms: tuple[str, ...],
+) -> dict[str, torch.Tensor]:
     def w(*shape):
         return torch.randn(*shape, generator=g) * STD
 
@@ -43,8 +52,14 @@ def _llama_layer(prefix: str, g: torch.Generator, h: int, heads: int, kv_heads: 
     return t
 
 
-def make_eagle_head(target_dir: str, out_dir: str, version: int, seed: int = 0, draft_vocab_size: int | None = None,
-                    aux_layers: list[int] | None = None) -> str:
+def make_eagle_head(
+    target_dir: str,
+    out_dir: str,
+    version: int,
+    seed: int = 0,
+    draft_vocab_size: int | None = None,
+    aux_layers: list[int] | None = None,
+) -> str:
     """An EAGLE-1 (`LlamaForCausalLMEagle`) or EAGLE-3 (`LlamaForCausalLMEagle3`) head for a target."""
     tc = _config(target_dir)
     h, vocab = tc["hidden_size"], tc["vocab_size"]
@@ -52,10 +67,19 @@ def make_eagle_head(target_dir: str, out_dir: str, version: int, seed: int = 0, 
     g = torch.Generator().manual_seed(seed)
     config = {
         "architectures": ["LlamaForCausalLMEagle" if version == 1 else "LlamaForCausalLMEagle3"],
-        "model_type": "llama", "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": 1,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": d, "vocab_size": vocab,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": tc["max_position_embeddings"], "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu",
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": d,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": tc["max_position_embeddings"],
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
     }
     if version == 1:
         tensors = {"fc.weight": torch.randn(h, 2 * h, generator=g) * STD, "fc.bias": torch.zeros(h)}
@@ -64,11 +88,24 @@ def make_eagle_head(target_dir: str, out_dir: str, version: int, seed: int = 0, 
     dv = draft_vocab_size or vocab
     config["draft_vocab_size"] = dv
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers or [0, 1, tc["num_hidden_layers"] - 1]}
-    tensors = {"fc.weight": torch.randn(h, 3 * h, generator=g) * STD,
-               "norm.weight": 1.0 + 0.1 * torch.randn(h, generator=g),
-               "lm_head.weight": torch.randn(dv, h, generator=g) * STD}
-    tensors.update(_llama_layer("midlayer", g, h, heads, kv_heads, d, inter, 2 * h,
-                                ("input_layernorm", "hidden_norm", "post_attention_layernorm")))
+    tensors = {
+        "fc.weight": torch.randn(h, 3 * h, generator=g) * STD,
+        "norm.weight": 1.0 + 0.1 * torch.randn(h, generator=g),
+        "lm_head.weight": torch.randn(dv, h, generator=g) * STD,
+    }
+    tensors.update(
+        _llama_layer(
+            "midlayer",
+            g,
+            h,
+            heads,
+            kv_heads,
+            d,
+            inter,
+            2 * h,
+            ("input_layernorm", "hidden_norm", "post_attention_layernorm"),
+        )
+    )
     if dv != vocab:
         target_ids = torch.randperm(vocab, generator=g)[:dv].sort().values
         tensors["d2t"] = target_ids - torch.arange(dv)
@@ -90,24 +127,39 @@ def make_frozen_kv_head(target_dir: str, out_dir: str, seed: int = 0, kv_source_
         last = {t: i for i, t in enumerate(layer_types)}
         kv_source_layers = sorted(last.values())
     g = torch.Generator().manual_seed(seed)
-    config = {**tc, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": kv_source_layers,
-              "intermediate_size": inter}
+    config = {
+        **tc,
+        "architectures": ["FrozenKVMTPForCausalLM"],
+        "kv_source_layers": kv_source_layers,
+        "intermediate_size": inter,
+    }
+
     def w(*shape):
         return torch.randn(*shape, generator=g) * STD
 
     def norm():
         return 0.1 * torch.randn(h, generator=g) if gemma else 1.0 + 0.1 * torch.randn(h, generator=g)
 
-    tensors = {"fc.weight": w(h, 2 * h), "pre_fc_norm_embedding.weight": norm(), "pre_fc_norm_hidden.weight": norm(),
-               "norm.weight": norm()}
+    tensors = {
+        "fc.weight": w(h, 2 * h),
+        "pre_fc_norm_embedding.weight": norm(),
+        "pre_fc_norm_hidden.weight": norm(),
+        "norm.weight": norm(),
+    }
     norms = ["input_layernorm", "post_attention_layernorm"]
     if gemma:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i, _ in enumerate(kv_source_layers):
         p = f"layers.{i}"
-        tensors.update({f"{p}.self_attn.q_proj.weight": w(heads * d, h), f"{p}.self_attn.o_proj.weight": w(h, heads * d),
-                        f"{p}.mlp.gate_proj.weight": w(inter, h), f"{p}.mlp.up_proj.weight": w(inter, h),
-                        f"{p}.mlp.down_proj.weight": w(h, inter)})
+        tensors.update(
+            {
+                f"{p}.self_attn.q_proj.weight": w(heads * d, h),
+                f"{p}.self_attn.o_proj.weight": w(h, heads * d),
+                f"{p}.mlp.gate_proj.weight": w(inter, h),
+                f"{p}.mlp.up_proj.weight": w(inter, h),
+                f"{p}.mlp.down_proj.weight": w(h, inter),
+            }
+        )
         if tc.get("model_type") in ("gemma3_text", "qwen3"):
             tensors[f"{p}.self_attn.q_norm.weight"] = 0.1 * torch.randn(d, generator=g)
         for n in norms:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 MAX_NUM_STEPS = 16
 ALGORITHM_ALIASES = {"nextn": "eagle"}
@@ -31,7 +32,7 @@ class SpecConfig:
     draft_tp: str = "shard"
 
     @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> "SpecConfig":
+    def from_dict(cls, options: Mapping[str, Any]) -> SpecConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - fields)
         if unknown:
@@ -49,11 +50,17 @@ class SpecConfig:
             known = sorted([*DRAFT_POOLS, *ALGORITHM_ALIASES])
             raise ValueError(f"speculative.algorithm: unknown {self.algorithm!r}; known: {known}")
         if not isinstance(self.num_steps, int) or not 1 <= self.num_steps <= MAX_NUM_STEPS:
-            raise ValueError(f"speculative.num_steps: must be an integer in [1, {MAX_NUM_STEPS}], got {self.num_steps!r}")
+            raise ValueError(
+                f"speculative.num_steps: must be an integer in [1, {MAX_NUM_STEPS}], got {self.num_steps!r}"
+            )
         if self.draft_pool is not None and self.draft_pool not in DRAFT_POOLS[self.algorithm]:
-            raise ValueError(f"speculative.draft_pool: {self.algorithm} supports {list(DRAFT_POOLS[self.algorithm])}, "
-                             f"got {self.draft_pool!r}")
+            raise ValueError(
+                f"speculative.draft_pool: {self.algorithm} supports {list(DRAFT_POOLS[self.algorithm])}, "
+                f"got {self.draft_pool!r}"
+            )
         if self.draft_tp not in ("shard", "replicate"):
             raise ValueError(f"speculative.draft_tp: 'shard' or 'replicate', got {self.draft_tp!r}")
         if not os.path.isfile(os.path.join(str(self.draft_model), "config.json")):
-            raise ValueError(f"speculative.draft_model: {self.draft_model!r} is not a model directory with a config.json")
+            raise ValueError(
+                f"speculative.draft_model: {self.draft_model!r} is not a model directory with a config.json"
+            )

@@ -33,5 +33,5 @@ class SpecStats:
     def mean_accept_length(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
 
-    def copy(self) -> "SpecStats":
+    def copy(self) -> SpecStats:
         return SpecStats(self.num_steps, self.verify_steps, list(self.accept_lengths), list(self.accepted_per_position))

@@ -20,13 +20,24 @@ def _generate(args: argparse.Namespace) -> int:
     client = GenerationClient(args.target, token=token, root_cert=root_cert)
     prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
     try:
-        for response in client.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                        top_p=args.top_p, top_k=args.top_k, seed=args.seed, timeout=args.timeout):
+        for response in client.generate(
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            timeout=args.timeout,
+        ):
             sys.stdout.write(response.text or (" ".join(map(str, response.token_ids)) + " "))
             sys.stdout.flush()
             if response.finished:
-                spec = f", mean accept length {response.spec.mean_accept_length:.2f}" if response.spec.verify_steps else ""
-                print(f"\n[{response.usage.completion_tokens} tokens, replica {response.replica}{spec}]", file=sys.stderr)
+                spec = (
+                    f", mean accept length {response.spec.mean_accept_length:.2f}" if response.spec.verify_steps else ""
+                )
+                print(
+                    f"\n[{response.usage.completion_tokens} tokens, replica {response.replica}{spec}]", file=sys.stderr
+                )
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -5,8 +5,8 @@ bf16 noise up to any first divergence (the criterion of the engine's GPU test)."
 
 import pytest
 
+from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
 from tests.hf_models import make_tiny_model, random_prompts
-from tests.spec_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from workers.engine import Engine, SamplingParams
 
@@ -18,8 +18,9 @@ K = 4
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_spec")
     target = str(root / "gemma3")
-    make_tiny_model("gemma3", target, hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
-                    sliding_window=32)
+    make_tiny_model(
+        "gemma3", target, hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=32
+    )
     return {
         "target": target,
         "standalone": make_perturbed_copy(target, str(root / "copy"), noise=0.0),
@@ -32,8 +33,14 @@ def models(tmp_path_factory):
 def test_speculative_trtllm_mha_on_gpu(models, algorithm):
     prompts = random_prompts([150, 40, 97, 300])
     sp = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True, return_logits=True)
-    common = dict(device="cuda", dtype="bfloat16", page_size=16, attention_backend="trtllm_mha", chunked_prefill_size=64,
-                  debug_kv_checks=True)
+    common = dict(
+        device="cuda",
+        dtype="bfloat16",
+        page_size=16,
+        attention_backend="trtllm_mha",
+        chunked_prefill_size=64,
+        debug_kv_checks=True,
+    )
     base = Engine(model=models["target"], **common)
     ref = base.generate(prompt_token_ids=prompts, sampling=sp)
     spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": K}
@@ -44,7 +51,10 @@ def test_speculative_trtllm_mha_on_gpu(models, algorithm):
     eng.check_no_leak()
     diverged, worst = compare_bf16_runs(ref, outs, algorithm)
     lengths = [n for o in outs for n in o.spec.accept_lengths]
-    print(f"{algorithm}: {diverged} of {len(prompts)} requests diverged (largest logit difference {worst:.3g}); mean accept length "
-          f"{sum(lengths) / len(lengths):.2f} over {len(lengths)} verify steps")
+    print(
+        f"{algorithm}: {diverged} of {len(prompts)} requests diverged (largest logit difference {worst:.3g}); "
+        "mean accept length "
+        f"{sum(lengths) / len(lengths):.2f} over {len(lengths)} verify steps"
+    )
     if algorithm == "standalone":
         assert sum(lengths) / len(lengths) > K + 0.5

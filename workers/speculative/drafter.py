@@ -9,11 +9,12 @@ target forward it *catches up* (`catch_up`): it runs on the entries it has not s
 that reaches the request's pending token its last row proposes the first draft token of the
 next round. A round then takes num_steps - 1 more single-token draft steps (`step`).
 
-| algorithm | entry at draft position q consumes | catch-up after verify |
-| --- | --- | --- |
-| standalone | token q | tokens the draft lacks: the bonus token (and the last draft if all were kept) |
-| eagle | token q + 1 and the target's hidden state at q | every accepted token + bonus, with the target's hidden states (drafting used the draft's own) |
-| frozen_kv_mtp | (no KV) | none: the first draft step reads the target's hidden state directly |
+- standalone: the entry at draft position q consumes token q; the catch-up after verify runs
+  the tokens the draft lacks (the bonus token, and the last draft if all were kept).
+- eagle: the entry at q consumes token q + 1 and the target's hidden state at q; the catch-up
+  runs every accepted token and the bonus with the target's hidden states (drafting used the
+  draft's own).
+- frozen_kv_mtp: no KV; no catch-up: the first draft step reads the target's hidden state.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from workers.model_runner import ForwardOutput, ModelRunner
 from workers.request import Request
 from workers.sampler import draw_each
 from workers.scheduler import Scheduler
-from workers.spec.stats import SpecStats
+from workers.speculative.stats import SpecStats
 
 HiddenRows = dict[str, tuple[int, torch.Tensor]]  # request id -> (position of row 0, target hidden rows)
 
@@ -52,8 +53,9 @@ class Drafter:
     reuses_drafted_kv = True  # KV written while drafting equals what a catch-up would write
     reads_hidden = False  # entries read the target's hidden states
 
-    def __init__(self, algorithm: str, pool_kind: str, runner: ModelRunner, target: ModelRunner,
-                 scheduler: Scheduler) -> None:
+    def __init__(
+        self, algorithm: str, pool_kind: str, runner: ModelRunner, target: ModelRunner, scheduler: Scheduler
+    ) -> None:
         self.algorithm = algorithm
         self.pool_kind = pool_kind
         self.runner = runner
@@ -171,9 +173,11 @@ def _rows(hidden: tuple[int, torch.Tensor], start: int, end: int) -> torch.Tenso
     """Target hidden states of positions [start, end)."""
     first, rows = hidden
     if start < first or end - first > rows.shape[0]:
-        raise RuntimeError(f"draft catch-up needs target hidden states of positions [{start}, {end}), "
-                           f"this forward has [{first}, {first + rows.shape[0]})")
-    return rows[start - first:end - first]
+        raise RuntimeError(
+            f"draft catch-up needs target hidden states of positions [{start}, {end}), "
+            f"this forward has [{first}, {first + rows.shape[0]})"
+        )
+    return rows[start - first : end - first]
 
 
 DRAFTERS = {"standalone": Drafter, "eagle": EagleDrafter, "frozen_kv_mtp": FrozenKVDrafter}
