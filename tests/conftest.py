@@ -1,6 +1,7 @@
+import importlib.util
 import os
-import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,11 +16,10 @@ def pytest_sessionstart(session):
     (explicit paths) skips it."""
     if session.config.args != [os.path.join(ROOT, "tests")] and session.config.args != ["tests"]:
         return
-    ruff = shutil.which("ruff")
-    if ruff is None:
+    if importlib.util.find_spec("ruff") is None:
         pytest.exit("lint: ruff is not installed; install the test extra: pip install -e '.[test]'", returncode=1)
     for check in (["check", "."], ["format", "--check", "."]):
-        done = subprocess.run([ruff, *check], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "ruff", *check], cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0:
             report = f"{done.stdout}{done.stderr}"
             pytest.exit(f"lint: `ruff {' '.join(check)}` failed:\n{report}\n{HOW_TO_FIX}", returncode=1)
