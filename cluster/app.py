@@ -11,8 +11,10 @@ The application is two deployments: `GrpcIngress` (the gRPC API and the HTTP rou
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -21,16 +23,20 @@ from cluster.config import AppArgs
 from cluster.ingress import GrpcIngress
 from cluster.replica import LLMServer
 
+logger = logging.getLogger(__name__)
+
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate the arguments; bind the engine replica deployment (each replica in its own
-    placement group: bundle 0 for the replica actor, one per tensor-parallel rank) behind the
-    ingress."""
-    cfg = AppArgs(**args)
+    """Validate the arguments (a config's nested `args`, or `serve run` key=value pairs with
+    dotted keys for nested settings); bind the engine replica deployment (each replica in its
+    own placement group: bundle 0 for the replica actor, one per tensor-parallel rank) behind
+    the ingress."""
+    cfg = AppArgs.from_flat(args)
+    _warn_if_it_cannot_fit(cfg)
     options: dict[str, Any] = dict(
-        placement_group_bundles=[{"CPU": 1}] + cfg.rank_bundles(),
+        placement_group_bundles=[{"CPU": cfg.replica_cpus}] + cfg.rank_bundles(),
         placement_group_strategy=cfg.placement_strategy,
-        ray_actor_options={"num_cpus": 1},
+        ray_actor_options={"num_cpus": cfg.replica_cpus},
         health_check_period_s=cfg.health_check_period_s,
         health_check_timeout_s=cfg.health_check_timeout_s,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
@@ -49,6 +55,29 @@ def build_app(args: dict[str, Any]) -> Application:
     engine = serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
     return (
         serve.deployment(GrpcIngress)
-        .options(num_replicas=1, ray_actor_options={"num_cpus": 0.5})
+        .options(num_replicas=1, ray_actor_options={"num_cpus": cfg.ingress_cpus})
         .bind(engine, cfg.model_dump())
     )
+
+
+def _warn_if_it_cannot_fit(cfg: AppArgs) -> None:
+    """Serve waits, repeating that no node type can fulfil the request, when the cluster lacks
+    the CPUs or GPUs the application asks for; say up front what it needs."""
+    if not ray.is_initialized():
+        return
+    have = ray.cluster_resources()
+    need = {"CPU": cfg.total_cpus()}
+    if cfg.device == "cuda":
+        need["GPU"] = cfg.tp_size * (cfg.num_replicas if isinstance(cfg.num_replicas, int) else 1)
+    short = {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) < v}
+    if short:
+        logger.warning(
+            "slidespec needs %s (replica_cpus %.2g + tp_size %d x cpus_per_rank %.2g per replica, ingress_cpus %.2g) "
+            "but the cluster has %s: replicas will wait for resources; lower cpus_per_rank / replica_cpus or add nodes",
+            ", ".join(f"{v:g} {k}" for k, (v, _) in short.items()),
+            cfg.replica_cpus,
+            cfg.tp_size,
+            cfg.cpus_per_rank,
+            cfg.ingress_cpus,
+            ", ".join(f"{h:g} {k}" for k, (_, h) in short.items()),
+        )

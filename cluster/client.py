@@ -34,7 +34,7 @@ def build_request(
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
-        request.prompt_token_ids.ids.extend(prompt)
+        request.prompt_token_ids.extend(prompt)
     for name, value in sampling.items():
         if value is not None:
             setattr(request.sampling, name, value)

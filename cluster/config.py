@@ -12,6 +12,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 SHIPPED_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models")
 
 
+class SpeculativeArgs(BaseModel):
+    """Speculative decoding (`workers.speculative.SpecConfig` checks the combination)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: Literal["standalone", "eagle", "nextn", "frozen_kv_mtp"]
+    draft_model: str = Field(description="draft model directory, or the name of a shipped model")
+    num_steps: int = Field(3, ge=1, le=16)
+    draft_pool: Literal["swa", "full", "target"] | None = None
+    draft_load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    draft_tp: Literal["shard", "replicate"] = "shard"
+
+
 class EngineArgs(BaseModel):
     """What every rank's `workers.engine.Engine` is built with."""
 
@@ -30,9 +43,7 @@ class EngineArgs(BaseModel):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
     debug_kv_checks: bool = False
-    speculative: dict[str, Any] | None = Field(
-        None, description="algorithm, draft_model, num_steps, draft_pool, draft_tp"
-    )
+    speculative: SpeculativeArgs | None = None
 
     @field_validator("model")
     @classmethod
@@ -47,8 +58,9 @@ class EngineArgs(BaseModel):
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs = self.model_dump()
         spec = kwargs.get("speculative")
-        if spec and "draft_model" in spec:
-            spec["draft_model"] = self._resolve_model(spec["draft_model"])
+        if spec is not None:
+            kwargs["speculative"] = {k: v for k, v in spec.items() if v is not None}
+            kwargs["speculative"]["draft_model"] = self._resolve_model(spec["draft_model"])
         return kwargs
 
 
@@ -125,6 +137,8 @@ class AppArgs(EngineArgs):
     autoscaling_config: dict[str, Any] | None = None
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
     cpus_per_rank: float = Field(1.0, gt=0)
+    replica_cpus: float = Field(0.5, gt=0, description="the replica actor itself (it only relays)")
+    ingress_cpus: float = Field(0.5, gt=0)
     torch_threads_per_rank: int = Field(1, ge=1)
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)
@@ -139,6 +153,28 @@ class AppArgs(EngineArgs):
     tracing: TracingArgs = Field(default_factory=TracingArgs)
     metrics_port: int | None = Field(None, ge=0, le=65535, description="also serve /metrics on 127.0.0.1:PORT")
     max_request_bytes: int = Field(16 << 20, ge=1024, description="HTTP request bodies over this get 413")
+
+    @classmethod
+    def from_flat(cls, args: dict[str, Any]) -> AppArgs:
+        """Arguments as `serve run IMPORT_PATH key=value ...` gives them: nested settings as
+        dotted keys (`speculative.algorithm=eagle`, `grpc.port=50052`) become nested dicts;
+        values stay strings for pydantic to convert."""
+        nested: dict[str, Any] = {}
+        for key, value in args.items():
+            *parents, leaf = key.split(".")
+            node = nested
+            for part in parents:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ValueError(f"{key}: {'.'.join(parents)} is not a group of settings")
+            node[leaf] = value
+        return cls(**nested)
+
+    def total_cpus(self) -> float:
+        """CPUs the application asks Ray for: every replica's bundles and the ingress."""
+        per_replica = self.replica_cpus + self.tp_size * self.cpus_per_rank
+        replicas = self.num_replicas if isinstance(self.num_replicas, int) else 1
+        return replicas * per_replica + self.ingress_cpus
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.model_fields})

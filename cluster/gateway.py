@@ -118,6 +118,7 @@ class Gateway:
             "request_id": parsed.request_id or uuid.uuid4().hex,
             "prompt_token_ids": ids,
             "sampling": parsed.body.sampling.model_dump(exclude_defaults=True),
+            "stream": parsed.body.stream,
         }
         if parsed.body.session_id:
             routed["session_id"] = parsed.body.session_id

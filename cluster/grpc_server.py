@@ -21,80 +21,20 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from cluster.config import GrpcArgs
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
-from cluster.protocol import InvalidRequest
+from cluster.protocol import InvalidRequest, merge_responses, request_to_body, update_to_response
 from cluster.telemetry import RequestTelemetry
 from workers.rank_loop import ErrorCode
 
 logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "ignore_eos")
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
-    """The request dict both doors validate (`cluster.protocol`): only the fields that are set."""
-    body: dict[str, Any] = {}
-    which = request.WhichOneof("input")
-    if which == "prompt":
-        body["prompt"] = request.prompt
-    elif which == "prompt_token_ids":
-        body["prompt_token_ids"] = list(request.prompt_token_ids.ids)
-    if request.request_id:
-        body["request_id"] = request.request_id
-    if request.session_id:
-        body["session_id"] = request.session_id
-    s = request.sampling
-    sampling: dict[str, Any] = {name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)}
-    if s.stop:
-        sampling["stop"] = list(s.stop)
-    if s.stop_token_ids:
-        sampling["stop_token_ids"] = list(s.stop_token_ids)
-    if sampling:
-        body["sampling"] = sampling
-    return body
-
-
-def update_to_response(update: dict[str, Any]) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(
-        request_id=update.get("request_id", ""),
-        token_ids=update["token_ids"],
-        text=update.get("text", ""),
-        finished=update["finished"],
-        replica=update.get("replica", ""),
-    )
-    if update["finished"]:
-        response.finish_reason = FINISH_REASONS.get(update.get("finish_reason"), pb.FINISH_REASON_UNSPECIFIED)
-        response.usage.prompt_tokens = update.get("prompt_tokens", 0)
-        response.usage.completion_tokens = update.get("completion_tokens", 0)
-        spec = update.get("spec")
-        if spec:
-            response.spec.CopyFrom(
-                pb.SpecStats(
-                    verify_steps=spec["verify_steps"],
-                    mean_accept_length=spec["mean_accept_length"],
-                    accepted_per_position=spec["accepted_per_position"],
-                    accept_lengths=spec["accept_lengths"],
-                )
-            )
-    return response
-
-
-def merge_responses(responses: list[pb.GenerateResponse]) -> pb.GenerateResponse:
-    """The single response of a non-streaming call: every token, the whole text, the end."""
-    merged = pb.GenerateResponse()
-    merged.CopyFrom(responses[-1])
-    del merged.token_ids[:]
-    merged.token_ids.extend(t for r in responses for t in r.token_ids)
-    merged.text = "".join(r.text for r in responses)
-    return merged
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -104,7 +44,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         ready: Callable[[], Awaitable[bool]],
         model_info: Callable[[], Awaitable[dict[str, Any]]],
         loads: Callable[[], Awaitable[list[dict[str, Any]]]],
-        telemetry: Callable[[dict[str, Any], Mapping[str, str]], RequestTelemetry],
+        telemetry: Callable[[dict[str, Any], Mapping[str, str], tuple[str, int]], RequestTelemetry],
     ) -> None:
         """`telemetry(body, call metadata)` starts a request's span and metrics; `loads()` asks
         every engine replica for its live load."""
@@ -113,6 +53,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.model_info = model_info
         self.loads = loads
         self.telemetry = telemetry
+        self.address: tuple[str, int] = ("", 0)  # where the server listens, once started
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -121,8 +62,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             body = await self.gateway.prepare(request_to_body(request), "gRPC")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        telemetry = self.telemetry(body, dict(context.invocation_metadata() or ()))
-        stream = not request.HasField("stream") or request.stream
+        telemetry = self.telemetry(body, dict(context.invocation_metadata() or ()), self.address)
+        stream = body["stream"]
         try:
             if stream:
                 async for update in self.gateway.generate(body, telemetry):
@@ -243,7 +184,7 @@ async def start_server(
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    add_reflection(server, (SERVICE, health.SERVICE_NAME))
     address = f"{args.host}:{args.port}"
     if args.tls_cert_file:
         creds = grpc.ssl_server_credentials(
@@ -253,6 +194,7 @@ async def start_server(
     else:
         port = server.add_insecure_port(address)
     await server.start()
+    service.address = (args.host, port)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the server is up
     logger.info(
         "gRPC %s on %s:%d (%s, %s)",
@@ -263,3 +205,24 @@ async def start_server(
         "token auth" if args.auth_token_file else "no auth",
     )
     return server, port, health_servicer
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def add_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> None:
+    """Server reflection as both `grpc.reflection.v1` (what current clients ask first) and
+    `v1alpha`. grpcio-reflection implements only v1alpha, but v1's messages are v1alpha's with
+    the package renamed (the same fields and numbers), so one servicer answers both through the
+    v1alpha message classes."""
+    names = (*services, reflection.SERVICE_NAME, REFLECTION_V1)
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),)
+    )

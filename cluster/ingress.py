@@ -11,10 +11,9 @@ and requests reach engine replicas through a Serve handle and its request router
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import prometheus_client
@@ -22,20 +21,20 @@ import ray
 from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from cluster.config import AppArgs
-from cluster.gateway import STATUS, Gateway, RequestFailed
+from cluster.gateway import Gateway
 from cluster.grpc_server import SERVICE, GenerationService, start_server
+from cluster.http_api import HttpApi
 from cluster.metrics import ServingMetrics
-from cluster.protocol import InvalidRequest, PromptLimits
+from cluster.protocol import PromptLimits
 from cluster.rank_actor import rank0_replica, rank_actor_name
 from cluster.routing.load_board import BOARD
 from cluster.telemetry import RequestTelemetry
 from cluster.tracing import flush_all, tracer_for
 from workers.engine import resolve_context_length
 from workers.models import load_model_config
-from workers.rank_loop import ErrorCode
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,6 +71,7 @@ class GrpcIngress:
             self.metrics,
         )
         self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
+        self.http = HttpApi(self.gateway, self._telemetry, self.args.max_request_bytes)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
 
@@ -116,8 +116,10 @@ class GrpcIngress:
 
         return [load for load in await asyncio.gather(*map(one, replicas)) if load is not None]
 
-    def _telemetry(self, body: dict[str, Any], metadata: Mapping[str, str]) -> RequestTelemetry:
-        return RequestTelemetry(self.tracer, self.metrics, self.model_name, body, metadata)
+    def _telemetry(
+        self, body: dict[str, Any], metadata: Mapping[str, str], server: tuple[str, int]
+    ) -> RequestTelemetry:
+        return RequestTelemetry(self.tracer, self.metrics, self.model_name, body, metadata, server)
 
     async def _model_info(self) -> dict[str, Any]:
         info = await self.llm.model_info.remote()
@@ -146,84 +148,14 @@ class GrpcIngress:
         }
 
     async def __call__(self, request) -> Any:
-        """HTTP: POST a JSON request ({"prompt" | "prompt_token_ids", "sampling", "session_id"});
-        the answer streams back as JSON lines; GET .../metrics is the Prometheus exposition.
-        A bad request gets 400 naming the field, at once; a body over `max_request_bytes` 413."""
+        """HTTP through Serve's proxy: POST a `GenerateRequest` as JSON (`cluster/http_api.py`);
+        GET .../metrics is the Prometheus exposition, in the format the scraper asks for."""
         if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
-            return Response(self.metrics.exposition(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
-        if request.method != "POST":
-            return _error(405, f"method: {request.method} is not allowed; POST a JSON request")
-        try:
-            body = await read_json(request, self.args.max_request_bytes)
-        except InvalidRequest as exc:
-            self.gateway.rejected("HTTP", exc)
-            return _error(413 if isinstance(exc, BodyTooLarge) else 400, str(exc))
-        try:
-            routed = await self.gateway.prepare(body, "HTTP")
-        except InvalidRequest as exc:
-            return _error(400, str(exc))
-        telemetry = self._telemetry(routed, dict(request.headers))
-        updates = self.gateway.generate(routed, telemetry)
-        try:
-            first = await updates.__anext__()
-        except RequestFailed as failed:
-            telemetry.end(failed.code, failed.message)
-            return _error(STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1], failed.message)
-
-        async def lines() -> AsyncIterator[str]:
-            outcome = None
-            try:
-                yield _line(first)
-                async for update in updates:
-                    yield _line(update)
-            except RequestFailed as failed:  # the stream has started: report in band
-                outcome = failed.code
-                yield json.dumps({"error": failed.message, "code": failed.code}) + "\n"
-            except asyncio.CancelledError:
-                outcome = "cancelled"
-                raise
-            finally:
-                await updates.aclose()
-                telemetry.end(outcome)
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+            body, content_type = self.metrics.exposition(request.headers.get("accept"))
+            return Response(body, media_type=content_type)
+        return await self.http.generate(request)
 
     async def __del__(self) -> None:
         self._watcher.cancel()
         await self.server.stop(grace=5)
         flush_all()
-
-
-INTERNAL_FIELDS = ("load",)  # the router's business, not the client's
-PARSE_OFF_LOOP_BYTES = 64 << 10
-
-
-class BodyTooLarge(InvalidRequest):
-    pass
-
-
-async def read_json(request, limit: int) -> Any:
-    """The request's JSON body, refused before reading when its declared length is over
-    `limit`, and while reading once that many bytes came; large bodies parse off the loop."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"request: body of {int(declared)} bytes is over the limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request: body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        return json.loads(raw) if size <= PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"request: not valid JSON ({exc})") from None
-
-
-def _line(update: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in update.items() if k not in INTERNAL_FIELDS}) + "\n"
-
-
-def _error(status: int, message: str) -> Response:
-    return JSONResponse({"error": message}, status_code=status)

@@ -1,10 +1,16 @@
 """Prometheus metrics of the serving path, kept by the ingress from what every response carries
-(finished requests bring their speculative statistics and their replica's load), so no process
-has to be scraped but the ingress.
+(finished requests bring their usage, speculative statistics and their replica's load), so no
+process has to be scraped but the ingress.
 
-Speculative decoding counters follow vLLM's names (`spec_decode_num_drafts`,
-`..._num_draft_tokens`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`), gauges
-SGLang's (`spec_accept_length`, `spec_accept_rate`), all under the `slidespec:` prefix.
+Names: vLLM's metric set and labels where a counterpart exists (`model_name`;
+`num_requests_running` / `num_requests_waiting`, `kv_cache_usage_perc`, `prompt_tokens_total`,
+`generation_tokens_total`, `request_success_total{finished_reason}`, the latency histograms,
+the `spec_decode_*` counters), SGLang's accept-length gauges, under the prefix `slidespec_`.
+Not vLLM's `vllm:` colon: prometheus_client renders a colon name differently in the
+OpenMetrics format (samples with `_`, HELP/TYPE with `:`), so Prometheus, which negotiates
+OpenMetrics, would store untyped series under other names. With `slidespec_` the names and
+types are the same on every endpoint and in both formats, and follow Prometheus' naming rules
+(`promtool check metrics`). No `_created` series (as vLLM).
 """
 
 from __future__ import annotations
@@ -12,70 +18,68 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+prometheus_client.disable_created_metrics()
+
+PREFIX = "slidespec_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RECENT_VERIFY_STEPS = 1024  # window of the accept-length gauges
+FINISH_REASONS = ("stop", "length", "abort")  # a request that ended with one of these finished
 
 
 class ServingMetrics:
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
         self.model = model
-        r, m = self.registry, ["model"]
-        self.num_drafts = Counter("slidespec:spec_decode_num_drafts", "Draft chains verified", m, registry=r)
-        self.num_draft_tokens = Counter(
-            "slidespec:spec_decode_num_draft_tokens", "Draft tokens proposed", m, registry=r
+        r, m = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, m + list(labels), registry=r)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, m + list(labels), registry=r)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, m, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.running = gauge(
+            "num_requests_running", "Requests running on the replica, as it last reported", ("replica",)
         )
-        self.num_accepted_tokens = Counter(
-            "slidespec:spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r
+        self.waiting = gauge(
+            "num_requests_waiting", "Requests waiting on the replica, as it last reported", ("replica",)
         )
-        self.accepted_per_pos = Counter(
-            "slidespec:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position",
-            m + ["position"],
-            registry=r,
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "KV pool use (0-1), as the replica last reported", ("replica", "pool")
         )
-        self.accept_length = Gauge(
-            "slidespec:spec_accept_length",
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests")
+        self.success = counter("request_success", "Requests that finished, by finish reason", ("finished_reason",))
+        self.failure = counter(
+            "request_failure",
+            "Requests that ended without finishing: cancelled, deadline_exceeded or an error code",
+            ("reason",),
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between streamed responses, per token")
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "A request's time per output token after the first"
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.num_drafts = counter("spec_decode_num_drafts", "Draft chains verified")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position", ("position",)
+        )
+        self.accept_length = gauge(
+            "spec_accept_length",
             f"Mean accept length (accepted drafts + 1) over the last {RECENT_VERIFY_STEPS} verify steps",
-            m,
-            registry=r,
         )
-        self.accept_rate = Gauge(
-            "slidespec:spec_accept_rate",
-            f"Accepted / proposed draft tokens over the last {RECENT_VERIFY_STEPS} verify steps",
-            m,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "slidespec:time_to_first_token_seconds", "Time to first token", m, buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "slidespec:inter_token_latency_seconds",
-            "Time between streamed responses, per token",
-            m,
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.requests = Counter(
-            "slidespec:requests",
-            "Requests by how they ended: finish reason (stop, length, abort, "
-            "error) or, when they did not finish, cancelled, deadline_exceeded or an error code",
-            m + ["finish_reason"],
-            registry=r,
-        )
-        self.kv_usage = Gauge(
-            "slidespec:kv_usage",
-            "KV pool use (0-1) as last reported by the replica",
-            m + ["replica", "pool"],
-            registry=r,
-        )
-        self.queue = Gauge(
-            "slidespec:num_requests",
-            "Requests running or waiting, as last reported by the replica",
-            m + ["replica", "state"],
-            registry=r,
+        self.accept_rate = gauge(
+            "spec_accept_rate", f"Accepted / proposed draft tokens over the last {RECENT_VERIFY_STEPS} verify steps"
         )
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_VERIFY_STEPS)
 
@@ -86,8 +90,15 @@ class ServingMetrics:
         if tokens:
             self.itl.labels(self.model).observe(seconds / tokens)
 
-    def finished(self, update: dict[str, Any]) -> None:
-        """A request's last response: its speculative statistics and its replica's load."""
+    def finished(self, update: dict[str, Any], e2e_s: float, decode_s: float) -> None:
+        """A request's last response: usage, latencies, speculative statistics, replica load.
+        `decode_s`: time from its first token to its last."""
+        completion = update.get("completion_tokens", 0)
+        self.prompt_tokens.labels(self.model).inc(update.get("prompt_tokens", 0))
+        self.generation_tokens.labels(self.model).inc(completion)
+        self.e2e.labels(self.model).observe(e2e_s)
+        if completion > 1:
+            self.tpot.labels(self.model).observe(decode_s / (completion - 1))
         spec = update.get("spec")
         if spec and spec["verify_steps"]:
             num_steps = len(spec["accepted_per_position"])
@@ -107,7 +118,11 @@ class ServingMetrics:
             self.load(load)
 
     def ended(self, reason: str) -> None:
-        self.requests.labels(self.model, reason).inc()
+        """Every request is counted once: as a success by finish reason, or as a failure."""
+        if reason in FINISH_REASONS:
+            self.success.labels(self.model, reason).inc()
+        else:
+            self.failure.labels(self.model, reason).inc()
 
     def load(self, load: dict[str, Any]) -> None:
         replica = load["replica"]
@@ -116,8 +131,10 @@ class ServingMetrics:
             self.kv_usage.labels(self.model, replica, pool).set(
                 load.get(f"kv_{pool}_used", 0) / total if total else 0.0
             )
-        for state in ("running", "waiting"):
-            self.queue.labels(self.model, replica, state).set(load.get(state, 0))
+        self.running.labels(self.model, replica).set(load.get("running", 0))
+        self.waiting.labels(self.model, replica).set(load.get("waiting", 0))
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The registry in the format the scraper asked for (OpenMetrics or the text format)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -1,6 +1,8 @@
-"""The generation request both front doors accept, validated once, before any work is done.
+"""The generation request and response of both front doors: one model, rendered on each.
 
-The gRPC servicer turns its message into the same dict an HTTP client posts; `parse_request`
+The model is the `slidespec.v1` proto. An HTTP client posts a `GenerateRequest` as JSON (the
+same field names) and reads `GenerateResponse`s as JSON lines (the proto3 JSON mapping); the
+gRPC servicer turns its message into the same dict an HTTP client posts. `parse_request`
 checks every field's type, range and size (strict: no string for a number, no bool for an
 integer, no NaN or infinity), so that a malformed request is answered at once with a message
 naming the field, before it is tokenized, routed or queued. `PromptLimits` bounds what a
@@ -13,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any
 
+from google.protobuf import json_format
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from workers.sampling_params import SamplingParams
 
 MAX_ID_CHARS = 256  # request_id, session_id
@@ -63,6 +67,7 @@ class GenerateBody(BaseModel):
     prompt_token_ids: list[int] | None = None
     sampling: SamplingBody = Field(default_factory=SamplingBody)
     session_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    stream: bool = True  # false: one response at the end
 
 
 class RoutedBody(GenerateBody):
@@ -146,3 +151,86 @@ def check_sizes(body: dict[str, Any], limits: PromptLimits) -> None:
         limits.check_text(prompt)
     if isinstance(ids, list):
         limits.check_ids(len(ids))
+
+
+# -- the gRPC message <-> the request dict --------------------------------------------------------
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "ignore_eos")
+
+
+def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The request dict both doors validate: only the fields that are set."""
+    body: dict[str, Any] = {}
+    if request.HasField("prompt"):
+        body["prompt"] = request.prompt
+    if request.prompt_token_ids:
+        body["prompt_token_ids"] = list(request.prompt_token_ids)
+    if request.request_id:
+        body["request_id"] = request.request_id
+    if request.session_id:
+        body["session_id"] = request.session_id
+    if request.HasField("stream"):
+        body["stream"] = request.stream
+    s = request.sampling
+    sampling: dict[str, Any] = {name: getattr(s, name) for name in SAMPLING_FIELDS if s.HasField(name)}
+    if s.stop:
+        sampling["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        sampling["stop_token_ids"] = list(s.stop_token_ids)
+    if sampling:
+        body["sampling"] = sampling
+    return body
+
+
+def update_to_response(update: dict[str, Any]) -> pb.GenerateResponse:
+    """A replica's update as the response both doors send (internal fields such as the
+    replica's load are not part of it)."""
+    response = pb.GenerateResponse(
+        request_id=update.get("request_id", ""),
+        token_ids=update["token_ids"],
+        text=update.get("text", ""),
+        finished=update["finished"],
+        replica=update.get("replica", ""),
+    )
+    if update["finished"]:
+        response.finish_reason = FINISH_REASONS.get(update.get("finish_reason"), pb.FINISH_REASON_UNSPECIFIED)
+        response.usage.prompt_tokens = update.get("prompt_tokens", 0)
+        response.usage.completion_tokens = update.get("completion_tokens", 0)
+        spec = update.get("spec")
+        if spec:
+            response.spec.CopyFrom(
+                pb.SpecStats(
+                    verify_steps=spec["verify_steps"],
+                    mean_accept_length=spec["mean_accept_length"],
+                    accepted_per_position=spec["accepted_per_position"],
+                    accept_lengths=spec["accept_lengths"],
+                )
+            )
+    return response
+
+
+def merge_responses(responses: list[pb.GenerateResponse]) -> pb.GenerateResponse:
+    """The single response of a non-streaming call: every token, the whole text, the end."""
+    merged = pb.GenerateResponse()
+    merged.CopyFrom(responses[-1])
+    del merged.token_ids[:]
+    merged.token_ids.extend(t for r in responses for t in r.token_ids)
+    merged.text = "".join(r.text for r in responses)
+    return merged
+
+
+def response_json(response: pb.GenerateResponse) -> dict[str, Any]:
+    """The HTTP rendering of a response: its proto3 JSON mapping with the proto's field names
+    (every field present, so `finished` and `token_ids` are on every line)."""
+    return json_format.MessageToDict(
+        response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def error_json(code: str, message: str) -> dict[str, Any]:
+    """An error on the HTTP door: the gRPC status name and the same message gRPC would send."""
+    return {"error": {"code": code, "message": message}}

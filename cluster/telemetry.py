@@ -15,6 +15,7 @@ from cluster.routing.load_board import BOARD
 from cluster.tracing import carrier_for, context_from_carrier
 
 OPERATION = "text_completion"
+PROVIDER = "slidespec"  # gen_ai.provider.name: the system serving the model
 
 
 class RequestTelemetry:
@@ -25,9 +26,11 @@ class RequestTelemetry:
         model: str,
         body: dict[str, Any],
         metadata: Mapping[str, str],
+        server: tuple[str, int] | None = None,
     ) -> None:
         """Start the request span (child of a `traceparent` in the call's metadata, if any) and
-        put its W3C context into the request so the engine's step spans join the trace."""
+        put its W3C context into the request so the engine's step spans join the trace.
+        `server`: the address and port the request came in on."""
         self.tracer, self.metrics = tracer, metrics
         self.rid = body["request_id"]
         self.start, self.start_ns = time.monotonic(), time.time_ns()
@@ -39,6 +42,7 @@ class RequestTelemetry:
             sampling = body.get("sampling", {})
             attrs = {
                 "gen_ai.operation.name": OPERATION,
+                "gen_ai.provider.name": PROVIDER,
                 "gen_ai.request.model": model,
                 "gen_ai.response.id": self.rid,
                 "gen_ai.usage.input_tokens": len(body.get("prompt_token_ids", ())),
@@ -52,6 +56,8 @@ class RequestTelemetry:
             ):
                 if key in sampling:
                     attrs[f"gen_ai.request.{name}"] = sampling[key]
+            if server is not None:
+                attrs["server.address"], attrs["server.port"] = server
             self.span = tracer.start_span(
                 f"{OPERATION} {model}",
                 context=context_from_carrier(metadata),
@@ -76,7 +82,7 @@ class RequestTelemetry:
         if update["finished"]:
             self.finish_reason = update.get("finish_reason") or "unknown"
             if self.metrics is not None:
-                self.metrics.finished(update)
+                self.metrics.finished(update, now - self.start, now - self.first)
             if self.span is not None:
                 self.span.set_attributes(
                     {

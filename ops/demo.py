@@ -154,11 +154,11 @@ def run(args: argparse.Namespace) -> int:
             for line in metrics.splitlines()
             if line.startswith(
                 (
-                    "slidespec:spec_accept_length",
-                    "slidespec:spec_accept_rate",
-                    "slidespec:spec_decode_num_drafts_total",
-                    "slidespec:spec_decode_num_accepted_tokens_total",
-                    "slidespec:time_to_first_token_seconds_count",
+                    "slidespec_spec_accept_length",
+                    "slidespec_spec_accept_rate",
+                    "slidespec_spec_decode_num_drafts_total",
+                    "slidespec_spec_decode_num_accepted_tokens_total",
+                    "slidespec_time_to_first_token_seconds_count",
                 )
             )
         ]

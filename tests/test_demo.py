@@ -25,5 +25,5 @@ def test_demo_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "3 requests, 48 tokens" in out and "mean accept length" in out
-    assert "slidespec:spec_accept_length" in out and "verify results in" in out
+    assert "slidespec_spec_accept_length" in out and "verify results in" in out
     assert os.path.isfile(tmp_path / "traces" / "accept_length.png")

@@ -231,7 +231,7 @@ def test_abort_and_client_cancellation_free_kv(api):
 @pytest.mark.parametrize(
     "kwargs, code, words",
     [
-        (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "empty prompt"),
+        (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),  # empty = not given
         (dict(prompt=[1, 2], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
         (dict(prompt=[1, 2], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
         (dict(prompt=[1, 2], max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),

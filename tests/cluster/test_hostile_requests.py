@@ -98,16 +98,16 @@ def test_a_poison_request_is_invalid_and_every_replica_keeps_serving(app, temper
 def test_a_malformed_http_body_gets_400_naming_the_field_at_once(app, body, field):
     _, url = app
     r = requests.post(url, data=body, timeout=5)  # a hang fails here
-    assert r.status_code == 400 and r.json()["error"].startswith(field), r.text
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
     assert "Traceback" not in r.text
 
 
 def test_http_bad_values_are_invalid_before_routing(app):
     _, url = app
     r = requests.post(url, json={"prompt_token_ids": [1, 2], "sampling": {"top_p": 0}}, timeout=5)
-    assert r.status_code == 400 and "sampling.top_p" in r.json()["error"]
+    assert r.status_code == 400 and "sampling.top_p" in r.json()["error"]["message"]
     r = requests.post(url, json={"prompt_token_ids": [1] * 600}, timeout=5)
-    assert r.status_code == 400 and "context length" in r.json()["error"]
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
 
 
 def test_a_duplicate_live_request_id_is_refused_on_both_doors(app):
@@ -117,7 +117,7 @@ def test_a_duplicate_live_request_id_is_refused_on_both_doors(app):
     code, details = _status(lambda: client.generate([1, 2], request_id="dup", max_new_tokens=2))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in details and "in use" in details
     r = requests.post(url, json={"request_id": "dup", "prompt_token_ids": [1, 2]}, timeout=5)
-    assert r.status_code == 400 and "request_id" in r.json()["error"]
+    assert r.status_code == 400 and "request_id" in r.json()["error"]["message"]
     for response in first:
         tokens += response.token_ids
     assert len(tokens) == 120 and response.finish_reason == pb.FINISH_REASON_LENGTH
@@ -129,7 +129,7 @@ def test_a_duplicate_live_request_id_is_refused_on_both_doors(app):
         code, details = _status(lambda: client.generate([1, 2], request_id="dup2", max_new_tokens=2))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "in use" in details
         updates = [json.loads(line) for line in lines if line]
-    assert updates[-1]["finish_reason"] == "length" and "load" not in updates[-1]
+    assert updates[-1]["finish_reason"] == "FINISH_REASON_LENGTH" and "load" not in updates[-1]
     code, details = _status(lambda: client.generate([1, 2], request_id="x" * (1 << 20), max_new_tokens=2))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id") and len(details) < 200
 
@@ -171,11 +171,12 @@ def _wait_idle(client, timeout: float = 10.0):
 
 
 def _counts(url: str) -> dict[str, float]:
+    """Requests by how they ended: successes by finish reason, failures by reason."""
     text = requests.get(f"{url}/metrics", timeout=5).text
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r'^slidespec:requests_total\{finish_reason="([^"]+)".*\} (\S+)$', text, re.M)
-    }
+    counts = {}
+    for m in re.finditer(r"^slidespec_request_(?:success|failure)_total\{(.*)\} (\S+)$", text, re.M):
+        counts[re.search(r'reason="([^"]+)"', m.group(1)).group(1)] = float(m.group(2))
+    return counts
 
 
 def test_load_is_live_and_every_ending_is_counted(app):
@@ -228,11 +229,11 @@ def test_oversized_inputs_are_answered_while_other_streams_flow(app):
     answers["grpc 12 MB prompt"] = _status(lambda: client.generate("a" * (12 << 20), max_new_tokens=4, timeout=10))
     answers["grpc 400 KB stop"] = _status(lambda: client.generate("hello", stop=["x" * 400_000], timeout=10))
     r = requests.post(url, data=b'{"prompt": "' + b"a" * (60 << 20) + b'"}', timeout=10)
-    answers["http 60 MB body"] = (r.status_code, r.json()["error"])
+    answers["http 60 MB body"] = (r.status_code, r.json()["error"]["message"])
     r = requests.post(url, json={"prompt": "a" * (12 << 20)}, timeout=10)
-    answers["http 12 MB prompt"] = (r.status_code, r.json()["error"])
+    answers["http 12 MB prompt"] = (r.status_code, r.json()["error"]["message"])
     r = requests.post(url, json={"prompt": "hello", "sampling": {"stop": ["x" * 400_000]}}, timeout=10)
-    answers["http 400 KB stop"] = (r.status_code, r.json()["error"])
+    answers["http 400 KB stop"] = (r.status_code, r.json()["error"]["message"])
     elapsed = time.monotonic() - start
     background.join(60)
     assert done.is_set()

@@ -5,8 +5,8 @@ import filecmp
 import os
 import subprocess
 
-from cluster.grpc_server import request_to_body
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
+from cluster.protocol import request_to_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GENERATED = ["generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"]
@@ -20,8 +20,8 @@ def test_generated_code_is_up_to_date(tmp_path):
 
 
 def test_unset_sampling_fields_take_engine_defaults():
-    body = request_to_body(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2])))
+    body = request_to_body(pb.GenerateRequest(prompt_token_ids=[1, 2]))
     assert "sampling" not in body  # the engine's defaults: temperature 1.0, max_new_tokens 128, ...
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]))
+    request = pb.GenerateRequest(prompt_token_ids=[1])
     request.sampling.temperature = 0.0
     assert request_to_body(request)["sampling"] == {"temperature": 0.0}

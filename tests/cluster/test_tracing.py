@@ -105,6 +105,8 @@ def test_one_trace_holds_request_router_and_step_spans(app, receiver):
     assert _attr(request, "gen_ai.usage.input_tokens") == 10 and _attr(request, "gen_ai.usage.output_tokens") == 12
     assert _attr(request, "gen_ai.response.finish_reasons") == ["length"]
     assert _attr(request, "gen_ai.server.time_to_first_token") > 0
+    assert _attr(request, "gen_ai.provider.name") == "slidespec"
+    assert _attr(request, "server.address") == "127.0.0.1" and _attr(request, "server.port") == port
     route = next(s for _, s in mine if s.name == "route")
     assert route.parent_span_id == request.span_id and _attr(route, "slidespec.router.policy") == "power_of_two"
     steps = sorted((s for _, s in mine if s.name == "engine step"), key=lambda s: s.start_time_unix_nano)
@@ -139,9 +141,15 @@ def test_metrics_count_drafts_and_latency(app, ray_serve):
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    model_label = next(k for k in values if k.startswith("slidespec:spec_decode_num_drafts_total"))
+    model_label = next(k for k in values if k.startswith("slidespec_spec_decode_num_drafts_total"))
     assert values[model_label] >= 6  # (9 - 1) / (K + 1) = 2 verify steps per request
-    assert any(k.startswith("slidespec:spec_accept_length{") and v == K + 1 for k, v in values.items())
-    assert any(k.startswith("slidespec:time_to_first_token_seconds_count") and v >= 3 for k, v in values.items())
-    assert any(k.startswith("slidespec:kv_usage{") for k in values)
-    assert any(k.startswith("slidespec:spec_decode_num_accepted_tokens_per_pos_total") for k in values)
+    assert 'model_name="' in model_label
+    assert any(k.startswith("slidespec_spec_accept_length{") and v == K + 1 for k, v in values.items())
+    assert any(k.startswith("slidespec_time_to_first_token_seconds_count") and v >= 3 for k, v in values.items())
+    assert any(k.startswith("slidespec_e2e_request_latency_seconds_count") and v >= 3 for k, v in values.items())
+    assert any(k.startswith("slidespec_request_time_per_output_token_seconds_count") for k in values)
+    assert any(k.startswith("slidespec_generation_tokens_total") and v >= 27 for k, v in values.items())
+    assert any(k.startswith("slidespec_prompt_tokens_total") and v >= 12 for k, v in values.items())
+    assert any(k.startswith("slidespec_kv_cache_usage_perc{") for k in values)
+    assert any(k.startswith("slidespec_num_requests_running{") for k in values)
+    assert any(k.startswith("slidespec_spec_decode_num_accepted_tokens_per_pos_total") for k in values)

@@ -1,0 +1,111 @@
+"""A Ray head node of a test's own, and the Ray and Serve command lines run against it.
+
+`ray start --head --block` runs in its own session and temp dir and is stopped by signalling
+that process, never by `ray stop` (which stops every Ray cluster of the user on the machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests.cluster.conftest import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIN = os.path.dirname(sys.executable)
+TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}  # `ray start --head` turns tokens on
+
+
+def run_cli(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
+    """A command of this environment (`ray`, `serve`, `slidespec`), from the repository root."""
+    return subprocess.run(
+        [os.path.join(BIN, args[0]), *args[1:]], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def start_cli(*args: str, env: dict, log_path: str) -> subprocess.Popen:
+    """A long-running command (`serve run`) in its own session, its output to a file."""
+    return subprocess.Popen(
+        [os.path.join(BIN, args[0]), *args[1:]],
+        env=env,
+        cwd=ROOT,
+        stdout=open(log_path, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> None:
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+class Head:
+    def __init__(self, num_cpus: int = 8) -> None:
+        self.env = {**os.environ, **TOKEN_ENV}
+        gcs, dashboard = free_port(), free_port()
+        self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths must fit 107 bytes
+        self.process = subprocess.Popen(
+            [
+                os.path.join(BIN, "ray"),
+                "start",
+                "--head",
+                "--block",
+                "--num-cpus",
+                str(num_cpus),
+                "--node-ip-address",
+                "127.0.0.1",
+                "--dashboard-host",
+                "127.0.0.1",
+                "--port",
+                str(gcs),
+                "--dashboard-port",
+                str(dashboard),
+                "--temp-dir",
+                self.temp_dir,
+                "--disable-usage-stats",
+            ],
+            env=self.env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.gcs_address = f"127.0.0.1:{gcs}"
+        self.address = f"http://127.0.0.1:{dashboard}"
+
+    def wait_up(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.up():
+            assert self.process.poll() is None, "ray start --head exited"
+            assert time.monotonic() < deadline, "the head node did not come up"
+            time.sleep(2)
+
+    def up(self) -> bool:
+        return run_cli("serve", "status", "-a", self.address, env=self.env, timeout=60).returncode == 0
+
+    def status(self) -> str:
+        return run_cli("serve", "status", "-a", self.address, env=self.env, timeout=60).stdout
+
+    def wait_running(self, timeout: float = 240) -> str:
+        deadline, status = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            status = self.status()
+            if "status: RUNNING" in status:
+                return status
+            time.sleep(2)
+        raise AssertionError(f"the application did not reach RUNNING:\n{status}")
+
+    def stop(self) -> None:
+        stop_process(self.process)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,113 @@
+"""`serve run` as a user on a 2-core laptop runs it, against a head node with 2 CPUs: the
+shipped `ops/serve.yaml` reaches RUNNING and serves; while no engine replica can run, HTTP
+answers 503 at once instead of hanging; and `serve run cluster.app:build_app key=value ...`
+with dotted keys for nested settings starts the application."""
+
+import os
+import time
+
+import pytest
+import requests
+import yaml
+
+from cluster.client import GenerationClient
+from tests.cluster.conftest import free_port
+from tests.cluster.ray_head import ROOT, Head, run_cli
+
+
+@pytest.fixture(scope="module")
+def laptop():
+    head = Head(num_cpus=2)
+    try:
+        head.wait_up()
+        yield head
+    finally:
+        head.stop()
+
+
+def _config(tmp_path, **args) -> tuple[str, int, int]:
+    """ops/serve.yaml with free ports (and `args` changed); its path, HTTP and gRPC ports."""
+    config = yaml.safe_load(open(os.path.join(ROOT, "ops", "serve.yaml")))
+    http, grpc_port = free_port(), free_port()
+    config["http_options"]["port"] = http
+    config["applications"][0]["args"]["grpc"]["port"] = grpc_port
+    config["applications"][0]["args"].update(args)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path), http, grpc_port
+
+
+def _serve_run(head: Head, *args: str) -> None:
+    done = run_cli("serve", "run", "--non-blocking", "-a", head.gcs_address, *args, env=head.env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _shutdown(head: Head) -> None:
+    done = run_cli("serve", "shutdown", "-y", "-a", head.address, env=head.env)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_shipped_config_runs_on_two_cpus(laptop, tmp_path):
+    path, http, grpc_port = _config(tmp_path)
+    _serve_run(laptop, path)
+    laptop.wait_running()
+    client = GenerationClient(f"127.0.0.1:{grpc_port}")
+    tokens = [
+        t for r in client.generate([5, 6, 7], max_new_tokens=6, temperature=0.0, ignore_eos=True) for t in r.token_ids
+    ]
+    assert len(tokens) == 6
+    r = requests.post(
+        f"http://127.0.0.1:{http}/generate", json={"prompt": "import os", "sampling": {"max_new_tokens": 4}}, timeout=60
+    )
+    assert r.status_code == 200
+    client.close()
+    _shutdown(laptop)
+
+
+def test_http_answers_503_at_once_while_no_replica_runs(laptop, tmp_path):
+    path, http, _ = _config(tmp_path, cpus_per_rank=4)  # a replica needs 8.5 CPUs: none can start
+    _serve_run(laptop, path)
+    url = f"http://127.0.0.1:{http}/generate"
+    deadline = time.monotonic() + 120
+    while True:  # until the ingress is up behind Serve's proxy
+        try:
+            r = requests.post(url, json={"prompt": "x"}, timeout=5)
+            if r.status_code != 404:
+                break
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, "the ingress never came up"
+        time.sleep(1)
+    for _ in range(3):
+        start = time.monotonic()
+        r = requests.post(url, json={"prompt_token_ids": [1, 2, 3]}, timeout=5)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "UNAVAILABLE", r.text
+        assert time.monotonic() - start < 1.0
+    assert "replicas will wait" not in r.text  # the message is the client's; the warning went to the log
+    _shutdown(laptop)
+
+
+def test_serve_run_with_dotted_keys(laptop):
+    http, grpc_port = free_port(), free_port()
+    started = run_cli(
+        "serve", "start", "-a", laptop.gcs_address, "--http-host", "127.0.0.1", "--http-port", str(http), env=laptop.env
+    )
+    assert started.returncode == 0, started.stderr
+    _serve_run(
+        laptop,
+        "cluster.app:build_app",
+        "model=tiny-gemma3",
+        "speculative.algorithm=eagle",
+        "speculative.draft_model=tiny-gemma3-eagle",
+        "speculative.num_steps=2",
+        "tp_size=1",
+        "cpus_per_rank=0.5",
+        f"grpc.port={grpc_port}",
+    )
+    laptop.wait_running()
+    client = GenerationClient(f"127.0.0.1:{grpc_port}")
+    *_, last = client.generate("def main():", max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    assert last.usage.completion_tokens == 8 and last.spec.verify_steps > 0
+    assert len(last.spec.accepted_per_position) == 2  # num_steps from the command line
+    client.close()
+    _shutdown(laptop)
