@@ -47,9 +47,13 @@ class ModelRunner:
         page_size: int,
         debug_kv_checks: bool = False,
         role: str = "target",
+        allocator: KVAllocator | None = None,
     ) -> None:
+        """`allocator`: the one whose tables this model's forwards read (flushed to the device
+        before each forward)."""
         self.model = model
         self.pool = pool
+        self.allocator = allocator
         self.device = device
         self.role = role  # "target" or "draft", in forward records
         self.recorder: Callable[[ForwardRecord], None] | None = None
@@ -78,7 +82,7 @@ class ModelRunner:
         # The pool is chosen from this model's own layers; the allocator may be shared with
         # another model (docs/design.md §4.1).
         pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
-        return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role)
+        return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role, allocator)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool | None = None) -> ForwardOutput:
@@ -87,6 +91,8 @@ class ModelRunner:
         if pool is None:
             raise RuntimeError("model runner: this model owns no KV pool; pass the pool it reads")
         start = time.time_ns()
+        if self.allocator is not None:
+            self.allocator.flush()
         batch.attn_backend = self.backend
         self.backend.init_forward_metadata(batch, pool)
         hidden, handed_on = self.model(batch)

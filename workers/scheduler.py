@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from attention import ForwardMode
@@ -152,7 +153,7 @@ class Scheduler:
         held = self.allocator.allocated_len(req.row)
         if end > held:
             self.allocator.extend(req.row, end - held)
-        return self.req_to_token.table[req.row, start:end].long()
+        return torch.from_numpy(self.req_to_token.slots(req.row, start, end).astype(np.int64))
 
     def trim(self, req: Request) -> None:
         """Give back slots held past the request's tokens (rejected drafts); the pending

@@ -12,8 +12,10 @@ decided by each model's own pool (workers/memory/pools.py), never by the allocat
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from workers.memory.host_mirror import HostMirrored
 from workers.memory.req_to_token import ReqToTokenPool
 
 
@@ -35,7 +37,7 @@ class PageAllocator:
         self.page_size = page_size
         self.name = name
         self._free = list(range(num_pages, 0, -1))
-        self._in_use = torch.zeros(num_pages + 1, dtype=torch.bool)
+        self._in_use = np.zeros(num_pages + 1, dtype=bool)
 
     @property
     def num_free(self) -> int:
@@ -51,10 +53,9 @@ class PageAllocator:
     def free(self, pages: list[int]) -> None:
         if not pages:
             return
-        idx = torch.tensor(pages)
-        if not bool(self._in_use[idx].all()) or len(set(pages)) != len(pages):
+        if not self._in_use[pages].all() or len(set(pages)) != len(pages):
             raise RuntimeError(f"{self.name}: double free or foreign page among {pages}")
-        self._in_use[idx] = False
+        self._in_use[pages] = False
         self._free.extend(pages)
 
     def check_no_leak(self) -> None:
@@ -79,7 +80,7 @@ class KVAllocator:
         return self._lens.get(row, 0)
 
     def extend(self, row: int, n: int) -> torch.Tensor:
-        """Give the next `n` positions of request `row` full slots; returns them (int64)."""
+        """Give the next `n` positions of request `row` full slots; returns them (int64, host)."""
         start = self._lens.get(row, 0)
         end = start + n
         if end > self.req_to_token.max_context_len:
@@ -87,20 +88,23 @@ class KVAllocator:
                 f"request row {row}: {end} positions exceed the context of {self.req_to_token.max_context_len}"
             )
         p = self.page_size
-        table = self.req_to_token.table
         new_pages = self.full.alloc(cdiv(end, p) - cdiv(start, p))
         try:
             self._on_new_pages(new_pages)
         except OutOfKVError:
             self.full.free(new_pages)
             raise
-        held = [int(table[row, start - 1]) // p] if start % p else []
-        pages = torch.tensor(held + new_pages, dtype=torch.int64, device=table.device)
-        pos = torch.arange(start, end, device=table.device)
+        held = [int(self.req_to_token.host[row, start - 1]) // p] if start % p else []
+        pages = np.array(held + new_pages, dtype=np.int64)
+        pos = np.arange(start, end)
         locs = pages[pos // p - start // p] * p + pos % p
-        table[row, start:end] = locs.to(torch.int32)
+        self.req_to_token.write(row, start, locs)
         self._lens[row] = end
-        return locs
+        return torch.from_numpy(locs)
+
+    def flush(self) -> None:
+        """Bring the device copies of the allocator's tables up to date (before a forward)."""
+        self.req_to_token.flush()
 
     def release_window(self, row: int, seq_len: int) -> None:
         """Called after every forward with the request's committed length; SWA eviction."""
@@ -140,8 +144,10 @@ class KVAllocator:
         """Full pages of page indices [first, last) of a request."""
         if last <= first:
             return []
-        cols = torch.arange(first, last) * self.page_size
-        return (self.req_to_token.table[row, cols].long() // self.page_size).tolist()
+        return (
+            self.req_to_token.host[row, first * self.page_size : last * self.page_size : self.page_size]
+            // self.page_size
+        ).tolist()
 
     def _on_new_pages(self, full_pages: list[int]) -> None:
         """Hook: full pages were just allocated."""
@@ -164,17 +170,21 @@ class HybridSWAAllocator(KVAllocator):
         super().__init__(req_to_token, num_full_pages, page_size)
         self.swa = PageAllocator(num_swa_pages, page_size, "SWA KV pool")
         self.sliding_window = sliding_window
-        device = req_to_token.table.device
-        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=device)
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
         # full slot -> SWA slot; page-aligned, so full_to_swa[f] // P is an SWA page. Entries of
-        # unmapped or evicted pages point into padding page 0. Updated in place, never replaced:
-        # pools hold a reference to this very tensor.
-        self.full_to_swa = self._page_offsets.repeat(num_full_pages + 1)
+        # unmapped or evicted pages point into padding page 0. The device copy is updated in
+        # place, never replaced: pools hold a reference to this very tensor.
+        self._f2s = HostMirrored(np.tile(self._page_offsets, num_full_pages + 1), req_to_token.table.device)
+        self.full_to_swa = self._f2s.tensor
         self._evicted: dict[int, int] = {}  # row -> leading page indices whose SWA page is gone
 
     @property
     def is_hybrid(self) -> bool:
         return True
+
+    def flush(self) -> None:
+        super().flush()
+        self._f2s.flush()
 
     def release_window(self, row: int, seq_len: int) -> None:
         """Free SWA pages whose positions no future query can see (all < seq_len - window + 1)."""
@@ -197,8 +207,9 @@ class HybridSWAAllocator(KVAllocator):
     def check_no_leak(self) -> None:
         super().check_no_leak()
         self.swa.check_no_leak()
-        if not torch.equal(
-            self.full_to_swa.view(-1, self.page_size), self._page_offsets.expand(self.full.num_pages + 1, -1)
+        if not np.array_equal(
+            self._f2s.host.reshape(-1, self.page_size),
+            np.broadcast_to(self._page_offsets, (self.full.num_pages + 1, self.page_size)),
         ):
             raise AssertionError("SWA allocator: full_to_swa still maps some full page to an SWA page")
 
@@ -206,9 +217,7 @@ class HybridSWAAllocator(KVAllocator):
         swa_pages = self.swa.alloc(len(full_pages))
         if not full_pages:
             return
-        fp = torch.tensor(full_pages, device=self.full_to_swa.device)
-        sp = torch.tensor(swa_pages, device=self.full_to_swa.device)
-        self.full_to_swa.view(-1, self.page_size)[fp] = sp[:, None] * self.page_size + self._page_offsets
+        self._set_pages(np.array(full_pages), np.array(swa_pages)[:, None] * self.page_size + self._page_offsets)
 
     def _on_free_pages(self, row: int, first_page_idx: int, full_pages: list[int]) -> None:
         skip = max(0, self._evicted.get(row, 0) - first_page_idx)
@@ -218,7 +227,13 @@ class HybridSWAAllocator(KVAllocator):
     def _unmap(self, full_pages: list[int]) -> None:
         if not full_pages:
             return
-        view = self.full_to_swa.view(-1, self.page_size)
-        fp = torch.tensor(full_pages, device=view.device)
+        fp = np.array(full_pages)
+        view = self._f2s.host.reshape(-1, self.page_size)
         self.swa.free((view[fp, 0] // self.page_size).tolist())
-        view[fp] = self._page_offsets
+        self._set_pages(fp, self._page_offsets)
+
+    def _set_pages(self, full_pages: np.ndarray, slots: np.ndarray) -> None:
+        """Map full pages to SWA slots (rows of `slots`), on the host; marked for the device."""
+        p = self.page_size
+        self._f2s.host.reshape(-1, p)[full_pages] = slots
+        self._f2s.mark((full_pages[:, None] * p + self._page_offsets).reshape(-1))

@@ -7,11 +7,11 @@ Parameter names follow the Hugging Face checkpoints (with q/k/v and gate/up fuse
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from attention import AttentionLayer
 from workers.distributed import TPGroup
@@ -24,9 +24,9 @@ from workers.models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rope,
-    rope_cos_sin,
+    rope_cache,
 )
+from workers.models.ops import ops_for
 
 # Checkpoint tensors that are stacked into one fused parameter: (fused, checkpoint, shard id).
 STACKED_PARAMS = (
@@ -75,23 +75,21 @@ class SelfAttention(nn.Module):
             logit_softcap=cfg.attn_logit_softcap,
         )
 
-    def forward(
-        self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
         a = self.attn
-        cos, sin = rope[self.rope_key]
+        positions, cache = rope.positions, rope.caches[self.rope_key]
         if self.qkv_proj is None:
             q = self.q_proj(hidden).reshape(-1, a.num_heads, a.head_dim)
             if hasattr(self, "q_norm"):
                 q = self.q_norm(q)
-            q = apply_rope(q, cos, sin)
+            q, _ = ops_for(q).rope(positions, q, None, cache)
             return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ops_for(q).rope(positions, q, k, cache)
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
         return self.o_proj(out)
 
@@ -101,16 +99,20 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(ops_for(gate_up).act_and_mul(gate_up, self.act))
 
 
 class DecoderLayer(nn.Module):
     """A pre-norm decoder layer (Gemma: sandwich norms). `input_norm=False` drops the norm
-    before attention (EAGLE-1's first layer)."""
+    before attention (EAGLE-1's first layer).
+
+    Layers pass the residual stream beside their output, so that each residual add is fused
+    into the norm that follows it: `layer(x, residual) -> (out, residual)`, where the stream
+    after the layer is `out + residual` (`residual` is None before the first layer)."""
 
     def __init__(
         self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False, input_norm: bool = True
@@ -120,7 +122,7 @@ class DecoderLayer(nn.Module):
         self.gemma = gemma
         self.self_attn = SelfAttention(cfg, layer_id, tp, reads_kv_only=reads_kv_only)
         self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if input_norm else nn.Identity()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if input_norm else None
         # Llama: the norm before the MLP. Gemma: the norm after attention (sandwich).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
         if gemma:
@@ -128,30 +130,45 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
 
     def forward(
-        self, hidden: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), rope, batch)
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.input_layernorm is not None:
+            hidden, residual = self.input_layernorm.add(hidden, residual)
+        elif residual is not None:
+            hidden = residual = hidden + residual
+        else:
+            residual = hidden
+        attn = self.self_attn(hidden, rope, batch)
         if self.gemma:
-            hidden = hidden + self.post_attention_layernorm(attn)
-            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            hidden, residual = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        hidden, residual = self.post_attention_layernorm.add(attn, residual)
+        return self.mlp(hidden), residual
+
+
+@dataclasses.dataclass
+class RopeInputs:
+    """What every layer's RoPE reads in one forward: the positions and each variant's cache."""
+
+    positions: torch.Tensor
+    caches: dict[str, torch.Tensor]
 
 
 class RotaryTables(nn.Module):
-    """cos/sin tables of every RoPE variant of a config, per forward."""
+    """cos/sin caches of every RoPE variant of a config, computed once (`rope_cache`) for
+    positions below `max_positions`."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        device = torch.get_default_device()
         for key, rope in cfg.rope.items():
-            self.register_buffer(f"inv_freq_{key}", rope.inv_freq.to(torch.get_default_device()), persistent=False)
+            cache = rope_cache(rope.inv_freq.to(device), rope.attention_scaling, self.max_positions)
+            self.register_buffer(f"cos_sin_{key}", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {
-            key: rope_cos_sin(positions, getattr(self, f"inv_freq_{key}"), r.attention_scaling, dtype)
-            for key, r in self.cfg.rope.items()
-        }
+    def forward(self, positions: torch.Tensor) -> RopeInputs:
+        return RopeInputs(positions, {key: getattr(self, f"cos_sin_{key}") for key in self.cfg.rope})
 
 
 class DecoderModel(nn.Module):
@@ -176,14 +193,15 @@ class DecoderModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final-norm hidden states, captured layer outputs concatenated or None)."""
         hidden = self.embed(input_ids)
-        rope = self.rotary(positions, hidden.dtype)
+        rope = self.rotary(positions)
+        residual = None
         outputs = {}
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, rope, batch)
+            hidden, residual = layer(hidden, residual, rope, batch)
             if i in self.capture_layers:
-                outputs[i] = hidden
+                outputs[i] = hidden + residual
         captured = torch.cat([outputs[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
-        return self.norm(hidden), captured
+        return self.norm.add(hidden, residual)[0], captured
 
 
 class CausalLM(nn.Module):

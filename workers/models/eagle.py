@@ -141,12 +141,13 @@ class EagleHead(nn.Module):
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states for logits, hidden states for the next draft step)."""
         embeds = self._embed(batch.input_ids)
-        rope = self.rotary(batch.positions, embeds.dtype)
+        rope = self.rotary(batch.positions)
         hidden = batch.spec_hidden.to(embeds.dtype)
         if self.version == 1:
-            hidden = self.fc(torch.cat([embeds, hidden], dim=-1))
+            hidden, residual = self.fc(torch.cat([embeds, hidden], dim=-1)), None
             for layer in self.layers:
-                hidden = layer(hidden, rope, batch)
+                hidden, residual = layer(hidden, residual, rope, batch)
+            hidden = hidden + residual
             return hidden, hidden
         if hidden.shape[-1] != self.cfg.hidden_size:  # target layers' outputs; draft steps pass their own
             hidden = self.fc(hidden)

@@ -89,10 +89,11 @@ class FrozenKVMTPHead(nn.Module):
                 dim=-1,
             )
         )
-        rope = self.rotary(batch.positions, hidden.dtype)
+        rope = self.rotary(batch.positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope, batch)
-        hidden = self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, batch)
+        hidden = self.norm.add(hidden, residual)[0]
         return hidden, hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

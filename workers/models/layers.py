@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.distributed import TPGroup
 from workers.memory.allocator import cdiv
+from workers.models.ops import ops_for
 
 
 def _param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
@@ -183,7 +184,8 @@ class ReplicatedLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32. Gemma scales by (1 + w) and casts last; Llama casts, then scales by w."""
+    """RMSNorm (Gemma scales by 1 + w); `add` fuses the residual add before it. The math is
+    the device's op set's (`workers/models/ops.py`)."""
 
     def __init__(self, size: int, eps: float, gemma: bool) -> None:
         super().__init__()
@@ -196,27 +198,18 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.gemma else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        return ops_for(x).rms_norm(x, self.weight, self.eps, self.gemma)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); the first layer starts the residual stream."""
+        if residual is None:
+            return self(x), x
+        return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
 
 
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables `[T, rotary_dim]` for these positions, computed in float32 as HF does."""
-    freqs = positions[:, None].float() * inv_freq[None, :].to(positions.device)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `rotary_dim` features of every head (x: `[T, heads, head_dim]`)."""
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
-    return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
+def rope_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> torch.Tensor:
+    """`[max_positions, rotary_dim]` float32: cos then sin of position x inv_freq (times the
+    variant's attention scaling), computed once at start-up as Hugging Face computes them."""
+    positions = torch.arange(max_positions, device=inv_freq.device)
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    return torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)

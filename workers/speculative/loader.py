@@ -111,6 +111,15 @@ def build_drafter(
             attn = model.attention_layers[0]
             windows = {layer.layer_id: layer.sliding_window for layer in model.attention_layers}
             pool = build_pool(windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool=False)
-        runner = ModelRunner(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role="draft")
+        runner = ModelRunner(
+            model,
+            pool,
+            attention_backend,
+            device,
+            allocator.page_size,
+            debug_kv_checks,
+            role="draft",
+            allocator=allocator,
+        )
     target.model.model.capture_layers = plan.capture_layers
     return DRAFTERS[spec.algorithm](spec.algorithm, plan.pool_kind, runner, target, scheduler)

@@ -1,0 +1,142 @@
+"""The element-wise operations of a decoder layer, chosen once per device, as data.
+
+| op | CPU (and the reference on any device) | CUDA |
+| --- | --- | --- |
+| RMSNorm (Llama, Gemma) | torch, float32 math | `flashinfer.norm.rmsnorm` / `gemma_rmsnorm` |
+| residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
+| RoPE from a cos/sin cache | torch gather + rotate | `flashinfer.rope.apply_rope_with_cos_sin_cache_inplace` |
+| SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
+
+The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
+runs whenever autograd is on (training reuses the serving model code). The paged KV write is
+the pools' (`workers/memory/kv_write.py`). `ops_for(tensor)` picks the set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+from transformers.activations import ACT2FN
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSet:
+    name: str
+    # (x, weight, eps, gemma) -> normalised x; Gemma scales by (1 + weight)
+    rms_norm: Callable[[Tensor, Tensor, float, bool], Tensor]
+    # (x, residual, weight, eps, gemma) -> (rms_norm(residual + x), residual + x); may reuse x's
+    # and residual's storage
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool], tuple[Tensor, Tensor]]
+    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot]) -> (q, k), rotated
+    # in place where the device can
+    rope: Callable[[Tensor, Tensor, Tensor | None, Tensor], tuple[Tensor, Tensor | None]]
+    # (gate_up [..., 2 * d], activation name) -> act(gate) * up
+    act_and_mul: Callable[[Tensor, str], Tensor]
+
+
+# -- torch: the reference ---------------------------------------------------------------------------
+def _rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
+    """Hugging Face's RMSNorm: float32 statistics; Gemma scales by (1 + w) and casts last,
+    Llama casts, then scales by w."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> tuple[Tensor, Tensor]:
+    residual = residual + x
+    return _rms_norm(residual, weight, eps, gemma), residual
+
+
+def _rope(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor | None]:
+    half = cos_sin_cache.shape[-1] // 2
+    rows = cos_sin_cache[positions]
+    cos = torch.cat([rows[:, :half], rows[:, :half]], dim=-1).to(q.dtype)
+    sin = torch.cat([rows[:, half:], rows[:, half:]], dim=-1).to(q.dtype)
+    return apply_rope(q, cos, sin), (apply_rope(k, cos, sin) if k is not None else None)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first `rotary_dim` features of every head (x: `[T, heads, head_dim]`)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
+
+
+def _act_and_mul(x: Tensor, act: str) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return ACT2FN[act](gate) * up
+
+
+TORCH_OPS = OpSet("torch", _rms_norm, _add_rms_norm, _rope, _act_and_mul)
+
+
+# -- CUDA: flashinfer's fused kernels ---------------------------------------------------------------
+@functools.cache
+def _flashinfer():
+    # flashinfer's CuTe-DSL norms need a package the serving image lacks; its CUDA JIT norms do not
+    os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
+    import flashinfer
+
+    return flashinfer
+
+
+def _fi_rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
+    norm = _flashinfer().norm
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = norm.gemma_rmsnorm(x2, weight, eps) if gemma else norm.rmsnorm(x2, weight, eps)
+    return out.view(shape)
+
+
+def _fi_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> tuple[Tensor, Tensor]:
+    norm = _flashinfer().norm
+    x = x.contiguous()
+    (norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm)(x, residual, weight, eps)
+    return x, residual
+
+
+def _fi_rope(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor | None]:
+    if k is None:  # read-only queries (frozen-KV draft layers): the kernel rotates q and k together
+        return _rope(positions, q, k, cos_sin_cache)
+    t, head_dim = q.shape[0], q.shape[-1]
+    qf, kf = q.reshape(t, -1), k.reshape(t, -1)
+    _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, head_dim, cos_sin_cache, is_neox=True)
+    return qf.view(q.shape), kf.view(k.shape)
+
+
+FLASHINFER_ACTS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}
+
+
+def _fi_act_and_mul(x: Tensor, act: str) -> Tensor:
+    name = FLASHINFER_ACTS.get(act)
+    if name is None:
+        return _act_and_mul(x, act)
+    return getattr(_flashinfer().activation, name)(x.contiguous())
+
+
+FLASHINFER_OPS = OpSet("flashinfer", _fi_rms_norm, _fi_add_rms_norm, _fi_rope, _fi_act_and_mul)
+
+OP_SETS = {"cpu": TORCH_OPS, "cuda": FLASHINFER_OPS}
+
+
+def ops_for(x: Tensor) -> OpSet:
+    """The device's set; the torch set while autograd records (the fused kernels have no
+    backward) or when `SLIDESPEC_FUSED_OPS=0`."""
+    if torch.is_grad_enabled() or not FUSED_ENABLED:
+        return TORCH_OPS
+    return OP_SETS.get(x.device.type, TORCH_OPS)
+
+
+FUSED_ENABLED = os.environ.get("SLIDESPEC_FUSED_OPS", "1") != "0"
