@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from attention import ForwardMode
+from workers.cuda_graphs import CudaGraphRunner, capture_sizes
 from workers.distributed import SINGLE_RANK, TPGroup
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
+from workers.memory.allocator import cdiv
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
 from workers.request import FinishReason, Request
@@ -72,9 +74,15 @@ class Engine:
         debug_kv_checks: bool = False,
         speculative: Mapping[str, Any] | None = None,
         tp: TPGroup = SINGLE_RANK,
+        cuda_graphs: bool | str = True,
+        cuda_graph_max_batch_size: int | None = None,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; every rank of it builds an Engine with the
-        same arguments and steps in lockstep (see `workers.rank_loop`)."""
+        same arguments and steps in lockstep (see `workers.rank_loop`).
+        `cuda_graphs`: capture the decode-side forwards (decode, or verify and draft decode) for
+        batch sizes up to `cuda_graph_max_batch_size` (default `max_running_requests`) and
+        replay them; on CUDA with `trtllm_mha` only. "emulate" runs the replay logic eagerly
+        (on any device: for tests)."""
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         if page_size < 1:
@@ -98,14 +106,16 @@ class Engine:
         # model keeps in an SWA pool.
         windows = [w for w in (self.cfg.max_window, draft.swa_window if draft else None) if w is not None]
         window = max(windows, default=None)
+        backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
+        graphs = _graph_mode(cuda_graphs, self.device, backend)
+        scratch = cdiv(lookahead or 1, page_size) if graphs else 0  # what padded graph rows write
         if window is not None:
             swa_pages = max(1, round(full_pages * swa_full_tokens_ratio))
             self.allocator: KVAllocator = HybridSWAAllocator(
-                self.req_to_token, full_pages, swa_pages, page_size, window
+                self.req_to_token, full_pages, swa_pages, page_size, window, scratch
             )
         else:
-            self.allocator = KVAllocator(self.req_to_token, full_pages, page_size)
-        backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
+            self.allocator = KVAllocator(self.req_to_token, full_pages, page_size, scratch)
         self.tp = tp
         self.runner = ModelRunner.load(
             self.cfg,
@@ -146,6 +156,10 @@ class Engine:
             drafter.runner.recorder = self._record
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
         self.runner.recorder = self._record
+        if graphs:
+            self._capture_graphs(
+                graphs == "emulate", min(cuda_graph_max_batch_size or max_running_requests, max_running_requests)
+            )
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -159,6 +173,38 @@ class Engine:
             self.kv_stats(),
             f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
         )
+
+    def _capture_graphs(self, emulate: bool, max_batch_size: int) -> None:
+        """Capture the target's decode (or verify) and the draft's decode steps."""
+        sizes = capture_sizes(max_batch_size)
+        k = self.spec.num_steps if self.spec is not None else 0
+        max_q = k + 1 if self.spec is not None else 1
+        max_pages = cdiv(self.req_to_token.max_context_len, self.allocator.page_size)
+        used = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+        def graphs_for(runner: ModelRunner, hidden_in: int | None) -> CudaGraphRunner:
+            runner.backend.init_graph_buffers(max_batch_size, max_batch_size * max_q, max_pages)
+            graphs = CudaGraphRunner(runner, self.allocator, sizes, hidden_in, self.dtype, emulate)
+            runner.enable_graphs(graphs)
+            return graphs
+
+        target = graphs_for(self.runner, None)
+        if self.spec is None:
+            target.capture(ForwardMode.DECODE, 1, self.runner.pool)
+            seconds = target.capture_seconds
+        else:
+            target.capture(ForwardMode.TARGET_VERIFY, k + 1, self.runner.pool)
+            drafter = self.spec.drafter
+            draft = graphs_for(drafter.runner, drafter.runner.model.cfg.hidden_size if drafter.reads_hidden else None)
+            if drafter.runner.pool is None:  # frozen KV: the target's pool, one offset per draft step
+                for offset in range(1, k + 1):
+                    draft.capture(ForwardMode.DECODE, 1, self.runner.pool, offset)
+            else:
+                draft.capture(ForwardMode.DECODE, 1, drafter.runner.pool)
+            seconds = target.capture_seconds + draft.capture_seconds
+        if self.device.type == "cuda":
+            grown = (torch.cuda.memory_allocated(self.device) - used) / 2**20
+            logger.info("cuda graphs: batch sizes %s captured in %.1f s, %.0f MiB", sizes, seconds, grown)
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(
@@ -371,6 +417,19 @@ class Engine:
             if not req.finished:
                 self.abort(rid)
         self._requests.clear()
+
+
+def _graph_mode(setting: bool | str, device: torch.device, backend: str) -> bool | str:
+    """False, True or "emulate": whether this engine captures and replays CUDA graphs."""
+    if setting == "emulate":
+        if backend != "trtllm_mha":
+            raise ValueError("cuda_graphs: 'emulate' replays trtllm_mha's static metadata; use that backend")
+        return "emulate"
+    if setting not in (True, False):
+        raise ValueError(f"cuda_graphs: true, false or 'emulate', got {setting!r}")
+    if setting and device.type == "cuda" and backend != "trtllm_mha":
+        logger.info("cuda graphs: off (the %s backend has no static metadata for replay)", backend)
+    return bool(setting) and device.type == "cuda" and backend == "trtllm_mha"
 
 
 def resolve_context_length(cfg, context_length: int | None, max_total_tokens: int) -> int:

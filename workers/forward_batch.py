@@ -1,6 +1,8 @@
 """`ForwardBatch`: the tensors of one forward pass, built from the scheduler's plan.
 
-Implements `attention.AttentionBatch`; the model and the sampler read the rest.
+Implements `attention.AttentionBatch`; the model and the sampler read the rest. The integer
+inputs are laid out on the host first (`HostInputs`, numpy) and reach the device in one copy;
+a CUDA-graph replay reads the host arrays to fill its own static buffers instead.
 """
 
 from __future__ import annotations
@@ -9,9 +11,21 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from attention import ForwardMode
+
+
+@dataclasses.dataclass
+class HostInputs:
+    """The batch's integer inputs on the host (int64)."""
+
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    out_cache_loc: np.ndarray  # [T]
+    req_pool_indices: np.ndarray  # [B]
+    logits_indices: np.ndarray  # [L]
 
 
 @dataclasses.dataclass
@@ -31,6 +45,7 @@ class ForwardBatch:
     query_offset: int = 0  # see attention.AttentionBatch
     spec_hidden: torch.Tensor | None = None  # [T, *] hidden states a draft head reads per token
     attn_backend: Any = None  # set by the model runner for this forward
+    host: HostInputs | None = None
 
     @classmethod
     def build(
@@ -48,28 +63,45 @@ class ForwardBatch:
         """`input_ids[i]` are request i's new tokens, at positions `prefix_lens[i]` onwards
         (shifted by `query_offset` for read-only queries past the KV); `logits_rows` lists
         (flattened) token rows whose logits the caller needs."""
-        device = req_to_token.device
         q_lens = [len(ids) for ids in input_ids]
         seq_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
-        positions = [pos + query_offset for p, q in zip(prefix_lens, q_lens) for pos in range(p, p + q)]
-        flat_ids = [t for ids in input_ids for t in ids]
-
-        def tensor(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        starts = np.repeat(np.asarray(prefix_lens, dtype=np.int64) + query_offset, q_lens)
+        firsts = np.cumsum(q_lens, dtype=np.int64) - q_lens  # each request's first row
+        within = np.arange(len(starts), dtype=np.int64) - np.repeat(firsts, q_lens)
+        host = HostInputs(
+            input_ids=np.fromiter((t for ids in input_ids for t in ids), dtype=np.int64, count=len(starts)),
+            positions=starts + within,
+            out_cache_loc=out_cache_loc.numpy().astype(np.int64, copy=False),
+            req_pool_indices=np.asarray(rows, dtype=np.int64),
+            logits_indices=np.asarray(logits_rows, dtype=np.int64),
+        )
+        lens = np.asarray(q_lens + seq_lens, dtype=np.int64)
+        parts = [host.input_ids, host.positions, host.out_cache_loc, host.req_pool_indices, host.logits_indices, lens]
+        packed = upload(np.concatenate(parts), req_to_token.device)
+        ids, pos, loc, rows_t, logits, lens_t = packed.split([len(p) for p in parts])
+        b = len(rows)
         return cls(
             forward_mode=mode,
-            batch_size=len(rows),
-            input_ids=tensor(flat_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
-            q_lens=tensor(q_lens, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
+            batch_size=b,
+            input_ids=ids,
+            positions=pos,
+            q_lens=lens_t[:b].to(torch.int32),
+            seq_lens=lens_t[b:].to(torch.int32),
             q_lens_cpu=q_lens,
             seq_lens_cpu=seq_lens,
-            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            req_pool_indices=tensor(list(rows), torch.int64),
+            out_cache_loc=loc,
+            req_pool_indices=rows_t,
             req_to_token=req_to_token,
-            logits_indices=tensor(list(logits_rows), torch.int64),
+            logits_indices=logits,
             query_offset=query_offset,
             spec_hidden=spec_hidden,
+            host=host,
         )
+
+
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device: shared memory on the CPU, one pinned copy on a GPU."""
+    host = torch.from_numpy(values)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

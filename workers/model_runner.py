@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from attention import AttentionLayer, KVPool, create_backend
+from workers.cuda_graphs import CudaGraphRunner
 from workers.distributed import SINGLE_RANK, TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.memory import KVAllocator, build_pool
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.allocator = allocator
+        self.graphs: CudaGraphRunner | None = None
         self.device = device
         self.role = role  # "target" or "draft", in forward records
         self.recorder: Callable[[ForwardRecord], None] | None = None
@@ -84,9 +86,14 @@ class ModelRunner:
         pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
         return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role, allocator)
 
+    def enable_graphs(self, graphs: CudaGraphRunner) -> None:
+        """Replay captured CUDA graphs for the forwards they cover (`workers/cuda_graphs.py`)."""
+        self.graphs = graphs
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool | None = None) -> ForwardOutput:
-        """One forward through `pool`, or this runner's own pool when none is given."""
+        """One forward through `pool`, or this runner's own pool when none is given: a graph
+        replay when one was captured for it, eager otherwise."""
         pool = pool if pool is not None else self.pool
         if pool is None:
             raise RuntimeError("model runner: this model owns no KV pool; pass the pool it reads")
@@ -94,9 +101,11 @@ class ModelRunner:
         if self.allocator is not None:
             self.allocator.flush()
         batch.attn_backend = self.backend
-        self.backend.init_forward_metadata(batch, pool)
-        hidden, handed_on = self.model(batch)
-        out = ForwardOutput(self.model.compute_logits(hidden[batch.logits_indices]), handed_on)
+        if self.graphs is not None and self.graphs.can_run(batch, pool):
+            logits, hidden = self.graphs.run(batch, pool)
+        else:
+            self.backend.init_forward_metadata(batch, pool)
+            logits, hidden = self.run_model(batch)
         if self.recorder is not None:
             mode = batch.forward_mode
             self.recorder(
@@ -110,4 +119,10 @@ class ModelRunner:
                     time.time_ns(),
                 )
             )
-        return out
+        return ForwardOutput(logits, hidden)
+
+    def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model on a batch whose attention metadata is in place: (float32 logits of the
+        requested rows, hidden states handed on). What a CUDA graph captures."""
+        hidden, handed_on = self.model(batch)
+        return self.model.compute_logits(hidden[batch.logits_indices]), handed_on

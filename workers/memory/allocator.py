@@ -28,16 +28,20 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PageAllocator:
-    """Free list of pages 1..num_pages; page 0 is padding and never handed out."""
+    """Free list of pages 1..num_pages; page 0 is padding and never handed out. `reserved`
+    more pages (ids num_pages + 1 ..) are never handed out either: scratch pages that padded
+    rows of a CUDA graph write to. Buffers hold `num_ids + 1` pages."""
 
-    def __init__(self, num_pages: int, page_size: int, name: str) -> None:
+    def __init__(self, num_pages: int, page_size: int, name: str, reserved: int = 0) -> None:
         if num_pages < 1:
             raise ValueError(f"{name}: needs at least one page, got {num_pages}")
         self.num_pages = num_pages
+        self.num_ids = num_pages + reserved
         self.page_size = page_size
         self.name = name
+        self.reserved = list(range(num_pages + 1, self.num_ids + 1))
         self._free = list(range(num_pages, 0, -1))
-        self._in_use = np.zeros(num_pages + 1, dtype=bool)
+        self._in_use = np.zeros(self.num_ids + 1, dtype=bool)
 
     @property
     def num_free(self) -> int:
@@ -64,13 +68,23 @@ class PageAllocator:
 
 
 class KVAllocator:
-    """Full-pool slots for every token of every request, allocated page by page."""
+    """Full-pool slots for every token of every request, allocated page by page.
 
-    def __init__(self, req_to_token: ReqToTokenPool, num_full_pages: int, page_size: int) -> None:
+    `scratch_pages` full pages (and as many SWA pages) are set aside for the padded rows of
+    CUDA graphs: the request->token table's padding row holds their slots, so a padded row
+    reads and writes KV only there, at slots every kernel contract allows."""
+
+    def __init__(
+        self, req_to_token: ReqToTokenPool, num_full_pages: int, page_size: int, scratch_pages: int = 0
+    ) -> None:
         self.req_to_token = req_to_token
         self.page_size = page_size
-        self.full = PageAllocator(num_full_pages, page_size, "full KV pool")
+        self.full = PageAllocator(num_full_pages, page_size, "full KV pool", reserved=scratch_pages)
         self._lens: dict[int, int] = {}  # row -> positions that have slots
+        self.scratch_slots = (
+            np.array(self.full.reserved, dtype=np.int64)[:, None] * page_size + np.arange(page_size)
+        ).reshape(-1)
+        req_to_token.write(req_to_token.padding_row, 0, self.scratch_slots[: req_to_token.max_context_len])
 
     @property
     def is_hybrid(self) -> bool:
@@ -166,15 +180,21 @@ class HybridSWAAllocator(KVAllocator):
         num_swa_pages: int,
         page_size: int,
         sliding_window: int,
+        scratch_pages: int = 0,
     ) -> None:
-        super().__init__(req_to_token, num_full_pages, page_size)
-        self.swa = PageAllocator(num_swa_pages, page_size, "SWA KV pool")
+        super().__init__(req_to_token, num_full_pages, page_size, scratch_pages)
+        self.swa = PageAllocator(num_swa_pages, page_size, "SWA KV pool", reserved=scratch_pages)
         self.sliding_window = sliding_window
         self._page_offsets = np.arange(page_size, dtype=np.int64)
         # full slot -> SWA slot; page-aligned, so full_to_swa[f] // P is an SWA page. Entries of
         # unmapped or evicted pages point into padding page 0. The device copy is updated in
         # place, never replaced: pools hold a reference to this very tensor.
-        self._f2s = HostMirrored(np.tile(self._page_offsets, num_full_pages + 1), req_to_token.table.device)
+        identity = np.tile(self._page_offsets, self.full.num_ids + 1)
+        identity.reshape(-1, page_size)[self.full.reserved] = (
+            np.array(self.swa.reserved)[:, None] * page_size + self._page_offsets
+        )  # scratch full pages -> scratch SWA pages, for good
+        self._expected_idle = identity.copy()
+        self._f2s = HostMirrored(identity, req_to_token.table.device)
         self.full_to_swa = self._f2s.tensor
         self._evicted: dict[int, int] = {}  # row -> leading page indices whose SWA page is gone
 
@@ -207,10 +227,7 @@ class HybridSWAAllocator(KVAllocator):
     def check_no_leak(self) -> None:
         super().check_no_leak()
         self.swa.check_no_leak()
-        if not np.array_equal(
-            self._f2s.host.reshape(-1, self.page_size),
-            np.broadcast_to(self._page_offsets, (self.full.num_pages + 1, self.page_size)),
-        ):
+        if not np.array_equal(self._f2s.host, self._expected_idle):
             raise AssertionError("SWA allocator: full_to_swa still maps some full page to an SWA page")
 
     def _on_new_pages(self, full_pages: list[int]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from workers.memory.allocator import HybridSWAAllocator, KVAllocator
+from workers.memory.kv_write import kv_writer
 
 
 class MHAPool:
@@ -26,10 +27,11 @@ class MHAPool:
         device: torch.device | str,
     ) -> None:
         self.page_size = page_size
-        self.num_pages = num_pages  # allocatable pages; buffers hold one more (padding page 0)
+        self.num_pages = num_pages  # page ids; buffers hold one more (padding page 0)
         self._index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
         shape = (num_pages + 1, 2, num_kv_heads, page_size, head_dim)
         self.kv_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_ids]
+        self._write = kv_writer(device)
 
     @property
     def has_swa(self) -> bool:
@@ -53,11 +55,7 @@ class MHAPool:
         return self.kv_buffers[self._slot(layer_id)]
 
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        buf = self.kv_cache(layer_id)
-        pages = torch.div(locs, self.page_size, rounding_mode="floor")
-        offs = locs % self.page_size
-        buf[pages, 0, :, offs, :] = k.to(buf.dtype)
-        buf[pages, 1, :, offs, :] = v.to(buf.dtype)
+        self._write(self.kv_cache(layer_id), locs, k, v)
 
     def _slot(self, layer_id: int) -> int:
         try:
@@ -122,7 +120,7 @@ def build_pool(
     args = (p, num_kv_heads, head_dim, dtype, device)
     swa_layers = [i for i, w in layer_windows.items() if w is not None]
     if not (use_swa_pool and swa_layers and isinstance(allocator, HybridSWAAllocator)):
-        return MHAPool(list(layer_windows), allocator.full.num_pages, *args)
+        return MHAPool(list(layer_windows), allocator.full.num_ids, *args)
     too_wide = {i: layer_windows[i] for i in swa_layers if layer_windows[i] > allocator.sliding_window}
     if too_wide:
         raise ValueError(
@@ -131,8 +129,8 @@ def build_pool(
         )
     full_layers = [i for i, w in layer_windows.items() if w is None]
     return HybridSWAPool(
-        MHAPool(full_layers, allocator.full.num_pages, *args),
-        MHAPool(swa_layers, allocator.swa.num_pages, *args),
+        MHAPool(full_layers, allocator.full.num_ids, *args),
+        MHAPool(swa_layers, allocator.swa.num_ids, *args),
         allocator.full_to_swa,
         allocator.sliding_window,
     )

@@ -11,10 +11,14 @@ from workers.memory.host_mirror import HostMirrored
 
 
 class ReqToTokenPool:
+    """Rows 0..max_requests-1 for requests, and one more, `padding_row`, never handed out: the
+    padded rows of a CUDA graph read it (the allocator points it at its scratch pages)."""
+
     def __init__(self, max_requests: int, max_context_len: int, device: torch.device | str) -> None:
         self.max_requests = max_requests
         self.max_context_len = max_context_len
-        self._mirror = HostMirrored(np.zeros((max_requests, max_context_len), dtype=np.int32), device)
+        self.padding_row = max_requests
+        self._mirror = HostMirrored(np.zeros((max_requests + 1, max_context_len), dtype=np.int32), device)
         self.host = self._mirror.host
         self.table = self._mirror.tensor
         self._free_rows = list(range(max_requests - 1, -1, -1))

@@ -1,0 +1,221 @@
+"""CUDA graphs of a model runner's decode-side forwards: captured at start-up, replayed per step.
+
+What a graph bakes in is its key: forward mode, query length per request, read-only query
+offset, batch size, and the KV pool it was captured with — its buffer addresses and which of
+its layers are SWA-translated. A forward through another pool never replays it (docs/design.md
+§4.2 in graph form): frozen-KV drafts capture their graphs with the target's pool, the one
+their forwards are handed. Everything else is data in static buffers that every replay
+rewrites before launching: the batch's inputs (one host-to-device copy) and the attention
+metadata (`init_forward_metadata_replay` translates this batch's page tables and SWA write
+slots into the backend's static buffers: §4.4 and §4.5 hold under replay as in eager mode).
+
+A batch is padded to the next captured size. Padded rows use the request->token table's
+padding row, whose slots are the allocator's scratch pages: they read and write KV only there,
+at slots every kernel contract allows, and their logits are dropped. Nothing in a captured
+region synchronises with the host.
+
+On a CPU the same code runs with `emulate=True`: "capture" records nothing and "replay" runs
+the forward eagerly on the static buffers, so the padding and rewriting logic is tested
+everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from attention import ForwardMode, KVPool
+from workers.forward_batch import ForwardBatch, HostInputs, upload
+from workers.memory import KVAllocator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+PADDING_TOKEN = 0
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes captured: the defaults up to `max_batch_size`, and it."""
+    return sorted({*(b for b in DEFAULT_BATCH_SIZES if b < max_batch_size), max_batch_size})
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphKey:
+    mode: ForwardMode
+    q_len: int
+    query_offset: int
+    pool: int  # id() of the KV pool captured with
+
+
+@dataclasses.dataclass
+class _Family:
+    """Graphs of one key for every captured batch size, sharing static inputs."""
+
+    pool: KVPool
+    inputs: torch.Tensor  # packed int64: input_ids | positions | out_cache_loc | rows | logits | q_lens | seq_lens
+    spec_hidden: torch.Tensor | None
+    graphs: dict[int, tuple[object, torch.Tensor, torch.Tensor]]  # batch size -> (graph, logits, hidden)
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        runner,
+        allocator: KVAllocator,
+        batch_sizes: Sequence[int],
+        hidden_in: int | None,
+        dtype: torch.dtype,
+        emulate: bool = False,
+    ) -> None:
+        """`runner`: the `ModelRunner` whose forwards are captured; `hidden_in`: the width of
+        the hidden states a draft head reads per token (None for models that read none)."""
+        self.runner = runner
+        self.allocator = allocator
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_batch_size = self.batch_sizes[-1]
+        self.hidden_in = hidden_in
+        self.dtype = dtype
+        self.emulate = emulate
+        self.device = runner.device
+        self.families: dict[GraphKey, _Family] = {}
+        self.mempool = None if emulate else torch.cuda.graph_pool_handle()
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    # -- start-up ----------------------------------------------------------------------------
+    def capture(self, mode: ForwardMode, q_len: int, pool: KVPool, query_offset: int = 0) -> None:
+        """Capture this key's graphs for every batch size (largest first, sharing memory)."""
+        key = GraphKey(mode, q_len, query_offset, id(pool))
+        if key in self.families:
+            return
+        if q_len > len(self.allocator.scratch_slots):
+            raise ValueError(f"cuda graphs: {q_len} query tokens per padded row need more scratch pages")
+        rows = self.max_batch_size * q_len
+        width = 5 * rows + 3 * self.max_batch_size
+        inputs = torch.zeros(width, dtype=torch.int64, device=self.device)
+        spec_hidden = (
+            torch.zeros(rows, self.hidden_in, dtype=self.dtype, device=self.device) if self.hidden_in else None
+        )
+        family = _Family(pool, inputs, spec_hidden, {})
+        self.families[key] = family
+        start = time.perf_counter()
+        for bs in reversed(self.batch_sizes):
+            batch = self._static_batch(key, family, bs, self._padding(key, bs, 0))
+            family.graphs[bs] = self._capture_one(batch, pool)
+        elapsed = time.perf_counter() - start
+        self.capture_seconds += elapsed
+        logger.info(
+            "cuda graphs: %s q_len %d offset %d captured for batch sizes %s in %.1f s",
+            mode.name,
+            q_len,
+            query_offset,
+            self.batch_sizes,
+            elapsed,
+        )
+
+    def _capture_one(self, batch: ForwardBatch, pool: KVPool) -> tuple[object, torch.Tensor, torch.Tensor]:
+        backend = self.runner.backend
+        backend.init_forward_metadata_replay(batch, pool)
+        if self.emulate:
+            return None, None, None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: JIT compilation, allocator, lazy module state
+                self.runner.run_model(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            logits, hidden = self.runner.run_model(batch)
+        return graph, logits, hidden
+
+    # -- per step ------------------------------------------------------------------------------
+    def can_run(self, batch: ForwardBatch, pool: KVPool) -> bool:
+        q = batch.q_lens_cpu[0] if batch.q_lens_cpu else 0
+        return (
+            batch.host is not None
+            and 0 < batch.batch_size <= self.max_batch_size
+            and self._key(batch, pool) in self.families
+            and all(n == q for n in batch.q_lens_cpu)
+            and len(batch.host.logits_indices) == batch.batch_size * q
+        )
+
+    def run(self, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of every query row, hidden states handed on) of `batch`; the logits are a
+        view valid until this runner's next replay."""
+        key = self._key(batch, pool)
+        family = self.families[key]
+        bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
+        static = self._static_batch(key, family, bs, self._padding(key, bs, batch.batch_size, batch))
+        if family.spec_hidden is not None:
+            rows = batch.spec_hidden.shape[0]
+            family.spec_hidden[:rows].copy_(batch.spec_hidden)
+        self.runner.backend.init_forward_metadata_replay(static, pool)
+        self.replays += 1
+        rows = batch.batch_size * key.q_len
+        if self.emulate:
+            logits, hidden = self.runner.run_model(static)
+            return logits[:rows], hidden[:rows]
+        graph, logits, hidden = family.graphs[bs]
+        graph.replay()
+        return logits[:rows], hidden[:rows].clone()
+
+    def _key(self, batch: ForwardBatch, pool: KVPool) -> GraphKey:
+        q = batch.q_lens_cpu[0] if batch.q_lens_cpu else 0
+        return GraphKey(batch.forward_mode, q, batch.query_offset, id(pool))
+
+    def _padding(self, key: GraphKey, bs: int, real: int, batch: ForwardBatch | None = None) -> np.ndarray:
+        """The packed static inputs of a batch of `bs` rows whose first `real` come from `batch`
+        and the rest are padding (the padding row's scratch slots, positions 0..q-1)."""
+        q, pad = key.q_len, bs - real
+        seq_len = q  # a padded row's KV is its q scratch tokens
+        scratch = self.allocator.scratch_slots[:q]
+        host = batch.host if batch is not None else None
+        ids = np.concatenate([host.input_ids if host else [], np.full(pad * q, PADDING_TOKEN)])
+        positions = np.concatenate([host.positions if host else [], np.tile(np.arange(q), pad)])
+        locs = np.concatenate([host.out_cache_loc if host else [], np.tile(scratch, pad)])
+        rows = np.concatenate(
+            [host.req_pool_indices if host else [], np.full(pad, self.allocator.req_to_token.padding_row)]
+        )
+        q_lens = np.full(bs, q)
+        seq_lens = np.concatenate([batch.seq_lens_cpu if batch is not None else [], np.full(pad, seq_len)])
+        if key.query_offset:  # read-only queries: nothing is written, positions sit past the KV
+            positions[real * q :] += key.query_offset
+            locs = np.zeros(0)
+        logits = np.arange(bs * q)
+        return np.concatenate([ids, positions, locs, rows, logits, q_lens, seq_lens]).astype(np.int64)
+
+    def _static_batch(self, key: GraphKey, family: _Family, bs: int, packed: np.ndarray) -> ForwardBatch:
+        """A ForwardBatch of `bs` rows over the family's static buffers, holding `packed`."""
+        inputs = family.inputs
+        inputs[: len(packed)].copy_(upload(packed, self.device), non_blocking=True)
+        q, n = key.q_len, bs * key.q_len
+        writes = 0 if key.query_offset else n
+        sizes = [n, n, writes, bs, n, bs, bs]
+        ids, positions, locs, rows, logits, q_lens, seq_lens = inputs[: sum(sizes)].split(sizes)
+        seq_lens_cpu = packed[-bs:].tolist()
+        return ForwardBatch(
+            forward_mode=key.mode,
+            batch_size=bs,
+            input_ids=ids,
+            positions=positions,
+            q_lens=q_lens.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            q_lens_cpu=[q] * bs,
+            seq_lens_cpu=seq_lens_cpu,
+            out_cache_loc=locs,
+            req_pool_indices=rows,
+            req_to_token=self.allocator.req_to_token.table,
+            logits_indices=logits,
+            query_offset=key.query_offset,
+            attn_backend=self.runner.backend,
+            spec_hidden=family.spec_hidden[:n] if family.spec_hidden is not None else None,
+            host=HostInputs(
+                packed[:n], packed[n : 2 * n], packed[2 * n : 2 * n + writes], packed[-3 * bs : -2 * bs], np.arange(n)
+            ),
+        )
