@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from attention import ForwardMode, KVPool
-from workers.forward_batch import ForwardBatch, HostInputs, upload
+from workers.forward_batch import ForwardBatch, HostInputs
 from workers.memory import KVAllocator
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,8 @@ class CudaGraphRunner:
     def _static_batch(self, key: GraphKey, family: _Family, bs: int, packed: np.ndarray) -> ForwardBatch:
         """A ForwardBatch of `bs` rows over the family's static buffers, holding `packed`."""
         inputs = family.inputs
-        inputs[: len(packed)].copy_(upload(packed, self.device), non_blocking=True)
+        host = torch.from_numpy(packed)
+        inputs[: len(packed)].copy_(host if self.emulate else host.pin_memory(), non_blocking=True)
         q, n = key.q_len, bs * key.q_len
         writes = 0 if key.query_offset else n
         sizes = [n, n, writes, bs, n, bs, bs]

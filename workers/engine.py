@@ -81,8 +81,9 @@ class Engine:
         same arguments and steps in lockstep (see `workers.rank_loop`).
         `cuda_graphs`: capture the decode-side forwards (decode, or verify and draft decode) for
         batch sizes up to `cuda_graph_max_batch_size` (default `max_running_requests`) and
-        replay them; on CUDA with `trtllm_mha` only. "emulate" runs the replay logic eagerly
-        (on any device: for tests)."""
+        replay them; on CUDA with `trtllm_mha` only, and not with `debug_kv_checks` (the checks
+        read tensors on the host). "emulate" runs the replay logic eagerly (on any device: for
+        tests)."""
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         if page_size < 1:
@@ -108,6 +109,9 @@ class Engine:
         window = max(windows, default=None)
         backend = attention_backend or ("trtllm_mha" if self.device.type == "cuda" else "torch_native")
         graphs = _graph_mode(cuda_graphs, self.device, backend)
+        if graphs is True and debug_kv_checks:  # the checks read tensors on the host: not inside a graph
+            logger.info("cuda graphs: off while debug_kv_checks is on")
+            graphs = False
         scratch = cdiv(lookahead or 1, page_size) if graphs else 0  # what padded graph rows write
         if window is not None:
             swa_pages = max(1, round(full_pages * swa_full_tokens_ratio))
@@ -302,9 +306,10 @@ class Engine:
         tokens, _, errors = draw_each(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
         for i, exc in errors.items():
             self.scheduler.fail(sampled[i], exc)
-        for req, logits in zip(sampled, out.logits):
-            if req.sampling.return_logits and not req.finished:
-                req.logits.append(logits.cpu())
+        if any(r.sampling.return_logits for r in sampled):
+            for req, logits in zip(sampled, out.logits):
+                if req.sampling.return_logits and not req.finished:
+                    req.logits.append(logits.cpu())
         live = [(r, n, s) for r, n, s in zip(sb.reqs, sb.q_lens, sb.samples) if not r.finished]
         events = self.scheduler.process(
             ScheduledBatch(sb.mode, [r for r, _, _ in live], [n for _, n, _ in live], [s for _, _, s in live]),

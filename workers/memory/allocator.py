@@ -102,6 +102,11 @@ class KVAllocator:
                 f"request row {row}: {end} positions exceed the context of {self.req_to_token.max_context_len}"
             )
         p = self.page_size
+        if n == 1 and start % p:  # a decode step inside the current page: the next slot of it
+            loc = int(self.req_to_token.host[row, start - 1]) + 1
+            self.req_to_token.write(row, start, np.array([loc], dtype=np.int64))
+            self._lens[row] = end
+            return torch.tensor([loc])
         new_pages = self.full.alloc(cdiv(end, p) - cdiv(start, p))
         try:
             self._on_new_pages(new_pages)

@@ -50,15 +50,19 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Normal(0, std) matrices, zero biases, norms at their identity."""
-    gen = torch.Generator().manual_seed(seed)
+    """Normal(0, std) matrices, zero biases, norms at their identity; drawn on the parameters'
+    device (a GPU fills an 8B model in a moment)."""
+    gens: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.reset_parameters()
             continue
         for name, param in module.named_parameters(recurse=False):
-            values = torch.randn(param.shape, generator=gen) * std if name == "weight" else torch.zeros(param.shape)
-            param.data.copy_(values.to(param.dtype))
+            if name != "weight":
+                param.data.zero_()
+                continue
+            gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+            param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device) * std)
 
 
 def build_model(

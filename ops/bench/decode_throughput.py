@@ -1,0 +1,353 @@
+"""Decode throughput on one GPU against the hardware limits and HF transformers, in one process.
+
+    python -m ops.bench.decode_throughput --out results.json [--parts ceilings,decode,hf,prefill,spec,tiny]
+
+1. Ceilings measured here: device-to-device copy bandwidth (bytes read + written) and the bf16
+   matrix-product rate (8192^3, random data), each the median of timed repeats.
+2. slidespec decode with dummy weights of real model shapes (Llama-3-8B, Gemma-3-1B,
+   Gemma-3-12B; bf16, greedy, prompt 128, 128 new tokens) at batches 1, 8 and 64, CUDA graphs on
+   and off: tokens/s of the decode steps, ms/step, against the weight-read roofline (copy
+   bandwidth / weight bytes; at batch 64 weights + the KV the step reads) and HF `generate`.
+3. Prefill: 8 x 2,048-token prompts on the 8B shape, model FLOPs over the matmul rate.
+4. Speculation on the 8B shape at batch 1: an EAGLE round and a frozen-KV MTP round (4 steps)
+   against a plain decode step, and the host synchronisations per step.
+5. The shipped tiny models with their three trained drafts at batches 1 and 16: speculation
+   against plain decoding with the measured accept lengths.
+
+Prints one table and writes every number to `--out` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+
+from ops import DEFAULT_MODEL, DRAFT_MODELS
+from workers.engine import Engine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PROMPT, NEW = 128, 128
+BATCHES = (1, 8, 64)
+SHAPES = {
+    "llama3-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        hidden_act="silu",
+    ),
+    "gemma3-1b": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=1152, intermediate_size=6912,
+        num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
+    "gemma3-12b": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=3840, intermediate_size=15360,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262144,
+        sliding_window=1024, query_pre_attn_scalar=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+    ),
+}
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def write_config(root: str, name: str, config: dict) -> str:
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"torch_dtype": "bfloat16", "bos_token_id": None, "eos_token_id": None, **config}, f)
+    return path
+
+
+def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of `fn` over CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 2 GiB of bf16 per buffer, far past the L2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_s = timed(lambda: a @ b)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": 2 * n * 2 / copy_s, "matmul_flops_per_s": 2 * 8192**3 / mm_s}
+
+
+def weight_bytes(engine: Engine) -> int:
+    models = [engine.runner.model] + ([engine.spec.drafter.runner.model] if engine.spec else [])
+    seen = {id(p): p for m in models for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in seen.values())
+
+
+def kv_bytes_per_token(engine: Engine) -> int:
+    cfg = engine.cfg
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(engine.dtype).bits // 8
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], new: int) -> dict:
+    """Submit, prefill, then time the decode steps: tokens/s and ms per step."""
+    sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, sampling) for p in prompts]
+    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    torch.cuda.synchronize()
+    start, steps, tokens = time.perf_counter(), 0, 0
+    while engine.has_unfinished():
+        tokens += sum(len(new) for _, new, _ in engine.step())
+        steps += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    outs = [engine.output(r) for r in rids]
+    for r in rids:
+        engine.release(r)
+    lengths = [n for o in outs if o.spec for n in o.spec.accept_lengths]
+    return {"tokens": tokens, "steps": steps, "seconds": elapsed, "tok_per_s": tokens / elapsed,
+            "ms_per_step": 1e3 * elapsed / max(1, steps),
+            "accept_length": sum(lengths) / len(lengths) if lengths else None}
+
+
+def syncs_per_step(engine: Engine, prompts: list[list[int]], steps: int = 8) -> float:
+    """Host synchronisations per decode step, counted by torch's sync debug mode."""
+    sampling = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, sampling) for p in prompts]
+    while any(not r.prefilled for r in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished():
+        engine.step()
+    for r in rids:
+        engine.release(r)
+    return sum("synchroniz" in str(w.message) for w in caught) / steps
+
+
+def random_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab, (batch, length), generator=g).tolist()
+
+
+def engine_for(path: str, graphs: bool, max_batch: int = 64, **kw) -> Engine:
+    return Engine(model=path, device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
+                  max_total_tokens=max_batch * (PROMPT + NEW + 64), max_running_requests=max_batch,
+                  chunked_prefill_size=8192, cuda_graphs=graphs, **kw)
+
+
+def free(engine: Engine | None) -> None:
+    if engine is not None:
+        engine.shutdown()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# -- parts -----------------------------------------------------------------------------------------------
+def decode_part(root: str, limits: dict, shapes: list[str]) -> dict:
+    out = {}
+    for name in shapes:
+        path = write_config(root, name, SHAPES[name])
+        for graphs in (True, False):
+            engine = engine_for(path, graphs)
+            wb, kvb = weight_bytes(engine), kv_bytes_per_token(engine)
+            for batch in BATCHES:
+                r = run_batch(engine, random_prompts(engine.cfg.vocab_size, batch, PROMPT), NEW)
+                read = wb + batch * kvb * (PROMPT + NEW // 2)
+                r["roofline_tok_per_s"] = batch * limits["copy_bytes_per_s"] / read
+                r["of_roofline"] = r["tok_per_s"] / r["roofline_tok_per_s"]
+                out[f"{name}/b{batch}/{'graphs' if graphs else 'eager'}"] = r
+                logger.info("%s batch %d graphs %s: %.1f tok/s (%.0f%% of roofline)", name, batch, graphs,
+                            r["tok_per_s"], 100 * r["of_roofline"])
+            out[f"{name}/weight_bytes"] = wb
+            free(engine)
+    return out
+
+
+def hf_part(root: str, shapes: list[str], new: int = 64) -> dict:
+    import transformers
+
+    out = {}
+    for name in shapes:
+        path = write_config(root, name, SHAPES[name])
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        for batch in (1, 64):
+            ids = torch.tensor(random_prompts(cfg.vocab_size, batch, PROMPT), device="cuda")
+            kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            with torch.inference_mode():
+                model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model.generate(ids, **kwargs)
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            out[f"{name}/b{batch}/hf"] = {"tok_per_s": batch * new / elapsed, "seconds": elapsed}
+            logger.info("HF %s batch %d: %.1f tok/s", name, batch, batch * new / elapsed)
+        del model
+        torch.cuda.empty_cache()
+    return out
+
+
+def prefill_part(root: str, limits: dict) -> dict:
+    path = write_config(root, "llama3-8b", SHAPES["llama3-8b"])
+    engine = engine_for(path, True, max_batch=8)
+    engine_cfg = engine.cfg
+    prompts = random_prompts(engine_cfg.vocab_size, 8, 2048, seed=1)
+    sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate(prompt_token_ids=[p[:256] for p in prompts], sampling=sampling)  # warm-up (JIT)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(prompt_token_ids=prompts, sampling=sampling)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    non_embedding = weight_bytes(engine) // 2 - engine_cfg.vocab_size * engine_cfg.hidden_size
+    tokens = 8 * 2048
+    attn = 8 * 2 * 2 * engine_cfg.num_layers * engine_cfg.num_heads * engine_cfg.head_dim * 2048 * 2049 // 2
+    flops = 2 * non_embedding * tokens + attn
+    free(engine)
+    return {"prefill/8x2048": {"seconds": elapsed, "tok_per_s": tokens / elapsed, "flops": flops,
+                               "of_matmul_peak": flops / elapsed / limits["matmul_flops_per_s"]}}
+
+
+def spec_part(root: str) -> dict:
+    target = write_config(root, "llama3-8b", SHAPES["llama3-8b"])
+    t = SHAPES["llama3-8b"]
+    eagle = write_config(root, "llama3-8b-eagle", {**t, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1})
+    mtp = write_config(root, "llama3-8b-mtp", {**t, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": [31]})
+    out = {}
+    prompts = random_prompts(t["vocab_size"], 1, PROMPT)
+    plain = engine_for(target, True, max_batch=8)
+    out["spec/plain"] = {**run_batch(plain, prompts, NEW), "syncs_per_step": syncs_per_step(plain, prompts)}
+    free(plain)
+    for algorithm, draft in (("eagle", eagle), ("frozen_kv_mtp", mtp)):
+        spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": 4, "draft_load_format": "dummy"}
+        engine = engine_for(target, True, max_batch=8, speculative=spec)
+        r = run_batch(engine, prompts, NEW)
+        r["syncs_per_step"] = syncs_per_step(engine, prompts)
+        r["round_over_plain_step"] = r["ms_per_step"] / out["spec/plain"]["ms_per_step"]
+        out[f"spec/{algorithm}"] = r
+        free(engine)
+    return out
+
+
+def tiny_part() -> dict:
+    import textwrap
+
+    from workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(DEFAULT_MODEL)
+    texts = [open(m.__file__).read() for m in (textwrap, json.decoder, argparse, contextlib)]
+    out = {}
+    for batch in (1, 16):
+        prompts = [tok.encode(texts[i % len(texts)][(i // len(texts)) * 2000:])[:192] for i in range(batch)]
+        for algorithm in (None, *DRAFT_MODELS):
+            spec = ({"algorithm": algorithm, "draft_model": DRAFT_MODELS[algorithm], "num_steps": 4}
+                    if algorithm else None)
+            engine = Engine(model=DEFAULT_MODEL, device="cuda", page_size=16, max_total_tokens=16 * 1024,
+                            max_running_requests=16, speculative=spec)
+            run_batch(engine, prompts[:1], 8)  # warm-up
+            out[f"tiny/b{batch}/{algorithm or 'plain'}"] = run_batch(engine, prompts, NEW)
+            free(engine)
+        plain = out[f"tiny/b{batch}/plain"]["tok_per_s"]
+        for algorithm in DRAFT_MODELS:
+            r = out[f"tiny/b{batch}/{algorithm}"]
+            r["speedup"] = r["tok_per_s"] / plain
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------------------
+def table(results: dict) -> str:
+    lim = results.get("ceilings", {})
+    lines = []
+    if lim:
+        lines.append(f"copy {lim['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {lim['matmul_flops_per_s'] / 1e12:.0f} "
+                     "TFLOP/s")
+    lines.append(f"{'case':<28} {'tok/s':>9} {'ms/step':>8} {'roofline':>9} {'of roof':>8} {'x HF':>6}")
+    for key, r in results.items():
+        if not isinstance(r, dict) or "tok_per_s" not in r or key.endswith("/hf"):
+            continue
+        name = key.split("/")[0]
+        batch = key.split("/")[1] if len(key.split("/")) > 2 else ""
+        hf = results.get(f"{name}/{batch}/hf", {}).get("tok_per_s")
+        x_hf = f"{r['tok_per_s'] / hf:.1f}" if hf and key.endswith("graphs") else ""
+        roof = f"{r['roofline_tok_per_s']:.0f}" if "roofline_tok_per_s" in r else ""
+        of = f"{100 * r['of_roofline']:.0f}%" if "of_roofline" in r else ""
+        extra = ""
+        if "of_matmul_peak" in r:
+            extra = f"  {100 * r['of_matmul_peak']:.0f}% of matmul peak"
+        if "round_over_plain_step" in r:
+            extra = f"  round = {r['round_over_plain_step']:.2f} x plain step, {r['syncs_per_step']:.1f} syncs"
+        if "syncs_per_step" in r and "round_over_plain_step" not in r:
+            extra = f"  {r['syncs_per_step']:.1f} syncs/step"
+        if r.get("accept_length"):
+            extra += f"  accept {r['accept_length']:.2f}"
+        if "speedup" in r:
+            extra += f"  speedup {r['speedup']:.2f}"
+        lines.append(f"{key:<28} {r['tok_per_s']:>9.1f} {r.get('ms_per_step', 0):>8.2f} {roof:>9} {of:>8} {x_hf:>6}"
+                     f"{extra}")
+    for key, r in results.items():
+        if key.endswith("/hf"):
+            lines.append(f"{key:<28} {r['tok_per_s']:>9.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default="ceilings,decode,hf,prefill,spec,tiny")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parts, shapes = args.parts.split(","), args.shapes.split(",")
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    root = tempfile.mkdtemp(prefix="shapes-")
+    results["ceilings"] = ceilings()
+    steps = {"decode": lambda: decode_part(root, results["ceilings"], shapes),
+             "hf": lambda: hf_part(root, [s for s in shapes if s != "gemma3-12b"]),
+             "prefill": lambda: prefill_part(root, results["ceilings"]),
+             "spec": lambda: spec_part(root), "tiny": tiny_part}
+    for part in parts:
+        if part in steps:
+            results.update(steps[part]())
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
