@@ -243,7 +243,10 @@ class TRTLLMMHABackend(AttentionBackend):
             where=where,
         )
         if route == "decode":
-            call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=md.q_len_per_req, mask=md.mask)
+            # With graph buffers the decode kernel always gets the static bound: eager and replayed
+            # forwards then split the KV the same way and agree bit for bit.
+            bound = self._static_max_pages * pool.page_size if self._static else md.max_seq_len
+            call = DecodeCall(**common, max_seq_len=bound, q_len_per_req=md.q_len_per_req, mask=md.mask)
             run = self.kernels.decode
         else:
             call = ContextCall(

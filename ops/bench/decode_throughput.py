@@ -40,28 +40,64 @@ PROMPT, NEW = 128, 128
 BATCHES = (1, 8, 64)
 SHAPES = {
     "llama3-8b": dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
         hidden_act="silu",
     ),
     "gemma3-1b": dict(
-        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=1152, intermediate_size=6912,
-        num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
-        sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
-        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=262144,
+        sliding_window=512,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
     ),
     "gemma3-12b": dict(
-        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=3840, intermediate_size=15360,
-        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262144,
-        sliding_window=1024, query_pre_attn_scalar=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
-        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=262144,
+        sliding_window=1024,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
-        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
     ),
 }
 
@@ -98,8 +134,6 @@ def ceilings() -> dict:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     mm_s = timed(lambda: a @ b)
-    del src, dst, a, b
-    torch.cuda.empty_cache()
     return {"copy_bytes_per_s": 2 * n * 2 / copy_s, "matmul_flops_per_s": 2 * 8192**3 / mm_s}
 
 
@@ -131,9 +165,14 @@ def run_batch(engine: Engine, prompts: list[list[int]], new: int) -> dict:
     for r in rids:
         engine.release(r)
     lengths = [n for o in outs if o.spec for n in o.spec.accept_lengths]
-    return {"tokens": tokens, "steps": steps, "seconds": elapsed, "tok_per_s": tokens / elapsed,
-            "ms_per_step": 1e3 * elapsed / max(1, steps),
-            "accept_length": sum(lengths) / len(lengths) if lengths else None}
+    return {
+        "tokens": tokens,
+        "steps": steps,
+        "seconds": elapsed,
+        "tok_per_s": tokens / elapsed,
+        "ms_per_step": 1e3 * elapsed / max(1, steps),
+        "accept_length": sum(lengths) / len(lengths) if lengths else None,
+    }
 
 
 def syncs_per_step(engine: Engine, prompts: list[list[int]], steps: int = 8) -> float:
@@ -164,9 +203,18 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[l
 
 
 def engine_for(path: str, graphs: bool, max_batch: int = 64, **kw) -> Engine:
-    return Engine(model=path, device="cuda", dtype="bfloat16", load_format="dummy", page_size=16,
-                  max_total_tokens=max_batch * (PROMPT + NEW + 64), max_running_requests=max_batch,
-                  chunked_prefill_size=8192, cuda_graphs=graphs, **kw)
+    return Engine(
+        model=path,
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        page_size=16,
+        max_total_tokens=max_batch * (PROMPT + NEW + 64),
+        max_running_requests=max_batch,
+        chunked_prefill_size=8192,
+        cuda_graphs=graphs,
+        **kw,
+    )
 
 
 def free(engine: Engine | None) -> None:
@@ -190,8 +238,14 @@ def decode_part(root: str, limits: dict, shapes: list[str]) -> dict:
                 r["roofline_tok_per_s"] = batch * limits["copy_bytes_per_s"] / read
                 r["of_roofline"] = r["tok_per_s"] / r["roofline_tok_per_s"]
                 out[f"{name}/b{batch}/{'graphs' if graphs else 'eager'}"] = r
-                logger.info("%s batch %d graphs %s: %.1f tok/s (%.0f%% of roofline)", name, batch, graphs,
-                            r["tok_per_s"], 100 * r["of_roofline"])
+                logger.info(
+                    "%s batch %d graphs %s: %.1f tok/s (%.0f%% of roofline)",
+                    name,
+                    batch,
+                    graphs,
+                    r["tok_per_s"],
+                    100 * r["of_roofline"],
+                )
             out[f"{name}/weight_bytes"] = wb
             free(engine)
     return out
@@ -240,15 +294,25 @@ def prefill_part(root: str, limits: dict) -> dict:
     attn = 8 * 2 * 2 * engine_cfg.num_layers * engine_cfg.num_heads * engine_cfg.head_dim * 2048 * 2049 // 2
     flops = 2 * non_embedding * tokens + attn
     free(engine)
-    return {"prefill/8x2048": {"seconds": elapsed, "tok_per_s": tokens / elapsed, "flops": flops,
-                               "of_matmul_peak": flops / elapsed / limits["matmul_flops_per_s"]}}
+    return {
+        "prefill/8x2048": {
+            "seconds": elapsed,
+            "tok_per_s": tokens / elapsed,
+            "flops": flops,
+            "of_matmul_peak": flops / elapsed / limits["matmul_flops_per_s"],
+        }
+    }
 
 
 def spec_part(root: str) -> dict:
     target = write_config(root, "llama3-8b", SHAPES["llama3-8b"])
     t = SHAPES["llama3-8b"]
-    eagle = write_config(root, "llama3-8b-eagle", {**t, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1})
-    mtp = write_config(root, "llama3-8b-mtp", {**t, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": [31]})
+    eagle = write_config(
+        root, "llama3-8b-eagle", {**t, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1}
+    )
+    mtp = write_config(
+        root, "llama3-8b-mtp", {**t, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": [31]}
+    )
     out = {}
     prompts = random_prompts(t["vocab_size"], 1, PROMPT)
     plain = engine_for(target, True, max_batch=8)
@@ -274,12 +338,19 @@ def tiny_part() -> dict:
     texts = [open(m.__file__).read() for m in (textwrap, json.decoder, argparse, contextlib)]
     out = {}
     for batch in (1, 16):
-        prompts = [tok.encode(texts[i % len(texts)][(i // len(texts)) * 2000:])[:192] for i in range(batch)]
+        prompts = [tok.encode(texts[i % len(texts)][(i // len(texts)) * 2000 :])[:192] for i in range(batch)]
         for algorithm in (None, *DRAFT_MODELS):
-            spec = ({"algorithm": algorithm, "draft_model": DRAFT_MODELS[algorithm], "num_steps": 4}
-                    if algorithm else None)
-            engine = Engine(model=DEFAULT_MODEL, device="cuda", page_size=16, max_total_tokens=16 * 1024,
-                            max_running_requests=16, speculative=spec)
+            spec = (
+                {"algorithm": algorithm, "draft_model": DRAFT_MODELS[algorithm], "num_steps": 4} if algorithm else None
+            )
+            engine = Engine(
+                model=DEFAULT_MODEL,
+                device="cuda",
+                page_size=16,
+                max_total_tokens=16 * 1024,
+                max_running_requests=16,
+                speculative=spec,
+            )
             run_batch(engine, prompts[:1], 8)  # warm-up
             out[f"tiny/b{batch}/{algorithm or 'plain'}"] = run_batch(engine, prompts, NEW)
             free(engine)
@@ -295,8 +366,8 @@ def table(results: dict) -> str:
     lim = results.get("ceilings", {})
     lines = []
     if lim:
-        lines.append(f"copy {lim['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul {lim['matmul_flops_per_s'] / 1e12:.0f} "
-                     "TFLOP/s")
+        copy, mm = lim["copy_bytes_per_s"] / 1e12, lim["matmul_flops_per_s"] / 1e12
+        lines.append(f"copy {copy:.2f} TB/s, bf16 matmul {mm:.0f} TFLOP/s")
     lines.append(f"{'case':<28} {'tok/s':>9} {'ms/step':>8} {'roofline':>9} {'of roof':>8} {'x HF':>6}")
     for key, r in results.items():
         if not isinstance(r, dict) or "tok_per_s" not in r or key.endswith("/hf"):
@@ -318,8 +389,9 @@ def table(results: dict) -> str:
             extra += f"  accept {r['accept_length']:.2f}"
         if "speedup" in r:
             extra += f"  speedup {r['speedup']:.2f}"
-        lines.append(f"{key:<28} {r['tok_per_s']:>9.1f} {r.get('ms_per_step', 0):>8.2f} {roof:>9} {of:>8} {x_hf:>6}"
-                     f"{extra}")
+        lines.append(
+            f"{key:<28} {r['tok_per_s']:>9.1f} {r.get('ms_per_step', 0):>8.2f} {roof:>9} {of:>8} {x_hf:>6}{extra}"
+        )
     for key, r in results.items():
         if key.endswith("/hf"):
             lines.append(f"{key:<28} {r['tok_per_s']:>9.1f}")
@@ -337,10 +409,13 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     root = tempfile.mkdtemp(prefix="shapes-")
     results["ceilings"] = ceilings()
-    steps = {"decode": lambda: decode_part(root, results["ceilings"], shapes),
-             "hf": lambda: hf_part(root, [s for s in shapes if s != "gemma3-12b"]),
-             "prefill": lambda: prefill_part(root, results["ceilings"]),
-             "spec": lambda: spec_part(root), "tiny": tiny_part}
+    steps = {
+        "decode": lambda: decode_part(root, results["ceilings"], shapes),
+        "hf": lambda: hf_part(root, [s for s in shapes if s != "gemma3-12b"]),
+        "prefill": lambda: prefill_part(root, results["ceilings"]),
+        "spec": lambda: spec_part(root),
+        "tiny": tiny_part,
+    }
     for part in parts:
         if part in steps:
             results.update(steps[part]())

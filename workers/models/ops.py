@@ -111,7 +111,9 @@ def _fi_rope(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tens
     if k is None:  # read-only queries (frozen-KV draft layers): the kernel rotates q and k together
         return _rope(positions, q, k, cos_sin_cache)
     t, head_dim = q.shape[0], q.shape[-1]
-    qf, kf = q.reshape(t, -1), k.reshape(t, -1)
+    # Rows must be contiguous: on strided views (q and k split from a fused projection) the
+    # kernel rotated the wrong elements, measured against Hugging Face on an H200.
+    qf, kf = q.reshape(t, -1).contiguous(), k.reshape(t, -1).contiguous()
     _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, head_dim, cos_sin_cache, is_neox=True)
     return qf.view(q.shape), kf.view(k.shape)
 
