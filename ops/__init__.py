@@ -2,7 +2,7 @@
 
 import os
 
-from cluster.config import SHIPPED_MODELS_DIR as MODELS_DIR
+MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models")  # cluster.config finds it too
 
 DEFAULT_MODEL = os.path.join(MODELS_DIR, "tiny-gemma3")
 DRAFT_MODELS = {
