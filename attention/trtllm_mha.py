@@ -36,6 +36,7 @@ ROUTING: dict[ForwardMode, str | None] = {
 }
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+GRAPH_KV_BUCKETS = (1024, 4096, 16384, 65536)  # KV lengths (tokens) of the page-table widths graphs use
 MAX_VERIFY_TOKENS = 17  # num_steps (at most 16) + 1 query tokens per request
 
 
@@ -72,12 +73,15 @@ class TRTLLMMHABackend(AttentionBackend):
         )
         self._md: ForwardMetadata | None = None
         self._static: dict[str, torch.Tensor] = {}
-        self._static_max_pages = 0
+        self._tables: dict[int, dict[str, torch.Tensor]] = {}
+        self._max_pages = 0
+        self._page_size = 1
 
     # -- start-up ----------------------------------------------------------------------------
     def prepare(self, layers: list[AttentionLayer], page_size: int) -> None:
         """Fail at start-up on a feature combination the kernels of this device lack."""
         ks = self.kernels
+        self._page_size = page_size
         if ks.page_sizes is not None and page_size not in ks.page_sizes:
             raise ValueError(f"page_size: trtllm_mha on {ks.name} supports {ks.page_sizes}, got {page_size}")
         for layer in layers:
@@ -93,25 +97,46 @@ class TRTLLMMHABackend(AttentionBackend):
 
     def init_graph_buffers(self, max_batch_size: int, max_tokens: int, max_pages_per_req: int) -> None:
         """Static metadata buffers for CUDA-graph capture: fixed addresses and shapes, so a
-        graph captured for a batch size replays against whatever this forward writes there."""
+        graph captured for a batch size replays against whatever this forward writes there.
+
+        Page tables come in a few widths (`GRAPH_KV_BUCKETS` tokens, and the whole context):
+        the decode kernel sizes its work by the table's width, so a short batch replays the
+        graph of the narrowest table that holds it. Eager forwards pad their tables to the same
+        widths, so both run the same kernel configuration."""
         dev, i32 = self.device, torch.int32
         self._static = {
             "seq_lens": torch.zeros(max_batch_size, dtype=i32, device=dev),
             "cu_seq_lens_q": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
             "cu_seq_lens_kv": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
-            "full_page_table": torch.zeros(max_batch_size, max_pages_per_req, dtype=i32, device=dev),
-            "swa_page_table": torch.zeros(max_batch_size, max_pages_per_req, dtype=i32, device=dev),
             "swa_out_loc": torch.zeros(max_tokens, dtype=torch.int64, device=dev),
             "mask": torch.zeros(max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), dtype=torch.uint16, device=dev),
         }
-        self._static_max_pages = max_pages_per_req
+        self._tables = {}
+        self._max_pages = max_pages_per_req
+        for width in self.graph_table_widths():
+            self._tables[width] = {
+                name: torch.zeros(max_batch_size, width, dtype=i32, device=dev)
+                for name in ("full_page_table", "swa_page_table")
+            }
 
-    def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool) -> None:
+    def graph_table_widths(self) -> list[int]:
+        """Page-table widths (pages) graphs are captured for; empty without graph buffers."""
+        if not self._max_pages:
+            return []
+        return sorted({min(cdiv(t, self._page_size), self._max_pages) for t in GRAPH_KV_BUCKETS} | {self._max_pages})
+
+    def table_width(self, pages: int) -> int:
+        """The narrowest captured width that holds `pages` pages (the exact count without
+        graph buffers)."""
+        return next((w for w in self.graph_table_widths() if w >= pages), pages)
+
+    def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> None:
         """Graph replay: this forward's metadata, recomputed from the batch and written in place
-        into the static buffers (page tables zero-padded to their full width)."""
+        into the static buffers (page tables zero-padded to `width` pages, by default the
+        narrowest captured width that holds the batch)."""
         if not self._static:
             raise RuntimeError("trtllm_mha: init_graph_buffers() before graph replay")
-        md = self._build_metadata(batch, pool)
+        md = self._build_metadata(batch, pool, width)
         b = batch.batch_size
         for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv", "swa_out_loc", "mask"):
             value = getattr(md, name)
@@ -119,17 +144,16 @@ class TRTLLMMHABackend(AttentionBackend):
                 buf = self._static[name].view(-1)[: value.numel()].view(value.shape)
                 buf.copy_(value)
                 setattr(md, name, buf)
+        tables = self._tables[md.full_page_table.shape[1]]
         for name in ("full_page_table", "swa_page_table"):
             value = getattr(md, name)
             if value is not None:
-                buf = self._static[name][:b]
-                buf.zero_()
-                buf[:, : value.shape[1]].copy_(value)
+                buf = tables[name][:b]
+                buf.copy_(value)
                 setattr(md, name, buf)
-        md.max_seq_len = self._static_max_pages * pool.page_size
         self._md = md
 
-    def _build_metadata(self, batch: AttentionBatch, pool: KVPool) -> ForwardMetadata:
+    def _build_metadata(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> ForwardMetadata:
         mode = batch.forward_mode
         kernel = ROUTING[mode]
         q_lens, seq_lens = batch.q_lens_cpu, batch.seq_lens_cpu
@@ -144,7 +168,7 @@ class TRTLLMMHABackend(AttentionBackend):
         device = batch.positions.device
         p = pool.page_size
         max_seq_len = max(seq_lens, default=0)
-        pages_per_req = cdiv(max(max_seq_len, 1), p)
+        pages_per_req = width or self.table_width(cdiv(max(max_seq_len, 1), p))
         # Page table from each request's slot at the start of every page (allocation is page
         # aligned, so slot // page_size is the page). Columns past a request's length -> 0.
         cols = torch.arange(pages_per_req, device=device)
@@ -166,7 +190,7 @@ class TRTLLMMHABackend(AttentionBackend):
             kernel=kernel,
             q_len_per_req=q_len_per_req,
             seq_lens=batch.seq_lens.to(torch.int32),
-            max_seq_len=max_seq_len,
+            max_seq_len=pages_per_req * p if self._max_pages else max_seq_len,  # graphs: the table's bound
             cu_seq_lens_q=torch.cat([zero, batch.q_lens.cumsum(0).to(torch.int32)]),
             cu_seq_lens_kv=torch.cat([zero, batch.seq_lens.cumsum(0).to(torch.int32)]),
             max_q_len=max(q_lens, default=0),
@@ -243,10 +267,7 @@ class TRTLLMMHABackend(AttentionBackend):
             where=where,
         )
         if route == "decode":
-            # With graph buffers the decode kernel always gets the static bound: eager and replayed
-            # forwards then split the KV the same way and agree bit for bit.
-            bound = self._static_max_pages * pool.page_size if self._static else md.max_seq_len
-            call = DecodeCall(**common, max_seq_len=bound, q_len_per_req=md.q_len_per_req, mask=md.mask)
+            call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=md.q_len_per_req, mask=md.mask)
             run = self.kernels.decode
         else:
             call = ContextCall(

@@ -32,6 +32,7 @@ import torch
 from attention import ForwardMode, KVPool
 from workers.forward_batch import ForwardBatch, HostInputs
 from workers.memory import KVAllocator
+from workers.memory.allocator import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,16 @@ class GraphKey:
 
 @dataclasses.dataclass
 class _Family:
-    """Graphs of one key for every captured batch size, sharing static inputs."""
+    """Graphs of one key for every captured batch size and page-table width, sharing static
+    inputs and outputs (a graph copies its results into the outputs, so the graphs' own
+    temporaries share one memory pool)."""
 
     pool: KVPool
     inputs: torch.Tensor  # packed int64: input_ids | positions | out_cache_loc | rows | logits | q_lens | seq_lens
     spec_hidden: torch.Tensor | None
-    graphs: dict[int, tuple[object, torch.Tensor, torch.Tensor]]  # batch size -> (graph, logits, hidden)
+    logits: torch.Tensor | None = None  # [max rows, vocab] float32
+    hidden: torch.Tensor | None = None  # [max rows, hidden handed on]
+    graphs: dict[tuple[int, int], object] = dataclasses.field(default_factory=dict)  # (batch size, width)
 
 
 class CudaGraphRunner:
@@ -88,51 +93,59 @@ class CudaGraphRunner:
         self.replays = 0
 
     # -- start-up ----------------------------------------------------------------------------
+    @torch.inference_mode()
     def capture(self, mode: ForwardMode, q_len: int, pool: KVPool, query_offset: int = 0) -> None:
-        """Capture this key's graphs for every batch size (largest first, sharing memory)."""
+        """Capture this key's graphs for every page-table width and batch size (largest first)."""
         key = GraphKey(mode, q_len, query_offset, id(pool))
         if key in self.families:
             return
         if q_len > len(self.allocator.scratch_slots):
             raise ValueError(f"cuda graphs: {q_len} query tokens per padded row need more scratch pages")
         rows = self.max_batch_size * q_len
-        width = 5 * rows + 3 * self.max_batch_size
-        inputs = torch.zeros(width, dtype=torch.int64, device=self.device)
+        inputs = torch.zeros(5 * rows + 3 * self.max_batch_size, dtype=torch.int64, device=self.device)
         spec_hidden = (
             torch.zeros(rows, self.hidden_in, dtype=self.dtype, device=self.device) if self.hidden_in else None
         )
-        family = _Family(pool, inputs, spec_hidden, {})
+        family = _Family(pool, inputs, spec_hidden)
         self.families[key] = family
         start = time.perf_counter()
-        for bs in reversed(self.batch_sizes):
-            batch = self._static_batch(key, family, bs, self._padding(key, bs, 0))
-            family.graphs[bs] = self._capture_one(batch, pool)
+        backend = self.runner.backend
+        for width in reversed(backend.graph_table_widths()):
+            for bs in reversed(self.batch_sizes):
+                batch = self._static_batch(key, family, bs, self._padding(key, bs, 0))
+                backend.init_forward_metadata_replay(batch, pool, width)
+                if not self.emulate:
+                    family.graphs[(bs, width)] = self._capture_one(family, batch)
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
         logger.info(
-            "cuda graphs: %s q_len %d offset %d captured for batch sizes %s in %.1f s",
+            "cuda graphs: %s q_len %d offset %d captured for batch sizes %s and KV widths %s pages in %.1f s",
             mode.name,
             q_len,
             query_offset,
             self.batch_sizes,
+            backend.graph_table_widths(),
             elapsed,
         )
 
-    def _capture_one(self, batch: ForwardBatch, pool: KVPool) -> tuple[object, torch.Tensor, torch.Tensor]:
-        backend = self.runner.backend
-        backend.init_forward_metadata_replay(batch, pool)
-        if self.emulate:
-            return None, None, None
+    def _capture_one(self, family: _Family, batch: ForwardBatch) -> object:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: JIT compilation, allocator, lazy module state
-                self.runner.run_model(batch)
+                logits, hidden = self.runner.run_model(batch)
         torch.cuda.current_stream().wait_stream(stream)
+        if family.logits is None:
+            rows = self.max_batch_size * batch.q_lens_cpu[0]
+            family.logits = torch.empty(rows, logits.shape[-1], dtype=logits.dtype, device=self.device)
+            family.hidden = torch.empty(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+        del logits, hidden
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits, hidden = self.runner.run_model(batch)
-        return graph, logits, hidden
+            family.logits[: logits.shape[0]].copy_(logits)
+            family.hidden[: hidden.shape[0]].copy_(hidden)
+        return graph
 
     # -- per step ------------------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch, pool: KVPool) -> bool:
@@ -151,19 +164,19 @@ class CudaGraphRunner:
         key = self._key(batch, pool)
         family = self.families[key]
         bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
+        backend = self.runner.backend
+        width = backend.table_width(cdiv(max(batch.seq_lens_cpu), self.allocator.page_size))
         static = self._static_batch(key, family, bs, self._padding(key, bs, batch.batch_size, batch))
         if family.spec_hidden is not None:
-            rows = batch.spec_hidden.shape[0]
-            family.spec_hidden[:rows].copy_(batch.spec_hidden)
-        self.runner.backend.init_forward_metadata_replay(static, pool)
+            family.spec_hidden[: batch.spec_hidden.shape[0]].copy_(batch.spec_hidden)
+        backend.init_forward_metadata_replay(static, pool, width)
         self.replays += 1
         rows = batch.batch_size * key.q_len
         if self.emulate:
             logits, hidden = self.runner.run_model(static)
             return logits[:rows], hidden[:rows]
-        graph, logits, hidden = family.graphs[bs]
-        graph.replay()
-        return logits[:rows], hidden[:rows].clone()
+        family.graphs[(bs, width)].replay()
+        return family.logits[:rows], family.hidden[:rows].clone()
 
     def _key(self, batch: ForwardBatch, pool: KVPool) -> GraphKey:
         q = batch.q_lens_cpu[0] if batch.q_lens_cpu else 0
