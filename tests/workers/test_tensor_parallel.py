@@ -4,6 +4,7 @@ replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV hea
 rank's pools end full. The same runs on GPUs with NCCL are in test_gpu_tensor_parallel.py."""
 
 import datetime
+import os
 import pickle
 import socket
 
@@ -61,6 +62,11 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: 
         results.put(pickle.dumps([outputs[f"r{i}"] for i in range(len(PROMPTS))]))
     dist.barrier(group=control)  # no rank closes its connections while another still reads from them
     dist.destroy_process_group()
+    # Leave without running C++ static destructors: at interpreter exit gloo's threads were now
+    # and then destroyed while joinable ("terminate called without an active exception").
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def run_tp(world: int, engine_kwargs: dict, sampling: SamplingParams = GREEDY):
