@@ -167,6 +167,8 @@ class CudaGraphRunner:
         backend = self.runner.backend
         width = backend.table_width(cdiv(max(batch.seq_lens_cpu), self.allocator.page_size))
         static = self._static_batch(key, family, bs, self._padding(key, bs, batch.batch_size, batch))
+        if batch.ids_on_device:
+            static.input_ids[: batch.input_ids.shape[0]].copy_(batch.input_ids)
         if family.spec_hidden is not None:
             family.spec_hidden[: batch.spec_hidden.shape[0]].copy_(batch.spec_hidden)
         backend.init_forward_metadata_replay(static, pool, width)

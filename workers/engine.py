@@ -26,6 +26,7 @@ from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
+from workers.overlap import InFlight, OverlapDecoder
 from workers.request import FinishReason, Request
 from workers.sampler import draw_each
 from workers.sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class Engine:
         tp: TPGroup = SINGLE_RANK,
         cuda_graphs: bool | str = True,
         cuda_graph_max_batch_size: int | None = None,
+        overlap_schedule: bool | None = None,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; every rank of it builds an Engine with the
         same arguments and steps in lockstep (see `workers.rank_loop`).
@@ -83,7 +85,9 @@ class Engine:
         batch sizes up to `cuda_graph_max_batch_size` (default `max_running_requests`) and
         replay them; on CUDA with `trtllm_mha` only, and not with `debug_kv_checks` (the checks
         read tensors on the host). "emulate" runs the replay logic eagerly (on any device: for
-        tests)."""
+        tests). `overlap_schedule` (default: on CUDA) launches each greedy decode step before the
+        previous one's tokens reach the host (`workers/overlap.py`); a step's events then come
+        one step later."""
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         if page_size < 1:
@@ -97,7 +101,10 @@ class Engine:
         self.tokenizer = load_tokenizer(model)
         spec = SpecConfig.from_dict(speculative) if speculative is not None else None
         draft = plan_draft(spec, self.cfg, self.context_length) if spec is not None else None
-        lookahead = spec.num_steps + 1 if spec is not None else 0
+        self.overlap = overlap_schedule if overlap_schedule is not None else self.device.type == "cuda"
+        # Positions a step may hold past the next token: a speculative round's drafts, or the
+        # one decode step launched ahead when overlapping.
+        lookahead = spec.num_steps + 1 if spec is not None else int(self.overlap)
 
         full_pages = max_total_tokens // page_size
         if full_pages < 1:
@@ -168,6 +175,8 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.failed_steps = 0  # consecutive steps whose forward raised
+        self._overlap = OverlapDecoder(self.scheduler, lambda batch: self.runner.forward(batch).logits)
+        self._inflight: InFlight | None = None
         logger.info(
             "engine: %s on %s/%s, backend %s, KV %s, speculative %s",
             self.cfg.architecture,
@@ -270,9 +279,14 @@ class Engine:
         batch's requests fail and the engine goes on, unless it is one rank of several (the
         ranks may have diverged) or steps keep failing: then the exception propagates."""
         self.last_step = StepRecord(start_ns=time.time_ns())
+        if self._inflight is not None:
+            return self._overlapped_step()
         sb = self.scheduler.schedule()
         if sb is None:
             return []
+        if self.overlap and self.spec is None and self._overlap.eligible(sb):
+            self._inflight = self._overlap.launch(sb.reqs, None)
+            return self._end_step(sb.reqs, [])
         try:
             events = self._run(sb)
             self.failed_steps = 0
@@ -285,13 +299,29 @@ class Engine:
                 self.scheduler.fail(req, f"the batch's forward failed: {type(exc).__name__}: {exc}")
             events = []
         self.scheduler.release_windows(sb.reqs)
+        return self._end_step(sb.reqs, events)
+
+    def _overlapped_step(self) -> list[tuple[str, list[int], bool]]:
+        """Launch the next decode step if nothing else waits, then commit the one in flight."""
+        flight, self._inflight = self._inflight, None
+        live = [r for r in flight.reqs if not r.finished]  # the others ended (and were reported) already
+        following = self._overlap.can_continue(flight)
+        if following:
+            self._inflight = self._overlap.launch(following, flight)
+        events = self._overlap.collect(flight)
+        self.scheduler.release_windows(live)
+        return self._end_step(live, events)
+
+    def _end_step(
+        self, reqs: list[Request], events: list[tuple[Request, list[int]]]
+    ) -> list[tuple[str, list[int], bool]]:
         step = self.last_step
-        step.request_ids = [r.rid for r in sb.reqs]
-        step.seq_lens = [r.num_tokens for r in sb.reqs]
+        step.request_ids = [r.rid for r in reqs]
+        step.seq_lens = [r.num_tokens for r in reqs]
         step.end_ns = time.time_ns()
         reported = {req.rid for req, _ in events}
         return [(req.rid, new, req.finished) for req, new in events] + [
-            (req.rid, [], True) for req in sb.reqs if req.finished and req.rid not in reported
+            (req.rid, [], True) for req in reqs if req.finished and req.rid not in reported
         ]
 
     def _run(self, sb: ScheduledBatch) -> list[tuple[Request, list[int]]]:
@@ -323,7 +353,7 @@ class Engine:
         self.last_step.forwards.append(forward)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     def output(self, request_id: str) -> RequestOutput:
         req = self._requests[request_id]

@@ -1,0 +1,97 @@
+"""Overlapped decoding: the host prepares and launches decode step N+1 while the device runs N.
+
+A decode step's host work (scheduling, slots, batch and attention metadata, the launch) would
+otherwise run while the GPU waits, because every step ends by copying its sampled tokens to the
+host. Here step N+1 is launched before step N's tokens are read: its inputs are step N's tokens
+still on the device, at the next position of every request (SGLang's overlap scheduler is the
+model). Then step N's tokens are read and committed. A request that step N finishes was launched
+once more; that row's result is dropped and its KV was freed with the request (later forwards on
+the same stream run after the stale write). A request that step N's length limit ends is left out
+of step N+1, since that is known on the host.
+
+Only greedy decode steps without speculation overlap (their next inputs are an argmax on the
+device); anything else, and any request waiting to be admitted, drains the pipeline first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from attention import ForwardMode
+from workers.forward_batch import ForwardBatch
+from workers.request import Request
+from workers.scheduler import ScheduledBatch, Scheduler
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched decode step whose tokens are still on the device."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor  # [B] int64 on the device, one per request
+
+
+class OverlapDecoder:
+    def __init__(self, scheduler: Scheduler, forward: Callable[[ForwardBatch], torch.Tensor]) -> None:
+        """`forward(batch)` runs the target and returns its logits."""
+        self.scheduler = scheduler
+        self.forward = forward
+
+    @staticmethod
+    def eligible(sb: ScheduledBatch) -> bool:
+        return sb.mode is ForwardMode.DECODE and all(
+            r.sampling.greedy and not r.sampling.return_logits for r in sb.reqs
+        )
+
+    def can_continue(self, flight: InFlight) -> list[Request]:
+        """The requests to launch next while `flight` is in the air: none when anything else
+        waits to be scheduled."""
+        running = [r for r in self.scheduler.running if not r.finished]
+        if self.scheduler.waiting or any(r not in flight.reqs for r in running):
+            return []
+        return [r for r in flight.reqs if not r.finished and not self._last_token_pending(r)]
+
+    @staticmethod
+    def _last_token_pending(req: Request) -> bool:
+        """Whether the token in flight reaches the request's length limit."""
+        return len(req.output_ids) + 1 >= req.sampling.max_new_tokens or req.num_tokens + 1 >= req.max_len
+
+    def launch(self, reqs: list[Request], previous: InFlight | None) -> InFlight:
+        """Launch a decode step: each request's last committed token (no step in flight) or the
+        token `previous` sampled for it, at the position after it."""
+        ahead = 1 if previous is not None else 0
+        positions = [r.kv_len + ahead for r in reqs]
+        ids = [[0] if previous is not None else r.tokens(r.kv_len, r.kv_len + 1) for r in reqs]
+        batch = ForwardBatch.build(
+            ForwardMode.DECODE,
+            rows=[r.row for r in reqs],
+            prefix_lens=positions,
+            input_ids=ids,
+            out_cache_loc=torch.cat([self.scheduler.slots(r, p, p + 1) for r, p in zip(reqs, positions)]),
+            req_to_token=self.scheduler.req_to_token.table,
+            logits_rows=range(len(reqs)),
+        )
+        if previous is not None:
+            if previous.reqs == reqs:
+                batch.input_ids = previous.tokens
+            else:
+                index = [previous.reqs.index(r) for r in reqs]
+                batch.input_ids = previous.tokens[torch.tensor(index, device=previous.tokens.device)]
+            batch.ids_on_device = True
+        logits = self.forward(batch)
+        return InFlight(list(reqs), logits.argmax(dim=-1))
+
+    def collect(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
+        """Read a launched step's tokens (the step's one device-to-host copy) and commit them to
+        the requests it still holds."""
+        events = []
+        for req, token in zip(flight.reqs, flight.tokens.tolist()):
+            if req.finished:  # finished by the previous step, or aborted: this row is dropped
+                continue
+            new = self.scheduler.commit(req, [token], req.kv_len + 1)
+            if new:
+                events.append((req, new))
+        return events
