@@ -136,8 +136,9 @@ def bench_tp2_ray(model: str, steps: int) -> float:
 
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        serve.run(build_app({**engine_kwargs(model), "tp_size": 2, "grpc": {"port": 0}}), name="bench",
-                  route_prefix=None)
+        serve.run(
+            build_app({**engine_kwargs(model), "tp_size": 2, "grpc": {"port": 0}}), name="bench", route_prefix=None
+        )
         handle = serve.get_deployment_handle("LLMServer", app_name="bench")  # the engine replica itself
 
         async def stream() -> float:
