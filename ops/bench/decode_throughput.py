@@ -209,6 +209,7 @@ def engine_for(path: str, graphs: bool, max_batch: int = 64, **kw) -> Engine:
         dtype="bfloat16",
         load_format="dummy",
         page_size=16,
+        swa_full_tokens_ratio=1.0,  # windows here are wider than the requests: SWA holds what full holds
         max_total_tokens=max_batch * (PROMPT + NEW + 64),
         max_running_requests=max_batch,
         chunked_prefill_size=8192,
