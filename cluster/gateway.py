@@ -92,8 +92,12 @@ class Gateway:
     def rejected(self, door: str, exc: Exception) -> None:
         """Bad input is the client's business: logged without a traceback, and counted."""
         logger.info("rejected a %s request: %s", door, exc)
+        self.ended(ErrorCode.INVALID_ARGUMENT.value)
+
+    def ended(self, reason: str) -> None:
+        """Count a request that ended before it had telemetry of its own."""
         if self.metrics is not None:
-            self.metrics.ended(ErrorCode.INVALID_ARGUMENT.value)
+            self.metrics.ended(reason)
 
     async def _prepare(self, body: Any) -> dict[str, Any]:
         if isinstance(body, dict):

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 UNAUTHENTICATED_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+DEADLINE_SLACK_S = 0.1  # a cancellation this close to the deadline counts as the deadline
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -62,6 +63,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             body = await self.gateway.prepare(request_to_body(request), "gRPC")
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except asyncio.CancelledError:  # gone before it was even prepared: still counted
+            self.gateway.ended(_cancel_reason(context))
+            raise
         telemetry = self.telemetry(body, dict(context.invocation_metadata() or ()), self.address)
         stream = body["stream"]
         try:
@@ -76,8 +80,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             telemetry.end(failed.code, failed.message)
             await context.abort(STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[0], failed.message)
         except asyncio.CancelledError:
-            expired = context.time_remaining() is not None and context.time_remaining() <= 0
-            telemetry.end("deadline_exceeded" if expired else "cancelled")
+            telemetry.end(_cancel_reason(context))
             raise
         except BaseException as exc:
             telemetry.end(ErrorCode.INTERNAL.value, f"{type(exc).__name__}: {exc}")
@@ -98,6 +101,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.GetLoadResponse(
             replicas=[pb.ReplicaLoad(**{k: v for k, v in load.items() if k in fields}) for load in loads]
         )
+
+
+def _cancel_reason(context: grpc.aio.ServicerContext) -> str:
+    """deadline_exceeded or cancelled. The client cancels at its deadline, which may reach us a
+    moment before our own timer does."""
+    remaining = context.time_remaining()
+    return "deadline_exceeded" if remaining is not None and remaining <= DEADLINE_SLACK_S else "cancelled"
 
 
 class UndecodableRequestInterceptor(grpc.aio.ServerInterceptor):
