@@ -71,10 +71,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             if stream:
                 async for update in self.gateway.generate(body, telemetry):
+                    if context.cancelled():  # the deadline passed or the client left: stop generating
+                        raise asyncio.CancelledError
                     yield update_to_response(update)
             else:
                 collected = [update_to_response(u) async for u in self.gateway.generate(body, telemetry)]
-                if collected:
+                if collected and not context.cancelled():
                     yield merge_responses(collected)
         except RequestFailed as failed:
             telemetry.end(failed.code, failed.message)
@@ -86,7 +88,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             telemetry.end(ErrorCode.INTERNAL.value, f"{type(exc).__name__}: {exc}")
             raise
         else:
-            telemetry.end()
+            telemetry.end(_cancel_reason(context) if context.cancelled() else None)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=await self.gateway.abort(request.request_id))

@@ -118,11 +118,11 @@ class RequestTelemetry:
         ).end()
 
     def end(self, outcome: str | None = None, error: str | None = None) -> None:
-        """The request is over: counted once by how it ended (its finish reason, or `outcome`
-        when it did not finish: cancelled, deadline_exceeded or an error code)."""
+        """The request is over: counted once by how it ended: `outcome` when it did not end
+        normally (cancelled, deadline_exceeded or an error code), else its finish reason."""
         BOARD.pop_decision(self.rid)  # unread when tracing is off or no token came back
         if self.metrics is not None:
-            self.metrics.ended(self.finish_reason or outcome or "unknown")
+            self.metrics.ended(outcome or self.finish_reason or "unknown")
         if self.span is None:
             return
         if error is not None or (self.finish_reason is None and outcome is not None):
