@@ -27,6 +27,7 @@ from workers.memory.allocator import cdiv
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
 from workers.overlap import InFlight, OverlapDecoder
+from workers.radix_cache import RadixCache
 from workers.request import FinishReason, Request
 from workers.sampler import draw_each
 from workers.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class RequestOutput:
     logits: list[torch.Tensor] | None = None  # per generated token, when return_logits
     spec: SpecStats | None = None  # speculative decoding record (accept lengths, per position)
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class Engine:
@@ -78,6 +80,7 @@ class Engine:
         cuda_graphs: bool | str = True,
         cuda_graph_max_batch_size: int | None = None,
         overlap_schedule: bool | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; every rank of it builds an Engine with the
         same arguments and steps in lockstep (see `workers.rank_loop`).
@@ -87,7 +90,8 @@ class Engine:
         read tensors on the host). "emulate" runs the replay logic eagerly (on any device: for
         tests). `overlap_schedule` (default: on CUDA) launches each greedy decode step before the
         previous one's tokens reach the host (`workers/overlap.py`); a step's events then come
-        one step later."""
+        one step later. `enable_prefix_caching`: keep computed prompt (and finished sequence)
+        pages in a radix tree for later requests sharing their prefix (`workers/radix_cache.py`)."""
         self.device = torch.device(device)
         self.dtype = _resolve_dtype(dtype, self.device)
         if page_size < 1:
@@ -166,6 +170,12 @@ class Engine:
             )
             drafter.runner.recorder = self._record
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
+        self.cache: RadixCache | None = None
+        if enable_prefix_caching:
+            shift = self.spec.drafter.shift if self.spec is not None else 0
+            self.cache = self.scheduler.cache = RadixCache(self.allocator, shift)
+            if self.spec is not None and self.spec.drafter.runner.pool is not None:  # the draft's own KV too
+                self.scheduler.cacheable_len = lambda req: min(req.kv_len, req.spec.draft_len)
         self.runner.recorder = self._record
         if graphs:
             self._capture_graphs(
@@ -347,6 +357,7 @@ class Engine:
         )
         if self.spec is not None:
             self.spec.after_extend(sb, out.hidden)
+        self.scheduler.cache_prompts(sb.reqs)
         return events
 
     def _record(self, forward: ForwardRecord) -> None:
@@ -366,6 +377,7 @@ class Engine:
             logits=list(req.logits) if req.sampling.return_logits else None,
             spec=req.spec.stats.copy() if req.spec is not None else None,
             error=req.error,
+            cached_tokens=req.cached_tokens,
         )
 
     def release(self, request_id: str) -> None:
@@ -438,14 +450,35 @@ class Engine:
 
     # -- memory ----------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, int]:
-        return self.allocator.stats()
+        """Free and total slots of both pools. Pages only the prefix cache holds count as free
+        (a request needing them evicts them); `*_cached` says how many slots the cache holds."""
+        stats = self.allocator.stats()
+        if self.cache is not None:
+            p = self.allocator.page_size
+            full, swa = self.cache.reclaimable()
+            stats.update(
+                full_free=stats["full_free"] + full * p,
+                swa_free=stats["swa_free"] + swa * p,
+                full_cached=self.cache.num_pages * p,
+                swa_cached=self.cache.num_swa_pages() * p,
+            )
+        return stats
 
     def check_no_leak(self) -> None:
-        """Assert that no request holds KV: both pools are back at their initial free counts."""
+        """Assert that no request holds KV: every page in use is the prefix cache's alone, so
+        `flush_cache()` brings both pools back to their initial free counts."""
         if self.scheduler.running:
             raise AssertionError(f"{len(self.scheduler.running)} requests are still running")
-        self.allocator.check_no_leak()
+        if self.cache is not None:
+            self.cache.check_sole_holder()
+        else:
+            self.allocator.check_no_leak()
         self.req_to_token.check_no_leak()
+
+    def flush_cache(self) -> None:
+        """Drop the prefix cache's pages that no running request uses (all of them when idle)."""
+        if self.cache is not None:
+            self.cache.flush()
 
     def shutdown(self) -> None:
         for rid, req in list(self._requests.items()):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,8 @@ class Request:
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
     spec: DraftState | None = None  # speculative decoding state, when a draft model runs
     error: str | None = None  # why the request failed (finish reason ERROR)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cache_match: Any = None  # the prefix cache's match it holds locked while it runs
 
     @property
     def num_tokens(self) -> int:

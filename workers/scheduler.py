@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
 from workers.memory import KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
+from workers.radix_cache import RadixCache
 from workers.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class Scheduler:
         max_running_requests: int,
         eos_token_ids: tuple[int, ...],
         lookahead: int = 0,
+        cache: RadixCache | None = None,
     ) -> None:
         """`lookahead`: positions a decode step may hold past the next token (a speculative
         round holds num_steps + 1 more)."""
@@ -65,12 +68,17 @@ class Scheduler:
         self.running: list[Request] = []
         self._reserved = KVBudget(0, 0)
         self._needs: dict[str, KVBudget] = {}
+        self.cache = cache
+        self._shared: collections.Counter[int] = collections.Counter()  # cached pages running rows start on
+        # Positions of a request whose draft KV is complete too (what may be cached); set by a drafter.
+        self.cacheable_len: Callable[[Request], int] = lambda req: req.kv_len
 
     # -- admission ---------------------------------------------------------------------
-    def kv_need(self, prompt_len: int, max_len: int) -> KVBudget:
-        """Worst-case pages a request can hold at once."""
+    def kv_need(self, prompt_len: int, max_len: int, shared_pages: int = 0) -> KVBudget:
+        """Worst-case pages a request can hold at once, besides `shared_pages` cached pages it
+        starts on."""
         p = self.allocator.page_size
-        full = cdiv(max_len + self.lookahead, p)
+        full = cdiv(max_len + self.lookahead, p) - shared_pages
         if not self.allocator.is_hybrid:
             return KVBudget(full, 0)
         chunk = max(1, min(self.chunk or prompt_len, prompt_len)) + (1 if self.lookahead else 0)
@@ -96,18 +104,49 @@ class Scheduler:
         alloc = self.allocator
         swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
         while self.waiting and len(self.running) < self.max_running and self.req_to_token.num_free:
-            need = self.kv_need(len(self.waiting[0].prompt_ids), self.waiting[0].max_len)
+            req = self.waiting[0]
+            match = self.cache.match(req.prompt_ids) if self.cache is not None else None
+            shared = len(match.nodes) if match is not None else 0
+            need = self.kv_need(len(req.prompt_ids), req.max_len, shared)
+            pinned = len(self._shared.keys() | set(match.pages)) if match is not None else len(self._shared)
             if (
-                self._reserved.full_pages + need.full_pages > alloc.full.num_pages
+                self._reserved.full_pages + need.full_pages + pinned > alloc.full.num_pages
                 or self._reserved.swa_pages + need.swa_pages > swa_total
             ):
                 break
-            req = self.waiting.popleft()
+            self.waiting.popleft()
             req.row = self.req_to_token.alloc()
+            if shared:
+                self._start_on(req, match)
             self._needs[req.rid] = need
             self._reserved.full_pages += need.full_pages
             self._reserved.swa_pages += need.swa_pages
             self.running.append(req)
+
+    def _start_on(self, req: Request, match) -> None:
+        """Point a new request's first pages at a cached prefix; it computes the rest."""
+        if self.allocator.is_hybrid:
+            self.allocator.share_prefix(req.row, match.pages, self.cache.swa_from(len(match.nodes)))
+        else:
+            self.allocator.share_prefix(req.row, match.pages)
+        self.cache.lock(match)
+        self._shared.update(match.pages)
+        req.cache_match = match
+        req.kv_len = req.cached_tokens = len(match.nodes) * self.allocator.page_size
+        if req.spec is not None:
+            req.spec.draft_len = req.kv_len  # the draft's KV of the prefix lies in the same pages
+
+    def cache_prompts(self, reqs: list[Request]) -> None:
+        """After a prefill step: the prompts' complete pages enter the prefix cache."""
+        for req in reqs:
+            if not req.finished:
+                self._cache(req, min(len(req.prompt_ids), self.cacheable_len(req)))
+
+    def _cache(self, req: Request, length: int) -> None:
+        if self.cache is None or req.row is None:
+            return
+        pages = self.allocator.row_pages(req.row, length // self.allocator.page_size)
+        self.cache.insert(req.tokens(0, length), pages, self.allocator.swa_start(req.row))
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -214,6 +253,12 @@ class Scheduler:
             self.waiting.remove(req)
             return
         self.running.remove(req)
+        self._cache(req, min(req.num_tokens, self.cacheable_len(req)))
+        if req.cache_match is not None:
+            self.cache.unlock(req.cache_match)
+            self._shared.subtract(req.cache_match.pages)
+            self._shared += collections.Counter()  # drop pages no running row shares any more
+            req.cache_match = None
         self.allocator.free(req.row)
         self.req_to_token.free(req.row)
         need = self._needs.pop(req.rid)

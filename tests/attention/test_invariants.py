@@ -18,10 +18,11 @@ CPU = torch.device("cpu")
 def _busy_scenario(headroom: int = 2) -> tuple[Scenario, list[int]]:
     """SWA pool > 85% occupied, every running request's full slot ids above the SWA pool size.
 
-    With page 4 and window 6, a request of length 4k+1 holds exactly 2 SWA pages; eight of them
-    and the long request that holds the low full pages use 18 SWA pages.
+    With page 4 and window 6, a request of length 4k+1 >= 9 holds 3 SWA pages (the window of a
+    query at its last page boundary), the one of length 5 holds 2, and the long request that holds
+    the low full pages 2: 25 SWA pages.
     """
-    sc = Scenario(page_size=4, window=6, full_pages=160, swa_pages=18 + headroom)
+    sc = Scenario(page_size=4, window=6, full_pages=160, swa_pages=25 + headroom)
     sc.push_full_ids_up(60)
     rows = [sc.add_request(n) for n in (13, 21, 29, 9, 17, 25, 33, 5)]
     full_pages = sc.r2t.table[rows, 0].long() // 4

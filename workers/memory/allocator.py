@@ -12,6 +12,8 @@ decided by each model's own pool (workers/memory/pools.py), never by the allocat
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -28,9 +30,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PageAllocator:
-    """Free list of pages 1..num_pages; page 0 is padding and never handed out. `reserved`
-    more pages (ids num_pages + 1 ..) are never handed out either: scratch pages that padded
-    rows of a CUDA graph write to. Buffers hold `num_ids + 1` pages."""
+    """Pages 1..num_pages with reference counts; page 0 is padding and never handed out.
+    `reserved` more pages (ids num_pages + 1 ..) are never handed out either: scratch pages
+    that padded rows of a CUDA graph write to. Buffers hold `num_ids + 1` pages.
+
+    A page is held by every request whose row points at it and by the prefix cache when it
+    keeps it; it is free when the last holder lets go. `reclaim(n)`, when set, is asked to free
+    pages (the prefix cache evicts) before an allocation fails."""
 
     def __init__(self, num_pages: int, page_size: int, name: str, reserved: int = 0) -> None:
         if num_pages < 1:
@@ -41,26 +47,44 @@ class PageAllocator:
         self.name = name
         self.reserved = list(range(num_pages + 1, self.num_ids + 1))
         self._free = list(range(num_pages, 0, -1))
-        self._in_use = np.zeros(self.num_ids + 1, dtype=bool)
+        self._refs = np.zeros(self.num_ids + 1, dtype=np.int32)
+        self.reclaim: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
         if n > len(self._free):
             raise OutOfKVError(f"{self.name}: asked for {n} pages, {len(self._free)} of {self.num_pages} free")
         pages = [self._free.pop() for _ in range(n)]
-        self._in_use[pages] = True
+        self._refs[pages] = 1
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def ref(self, pages: list[int]) -> None:
+        """One more holder of pages that are in use."""
         if not pages:
             return
-        if not self._in_use[pages].all() or len(set(pages)) != len(pages):
+        if not (self._refs[pages] > 0).all():
+            raise RuntimeError(f"{self.name}: a holder added to a free page among {pages}")
+        np.add.at(self._refs, pages, 1)
+
+    def free(self, pages: list[int]) -> list[int]:
+        """One holder fewer; returns the pages that became free."""
+        if not pages:
+            return []
+        np.subtract.at(self._refs, pages, 1)
+        if (self._refs[pages] < 0).any():
+            np.add.at(self._refs, pages, 1)
             raise RuntimeError(f"{self.name}: double free or foreign page among {pages}")
-        self._in_use[pages] = False
-        self._free.extend(pages)
+        freed = [pg for pg in dict.fromkeys(pages) if self._refs[pg] == 0]
+        self._free.extend(freed)
+        return freed
+
+    def holders(self, page: int) -> int:
+        return int(self._refs[page])
 
     def check_no_leak(self) -> None:
         if self.num_free != self.num_pages:
@@ -124,6 +148,25 @@ class KVAllocator:
     def flush(self) -> None:
         """Bring the device copies of the allocator's tables up to date (before a forward)."""
         self.req_to_token.flush()
+
+    def swa_start(self, row: int) -> int:
+        """The first page of a request whose SWA page the request still holds (no SWA: all)."""
+        return 0
+
+    def row_pages(self, row: int, num_pages: int) -> list[int]:
+        """The full pages of a request's first `num_pages` pages."""
+        return self._row_full_pages(row, 0, num_pages)
+
+    def share_prefix(self, row: int, pages: list[int]) -> None:
+        """Start an empty request row on cached pages: its first len(pages) pages are these
+        (each gains the row as a holder); allocation goes on after them."""
+        if self._lens.get(row, 0):
+            raise RuntimeError(f"request row {row}: a prefix can only start an empty row")
+        p = self.page_size
+        self.full.ref(pages)
+        slots = (np.asarray(pages, dtype=np.int64)[:, None] * p + np.arange(p)).reshape(-1)
+        self.req_to_token.write(row, 0, slots)
+        self._lens[row] = len(pages) * p
 
     def release_window(self, row: int, seq_len: int) -> None:
         """Called after every forward with the request's committed length; SWA eviction."""
@@ -212,10 +255,12 @@ class HybridSWAAllocator(KVAllocator):
         self._f2s.flush()
 
     def release_window(self, row: int, seq_len: int) -> None:
-        """Free SWA pages whose positions no future query can see (all < seq_len - window + 1)."""
+        """Let go of SWA pages whose positions no future query can see: those before the window
+        of a query at the last page boundary (so that the window before that boundary stays
+        whole, for the prefix cache to keep)."""
         p = self.page_size
         first = self._evicted.get(row, 0)
-        upto = max(0, seq_len - self.sliding_window + 1) // p
+        upto = max(0, seq_len // p * p - self.sliding_window + 1) // p
         if upto <= first:
             return
         self._unmap(self._row_full_pages(row, first, upto))
@@ -247,12 +292,48 @@ class HybridSWAAllocator(KVAllocator):
         self._evicted[row] = min(self._evicted.get(row, 0), first_page_idx)
 
     def _unmap(self, full_pages: list[int]) -> None:
+        """One holder fewer of these full pages' SWA pages; an SWA page nobody holds is freed
+        and its full page maps to padding again (a tombstone where the full page lives on)."""
         if not full_pages:
             return
         fp = np.array(full_pages)
         view = self._f2s.host.reshape(-1, self.page_size)
-        self.swa.free((view[fp, 0] // self.page_size).tolist())
-        self._set_pages(fp, self._page_offsets)
+        swa_pages = (view[fp, 0] // self.page_size).tolist()
+        if 0 in swa_pages:
+            raise RuntimeError(f"SWA allocator: releasing unmapped SWA pages of full pages {full_pages}")
+        freed = set(self.swa.free(swa_pages))
+        gone = fp[[pg in freed for pg in swa_pages]]
+        if len(gone):
+            self._set_pages(gone, self._page_offsets)
+
+    # -- the prefix cache's holds ------------------------------------------------------------------
+    def share_prefix(self, row: int, pages: list[int], swa_from: int = 0) -> None:
+        """As `KVAllocator.share_prefix`; the row also holds the SWA pages of pages[swa_from:]
+        (the window before the row's first new token), which must be mapped."""
+        super().share_prefix(row, pages)
+        self.hold_swa(pages[swa_from:])
+        self._evicted[row] = swa_from
+
+    def swa_page_of(self, full_page: int) -> int:
+        """The SWA page a full page maps to (0: none), read on the host."""
+        return int(self._f2s.host[full_page * self.page_size]) // self.page_size
+
+    def swa_start(self, row: int) -> int:
+        """The first page of a request whose SWA page the request still holds."""
+        return self._evicted.get(row, 0)
+
+    def hold_swa(self, full_pages: list[int]) -> None:
+        """One more holder of these full pages' (mapped) SWA pages."""
+        if not full_pages:
+            return
+        view = self._f2s.host.reshape(-1, self.page_size)
+        swa_pages = (view[np.array(full_pages), 0] // self.page_size).tolist()
+        if 0 in swa_pages:
+            raise RuntimeError(f"SWA allocator: holding unmapped SWA pages of full pages {full_pages}")
+        self.swa.ref(swa_pages)
+
+    def release_swa(self, full_pages: list[int]) -> None:
+        self._unmap(full_pages)
 
     def _set_pages(self, full_pages: np.ndarray, slots: np.ndarray) -> None:
         """Map full pages to SWA slots (rows of `slots`), on the host; marked for the device."""

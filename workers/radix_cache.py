@@ -1,0 +1,220 @@
+"""Prefix caching over hybrid SWA pools: a radix tree of cached token pages.
+
+Each node is one full page of a token sequence: its P token ids (the edge from its parent), the
+full-pool page that holds their KV, and whether the tree still holds that page's SWA-pool page
+(the sliding-window layers' KV). The tree is a holder of its pages like a request is
+(`PageAllocator` reference counts), so a request that ends or releases its window never frees a
+page the tree keeps, and a page is free only when its last holder lets go.
+
+- Prompts enter the tree as their prefill completes (page by page, after every prefill chunk),
+  and a finishing request's whole sequence enters it too (multi-turn continuations hit).
+- A node's SWA page can be evicted on its own (LRU), leaving its full page: a tombstone for the
+  sliding-window layers. Unreferenced leaves are evicted (LRU) when a pool runs short, before a
+  request is made to wait.
+- A match ends at a page boundary m only where the SWA KV of the window before m is held;
+  otherwise it is cut back to the last such boundary, and the rest is recomputed. The last prompt
+  token is always computed (its logits and hidden state are needed). Drafts whose entry at
+  position p reads token p + 1 (EAGLE) keep one page less, whose last entry read a token the
+  new prompt may not share.
+- Requests using a matched prefix lock its nodes; locked nodes are never evicted.
+
+Every rank of a tensor-parallel group runs the same deterministic tree on the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from workers.memory import HybridSWAAllocator, KVAllocator
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    key: tuple[int, ...]  # the page's token ids
+    page: int  # full-pool page holding their KV
+    parent: Node | None
+    swa: bool = False  # the tree holds the page's SWA page
+    locks: int = 0  # running requests whose prefix this is
+    last_used: int = 0
+    children: dict[tuple[int, ...], Node] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Match:
+    nodes: list[Node]  # the matched pages, root first
+
+    @property
+    def pages(self) -> list[int]:
+        return [n.page for n in self.nodes]
+
+
+class RadixCache:
+    def __init__(self, allocator: KVAllocator, draft_shift: int = 0) -> None:
+        """`draft_shift`: 1 when a draft's entry at position p reads token p + 1 (EAGLE)."""
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.draft_shift = draft_shift
+        self.window = allocator.sliding_window if isinstance(allocator, HybridSWAAllocator) else None
+        self.root = Node((), 0, None)
+        self._clock = itertools.count(1)
+        self.num_pages = 0  # full pages the tree holds
+        self.queries = 0  # prompt tokens looked up
+        self.hits = 0  # prompt tokens found
+        allocator.full.reclaim = self.evict_full
+        if self.window is not None:
+            allocator.swa.reclaim = self.evict_swa
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> Match:
+        """The longest usable cached prefix of a prompt (page aligned, see the module doc)."""
+        p = self.page_size
+        nodes, node = [], self.root
+        for i in range(len(tokens) // p):
+            child = node.children.get(tuple(tokens[i * p : (i + 1) * p]))
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        usable = min(len(nodes) - self.draft_shift, (len(tokens) - 1) // p)
+        while usable > 0 and not self._window_held(nodes, usable):
+            usable -= 1
+        match = Match(nodes[: max(0, usable)])
+        self.queries += len(tokens)
+        self.hits += len(match.nodes) * p
+        now = next(self._clock)
+        for n in match.nodes:
+            n.last_used = now
+        return match
+
+    def swa_from(self, num_pages: int) -> int:
+        """The first page, of a prefix of `num_pages` pages, inside the window of the next query."""
+        if self.window is None:
+            return num_pages
+        return max(0, num_pages * self.page_size - self.window + 1) // self.page_size
+
+    def _window_held(self, nodes: list[Node], num_pages: int) -> bool:
+        return self.window is None or all(n.swa for n in nodes[self.swa_from(num_pages) : num_pages])
+
+    # -- holding ----------------------------------------------------------------------------------
+    def lock(self, match: Match) -> None:
+        for n in match.nodes:
+            n.locks += 1
+
+    def unlock(self, match: Match) -> None:
+        for n in match.nodes:
+            n.locks -= 1
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], swa_from: int) -> None:
+        """Cache the complete pages of a sequence whose KV lies in `pages` (page i holds tokens
+        [iP, (i+1)P)); the sequence's owner still holds the SWA pages of pages[swa_from:]."""
+        p, node, now = self.page_size, self.root, next(self._clock)
+        for i, page in enumerate(pages):
+            key = tuple(tokens[i * p : (i + 1) * p])
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key, page, node)
+                node.children[key] = child
+                self.allocator.full.ref([page])
+                self.num_pages += 1
+            if not child.swa and child.page == page and i >= swa_from and self.window is not None:
+                self.allocator.hold_swa([page])
+                child.swa = True
+            child.last_used = now
+            node = child
+
+    # -- eviction ---------------------------------------------------------------------------------
+    def evict_swa(self, pages: int) -> int:
+        """Give back the tree's SWA pages, least recently used first, until `pages` of them are
+        free; their nodes keep their full pages. Returns the pages freed."""
+        freed = 0
+        alloc = self.allocator
+        for node in sorted(self._nodes(), key=lambda n: n.last_used):
+            if freed >= pages:
+                break
+            if node.swa:  # a locked node too: requests reading its window hold their own SWA pages
+                sole = alloc.swa.holders(alloc.swa_page_of(node.page)) == 1
+                self.allocator.release_swa([node.page])
+                node.swa = False
+                freed += int(sole)
+        return freed
+
+    def evict_full(self, pages: int) -> int:
+        """Drop unlocked leaves, least recently used first, until `pages` full pages are free
+        (leaves whose page a running request still holds free nothing and are kept)."""
+        freed = 0
+        while freed < pages:
+            leaves = [
+                n for n in self._nodes() if not n.children and n.locks == 0 and self.allocator.full.holders(n.page) == 1
+            ]
+            if not leaves:
+                break
+            for leaf in sorted(leaves, key=lambda n: n.last_used):
+                if freed >= pages:
+                    break
+                self._drop(leaf)
+                freed += 1
+        return freed
+
+    def flush(self) -> None:
+        """Drop every node no running request uses (all of them when the engine is idle)."""
+        while True:
+            leaves = [n for n in self._nodes() if not n.children and n.locks == 0]
+            if not leaves:
+                return
+            for leaf in leaves:
+                self._drop(leaf)
+
+    def _drop(self, node: Node) -> None:
+        if node.swa:
+            self.allocator.release_swa([node.page])
+        self.allocator.full.free([node.page])
+        del node.parent.children[node.key]
+        self.num_pages -= 1
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def num_swa_pages(self) -> int:
+        return sum(n.swa for n in self._nodes())
+
+    def reclaimable(self) -> tuple[int, int]:
+        """(full pages, SWA pages) only the tree holds: free for the asking."""
+        alloc, nodes = self.allocator, self._nodes()
+        full = sum(n.locks == 0 and alloc.full.holders(n.page) == 1 for n in nodes)
+        swa = sum(n.swa and alloc.swa.holders(alloc.swa_page_of(n.page)) == 1 for n in nodes) if self.window else 0
+        return full, swa
+
+    def check_sole_holder(self) -> None:
+        """With no request running: every page in use is a node's, held by the tree alone."""
+        alloc, nodes = self.allocator, self._nodes()
+        if any(n.locks for n in nodes):
+            raise AssertionError("prefix cache: nodes are still locked by requests")
+        if alloc.full.num_free + len(nodes) != alloc.full.num_pages or any(
+            alloc.full.holders(n.page) != 1 for n in nodes
+        ):
+            raise AssertionError(
+                f"prefix cache: {alloc.full.num_pages - alloc.full.num_free} full pages in use, "
+                f"the tree holds {len(nodes)}"
+            )
+        if self.window is not None:
+            swa = [alloc.swa_page_of(n.page) for n in nodes if n.swa]
+            if alloc.swa.num_free + len(swa) != alloc.swa.num_pages or any(alloc.swa.holders(pg) != 1 for pg in swa):
+                raise AssertionError(
+                    f"prefix cache: {alloc.swa.num_pages - alloc.swa.num_free} SWA pages in use, "
+                    f"the tree holds {len(swa)}"
+                )
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "cached_pages": self.num_pages,
+            "cached_swa_pages": sum(n.swa for n in self._nodes()),
+            "queries": self.queries,
+            "hits": self.hits,
+        }
