@@ -357,7 +357,8 @@ class Engine:
         )
         if self.spec is not None:
             self.spec.after_extend(sb, out.hidden)
-        self.scheduler.cache_prompts(sb.reqs)
+        if sb.mode is ForwardMode.EXTEND:
+            self.scheduler.cache_prompts(sb.reqs)
         return events
 
     def _record(self, forward: ForwardRecord) -> None:

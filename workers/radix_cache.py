@@ -13,9 +13,9 @@ page the tree keeps, and a page is free only when its last holder lets go.
   request is made to wait.
 - A match ends at a page boundary m only where the SWA KV of the window before m is held;
   otherwise it is cut back to the last such boundary, and the rest is recomputed. The last prompt
-  token is always computed (its logits and hidden state are needed). Drafts whose entry at
-  position p reads token p + 1 (EAGLE) keep one page less, whose last entry read a token the
-  new prompt may not share.
+  token is always computed (its logits and hidden state are needed). For drafts whose entry at
+  position p reads token p + 1 (EAGLE), a page's last draft entry read the token after the page:
+  a node remembers it (`follow`) and is used only by prompts that continue with that token.
 - Requests using a matched prefix lock its nodes; locked nodes are never evicted.
 
 Every rank of a tensor-parallel group runs the same deterministic tree on the same inputs.
@@ -36,6 +36,7 @@ class Node:
     page: int  # full-pool page holding their KV
     parent: Node | None
     swa: bool = False  # the tree holds the page's SWA page
+    follow: int | None = None  # the token after the page, when its draft KV read it
     locks: int = 0  # running requests whose prefix this is
     last_used: int = 0
     children: dict[tuple[int, ...], Node] = dataclasses.field(default_factory=dict)
@@ -77,7 +78,9 @@ class RadixCache:
                 break
             nodes.append(child)
             node = child
-        usable = min(len(nodes) - self.draft_shift, (len(tokens) - 1) // p)
+        usable = min(len(nodes), (len(tokens) - 1) // p)
+        if self.draft_shift:
+            usable = next((i for i in range(usable) if nodes[i].follow != tokens[(i + 1) * p]), usable)
         while usable > 0 and not self._window_held(nodes, usable):
             usable -= 1
         match = Match(nodes[: max(0, usable)])
@@ -108,13 +111,18 @@ class RadixCache:
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], swa_from: int) -> None:
         """Cache the complete pages of a sequence whose KV lies in `pages` (page i holds tokens
-        [iP, (i+1)P)); the sequence's owner still holds the SWA pages of pages[swa_from:]."""
+        [iP, (i+1)P)); the sequence's owner still holds the SWA pages of pages[swa_from:].
+        `tokens` runs one token past the pages where the sequence has it (a shifted draft's
+        last entry of a page read it)."""
         p, node, now = self.page_size, self.root, next(self._clock)
         for i, page in enumerate(pages):
             key = tuple(tokens[i * p : (i + 1) * p])
+            follow = tokens[(i + 1) * p] if self.draft_shift and (i + 1) * p < len(tokens) else None
             child = node.children.get(key)
+            if child is not None and child.follow != follow:
+                break  # its draft KV read another next token: nothing past it is usable here
             if child is None:
-                child = Node(key, page, node)
+                child = Node(key, page, node, follow=follow)
                 node.children[key] = child
                 self.allocator.full.ref([page])
                 self.num_pages += 1

@@ -43,11 +43,12 @@ class NewRequest:
 class StepPlan:
     new: list[NewRequest] = dataclasses.field(default_factory=list)
     aborts: list[str] = dataclasses.field(default_factory=list)
+    flush_cache: bool = False  # drop the prefix cache's unused pages, on every rank at once
     stop: bool = False
 
     @property
     def changes(self) -> bool:
-        return bool(self.new or self.aborts or self.stop)
+        return bool(self.new or self.aborts or self.flush_cache or self.stop)
 
 
 class ErrorCode(str, enum.Enum):
@@ -113,6 +114,10 @@ class RankLoop:
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
 
+    def flush_cache(self) -> None:
+        """Drop the prefix cache's pages no running request uses, before the next step."""
+        self._inbox.put(("flush", None))
+
     def stop(self) -> None:
         self._inbox.put(("stop", None))
 
@@ -172,6 +177,8 @@ class RankLoop:
                 plan.new.append(item)
             elif kind == "abort":
                 plan.aborts.append(item)
+            elif kind == "flush":
+                plan.flush_cache = True
             else:
                 plan.stop = True
                 return plan
@@ -201,6 +208,8 @@ class RankLoop:
         for rid in plan.aborts:
             if self.engine.abort(rid):
                 self._finish(rid, [])
+        if plan.flush_cache:
+            self.engine.flush_cache()
 
     def _step(self) -> None:
         events = self.engine.step()

@@ -146,7 +146,8 @@ class Scheduler:
         if self.cache is None or req.row is None:
             return
         pages = self.allocator.row_pages(req.row, length // self.allocator.page_size)
-        self.cache.insert(req.tokens(0, length), pages, self.allocator.swa_start(req.row))
+        tokens = req.tokens(0, min(length + 1, req.num_tokens))
+        self.cache.insert(tokens, pages, self.allocator.swa_start(req.row))
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
@@ -253,7 +254,8 @@ class Scheduler:
             self.waiting.remove(req)
             return
         self.running.remove(req)
-        self._cache(req, min(req.num_tokens, self.cacheable_len(req)))
+        if reason is not FinishReason.ERROR:  # a failed request's KV is not trusted
+            self._cache(req, min(req.num_tokens, self.cacheable_len(req)))
         if req.cache_match is not None:
             self.cache.unlock(req.cache_match)
             self._shared.subtract(req.cache_match.pages)

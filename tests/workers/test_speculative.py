@@ -334,6 +334,19 @@ def test_stops_inside_accepted_drafts_match_plain_decoding(models):
         spec.check_no_leak()
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_prefill_chunk_ending_one_token_short_of_the_prompt(models, variant):
+    """Chunks of 5 over an 11-token prompt end at 10: the target has KV for all but the last
+    prompt token, and nothing was sampled yet (a frozen-KV draft once took that for a decode)."""
+    m = models["gemma3"]
+    algorithm, pool, draft = VARIANTS[variant]
+    prompt = random_prompts([11], seed=6)[0]
+    (want,) = _engine(m["target"], "trtllm_mha", 4).generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    eng = _engine(m["target"], "trtllm_mha", 4, _spec(algorithm, m[draft], pool))
+    (got,) = eng.generate(prompt_token_ids=[prompt], sampling=GREEDY)
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, "length")
+
+
 def test_abort_mid_round_frees_both_models_kv(models):
     m = models["gemma3"]
     eng = _engine(m["target"], "trtllm_mha", 4, _spec("eagle", m["eagle3"]))

@@ -1,7 +1,9 @@
 """Tensor parallelism without Ray: 2 and 4 processes (gloo) run `RankLoop` in lockstep and give
 the same greedy tokens as one process, with and without speculative decoding (draft sharded or
-replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV heads); every
-rank's pools end full. The same runs on GPUs with NCCL are in test_gpu_tensor_parallel.py."""
+replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV heads). A second
+wave reuses the first's prefixes: every rank's prefix cache makes the same hits, and after a
+flush broadcast in the plan every rank's pools end full. The same runs on GPUs with NCCL are in
+test_gpu_tensor_parallel.py."""
 
 import datetime
 import os
@@ -20,7 +22,8 @@ from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
-PROMPTS = random_prompts([29, 11, 17])
+FIRST = random_prompts([29, 11, 17])
+PROMPTS = FIRST + [FIRST[0][:21] + [7, 8, 9], FIRST[1]]  # the second wave hits the first's pages
 
 
 def _free_port() -> int:
@@ -48,15 +51,20 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: 
     def on_update(update):
         if update.finished:
             outputs[update.rid] = update.output
+            if len(outputs) == len(FIRST):
+                for i in range(len(FIRST), len(PROMPTS)):
+                    loop.submit(f"r{i}", PROMPTS[i], sampling)
             if len(outputs) == len(PROMPTS):
+                loop.flush_cache()
                 loop.stop()
 
     loop = RankLoop(engine, rank, control, on_update)
     if rank == 0:
-        for i, prompt in enumerate(PROMPTS):
+        for i, prompt in enumerate(FIRST):
             loop.submit(f"r{i}", prompt, sampling)
     loop.run()
     engine.check_no_leak()
+    engine.allocator.check_no_leak()  # the flush reached this rank: its pools are full
     if rank == 0:
         # Plain pickle: torch's queue would share tensors through this process, which is exiting.
         results.put(pickle.dumps([outputs[f"r{i}"] for i in range(len(PROMPTS))]))
@@ -120,8 +128,11 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
     elif speculative == "eagle":
         kwargs["speculative"] = {"algorithm": "eagle", "draft_model": model_dirs["eagle"], "num_steps": 3}
     single = Engine(**kwargs)
-    ref = single.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+    ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
+    ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
     got = run_tp(world, kwargs)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in ref]
+    assert min(o.cached_tokens for o in got[len(FIRST) :]) >= 8
     if speculative:
         assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]

@@ -143,7 +143,7 @@ class FrozenKVDrafter(Drafter):
     def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
         """Draft step 1 for requests whose pending token follows the target's KV: the pending
         token and the target's hidden state of the position before it."""
-        ready = [r for r in reqs if r.kv_len == r.num_tokens - 1]
+        ready = [r for r in reqs if r.prefilled and r.kv_len == r.num_tokens - 1]
         if not ready:
             return
         rows = torch.cat([_rows(hidden[r.rid], r.kv_len - 1, r.kv_len) for r in ready])
