@@ -145,3 +145,42 @@ def test_fused_kv_write_matches_the_reference(page_size, head_dim):
     write_kv_torch(ref, locs, k, v)
     write_kv_cuda(out, locs, k, v)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("spec", [None, "standalone", "eagle", "frozen_kv_mtp"])
+def test_prefix_cache_hits_under_graph_replay(models, spec, page_size):
+    """A shared system prompt longer than the window, then an exact repeat: with the cache on,
+    the hits replay the same graphs and give the cache-off run's tokens within the bf16
+    criterion; the hits are page aligned and hit both pools."""
+    system = random_prompts([200], seed=21)[0]
+    first = [system + [250 + i] + tail for i, tail in enumerate(random_prompts([5, 9, 17, 30, 2, 11, 40, 7], seed=22))]
+    draft = None if spec is None else {"algorithm": spec, "draft_model": models[spec], "num_steps": 3}
+    runs = {}
+    for caching in (False, True):
+        eng = Engine(
+            model=models["gemma3"],
+            device="cuda",
+            dtype="bfloat16",
+            page_size=page_size,
+            attention_backend="trtllm_mha",
+            max_total_tokens=8192,
+            swa_full_tokens_ratio=0.5,  # room for the cache's SWA pages: no eviction cuts a hit
+            chunked_prefill_size=64,
+            max_running_requests=8,
+            speculative=draft,
+            enable_prefix_caching=caching,
+        )
+        outs = eng.generate(prompt_token_ids=first[:1], sampling=GREEDY)
+        outs += eng.generate(prompt_token_ids=first[1:], sampling=GREEDY)
+        outs += eng.generate(prompt_token_ids=first[1:2], sampling=GREEDY)  # an exact repeat
+        eng.check_no_leak()
+        eng.flush_cache()
+        eng.allocator.check_no_leak()
+        runs[caching] = outs
+    hits = [o.cached_tokens for o in runs[True]]
+    shared = (200 if spec != "eagle" else 199) // page_size * page_size
+    assert hits[0] == 0 and hits[1:8] == [shared] * 7
+    assert hits[8] == (len(first[1]) - 1) // page_size * page_size
+    diverged, worst = compare_bf16_runs(runs[False], runs[True], f"prefix cache {spec} page {page_size}")
+    print(f"prefix cache {spec} page {page_size}: {diverged} diverged, largest logit difference {worst:.3g}")
