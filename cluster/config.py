@@ -47,6 +47,9 @@ class EngineArgs(BaseModel):
     cuda_graph_max_batch_size: int | None = Field(
         None, ge=1, description="largest captured batch (default: max_running_requests)"
     )
+    enable_prefix_caching: bool = Field(
+        True, description="keep computed prompt pages in a radix tree for requests sharing their prefix"
+    )
     speculative: SpeculativeArgs | None = None
 
     @field_validator("model")

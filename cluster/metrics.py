@@ -4,8 +4,9 @@ process has to be scraped but the ingress.
 
 Names: vLLM's metric set and labels where a counterpart exists (`model_name`;
 `num_requests_running` / `num_requests_waiting`, `kv_cache_usage_perc`, `prompt_tokens_total`,
-`generation_tokens_total`, `request_success_total{finished_reason}`, the latency histograms,
-the `spec_decode_*` counters), SGLang's accept-length gauges, under the prefix `slidespec_`.
+`generation_tokens_total`, `prefix_cache_queries_total` / `prefix_cache_hits_total` (tokens),
+`request_success_total{finished_reason}`, the latency histograms, the `spec_decode_*`
+counters), SGLang's accept-length gauges, under the prefix `slidespec_`.
 Not vLLM's `vllm:` colon: prometheus_client renders a colon name differently in the
 OpenMetrics format (samples with `_`, HELP/TYPE with `:`), so Prometheus, which negotiates
 OpenMetrics, would store untyped series under other names. With `slidespec_` the names and
@@ -56,6 +57,8 @@ class ServingMetrics:
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests")
+        self.cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.success = counter("request_success", "Requests that finished, by finish reason", ("finished_reason",))
         self.failure = counter(
             "request_failure",
@@ -96,6 +99,8 @@ class ServingMetrics:
         completion = update.get("completion_tokens", 0)
         self.prompt_tokens.labels(self.model).inc(update.get("prompt_tokens", 0))
         self.generation_tokens.labels(self.model).inc(completion)
+        self.cache_queries.labels(self.model).inc(update.get("prompt_tokens", 0))
+        self.cache_hits.labels(self.model).inc(update.get("cached_tokens", 0))
         self.e2e.labels(self.model).observe(e2e_s)
         if completion > 1:
             self.tpot.labels(self.model).observe(decode_s / (completion - 1))

@@ -200,6 +200,7 @@ def update_to_response(update: dict[str, Any]) -> pb.GenerateResponse:
         response.finish_reason = FINISH_REASONS.get(update.get("finish_reason"), pb.FINISH_REASON_UNSPECIFIED)
         response.usage.prompt_tokens = update.get("prompt_tokens", 0)
         response.usage.completion_tokens = update.get("completion_tokens", 0)
+        response.usage.cached_tokens = update.get("cached_tokens", 0)
         spec = update.get("spec")
         if spec:
             response.spec.CopyFrom(

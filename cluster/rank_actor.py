@@ -46,6 +46,7 @@ def rank0_replica(app: str, name: str) -> str | None:
 def update_to_wire(update: Update) -> dict[str, Any]:
     """A rank loop update as the plain dict that crosses process boundaries."""
     out: dict[str, Any] = {"token_ids": update.token_ids, "finished": update.finished}
+    out["cached_tokens"] = update.output.cached_tokens if update.output is not None else update.cached_tokens
     if update.error is not None:
         out["error"] = {"code": update.code.value, "message": update.error}
     if update.output is not None:

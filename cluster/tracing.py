@@ -125,6 +125,7 @@ def step_attributes(
         "slidespec.kv.swa_total": kv["swa_total"],
         "slidespec.request_ids": list(step.request_ids),
         "slidespec.seq_lens": list(step.seq_lens),
+        "slidespec.cache.hit_tokens": list(step.cached_tokens),
         "slidespec.step.draft_ms": phases["draft"] / 1e6,
         "slidespec.step.verify_ms": phases["verify"] / 1e6,
         "slidespec.step.draft_extend_ms": phases["draft_extend"] / 1e6,

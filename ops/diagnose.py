@@ -4,7 +4,8 @@ Reads OTLP JSON-lines trace files (the `file` exporter's output, or any OTLP JSO
 takes the engine-step spans that verified drafts, and reports
 
 - accept length over time, and by forward mode, attention backend, draft pool kind, algorithm,
-  context length relative to the window, batch size and request; acceptance by draft position;
+  context length relative to the window, prefix-cache hit, batch size and request; acceptance by
+  draft position;
 - drops: the change point where the mean accept length falls most (a two-segment split tested
   like Welch's t), with the span attributes whose values changed there;
 - a PNG plot of accept length per step with the change point marked.
@@ -168,6 +169,15 @@ def _context_bucket(ratio: float) -> str:
     return ">= 8 windows"
 
 
+def _hit_bucket(cached_tokens: int) -> str:
+    if not cached_tokens:
+        return "miss"
+    for limit in (256, 1024, 4096):
+        if cached_tokens < limit:
+            return f"hit < {limit} tokens"
+    return "hit >= 4096 tokens"
+
+
 def breakdowns(points: list[StepPoint]) -> dict[str, dict[str, list[int]]]:
     """Accept lengths grouped by each dimension's value."""
     groups: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
@@ -182,11 +192,15 @@ def breakdowns(points: list[StepPoint]) -> dict[str, dict[str, list[int]]]:
             groups[dim][str(a.get(key, "?"))] += p.accept_lengths
         groups["batch size"][str(len(p.accept_lengths))] += p.accept_lengths
         rids = a.get("slidespec.spec.request_ids") or []
-        ratios = dict(zip(a.get("slidespec.request_ids") or [], a.get("slidespec.seq_len_over_window") or []))
+        served = a.get("slidespec.request_ids") or []
+        ratios = dict(zip(served, a.get("slidespec.seq_len_over_window") or []))
+        hits = dict(zip(served, a.get("slidespec.cache.hit_tokens") or []))
         for rid, n in zip(rids, p.accept_lengths):
             groups["request"][rid] += [n]
             if rid in ratios:
                 groups["context / window"][_context_bucket(ratios[rid])] += [n]
+            if rid in hits:
+                groups["prefix cache"][_hit_bucket(hits[rid])] += [n]
     return groups
 
 

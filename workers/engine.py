@@ -328,6 +328,7 @@ class Engine:
         step = self.last_step
         step.request_ids = [r.rid for r in reqs]
         step.seq_lens = [r.num_tokens for r in reqs]
+        step.cached_tokens = [r.cached_tokens for r in reqs]
         step.end_ns = time.time_ns()
         reported = {req.rid for req, _ in events}
         return [(req.rid, new, req.finished) for req, new in events] + [

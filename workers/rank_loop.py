@@ -69,6 +69,7 @@ class Update:
     output: RequestOutput | None = None  # the final record, when finished
     error: str | None = None  # the request cannot finish, and why
     code: ErrorCode | None = None  # with `error`
+    cached_tokens: int = 0  # its prompt tokens the prefix cache held
 
 
 class RankLoop:
@@ -216,11 +217,12 @@ class RankLoop:
         self.steps += 1
         if self.rank == 0 and self.on_step is not None:
             self._report(self.on_step, self.engine.last_step)
+        hits = dict(zip(self.engine.last_step.request_ids, self.engine.last_step.cached_tokens))
         for rid, tokens, finished in events:
             if finished:
                 self._finish(rid, tokens)
             elif self.rank == 0:
-                self._report(self.on_update, Update(rid, tokens, False))
+                self._report(self.on_update, Update(rid, tokens, False, cached_tokens=hits.get(rid, 0)))
 
     def _finish(self, rid: str, tokens: list[int]) -> None:
         """A finished request's last update; building it fails only this request."""

@@ -24,6 +24,7 @@ class StepRecord:
     forwards: list[ForwardRecord] = dataclasses.field(default_factory=list)
     request_ids: list[str] = dataclasses.field(default_factory=list)  # requests this step served
     seq_lens: list[int] = dataclasses.field(default_factory=list)  # their lengths after the step
+    cached_tokens: list[int] = dataclasses.field(default_factory=list)  # their prompt tokens the prefix cache held
     accept_lengths: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> accept length
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # request id -> verified drafts
     start_ns: int = 0

@@ -1,7 +1,8 @@
 """`slidespec diagnose` on real traces: engine steps recorded through OpenTelemetry's OTLP
 JSON-lines file exporter. A healthy run (a copy of the target as draft, SWA then full-only draft
-pool) shows no drop; putting back the upstream mistake of invariant 1 (docs/design.md §4.1) for the full-only pool
-makes accept length drop there, and the report names the draft pool attribute that changed."""
+pool) shows no drop; putting back the upstream mistake of invariant 1 (docs/design.md §4.1) for the
+full-only pool makes accept length drop there, and the report names the draft pool attribute that
+changed. Accept length is broken down by prefix-cache hit."""
 
 import os
 
@@ -11,10 +12,11 @@ import torch
 from attention.trtllm_mha import TRTLLMMHABackend
 from cluster.config import TracingArgs
 from cluster.tracing import _PROVIDERS, engine_info, flush_all, record_step, tracer_for
-from ops.diagnose import diagnose, load_spans, step_points
+from ops.diagnose import breakdowns, diagnose, load_spans, step_points
 from tests.draft_models import make_target_and_draft
 from tests.workers.test_speculative import _UpstreamReadsByAllocator
 from workers.engine import Engine, SamplingParams
+from workers.scheduler import Scheduler
 
 K = 3
 
@@ -91,3 +93,49 @@ def test_upstream_mistake_is_diagnosed(models, tmp_path, monkeypatch, capsys):
     assert drop.before == pytest.approx(K + 1) and drop.after < K
     assert "by draft pool:" in text and "by backend:" in text and "acceptance by draft position" in text
     assert os.path.getsize(plot) > 1000
+
+
+@pytest.mark.parametrize("variant", ["fixed", "upstream_mistake"])
+def test_accept_length_by_prefix_cache_hit(models, tmp_path, monkeypatch, variant):
+    """Requests sharing a system prompt hit the prefix cache; the report breaks accept length
+    down by hit. With a hit that hands the draft a prefix without its KV (the mistake of a
+    cache that keeps only the target's pages), the hits' accept length falls below the misses'."""
+    target, draft = models
+    eng = Engine(
+        model=target,
+        page_size=4,
+        attention_backend="trtllm_mha",
+        chunked_prefill_size=16,
+        max_total_tokens=4096,
+        speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K, "draft_pool": "full"},
+    )
+    if variant == "upstream_mistake":
+        start_on, draft_pool = Scheduler._start_on, eng.spec.drafter.runner.pool
+
+        def without_draft_kv(self, req, match):
+            start_on(self, req, match)
+            for buffer in draft_pool.kv_buffers:
+                buffer[match.pages] = 0
+
+        monkeypatch.setattr(Scheduler, "_start_on", without_draft_kv)
+    _PROVIDERS.clear()
+    trace_dir = str(tmp_path / "traces")
+    tracer = tracer_for(TracingArgs(exporter="file", file_dir=trace_dir), "rank0")
+    info, g = engine_info(eng), torch.Generator().manual_seed(5)
+    system = torch.randint(0, 256, (60,), generator=g).tolist()
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    for wave in (1, 3):
+        for _ in range(wave):
+            eng.add_request(system + torch.randint(0, 256, (7,), generator=g).tolist(), greedy)
+        while eng.has_unfinished():
+            eng.step()
+            record_step(tracer, eng.last_step, [None] * len(eng.last_step.request_ids), info, eng.kv_stats(), K)
+    flush_all()
+    _PROVIDERS.clear()
+    text, _ = diagnose([trace_dir])
+    print(text)
+    groups = breakdowns(step_points(load_spans([trace_dir])))["prefix cache"]
+    assert set(groups) == {"miss", "hit < 256 tokens"} and "by prefix cache:" in text
+    miss, hit = (sum(groups[k]) / len(groups[k]) for k in ("miss", "hit < 256 tokens"))
+    assert miss == K + 1
+    assert (hit == K + 1) if variant == "fixed" else (hit < K)

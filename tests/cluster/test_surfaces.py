@@ -1,7 +1,8 @@
 """What third-party tools see: Prometheus scraping either endpoint in either exposition format
 gets the same metric names and types (following Prometheus' naming rules), the shipped Grafana
 dashboard queries only metrics and labels that exist, the gRPC and HTTP doors render the same
-response field by field (after Abort too), both reflection versions answer, and settings given
+response field by field (after Abort too), prefix-cache hits show in both doors' usage and in the
+metrics, both reflection versions answer, and settings given
 as `serve run` key=value pairs with dotted keys configure the application."""
 
 import json
@@ -157,6 +158,29 @@ def test_grpc_and_http_render_the_same_response(app):
     assert r.json() == json_format.MessageToDict(
         whole_grpc, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+
+
+def _counter(families, name: str) -> float:
+    return sum(s.value for f in families for s in f.samples if s.name == name)
+
+
+def test_prefix_cache_hits_in_usage_and_metrics_on_both_doors(app):
+    client, route, metrics = app
+    before = _scrape(metrics, TEXT)
+    prompt = "# a shared system prompt, long enough for several pages of sixteen tokens\n" * 3 + "def g(y):"
+    sampling = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    first = client.complete(prompt, request_id="cache-1", **sampling)
+    n = first.usage.prompt_tokens
+    assert first.usage.cached_tokens == 0 and n > 32
+    second = client.complete(prompt, request_id="cache-2", **sampling)
+    third = _http(route, {"request_id": "cache-3", "prompt": prompt, "sampling": sampling, "stream": False})[-1]
+    cached = (n - 1) // 16 * 16  # an exact repeat: whole pages, the last prompt token computed
+    assert second.usage.cached_tokens == cached and third["usage"]["cached_tokens"] == cached
+    assert list(second.token_ids) == list(first.token_ids) == third["token_ids"]
+    after = _scrape(metrics, TEXT)
+    for name, delta in (("prefix_cache_queries_total", 3 * n), ("prefix_cache_hits_total", 2 * cached)):
+        name = "slidespec_" + name
+        assert _counter(after, name) - _counter(before, name) == delta, name
 
 
 def test_an_aborted_request_reports_what_it_consumed_on_both_doors(app):

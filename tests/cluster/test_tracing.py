@@ -127,6 +127,7 @@ def test_one_trace_holds_request_router_and_step_spans(app, receiver):
         and _attr(verify[0], "slidespec.spec.algorithm") == "standalone"
     )
     assert _attr(verify[0], "slidespec.kv.swa_used") > 0 and _attr(verify[0], "slidespec.step.verify_ms") > 0
+    assert all(_attr(s, "slidespec.cache.hit_tokens") == [0] for s in steps)  # less than a page: no hit
     assert {r["slidespec.component"] for r, s in mine} == {"ingress", "rank0"}
 
 
