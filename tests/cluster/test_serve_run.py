@@ -69,9 +69,9 @@ def test_http_answers_503_at_once_while_no_replica_runs(laptop, tmp_path):
     _serve_run(laptop, path)
     url = f"http://127.0.0.1:{http}/generate"
     deadline = time.monotonic() + 120
-    while True:  # until the ingress is up behind Serve's proxy
+    while True:  # until the ingress is up behind Serve's proxy (its first answer may take seconds)
         try:
-            r = requests.post(url, json={"prompt": "x"}, timeout=5)
+            r = requests.post(url, json={"prompt": "x"}, timeout=30)
             if r.status_code != 404:
                 break
         except requests.ConnectionError:

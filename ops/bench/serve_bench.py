@@ -1,0 +1,400 @@
+"""Serving benchmark in the manner of `python -m sglang.bench_serving` and `vllm bench serve`.
+
+    python -m ops.bench.serve_bench --backend engine --model tiny-gemma3 --num-prompts 8 --output-file r.json
+    python -m ops.bench.serve_bench --backend grpc --model tiny-gemma3 --num-prompts 64 --max-concurrency 8
+    python -m ops.bench.serve_bench --backend grpc --host 127.0.0.1 --port 50051 ...   # a running server
+
+Backends: `engine` (the in-process engine, driven through the rank loop a rank actor runs), `grpc`
+and `http` (the whole serving stack: a local Ray Serve application started with the same engine
+settings unless --host/--port (--base-url for http) name a running one). The same workload on
+`engine` and on `grpc` makes the stack's overhead one subtraction.
+
+Datasets: `random` (input/output lengths drawn uniformly from [len x (1 - range ratio), len]),
+`multi-turn` (locally generated conversations: each turn's prompt is the last prompt, its
+answer and new user tokens; turns of a conversation run one after another). Requests arrive as
+a Poisson process (`--request-rate`, inf: all at once) under `--max-concurrency`.
+
+Reports (names as in bench_serving): completed, total_input_tokens, total_output_tokens,
+request_throughput, output_throughput, total_token_throughput, {mean,median,std,p90,p99}_{ttft,
+tpot,itl,e2e_latency}_ms, concurrency, mean_accept_length; written as JSON to --output-file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ops import MODELS_DIR
+from ops.bench import emit
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Chunk:
+    """What one streamed response brought."""
+
+    tokens: list[int]
+    accept_lengths: list[int] | None = None  # on the last one, when speculation ran
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    input_len: int
+    output_ids: list[int]
+    ttft: float
+    itl: list[float]
+    e2e: float
+    accept_lengths: list[int]
+    error: str | None = None
+
+
+# -- workloads -------------------------------------------------------------------------------------
+def _lengths(rng: random.Random, n: int, length: int, ratio: float) -> list[int]:
+    return [rng.randint(max(1, int(length * (1 - ratio))), length) for _ in range(n)]
+
+
+def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def conversations(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[int], int]]]:
+    """Per conversation, per turn: (new prompt tokens, output length). A `random` request is a
+    conversation of one turn."""
+    rng = random.Random(args.seed)
+    if args.dataset_name == "random":
+        ins = _lengths(rng, args.num_prompts, args.random_input_len, args.random_range_ratio)
+        outs = _lengths(rng, args.num_prompts, args.random_output_len, args.random_range_ratio)
+        return [[(_tokens(rng, vocab, i), o)] for i, o in zip(ins, outs)]
+    convs = []
+    for _ in range(args.num_prompts):
+        turns = [(_tokens(rng, vocab, args.random_input_len), args.random_output_len)]
+        turns += [
+            (_tokens(rng, vocab, args.multi_turn_new_len), args.random_output_len) for _ in range(args.num_turns - 1)
+        ]
+        convs.append(turns)
+    return convs
+
+
+# -- backends: each streams one request's chunks -----------------------------------------------------
+Stream = Callable[[list[int], int], AsyncIterator[Chunk]]
+
+
+class EngineBackend:
+    """The in-process engine behind a `RankLoop` in a thread, as a rank actor runs it."""
+
+    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+        from workers.engine import Engine
+        from workers.rank_loop import RankLoop
+
+        self.engine = Engine(**engine_kwargs)
+        self.loop = RankLoop(self.engine, 0, None, self._on_update)
+        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.thread = threading.Thread(target=self.loop.run, daemon=True)
+        self.thread.start()
+        self.count = 0
+
+    def _on_update(self, update) -> None:
+        loop, queue = self.queues[update.rid]
+        loop.call_soon_threadsafe(queue.put_nowait, update)
+
+    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
+        from workers.sampling_params import SamplingParams
+
+        self.count += 1
+        rid, queue = f"bench-{self.count}", asyncio.Queue()
+        self.queues[rid] = (asyncio.get_running_loop(), queue)
+        self.loop.submit(rid, prompt, SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
+        while True:
+            update = await queue.get()
+            spec = update.output.spec if update.output is not None else None
+            yield Chunk(update.token_ids, spec.accept_lengths if spec else None, update.error)
+            if update.finished:
+                del self.queues[rid]
+                return
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.thread.join(timeout=30)
+
+
+class GrpcBackend:
+    def __init__(self, target: str) -> None:
+        from cluster.client import AsyncGenerationClient
+
+        self.target, self.client_cls, self.client = target, AsyncGenerationClient, None
+
+    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
+        if self.client is None:  # channels belong to the event loop that made them
+            self.client = self.client_cls(self.target)
+        try:
+            async for r in self.client.generate(prompt, max_new_tokens=output_len, temperature=0.0, ignore_eos=True):
+                yield Chunk(list(r.token_ids), list(r.spec.accept_lengths) if r.finished else None)
+        except Exception as exc:  # noqa: BLE001 - grpc.aio.AioRpcError: counted as a failed request
+            yield Chunk([], None, f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self.client = None
+
+
+class HttpBackend:
+    def __init__(self, url: str) -> None:
+        self.url, self.session = url, None
+
+    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        body = {
+            "prompt_token_ids": prompt,
+            "sampling": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+        }
+        async with self.session.post(self.url, json=body) as r:
+            if r.status != 200:
+                yield Chunk([], None, f"HTTP {r.status}: {await r.text()}")
+                return
+            async for line in r.content:
+                if line.strip():
+                    d = json.loads(line)
+                    accept = d.get("spec", {}).get("accept_lengths") if d.get("finished") else None
+                    yield Chunk(d.get("token_ids", []), accept, d.get("error"))
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+# -- the driver ----------------------------------------------------------------------------------------
+async def _one(stream: Stream, prompt: list[int], output_len: int) -> Result:
+    start = last = time.perf_counter()
+    ttft, itl, out, accept, error = 0.0, [], [], [], None
+    async for chunk in stream(prompt, output_len):
+        now = time.perf_counter()
+        if chunk.error:
+            error = chunk.error
+        if chunk.tokens:
+            if not out:
+                ttft = now - start
+            else:
+                itl.append(now - last)
+            last = now
+            out += chunk.tokens
+        accept = chunk.accept_lengths or accept
+    return Result(len(prompt), out, ttft, itl, time.perf_counter() - start, accept, error)
+
+
+async def run_workload(stream: Stream, convs: list, rate: float, concurrency: int | None, seed: int, bar: bool):
+    gate = asyncio.Semaphore(concurrency or 1 << 30)
+    rng = random.Random(seed)
+    progress = tqdm(total=sum(map(len, convs)), disable=not bar)
+    results: list[Result] = []
+
+    async def conversation(turns: list[tuple[list[int], int]]) -> None:
+        prompt: list[int] = []
+        for new, output_len in turns:
+            prompt = prompt + new
+            async with gate:
+                result = await _one(stream, prompt, output_len)
+            results.append(result)
+            progress.update(1)
+            prompt = prompt + result.output_ids
+
+    tasks = []
+    start = time.perf_counter()
+    for turns in convs:
+        tasks.append(asyncio.create_task(conversation(turns)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    progress.close()
+    return results, time.perf_counter() - start
+
+
+def _stats(name: str, values: list[float]) -> dict[str, float]:
+    ms = [v * 1e3 for v in values] or [0.0]
+    q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
+    return {
+        f"mean_{name}_ms": statistics.fmean(ms),
+        f"median_{name}_ms": statistics.median(ms),
+        f"std_{name}_ms": statistics.pstdev(ms),
+        f"p90_{name}_ms": q[89],
+        f"p99_{name}_ms": q[98],
+    }
+
+
+def metrics(results: list[Result], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    inputs, outputs = sum(r.input_len for r in ok), sum(len(r.output_ids) for r in ok)
+    accept = [n for r in ok for n in r.accept_lengths]
+    out = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration": duration,
+        "total_input_tokens": inputs,
+        "total_output_tokens": outputs,
+        "request_throughput": len(ok) / duration,
+        "input_throughput": inputs / duration,
+        "output_throughput": outputs / duration,
+        "total_token_throughput": (inputs + outputs) / duration,
+        "concurrency": sum(r.e2e for r in ok) / duration,
+        "mean_accept_length": statistics.fmean(accept) if accept else None,
+    }
+    tpot = [(r.e2e - r.ttft) / (len(r.output_ids) - 1) for r in ok if len(r.output_ids) > 1]
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpot),
+        ("itl", [x for r in ok for x in r.itl]),
+        ("e2e_latency", [r.e2e for r in ok]),
+    ):
+        out.update(_stats(name, values))
+    return out
+
+
+# -- set-up --------------------------------------------------------------------------------------------
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine arguments both the in-process engine and a launched application use."""
+    model = args.model if os.path.isdir(args.model) else os.path.join(MODELS_DIR, args.model)
+    settings: dict[str, Any] = {
+        "model": model,
+        "device": args.device,
+        "page_size": args.page_size,
+        "max_total_tokens": args.max_total_tokens,
+        "max_running_requests": args.max_running_requests,
+        "load_format": args.load_format,
+    }
+    if args.speculative_algorithm:
+        draft = args.speculative_draft_model
+        settings["speculative"] = {
+            "algorithm": args.speculative_algorithm,
+            "draft_model": draft if os.path.isdir(draft) else os.path.join(MODELS_DIR, draft),
+            "num_steps": args.speculative_num_steps,
+        }
+    return settings
+
+
+def launch(args: argparse.Namespace) -> dict[str, str]:
+    """A local Ray Serve application with the benchmark's engine settings: its gRPC target and
+    HTTP route."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    ray.init(
+        num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    app = {**engine_settings(args), "num_replicas": args.num_replicas, "cpus_per_rank": 0.5, "grpc": {"port": 0}}
+    handle = serve.run(build_app(app), name="bench", route_prefix="/generate")
+    grpc_port = handle.ports.remote().result()["grpc"]
+    return {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}/generate"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["engine", "grpc", "http"], default="engine")
+    p.add_argument("--host", help="a running gRPC server (grpc backend); default: launch one")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--base-url", help="a running HTTP route, e.g. http://127.0.0.1:8000/generate")
+    p.add_argument("--model", default="tiny-gemma3", help="a shipped model name or a model directory")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--speculative-algorithm", choices=["standalone", "eagle", "frozen_kv_mtp"])
+    p.add_argument("--speculative-draft-model", default="tiny-gemma3-eagle")
+    p.add_argument("--speculative-num-steps", type=int, default=4)
+    p.add_argument("--dataset-name", choices=["random", "multi-turn"], default="random")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests (random) or conversations (multi-turn)")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--num-turns", type=int, default=4)
+    p.add_argument("--multi-turn-new-len", type=int, default=64, help="user tokens each later turn adds")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson)")
+    p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--warmup-requests", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--output-file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    settings = engine_settings(args)
+    with open(os.path.join(settings["model"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    close: Callable[[], Any] = lambda: None  # noqa: E731
+    if args.backend == "engine":
+        backend = EngineBackend(settings)
+        close = backend.close
+    else:
+        target = f"{args.host}:{args.port}" if args.host else None
+        url = args.base_url
+        if (args.backend == "grpc" and target is None) or (args.backend == "http" and url is None):
+            where = launch(args)
+            target, url = target or where["grpc"], url or where["http"]
+        backend = GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
+
+    async def bench():
+        warm = conversations(
+            argparse.Namespace(**{**vars(args), "num_prompts": args.warmup_requests, "seed": -1}), vocab
+        )
+        await run_workload(backend.stream, warm, float("inf"), args.max_concurrency, args.seed, False)
+        results = await run_workload(
+            backend.stream,
+            conversations(args, vocab),
+            args.request_rate,
+            args.max_concurrency,
+            args.seed,
+            not args.disable_tqdm,
+        )
+        if isinstance(backend, HttpBackend):
+            await backend.aclose()
+        return results
+
+    try:
+        results, duration = asyncio.run(bench())
+    finally:
+        close()
+    out = {
+        "backend": args.backend,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+        "cpus": os.cpu_count(),
+        "settings": {k: v for k, v in vars(args).items() if k != "output_file"},
+        **metrics(results, duration),
+    }
+    emit(out, args.output_file)
+    return out
+
+
+if __name__ == "__main__":
+    main()
