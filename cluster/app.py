@@ -55,7 +55,11 @@ def build_app(args: dict[str, Any]) -> Application:
     engine = serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
     return (
         serve.deployment(GrpcIngress)
-        .options(num_replicas=1, ray_actor_options={"num_cpus": cfg.ingress_cpus})
+        .options(
+            num_replicas=1,
+            max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+            ray_actor_options={"num_cpus": cfg.ingress_cpus},
+        )
         .bind(engine, cfg.model_dump())
     )
 

@@ -154,6 +154,9 @@ class AppArgs(EngineArgs):
     max_queued_requests: int = Field(
         1024, ge=1, description="requests waiting for a replica; more get RESOURCE_EXHAUSTED"
     )
+    ingress_max_ongoing_requests: int = Field(
+        4096, ge=1, description="HTTP requests the ingress streams at once (Serve's default of 5 would queue the rest)"
+    )
     routing_stats_period_s: float = Field(2.0, gt=0)
     grpc: GrpcArgs = Field(default_factory=GrpcArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)

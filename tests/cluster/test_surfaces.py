@@ -8,6 +8,8 @@ as `serve run` key=value pairs with dotted keys configure the application."""
 import json
 import os
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -181,6 +183,27 @@ def test_prefix_cache_hits_in_usage_and_metrics_on_both_doors(app):
     for name, delta in (("prefix_cache_queries_total", 3 * n), ("prefix_cache_hits_total", 2 * cached)):
         name = "slidespec_" + name
         assert _counter(after, name) - _counter(before, name) == delta, name
+
+
+def test_http_streams_many_requests_at_once(app):
+    """Serve lets a deployment take 5 requests at once unless told otherwise; the ingress must
+    pass every HTTP request on as soon as it arrives, not queue the sixth behind the first five:
+    all eight reach the engine together."""
+    client, route, _ = app
+    body = {"prompt_token_ids": [5, 6, 7], "sampling": {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
+
+    def first_line():
+        with requests.post(route, json=body, stream=True, timeout=120) as r:
+            return json.loads(next(r.iter_lines()))
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(first_line) for _ in range(8)]
+        most, deadline = 0, time.monotonic() + 30
+        while most < 8 and time.monotonic() < deadline and not all(f.done() for f in futures):
+            most = max(most, sum(r.running for r in client.load().replicas))
+            time.sleep(0.05)
+        assert all(f.result()["token_ids"] for f in futures)
+    assert most == 8, f"at most {most} of 8 HTTP requests ran at once"
 
 
 def test_an_aborted_request_reports_what_it_consumed_on_both_doors(app):
