@@ -26,6 +26,9 @@ from cluster.replica import LLMServer
 logger = logging.getLogger(__name__)
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the arguments (a config's nested `args`, or `serve run` key=value pairs with
     dotted keys for nested settings); bind the engine replica deployment (each replica in its
@@ -58,7 +61,10 @@ def build_app(args: dict[str, Any]) -> Application:
         .options(
             num_replicas=1,
             max_ongoing_requests=cfg.ingress_max_ongoing_requests,
-            ray_actor_options={"num_cpus": cfg.ingress_cpus},
+            ray_actor_options={
+                "num_cpus": cfg.ingress_cpus,
+                "resources": {HEAD_NODE_RESOURCE: 0.001} if cfg.ingress_on_head else {},
+            },
         )
         .bind(engine, cfg.model_dump())
     )

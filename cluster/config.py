@@ -146,6 +146,9 @@ class AppArgs(EngineArgs):
     cpus_per_rank: float = Field(1.0, gt=0)
     replica_cpus: float = Field(0.5, gt=0, description="the replica actor itself (it only relays)")
     ingress_cpus: float = Field(0.5, gt=0)
+    ingress_on_head: bool = Field(
+        True, description="run the ingress (the gRPC port) on the head node, as Serve's HTTP proxy"
+    )
     torch_threads_per_rank: int = Field(1, ge=1)
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)

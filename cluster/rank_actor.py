@@ -188,12 +188,13 @@ class RankActor:
 
     # -- every rank ------------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
-        """Raise if this rank's loop has stopped; otherwise its step count."""
+        """Raise if this rank's loop has stopped; otherwise its step count and the Ray node it
+        runs on."""
         if self.loop is None:
             raise RuntimeError(f"rank {self.rank}: not set up")
         if self.loop.error is not None or not self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank}: rank loop stopped: {self.loop.error}")
-        return {"rank": self.rank, "steps": self.loop.steps}
+        return {"rank": self.rank, "steps": self.loop.steps, "node_id": ray.get_runtime_context().get_node_id()}
 
     def kv_check(self) -> dict[str, int]:
         """Assert this rank's pools are back at their initial free counts; returns them."""

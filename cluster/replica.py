@@ -145,10 +145,19 @@ class LLMServer:
 
     # -- Serve hooks ---------------------------------------------------------------------------
     async def check_health(self) -> None:
-        """Fails when a rank actor died or a rank loop stopped; Serve then replaces the replica."""
-        await asyncio.wait_for(
-            asyncio.gather(*[a.ping.remote() for a in self.ranks]), timeout=self.args.health_check_timeout_s
-        )
+        """Fails when a rank actor died or a rank loop stopped; Serve then replaces the replica.
+        A dead rank (its node gone, its process killed) leaves the others waiting in a
+        collective until its timeout: the replica kills them at once, so that requests in flight
+        end now (UNAVAILABLE) rather than when the collective gives up."""
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*[a.ping.remote() for a in self.ranks]), timeout=self.args.health_check_timeout_s
+            )
+        except ray.exceptions.RayActorError as exc:
+            logger.error("replica %s: a rank actor died (%s); stopping the others", self.replica_tag, unwrap(exc))
+            for actor in self.ranks:
+                ray.kill(actor, no_restart=True)
+            raise
 
     async def record_routing_stats(self) -> dict[str, Any]:
         return await self.load()
