@@ -61,8 +61,6 @@ class RadixCache:
         self.root = Node((), 0, None)
         self._clock = itertools.count(1)
         self.num_pages = 0  # full pages the tree holds
-        self.queries = 0  # prompt tokens looked up
-        self.hits = 0  # prompt tokens found
         allocator.full.reclaim = self.evict_full
         if self.window is not None:
             allocator.swa.reclaim = self.evict_swa
@@ -84,8 +82,6 @@ class RadixCache:
         while usable > 0 and not self._window_held(nodes, usable):
             usable -= 1
         match = Match(nodes[: max(0, usable)])
-        self.queries += len(tokens)
-        self.hits += len(match.nodes) * p
         now = next(self._clock)
         for n in match.nodes:
             n.last_used = now
@@ -218,11 +214,3 @@ class RadixCache:
                     f"prefix cache: {alloc.swa.num_pages - alloc.swa.num_free} SWA pages in use, "
                     f"the tree holds {len(swa)}"
                 )
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "cached_pages": self.num_pages,
-            "cached_swa_pages": sum(n.swa for n in self._nodes()),
-            "queries": self.queries,
-            "hits": self.hits,
-        }
