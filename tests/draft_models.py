@@ -188,3 +188,41 @@ def make_target_and_draft(root, noise: float = 0.0) -> tuple[str, str]:
     target = str(root / "gemma3")
     make_tiny_model("gemma3", target)
     return target, make_perturbed_copy(target, str(root / "draft"), noise=noise)
+
+
+# draft variant -> (algorithm, draft pool kind, key of the draft in `spec_models`)
+SPEC_VARIANTS = {
+    "standalone-swa": ("standalone", "swa", "swa_draft"),
+    "standalone-full": ("standalone", "full", "copy"),
+    "eagle1-full": ("eagle", "full", "eagle1"),
+    "eagle3-full": ("eagle", "full", "eagle3"),
+    "frozen_kv_mtp-target": ("frozen_kv_mtp", "target", "frozen"),
+}
+
+
+def spec_models(root) -> dict[str, dict[str, str]]:
+    """Per target (gemma3, llama): the target, a perturbed copy (partial acceptance), an exact
+    copy, a draft with sliding-window layers for the SWA draft pool, EAGLE-1/3 heads and a
+    frozen-KV head, written under `root`."""
+    from tests.hf_models import make_tiny_model
+
+    out = {}
+    for name in ("gemma3", "llama"):
+        target = str(root / name)
+        make_tiny_model(name, target)
+        copy = make_perturbed_copy(target, str(root / f"{name}_copy"), noise=0.1)
+        if name == "gemma3":
+            swa_draft = copy
+        else:  # a full-attention target with a hybrid draft: the allocator keeps SWA slots for the draft
+            swa_draft = str(root / "llama_swa_draft")
+            make_tiny_model("gemma3", swa_draft, seed=3)
+        out[name] = {
+            "target": target,
+            "copy": copy,
+            "swa_draft": swa_draft,
+            "exact_copy": make_perturbed_copy(target, str(root / f"{name}_exact"), noise=0.0),
+            "eagle1": make_eagle_head(target, str(root / f"{name}_eagle1"), 1),
+            "eagle3": make_eagle_head(target, str(root / f"{name}_eagle3"), 3, draft_vocab_size=200),
+            "frozen": make_frozen_kv_head(target, str(root / f"{name}_frozen")),
+        }
+    return out

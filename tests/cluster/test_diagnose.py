@@ -26,8 +26,8 @@ def models(tmp_path_factory):
     return make_target_and_draft(tmp_path_factory.mktemp("diag"))
 
 
-def _traced_phase(target, draft, pool, tracer, monkeypatch=None):
-    eng = Engine(
+def _engine(target: str, draft: str, pool: str) -> Engine:
+    return Engine(
         model=target,
         page_size=4,
         attention_backend="trtllm_mha",
@@ -35,6 +35,10 @@ def _traced_phase(target, draft, pool, tracer, monkeypatch=None):
         max_total_tokens=4096,
         speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K, "draft_pool": pool},
     )
+
+
+def _traced_phase(target, draft, pool, tracer, monkeypatch=None):
+    eng = _engine(target, draft, pool)
     if monkeypatch is not None:
         draft_pool, alloc, windows = eng.spec.drafter.runner.pool, eng.allocator, dict(eng.cfg.layer_windows)
         original = TRTLLMMHABackend.init_forward_metadata
@@ -100,15 +104,7 @@ def test_accept_length_by_prefix_cache_hit(models, tmp_path, monkeypatch, varian
     """Requests sharing a system prompt hit the prefix cache; the report breaks accept length
     down by hit. With a hit that hands the draft a prefix without its KV (the mistake of a
     cache that keeps only the target's pages), the hits' accept length falls below the misses'."""
-    target, draft = models
-    eng = Engine(
-        model=target,
-        page_size=4,
-        attention_backend="trtllm_mha",
-        chunked_prefill_size=16,
-        max_total_tokens=4096,
-        speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K, "draft_pool": "full"},
-    )
+    eng = _engine(*models, "full")
     if variant == "upstream_mistake":
         start_on, draft_pool = Scheduler._start_on, eng.spec.drafter.runner.pool
 

@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
-from tests.hf_models import make_tiny_model, random_prompts
+from tests.draft_models import SPEC_VARIANTS
+from tests.hf_models import random_prompts
 from workers.engine import Engine, SamplingParams
 from workers.memory import HybridSWAAllocator
 from workers.scheduler import Scheduler
@@ -23,37 +23,7 @@ from workers.scheduler import Scheduler
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 SYSTEM_LEN = 37  # > WINDOW, not a multiple of the page sizes
 BACKENDS = ["torch_native", "trtllm_mha"]
-VARIANTS = {  # name -> (algorithm, draft pool kind, draft model key); None: no speculation
-    "plain": None,
-    "standalone-swa": ("standalone", "swa", "swa_draft"),
-    "standalone-full": ("standalone", "full", "copy"),
-    "eagle1-full": ("eagle", "full", "eagle1"),
-    "eagle3-full": ("eagle", "full", "eagle3"),
-    "frozen_kv_mtp-target": ("frozen_kv_mtp", "target", "frozen"),
-}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix_cache")
-    out = {}
-    for name in ("gemma3", "llama"):
-        target = str(root / name)
-        make_tiny_model(name, target)
-        copy = make_perturbed_copy(target, str(root / f"{name}_copy"), noise=0.1)
-        swa_draft = copy
-        if name == "llama":  # a full-attention target with a hybrid draft
-            swa_draft = str(root / "llama_swa_draft")
-            make_tiny_model("gemma3", swa_draft, seed=3)
-        out[name] = {
-            "target": target,
-            "copy": copy,
-            "swa_draft": swa_draft,
-            "eagle1": make_eagle_head(target, str(root / f"{name}_eagle1"), 1),
-            "eagle3": make_eagle_head(target, str(root / f"{name}_eagle3"), 3, draft_vocab_size=200),
-            "frozen": make_frozen_kv_head(target, str(root / f"{name}_frozen")),
-        }
-    return out
+VARIANTS = {"plain": None, **SPEC_VARIANTS}  # None: no speculation
 
 
 def _engine(m: dict, backend: str, page_size: int, variant: str = "plain", **kw) -> Engine:

@@ -11,7 +11,8 @@ from scipy.stats import chisquare
 
 from attention.trtllm_mha import TRTLLMMHABackend
 from tests.attention.test_invariants import _AllocatorDecides
-from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
+from tests.draft_models import SPEC_VARIANTS as VARIANTS
+from tests.draft_models import make_perturbed_copy
 from tests.hf_models import WINDOW, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
 from workers.memory import HybridSWAAllocator, MHAPool
@@ -21,42 +22,6 @@ K = 3
 PROMPT_LENS = [3 * WINDOW + 5, WINDOW + 3, 2 * WINDOW + 1]  # longer than the window
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 BACKENDS = ["torch_native", "trtllm_mha"]
-
-# draft variant -> (algorithm, draft pool kind, draft model key)
-VARIANTS = {
-    "standalone-swa": ("standalone", "swa", "swa_draft"),
-    "standalone-full": ("standalone", "full", "copy"),
-    "eagle1-full": ("eagle", "full", "eagle1"),
-    "eagle3-full": ("eagle", "full", "eagle3"),
-    "frozen_kv_mtp-target": ("frozen_kv_mtp", "target", "frozen"),
-}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Per target: the target, a perturbed copy (partial acceptance), a draft with
-    sliding-window layers for the SWA draft pool, EAGLE-1/3 heads and a frozen-KV head."""
-    root = tmp_path_factory.mktemp("spec")
-    out = {}
-    for name in ("gemma3", "llama"):
-        target = str(root / name)
-        make_tiny_model(name, target)
-        copy = make_perturbed_copy(target, str(root / f"{name}_copy"), noise=0.1)
-        if name == "gemma3":
-            swa_draft = copy
-        else:  # a full-attention target with a hybrid draft: the allocator keeps SWA slots for the draft
-            swa_draft = str(root / "llama_swa_draft")
-            make_tiny_model("gemma3", swa_draft, seed=3)
-        out[name] = {
-            "target": target,
-            "copy": copy,
-            "swa_draft": swa_draft,
-            "exact_copy": make_perturbed_copy(target, str(root / f"{name}_exact"), noise=0.0),
-            "eagle1": make_eagle_head(target, str(root / f"{name}_eagle1"), 1),
-            "eagle3": make_eagle_head(target, str(root / f"{name}_eagle3"), 3, draft_vocab_size=200),
-            "frozen": make_frozen_kv_head(target, str(root / f"{name}_frozen")),
-        }
-    return out
 
 
 @pytest.fixture(scope="module")
