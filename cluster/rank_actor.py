@@ -9,6 +9,7 @@ generator fed by the loop thread) and aborts; other ranks only follow rank 0's b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import socket
@@ -160,6 +161,9 @@ class RankActor:
         try:
             while not finished:
                 update = await stream.get()
+                while not update.finished and not stream.empty():  # behind: send all that is ready at once
+                    later = stream.get_nowait()
+                    update = dataclasses.replace(later, token_ids=update.token_ids + later.token_ids)
                 finished = update.finished
                 yield update_to_wire(update)
         finally:

@@ -87,12 +87,10 @@ class LLMServer:
         )
         try:
             async for ref in stream:
-                try:
-                    update = await ref
-                except ray.exceptions.RayError as exc:
-                    update = error_update(
-                        ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}"
-                    )
+                update = await self._resolve(rid, ref)
+                while not update["finished"] and stream.next_ready():  # behind: send all that is ready at once
+                    later = await self._resolve(rid, await stream.__anext__())
+                    update = {**later, "token_ids": update["token_ids"] + later["token_ids"]}
                 update["request_id"], update["replica"] = rid, self.replica_tag
                 emitted += len(update["token_ids"])
                 if detok is not None:
@@ -113,6 +111,15 @@ class LLMServer:
         finally:
             if not stream.completed():  # cancelled, failed or cut at a stop string: free the KV
                 self.ranks[0].abort.remote(rid)
+
+    async def _resolve(self, rid: str, ref: ray.ObjectRef) -> dict[str, Any]:
+        """A rank-0 update, or the error update of a rank that failed."""
+        try:
+            return await ref
+        except ray.exceptions.RayError as exc:
+            return error_update(
+                ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}"
+            )
 
     async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
         """(request id, prompt token ids, sampling params, stop strings); ValueError names the
