@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         f"({args.num_steps} steps), {args.replicas} replica(s) x tp {args.tp_size}"
     )
     ray.init(
+        address="local",  # a new local cluster, whatever a stale address file says
         num_cpus=max(8, 2 * args.replicas * (args.tp_size + 1) + 2),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

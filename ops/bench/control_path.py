@@ -134,7 +134,7 @@ def bench_tp2_ray(model: str, steps: int) -> float:
 
     from cluster.app import build_app
 
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         serve.run(
             build_app({**engine_kwargs(model), "tp_size": 2, "grpc": {"port": 0}}), name="bench", route_prefix=None

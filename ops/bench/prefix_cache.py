@@ -131,7 +131,7 @@ def routing_part(requests: int, tenants: int, system_len: int, concurrency: int)
     rng = random.Random(5)
     workload = [systems[rng.randrange(tenants)] + tail for tail in _prompts(vocab, [16] * requests, seed=6)]
     out = {}
-    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         for policy in ("round_robin", "cache_aware"):
             args = {

@@ -304,7 +304,11 @@ def launch(args: argparse.Namespace) -> dict[str, str]:
         s.bind(("127.0.0.1", 0))
         http_port = s.getsockname()[1]
     ray.init(
-        num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+        address="local",
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     app = {**engine_settings(args), "num_replicas": args.num_replicas, "cpus_per_rank": 0.5, "grpc": {"port": 0}}

@@ -17,6 +17,7 @@ def ray_serve():
 
     # Span batches leave every process within 0.2 s, so tests need not wait for shutdown.
     ray.init(
+        address="local",  # a new local cluster, whatever a stale address file says
         num_cpus=8,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
