@@ -164,7 +164,10 @@ class AppArgs(EngineArgs):
     grpc: GrpcArgs = Field(default_factory=GrpcArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)
     tracing: TracingArgs = Field(default_factory=TracingArgs)
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="also serve /metrics on 127.0.0.1:PORT")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="also serve /metrics on 127.0.0.1:PORT (loopback: no token asked)"
+    )
+    metrics_open: bool = Field(False, description="serve the HTTP route's /metrics without the bearer token")
     max_request_bytes: int = Field(16 << 20, ge=1024, description="HTTP request bodies over this get 413")
 
     @classmethod

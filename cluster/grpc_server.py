@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from cluster.auth import DENIED, BearerToken, load_token
 from cluster.config import GrpcArgs
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
@@ -163,11 +164,11 @@ class _Undecodable:
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without `authorization: Bearer <token>` (health and reflection excepted)."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+    def __init__(self, token: BearerToken) -> None:
+        self._token = token
 
         async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or wrong bearer token")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
@@ -176,7 +177,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler_call_details.method.startswith(UNAUTHENTICATED_METHODS):
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
+        if self._token.admits(metadata.get("authorization")):
             return await continuation(handler_call_details)
         return self._deny_stream if handler_call_details.method.endswith("/Generate") else self._deny
 
@@ -186,8 +187,9 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
     """Build and start the server; returns it, the port it bound and its health servicer."""
     interceptors: list[grpc.aio.ServerInterceptor] = [UndecodableRequestInterceptor()]
-    if args.auth_token_file:
-        interceptors.append(BearerTokenInterceptor(open(args.auth_token_file).read().strip()))
+    token = load_token(args.auth_token_file)
+    if token is not None:
+        interceptors.append(BearerTokenInterceptor(token))
     options = [
         ("grpc.max_receive_message_length", args.max_message_bytes),
         ("grpc.max_send_message_length", args.max_message_bytes),

@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, StreamingResponse
 
+from cluster.auth import DENIED
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.protocol import InvalidRequest, error_json, merge_responses, response_json, update_to_response
 from cluster.telemetry import RequestTelemetry
@@ -132,6 +133,13 @@ def _line(payload: dict[str, Any]) -> str:
 def _failure(failed: RequestFailed) -> JSONResponse:
     grpc_code, http_status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])
     return _error(grpc_code.name, failed.message, http_status)
+
+
+def unauthenticated() -> JSONResponse:
+    """401 for a request without the bearer token (what was sent is not echoed)."""
+    response = _error("UNAUTHENTICATED", DENIED, 401)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 def _error(code: str, message: str, status: int) -> JSONResponse:

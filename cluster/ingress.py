@@ -23,10 +23,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
+from cluster.auth import load_token
 from cluster.config import AppArgs
 from cluster.gateway import Gateway
 from cluster.grpc_server import SERVICE, GenerationService, start_server
-from cluster.http_api import HttpApi
+from cluster.http_api import HttpApi, unauthenticated
 from cluster.metrics import ServingMetrics
 from cluster.protocol import PromptLimits
 from cluster.rank_actor import rank0_replica, rank_actor_name
@@ -72,6 +73,7 @@ class GrpcIngress:
         )
         self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
         self.http = HttpApi(self.gateway, self._telemetry, self.args.max_request_bytes)
+        self.token = load_token(self.args.grpc.auth_token_file)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
 
@@ -149,8 +151,16 @@ class GrpcIngress:
 
     async def __call__(self, request) -> Any:
         """HTTP through Serve's proxy: POST a `GenerateRequest` as JSON (`cluster/http_api.py`);
-        GET .../metrics is the Prometheus exposition, in the format the scraper asks for."""
-        if request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics"):
+        GET .../metrics is the Prometheus exposition, in the format the scraper asks for. With a
+        bearer token configured, both need it (metrics unless `metrics_open`), as gRPC does."""
+        metrics = request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics")
+        if (
+            self.token is not None
+            and not (metrics and self.args.metrics_open)
+            and not self.token.admits(request.headers.get("authorization"))
+        ):
+            return unauthenticated()
+        if metrics:
             body, content_type = self.metrics.exposition(request.headers.get("accept"))
             return Response(body, media_type=content_type)
         return await self.http.generate(request)

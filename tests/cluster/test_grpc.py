@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 import ray
+import requests
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -274,6 +275,24 @@ def test_tls_token_auth_and_message_size(servers):
         list(good.generate([150] * 5000, max_new_tokens=4))  # 10 KB of varints > the 4 KiB limit
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     good.close()
+
+
+def test_the_token_guards_the_http_route_and_its_metrics_too(servers, ray_serve):
+    route = f"{ray_serve}/secure"
+    body = {"prompt_token_ids": [1, 2, 3], "sampling": {"max_new_tokens": 3, "temperature": 0.0}, "stream": False}
+    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": TOKEN}):
+        for r in (
+            requests.post(route, json=body, headers=headers, timeout=30),
+            requests.get(f"{route}/metrics", headers=headers, timeout=30),
+        ):
+            assert r.status_code == 401 and r.json()["error"]["code"] == "UNAUTHENTICATED", r.text
+            assert r.headers["WWW-Authenticate"] == "Bearer" and TOKEN not in r.text
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    r = requests.post(route, json=body, headers=good, timeout=60)
+    assert r.status_code == 200 and len(r.json()["token_ids"]) == 3
+    r = requests.get(f"{route}/metrics", headers=good, timeout=30)
+    assert r.status_code == 200 and "slidespec_request_success_total" in r.text
+    assert requests.get(f"{ray_serve}/api/metrics", timeout=30).status_code == 200  # no token configured there
 
 
 def test_full_queue_is_resource_exhausted(servers):
