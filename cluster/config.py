@@ -152,6 +152,9 @@ class AppArgs(EngineArgs):
     torch_threads_per_rank: int = Field(1, ge=1)
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(10.0, gt=0)
+    stall_timeout_s: float = Field(
+        300.0, gt=0, description="a step running longer than this fails the health check (first steps compile kernels)"
+    )
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica takes at once")
     max_queued_requests: int = Field(

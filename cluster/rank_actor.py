@@ -79,11 +79,13 @@ class RankActor:
         torch_threads: int = 1,
         control_timeout_s: float = 600.0,
         tracing: dict[str, Any] | None = None,
+        stall_timeout_s: float = 300.0,
     ) -> None:
         self.rank = rank
         self.tp_size = tp_size
         self.engine_kwargs = engine_kwargs
         self.control_timeout_s = control_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.tracer = tracer_for(TracingArgs(**(tracing or {})), f"rank{rank}") if rank == 0 else None
         self._trace_contexts: dict[str, Any] = {}  # request id -> its request span's context
         torch.set_num_threads(torch_threads)
@@ -192,12 +194,18 @@ class RankActor:
 
     # -- every rank ------------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
-        """Raise if this rank's loop has stopped; otherwise its step count and the Ray node it
-        runs on."""
+        """Raise if this rank's loop has stopped or a step has run longer than `stall_timeout_s`
+        (a stall: a kernel or collective that never returns); otherwise its step count and the
+        Ray node it runs on."""
         if self.loop is None:
             raise RuntimeError(f"rank {self.rank}: not set up")
         if self.loop.error is not None or not self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank}: rank loop stopped: {self.loop.error}")
+        stalled = self.loop.step_running_for()
+        if stalled > self.stall_timeout_s:
+            raise RuntimeError(
+                f"rank {self.rank}: a step has run for {stalled:.1f} s (stall_timeout_s {self.stall_timeout_s})"
+            )
         return {"rank": self.rank, "steps": self.loop.steps, "node_id": ray.get_runtime_context().get_node_id()}
 
     def kv_check(self) -> dict[str, int]:

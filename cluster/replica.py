@@ -9,6 +9,7 @@ or rank loop is gone, so Serve replaces the replica; requests in flight then end
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -59,6 +60,7 @@ class LLMServer:
                     self.engine_kwargs,
                     self.args.torch_threads_per_rank,
                     tracing=self.args.tracing.model_dump(),
+                    stall_timeout_s=self.args.stall_timeout_s,
                 )
             )
         addr, port = ray.get(self.ranks[0].address.remote())
@@ -104,7 +106,8 @@ class LLMServer:
                             completion_tokens=emitted,
                         )
                 if update["finished"]:
-                    update["load"] = await self.load()
+                    with contextlib.suppress(ray.exceptions.RayError):  # its ranks may be gone
+                        update["load"] = await self.load()
                 yield update
                 if update["finished"]:
                     return
@@ -152,16 +155,16 @@ class LLMServer:
 
     # -- Serve hooks ---------------------------------------------------------------------------
     async def check_health(self) -> None:
-        """Fails when a rank actor died or a rank loop stopped; Serve then replaces the replica.
-        A dead rank (its node gone, its process killed) leaves the others waiting in a
-        collective until its timeout: the replica kills them at once, so that requests in flight
-        end now (UNAVAILABLE) rather than when the collective gives up."""
+        """Fails when a rank actor died, a rank loop stopped or a step stalled; Serve then
+        replaces the replica. A dead or stalled rank leaves the others waiting in a collective
+        until its timeout: the replica kills them at once, so that requests in flight end now
+        (UNAVAILABLE) rather than when the collective gives up."""
         try:
             await asyncio.wait_for(
                 asyncio.gather(*[a.ping.remote() for a in self.ranks]), timeout=self.args.health_check_timeout_s
             )
-        except ray.exceptions.RayActorError as exc:
-            logger.error("replica %s: a rank actor died (%s); stopping the others", self.replica_tag, unwrap(exc))
+        except ray.exceptions.RayError as exc:
+            logger.error("replica %s: a rank failed (%s); stopping the ranks", self.replica_tag, unwrap(exc))
             for actor in self.ranks:
                 ray.kill(actor, no_restart=True)
             raise

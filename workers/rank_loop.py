@@ -19,6 +19,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,7 @@ class RankLoop:
         self._in_flight: set[str] = set()
         self._rng = random.Random()
         self.steps = 0
+        self._step_started: float | None = None  # monotonic time the step under way began
         self.error: BaseException | None = None
 
     # -- rank 0, from any thread ------------------------------------------------------------
@@ -212,8 +214,17 @@ class RankLoop:
         if plan.flush_cache:
             self.engine.flush_cache()
 
+    def step_running_for(self) -> float:
+        """Seconds the step under way has run (0 between steps): what a stall watchdog reads."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def _step(self) -> None:
-        events = self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            events = self.engine.step()
+        finally:
+            self._step_started = None
         self.steps += 1
         if self.rank == 0 and self.on_step is not None:
             self._report(self.on_step, self.engine.last_step)

@@ -22,6 +22,7 @@ from workers.engine import Engine, SamplingParams
 
 NEW = 20
 PROMPTS = random_prompts([29, 11, 17, 40])
+STALL_S = 4  # a tiny model's step on CPU takes milliseconds
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,7 @@ def _args(target: str, **extra) -> dict:
         context_length=1024,
         health_check_period_s=1,
         health_check_timeout_s=5,
+        stall_timeout_s=STALL_S,
         **extra,
     )
 
@@ -146,5 +148,41 @@ def test_killed_rank_fails_in_flight_request_and_serve_replaces_the_replica(apps
         time.sleep(1)
     else:
         pytest.fail("Serve did not replace the replica whose rank actor died")
+    tokens, last = asyncio.run(_generate(handle, PROMPTS[1], max_new=4))
+    assert len(tokens) == 4 and last["finished"]
+
+
+def _stall(actor) -> None:
+    """Run inside rank 0: its next engine step never returns (a hung kernel or collective)."""
+    actor.loop.engine.step = lambda: time.sleep(3600)
+
+
+def test_a_stalled_engine_loop_fails_its_requests_and_is_replaced(apps):
+    handle = apps["spec"]
+    before = handle.model_info.remote().result()["replica"]
+
+    async def in_flight():
+        body = {"prompt_token_ids": [4, 5, 6], "sampling": {"max_new_tokens": 900, "temperature": 0.0}}
+        seen, stalled_at = 0, None
+        async for update in handle.options(stream=True).generate.remote(body):
+            seen += len(update["token_ids"])
+            if seen >= 5 and stalled_at is None:
+                ray.get(ray.get_actor(rank_actor_name("spec", before, 0)).__ray_call__.remote(_stall))
+                stalled_at = time.monotonic()
+        return update, time.monotonic() - stalled_at
+
+    last, waited = asyncio.run(asyncio.wait_for(in_flight(), timeout=60))
+    assert last["finished"] and last["error"]["code"] == "unavailable", last
+    assert waited < STALL_S + 1 + 5, f"the stalled request ended after {waited:.1f} s"  # watchdog + a health period
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            if handle.model_info.remote().result(timeout_s=10)["replica"] != before:
+                break
+        except Exception:  # noqa: BLE001 - the old replica is going away
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("Serve did not replace the stalled replica")
     tokens, last = asyncio.run(_generate(handle, PROMPTS[1], max_new=4))
     assert len(tokens) == 4 and last["finished"]
