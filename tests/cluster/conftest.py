@@ -1,4 +1,7 @@
+import glob
+import os
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -7,6 +10,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def session_logs() -> Iterator[tuple[str, str]]:
+    """(path, text) of every log file of the connected Ray session (every process's output)."""
+    import ray
+
+    logs_dir = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
+    for path in glob.glob(os.path.join(logs_dir, "**", "*"), recursive=True):
+        if os.path.isfile(path) and path.endswith((".log", ".err", ".out")):
+            with open(path, errors="replace") as f:
+                yield path, f.read()
 
 
 @pytest.fixture(scope="module")

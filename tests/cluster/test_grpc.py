@@ -24,6 +24,7 @@ from cluster.app import build_app
 from cluster.client import AsyncGenerationClient, GenerationClient
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from ops import DEFAULT_MODEL
+from tests.cluster.conftest import session_logs
 from tests.hf_models import random_prompts
 from workers.engine import Engine, SamplingParams
 
@@ -293,6 +294,8 @@ def test_the_token_guards_the_http_route_and_its_metrics_too(servers, ray_serve)
     r = requests.get(f"{route}/metrics", headers=good, timeout=30)
     assert r.status_code == 200 and "slidespec_request_success_total" in r.text
     assert requests.get(f"{ray_serve}/api/metrics", timeout=30).status_code == 200  # no token configured there
+    time.sleep(1.0)  # log lines reach their files
+    assert not [path for path, text in session_logs() if TOKEN in text]  # never logged
 
 
 def test_full_queue_is_resource_exhausted(servers):

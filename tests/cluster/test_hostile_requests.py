@@ -4,7 +4,6 @@ gRPC messages. Each is answered at once with the right status naming the field, 
 retried that failed on its own content, other streams keep flowing, load and metrics stay live,
 and bad input is logged without a traceback. One application, two replicas, both doors."""
 
-import glob
 import json
 import math
 import os
@@ -14,7 +13,6 @@ import time
 
 import grpc
 import pytest
-import ray
 import requests
 from ray import serve
 
@@ -22,6 +20,7 @@ from cluster.app import build_app
 from cluster.client import GenerationClient
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from ops import DEFAULT_MODEL
+from tests.cluster.conftest import session_logs
 
 ARGS = dict(
     model=DEFAULT_MODEL,
@@ -259,11 +258,7 @@ def test_bad_input_is_logged_without_a_traceback(app):
     requests.post(url, data='{"prompt": "hi", "sampling": 5}', timeout=5)
     requests.post(url, json={"prompt_token_ids": [1, 99999]}, timeout=5)  # found invalid by the engine
     time.sleep(1.0)
-    logs_dir = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
-    for path in glob.glob(os.path.join(logs_dir, "**", "*"), recursive=True):
-        if not os.path.isfile(path) or not path.endswith((".log", ".err", ".out")):
-            continue
-        text = open(path, errors="replace").read()
+    for path, text in session_logs():
         for match in re.finditer(r"Traceback \(most recent call last\):(.*?)(?=\n\S|\Z)", text, re.S):
             tail = text[match.end() : match.end() + 400]
             assert not re.search(r"InvalidRequest|ValueError|vocabulary|sampling\.", tail), f"{path}: {tail}"
