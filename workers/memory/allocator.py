@@ -173,7 +173,7 @@ class KVAllocator:
 
     def truncate(self, row: int, keep_len: int) -> None:
         """Give back the slots of positions >= keep_len (e.g. rejected draft tokens)."""
-        start = self._lens[row]
+        start = self._lens.get(row, 0)
         if keep_len > start:
             raise RuntimeError(f"request row {row}: truncate to {keep_len} beyond {start} allocated positions")
         p = self.page_size
