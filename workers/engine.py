@@ -457,12 +457,12 @@ class Engine:
         stats = self.allocator.stats()
         if self.cache is not None:
             p = self.allocator.page_size
-            full, swa = self.cache.reclaimable()
+            full_cached, swa_cached, full, swa = self.cache.usage()
             stats.update(
                 full_free=stats["full_free"] + full * p,
                 swa_free=stats["swa_free"] + swa * p,
-                full_cached=self.cache.num_pages * p,
-                swa_cached=self.cache.num_swa_pages() * p,
+                full_cached=full_cached * p,
+                swa_cached=swa_cached * p,
             )
         return stats
 

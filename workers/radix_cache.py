@@ -188,12 +188,17 @@ class RadixCache:
     def num_swa_pages(self) -> int:
         return sum(n.swa for n in self._nodes())
 
-    def reclaimable(self) -> tuple[int, int]:
-        """(full pages, SWA pages) only the tree holds: free for the asking."""
+    def usage(self) -> tuple[int, int, int, int]:
+        """(full pages, SWA pages) the tree holds, then those only the tree holds (free for the
+        asking), in one walk of the tree."""
         alloc, nodes = self.allocator, self._nodes()
-        full = sum(n.locks == 0 and alloc.full.holders(n.page) == 1 for n in nodes)
-        swa = sum(n.swa and alloc.swa.holders(alloc.swa_page_of(n.page)) == 1 for n in nodes) if self.window else 0
-        return full, swa
+        swa = [n for n in nodes if n.swa] if self.window is not None else []
+        return (
+            len(nodes),
+            len(swa),
+            sum(n.locks == 0 and alloc.full.holders(n.page) == 1 for n in nodes),
+            sum(alloc.swa.holders(alloc.swa_page_of(n.page)) == 1 for n in swa),
+        )
 
     def check_sole_holder(self) -> None:
         """With no request running: every page in use is a node's, held by the tree alone."""

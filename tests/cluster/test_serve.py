@@ -137,17 +137,21 @@ def test_killed_rank_fails_in_flight_request_and_serve_replaces_the_replica(apps
 
     last = asyncio.run(asyncio.wait_for(in_flight(), timeout=60))  # an error, within the timeout: no hang
     assert last["finished"] and last["error"]["code"] == "unavailable", last
+    _replaced_and_serving(handle, before)
+
+
+def _replaced_and_serving(handle, before: str) -> None:
+    """Serve replaced replica `before` within 90 s, and the new one serves."""
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         try:
-            after = handle.model_info.remote().result(timeout_s=10)["replica"]
-            if after != before:
+            if handle.model_info.remote().result(timeout_s=10)["replica"] != before:
                 break
         except Exception:  # noqa: BLE001 - the old replica is going away
             pass
         time.sleep(1)
     else:
-        pytest.fail("Serve did not replace the replica whose rank actor died")
+        pytest.fail(f"Serve did not replace replica {before}")
     tokens, last = asyncio.run(_generate(handle, PROMPTS[1], max_new=4))
     assert len(tokens) == 4 and last["finished"]
 
@@ -174,15 +178,4 @@ def test_a_stalled_engine_loop_fails_its_requests_and_is_replaced(apps):
     last, waited = asyncio.run(asyncio.wait_for(in_flight(), timeout=60))
     assert last["finished"] and last["error"]["code"] == "unavailable", last
     assert waited < STALL_S + 1 + 5, f"the stalled request ended after {waited:.1f} s"  # watchdog + a health period
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            if handle.model_info.remote().result(timeout_s=10)["replica"] != before:
-                break
-        except Exception:  # noqa: BLE001 - the old replica is going away
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("Serve did not replace the stalled replica")
-    tokens, last = asyncio.run(_generate(handle, PROMPTS[1], max_new=4))
-    assert len(tokens) == 4 and last["finished"]
+    _replaced_and_serving(handle, before)
