@@ -8,6 +8,7 @@ as `serve run` key=value pairs with dotted keys configure the application."""
 import json
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -188,20 +189,25 @@ def test_prefix_cache_hits_in_usage_and_metrics_on_both_doors(app):
 def test_http_streams_many_requests_at_once(app):
     """Serve lets a deployment take 5 requests at once unless told otherwise; the ingress must
     pass every HTTP request on as soon as it arrives, not queue the sixth behind the first five:
-    more than five reach the engine together."""
+    more than five reach the engine together. Every stream stays open until the count is read, so
+    a slow start of the later requests cannot hide (or fake) the limit."""
     client, route, _ = app
     body = {"prompt_token_ids": [5, 6, 7], "sampling": {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True}}
+    counted = threading.Event()
 
-    def first_line():
+    def first_line_then_hold():
         with requests.post(route, json=body, stream=True, timeout=120) as r:
-            return json.loads(next(r.iter_lines()))
+            line = json.loads(next(r.iter_lines()))
+            counted.wait(60)
+            return line
 
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(first_line) for _ in range(8)]
-        most, deadline = 0, time.monotonic() + 30
-        while most < 8 and time.monotonic() < deadline and not all(f.done() for f in futures):
+        futures = [pool.submit(first_line_then_hold) for _ in range(8)]
+        most, deadline = 0, time.monotonic() + 60
+        while most < 8 and time.monotonic() < deadline:
             most = max(most, sum(r.running for r in client.load().replicas))
             time.sleep(0.05)
+        counted.set()
         assert all(f.result()["token_ids"] for f in futures)
     assert most > 5, f"at most {most} of 8 HTTP requests ran at once"  # Serve's default lets 5 through
 
