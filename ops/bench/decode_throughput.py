@@ -305,22 +305,33 @@ def prefill_part(root: str, limits: dict) -> dict:
     }
 
 
+def draft_specs(root: str) -> dict[str, dict]:
+    """Speculative settings for dummy 8B-shape drafts: a one-layer EAGLE head and a frozen-KV MTP
+    head reading the last layer's KV, 4 steps."""
+    t = SHAPES["llama3-8b"]
+    drafts = {
+        "eagle": {**t, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1},
+        "frozen_kv_mtp": {**t, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": [31]},
+    }
+    return {
+        algorithm: {
+            "algorithm": algorithm,
+            "draft_model": write_config(root, f"llama3-8b-{algorithm}", config),
+            "num_steps": 4,
+            "draft_load_format": "dummy",
+        }
+        for algorithm, config in drafts.items()
+    }
+
+
 def spec_part(root: str) -> dict:
     target = write_config(root, "llama3-8b", SHAPES["llama3-8b"])
-    t = SHAPES["llama3-8b"]
-    eagle = write_config(
-        root, "llama3-8b-eagle", {**t, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1}
-    )
-    mtp = write_config(
-        root, "llama3-8b-mtp", {**t, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": [31]}
-    )
     out = {}
-    prompts = random_prompts(t["vocab_size"], 1, PROMPT)
+    prompts = random_prompts(SHAPES["llama3-8b"]["vocab_size"], 1, PROMPT)
     plain = engine_for(target, True, max_batch=8)
     out["spec/plain"] = {**run_batch(plain, prompts, NEW), "syncs_per_step": syncs_per_step(plain, prompts)}
     free(plain)
-    for algorithm, draft in (("eagle", eagle), ("frozen_kv_mtp", mtp)):
-        spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": 4, "draft_load_format": "dummy"}
+    for algorithm, spec in draft_specs(root).items():
         engine = engine_for(target, True, max_batch=8, speculative=spec)
         r = run_batch(engine, prompts, NEW)
         r["syncs_per_step"] = syncs_per_step(engine, prompts)

@@ -1,0 +1,126 @@
+"""Where a decode step's time goes: torch.profiler over steady decode steps of a model shape.
+
+    python -m ops.bench.profile_step --shapes llama3-8b,gemma3-1b --batches 1,64 --out profile.json
+
+For each shape and batch (dummy weights, CUDA graphs on unless --eager, the decode workload of
+`decode_throughput`): wall time per step, GPU-busy time per step (the union of kernel intervals:
+what the device actually did), kernel launches per step, host synchronisations per step, and the
+kernels that cost the most per step. With --speculative a step is a whole draft-and-verify round.
+Wall well above GPU-busy means the host is the bottleneck; GPU-busy well above the roofline names
+the kernels to fuse or replace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ops.bench.decode_throughput import (
+    NEW,
+    PROMPT,
+    SHAPES,
+    draft_specs,
+    engine_for,
+    free,
+    random_prompts,
+    write_config,
+)
+from workers.engine import Engine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def profile_decode(engine: Engine, batch: int, steps: int, top: int) -> dict:
+    """Prefill `batch` prompts, warm up, then profile `steps` decode steps."""
+    sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, sampling) for p in random_prompts(engine.cfg.vocab_size, batch, PROMPT)]
+    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    for r in rids:
+        engine.release(r)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict[str, list[float]] = {}
+    for e in kernels:
+        per_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    ranked = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    syncs = sum(
+        e.count
+        for e in prof.key_averages()
+        if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+    )
+    return {
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "gpu_busy_ms_per_step": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / steps,
+        "kernels_per_step": len(kernels) / steps,
+        "syncs_per_step": syncs / steps,
+        "top_kernels": [
+            {"name": name[:120], "per_step": len(t) / steps, "us_per_step": sum(t) / steps} for name, t in ranked
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="llama3-8b,gemma3-1b")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--eager", action="store_true", help="profile without CUDA graphs")
+    parser.add_argument("--speculative", choices=["eagle", "frozen_kv_mtp"], help="a dummy draft (llama3-8b only)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root, results = tempfile.mkdtemp(prefix="shapes-"), {"device": torch.cuda.get_device_name()}
+    batches = [int(b) for b in args.batches.split(",")]
+    for name in args.shapes.split(","):
+        spec = draft_specs(root)[args.speculative] if args.speculative else None
+        path = write_config(root, name, SHAPES[name])
+        engine = engine_for(path, graphs=not args.eager, max_batch=max(batches), speculative=spec)
+        for batch in batches:
+            r = profile_decode(engine, batch, args.steps, args.top)
+            results[f"{name}/b{batch}{'/' + args.speculative if spec else ''}"] = r
+            logger.info(
+                "%s b%d: wall %.2f ms, GPU busy %.2f ms, %.0f kernels, %.1f syncs per step",
+                name,
+                batch,
+                r["wall_ms_per_step"],
+                r["gpu_busy_ms_per_step"],
+                r["kernels_per_step"],
+                r["syncs_per_step"],
+            )
+            for k in r["top_kernels"]:
+                logger.info("    %8.1f us  %5.1f x  %s", k["us_per_step"], k["per_step"], k["name"])
+        free(engine)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
