@@ -13,10 +13,13 @@ the kernels to fuse or replace.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import tempfile
 import time
+import traceback
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -46,7 +49,31 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def profile_decode(engine: Engine, batch: int, steps: int, top: int) -> dict:
+def sync_sites(engine: Engine, steps: int) -> dict[str, int]:
+    """Where the host waits for the device: the project's frames at each synchronisation torch's
+    sync debug mode reports, counted over `steps` steps."""
+    sites: collections.Counter = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            sites[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in frames[-4:][::-1])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = show
+    return dict(sites.most_common())
+
+
+def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str | None = None) -> dict:
     """Prefill `batch` prompts, warm up, then profile `steps` decode steps."""
     sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, sampling) for p in random_prompts(engine.cfg.vocab_size, batch, PROMPT)]
@@ -54,8 +81,9 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int) -> dict:
         engine.step()
     for _ in range(8):
         engine.step()
+    sites = sync_sites(engine, 4)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -65,6 +93,8 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int) -> dict:
         engine.step()
     for r in rids:
         engine.release(r)
+    if trace:
+        prof.export_chrome_trace(trace)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per_name: dict[str, list[float]] = {}
     for e in kernels:
@@ -80,6 +110,7 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int) -> dict:
         "gpu_busy_ms_per_step": busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
         "syncs_per_step": syncs / steps,
+        "sync_sites_per_4_steps": sites,
         "top_kernels": [
             {"name": name[:120], "per_step": len(t) / steps, "us_per_step": sum(t) / steps} for name, t in ranked
         ],
@@ -94,6 +125,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--eager", action="store_true", help="profile without CUDA graphs")
     parser.add_argument("--speculative", choices=["eagle", "frozen_kv_mtp"], help="a dummy draft (llama3-8b only)")
+    parser.add_argument("--trace", help="also write a Chrome trace per run, named from this prefix")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -104,7 +136,8 @@ def main() -> None:
         path = write_config(root, name, SHAPES[name])
         engine = engine_for(path, graphs=not args.eager, max_batch=max(batches), speculative=spec)
         for batch in batches:
-            r = profile_decode(engine, batch, args.steps, args.top)
+            trace = f"{args.trace}-{name}-b{batch}.json" if args.trace else None
+            r = profile_decode(engine, batch, args.steps, args.top, trace)
             results[f"{name}/b{batch}{'/' + args.speculative if spec else ''}"] = r
             logger.info(
                 "%s b%d: wall %.2f ms, GPU busy %.2f ms, %.0f kernels, %.1f syncs per step",
@@ -115,6 +148,8 @@ def main() -> None:
                 r["kernels_per_step"],
                 r["syncs_per_step"],
             )
+            for site, n in r["sync_sites_per_4_steps"].items():
+                logger.info("    sync x%d in 4 steps: %s", n, site)
             for k in r["top_kernels"]:
                 logger.info("    %8.1f us  %5.1f x  %s", k["us_per_step"], k["per_step"], k["name"])
         free(engine)

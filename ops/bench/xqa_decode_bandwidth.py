@@ -66,12 +66,23 @@ def copy_bandwidth(nbytes: int) -> float:
 
 
 def decode_bandwidth(
-    batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int, page: int, window_left: int
+    batch: int,
+    kv_len: int,
+    kv_heads: int,
+    head_dim: int,
+    group: int,
+    page: int,
+    window_left: int,
+    table_tokens: int | None = None,
 ) -> dict:
+    """One configuration; `table_tokens` widens the page tables (zero-padded) past the KV, as a
+    captured graph's tables are: the kernel sizes its grid by that width."""
     pages_per_req = -(-kv_len // page)
+    width = max(pages_per_req, -(-(table_tokens or 0) // page))
     num_pages = batch * pages_per_req
     cache = torch.randn(num_pages + 1, 2, kv_heads, page, head_dim, dtype=torch.bfloat16, device="cuda")
-    tables = (torch.randperm(num_pages, device="cuda") + 1).to(torch.int32).view(batch, pages_per_req)
+    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    tables[:, :pages_per_req] = (torch.randperm(num_pages, device="cuda") + 1).to(torch.int32).view(batch, -1)
     call = DecodeCall(
         query=torch.randn(batch, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"),
         kv_cache=cache,
@@ -81,7 +92,7 @@ def decode_bandwidth(
         window_left=window_left,
         sinks=None,
         where="bench",
-        max_seq_len=kv_len,
+        max_seq_len=width * page,
     )
     call.check()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
@@ -97,6 +108,7 @@ def decode_bandwidth(
         "head_dim": head_dim,
         "group": group,
         "page": page,
+        "table_tokens": width * page,
         "window_left": window_left,
         "decode_ms": round(ms, 4),
         "decode_ms_eager": round(eager_ms, 4),
@@ -115,24 +127,36 @@ def main() -> None:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--page", type=int, nargs="+", default=[64])
     p.add_argument("--window-left", type=int, default=-1)
+    p.add_argument("--table-tokens", type=int, nargs="+", default=[0], help="page-table widths (tokens); 0: the KV")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = [
-        decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left)
+        decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t)
         for b in args.batch
         for n in args.kv_len
         for pg in args.page
+        for t in args.table_tokens
     ]
     lines = [json.dumps({"device": torch.cuda.get_device_name(), **r}) for r in rows]
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    header = ("batch", 5), ("kv_len", 6), ("page", 4), ("ms", 8), ("eager ms", 8), ("decode GB/s", 11), ("copy GB/s", 9)
+    header = (
+        ("batch", 5),
+        ("kv_len", 6),
+        ("page", 4),
+        ("table", 6),
+        ("ms", 8),
+        ("eager ms", 8),
+        ("decode GB/s", 11),
+        ("copy GB/s", 9),
+    )
     print(" ".join(f"{name:>{width}}" for name, width in header) + f" {'frac':>5}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['decode_ms']:>8.3f} {r['decode_ms_eager']:>8.3f} "
+            f"{r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['table_tokens']:>6} "
+            f"{r['decode_ms']:>8.3f} {r['decode_ms_eager']:>8.3f} "
             f"{r['decode_GBps']:>11.0f} {r['copy_GBps']:>9.0f} {r['fraction_of_copy']:>5.2f}"
         )
 

@@ -154,7 +154,7 @@ def test_prefix_cache_hits_under_graph_replay(models, spec, page_size):
     the hits replay the same graphs and give the cache-off run's tokens within the bf16
     criterion; the hits are page aligned and hit both pools."""
     system = random_prompts([200], seed=21)[0]
-    first = [system + [250 + i] + tail for i, tail in enumerate(random_prompts([5, 9, 17, 30, 2, 11, 40, 7], seed=22))]
+    first = [system + [240 + i] + tail for i, tail in enumerate(random_prompts([5, 9, 17, 30, 2, 11, 40, 7], seed=22))]
     draft = None if spec is None else {"algorithm": spec, "draft_model": models[spec], "num_steps": 3}
     runs = {}
     for caching in (False, True):
