@@ -174,7 +174,7 @@ class TRTLLMMHABackend(AttentionBackend):
         cols = torch.arange(pages_per_req, device=device)
         slot_cols = (cols * p).clamp(max=batch.req_to_token.shape[1] - 1)
         first_slots = batch.req_to_token[batch.req_pool_indices[:, None], slot_cols[None, :]].long()
-        used = cols[None, :] < torch.tensor([cdiv(s, p) for s in seq_lens], device=device)[:, None]
+        used = cols[None, :] < ((batch.seq_lens + p - 1) // p)[:, None]  # on the device: no host copy, no sync
         full_pages = torch.where(used, first_slots // p, 0).to(torch.int32)
         swa_pages = swa_out = None
         if pool.has_swa:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from attention import ForwardMode
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, upload
 from workers.request import Request
 from workers.scheduler import ScheduledBatch, Scheduler
 
@@ -79,7 +80,7 @@ class OverlapDecoder:
                 batch.input_ids = previous.tokens
             else:
                 index = [previous.reqs.index(r) for r in reqs]
-                batch.input_ids = previous.tokens[torch.tensor(index, device=previous.tokens.device)]
+                batch.input_ids = previous.tokens[upload(np.array(index, dtype=np.int64), previous.tokens.device)]
             batch.ids_on_device = True
         logits = self.forward(batch)
         return InFlight(list(reqs), logits.argmax(dim=-1))

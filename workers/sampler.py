@@ -10,20 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from workers.forward_batch import upload
 from workers.sampling_params import SamplingParams
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Probabilities `[B, V]` after temperature, top-k and top-p (rows must not be greedy)."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    logits = logits.float() / temps[:, None]
     vocab = logits.shape[-1]
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)
-    top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    if bool((top_ks < vocab).any()) or bool((top_ps < 1.0).any()):
+    ks = np.array([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], dtype=np.int64)
+    ps = np.array([p.top_p for p in params], dtype=np.float32)
+    temps, top_ks, top_ps = (
+        upload(a, device) for a in (np.array([p.temperature for p in params], dtype=np.float32), ks, ps)
+    )
+    logits = logits.float() / temps[:, None]
+    if (ks < vocab).any() or (ps < 1.0).any():  # decided on the host: no device read
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         drop = ranks >= top_ks[:, None]
