@@ -24,6 +24,7 @@ from workers.sampling_params import SamplingParams
 MAX_ID_CHARS = 256  # request_id, session_id
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_FIELD_CHARS = 64  # of an unknown field's name quoted back in an error
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
@@ -106,6 +107,8 @@ def _describe(exc: ValidationError) -> str:
     error = exc.errors(include_url=False, include_input=False)[0]
     path = ""
     for part in error["loc"]:
+        if isinstance(part, str) and len(part) > MAX_FIELD_CHARS:  # an unknown key is the client's text
+            part = part[:MAX_FIELD_CHARS] + "..."
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     if error["type"] == "extra_forbidden":
         return f"{path or 'request'}: unknown field"

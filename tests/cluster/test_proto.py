@@ -5,8 +5,10 @@ import filecmp
 import os
 import subprocess
 
+import pytest
+
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
-from cluster.protocol import request_to_body
+from cluster.protocol import MAX_FIELD_CHARS, InvalidRequest, parse_request, request_to_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GENERATED = ["generation_pb2.py", "generation_pb2.pyi", "generation_pb2_grpc.py"]
@@ -25,3 +27,12 @@ def test_unset_sampling_fields_take_engine_defaults():
     request = pb.GenerateRequest(prompt_token_ids=[1])
     request.sampling.temperature = 0.0
     assert request_to_body(request)["sampling"] == {"temperature": 0.0}
+
+
+def test_an_unknown_field_is_named_but_a_huge_name_is_cut():
+    with pytest.raises(InvalidRequest) as info:
+        parse_request({"prompt": "a", "k" * 100_000: 1})
+    message = str(info.value)
+    assert message.startswith("k" * MAX_FIELD_CHARS + "...: unknown field") and len(message) < 2 * MAX_FIELD_CHARS
+    with pytest.raises(InvalidRequest, match=r"^sampling\.colour: unknown field$"):
+        parse_request({"prompt": "a", "sampling": {"colour": 1}})

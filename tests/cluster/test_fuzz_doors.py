@@ -1,0 +1,265 @@
+"""Property-based fuzzing of both front doors against a live application.
+
+Hypothesis generates request bodies field by field, each field either a value a client may send
+or a hostile one (wrong type, out of range, NaN/inf, huge or empty, lone surrogates, unknown
+fields, non-objects), and sends them through the real gRPC server and the real HTTP route; gRPC
+also gets valid messages with raw bytes flipped or cut, HTTP bodies with invalid UTF-8. Every
+answer must be a success that ends with a finish reason, or INVALID_ARGUMENT (400, 413 for
+size) whose message starts with the offending field. Afterwards the application still serves,
+nothing runs, and the replica's KV pools are back at their free counts. A fixed seed and a
+bounded number of cases (at least 2,000 per door) keep CI deterministic."""
+
+import json
+import math
+import os
+import re
+
+import grpc
+import pytest
+import requests
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+from ray import serve
+
+from cluster.app import build_app
+from cluster.client import GenerationClient
+from cluster.proto.slidespec.v1 import generation_pb2 as pb
+from ops import DEFAULT_MODEL
+
+CASES = 2000
+CONTEXT = 256
+VOCAB = json.load(open(os.path.join(DEFAULT_MODEL, "config.json")))["vocab_size"]
+ARGS = dict(
+    model=DEFAULT_MODEL,
+    page_size=4,
+    max_total_tokens=2048,
+    context_length=CONTEXT,
+    num_replicas=1,
+    enable_prefix_caching=False,  # then "nothing held" is "every page free"
+    max_request_bytes=64 << 10,
+    grpc={"port": 0},
+)
+GENERATE = "/slidespec.v1.Generation/Generate"
+FIELD = re.compile(r"^(request|prompt|prompt_token_ids|request_id|session_id|stream|sampling(\.\w+)?)\b")
+FUZZ = settings(
+    max_examples=CASES,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve):
+    handle = serve.run(build_app(ARGS), name="fuzz", route_prefix="/fuzz")
+    client = GenerationClient(f"127.0.0.1:{handle.ports.remote().result()['grpc']}")
+    yield client, f"{ray_serve}/fuzz"
+    client.close()
+
+
+# -- values ---------------------------------------------------------------------------------------
+HOSTILE_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from([0, -1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30]),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-45, 1e308, 0.5]),
+    st.text(max_size=8),
+    st.sampled_from(["", "\ud800", "\udfff\x00", "x" * 5000]),
+)
+HOSTILE = st.one_of(
+    HOSTILE_SCALARS,
+    st.lists(HOSTILE_SCALARS, max_size=3),
+    st.dictionaries(st.text(max_size=4), HOSTILE_SCALARS, max_size=2),
+)
+TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
+
+
+def either(valid: st.SearchStrategy) -> st.SearchStrategy:
+    """A field value: one a client may send or a hostile one."""
+    return st.one_of(valid, HOSTILE)
+
+
+SAMPLING = {
+    "temperature": st.one_of(st.just(0.0), st.floats(0.05, 2.0)),
+    "top_p": st.floats(0.01, 1.0),
+    "top_k": st.integers(-1, 50),
+    "max_new_tokens": st.integers(1, 2),
+    "seed": st.integers(0, 2**64 - 1),
+    "ignore_eos": st.booleans(),
+    "stop": st.lists(TEXT, max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 300), max_size=4),
+}
+PROMPTS = {"prompt": TEXT, "prompt_token_ids": st.lists(st.integers(0, VOCAB + 20), min_size=1, max_size=20)}
+ROUTING = {"request_id": st.text(min_size=1, max_size=12), "session_id": st.text(max_size=12), "stream": st.booleans()}
+UNKNOWN = st.sampled_from(["extra", "sampling_params", "n", "0", "x" * 300])
+
+
+@st.composite
+def bodies(draw) -> object:
+    """A request body: not an object (1 in 20), every field valid (about 1 in 4: these are
+    served), or fields each valid or hostile, one prompt field, both or neither, sometimes an
+    unknown field."""
+    shape = draw(st.integers(0, 19))
+    if shape == 0:
+        return draw(HOSTILE)
+    clean = shape <= 5
+
+    def value(valid: st.SearchStrategy) -> object:
+        return draw(valid if clean else either(valid))
+
+    sampling = {k: value(v) for k, v in SAMPLING.items() if draw(st.booleans())}
+    sampling.setdefault("max_new_tokens", 1)  # keep the valid requests short
+    body = {k: value(v) for k, v in ROUTING.items() if draw(st.integers(0, 2)) == 0}
+    given = [draw(st.sampled_from(sorted(PROMPTS)))]
+    if not clean:
+        given = draw(st.sampled_from([given, given, given, sorted(PROMPTS), []]))
+    body.update({k: value(PROMPTS[k]) for k in given})
+    body["sampling"] = sampling if clean or draw(st.integers(0, 3)) else draw(HOSTILE)
+    if not clean and draw(st.integers(0, 9)) == 0:
+        body[draw(UNKNOWN)] = draw(HOSTILE_SCALARS)
+    return body
+
+
+def _proto_value(field, value):
+    """`value` where the proto field's type can carry it; None where it cannot."""
+    kind = field.cpp_type
+    if kind == field.CPPTYPE_FLOAT:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not abs(value) > 3.4e38
+    elif kind in (field.CPPTYPE_INT32, field.CPPTYPE_INT64, field.CPPTYPE_UINT64):
+        bits = {field.CPPTYPE_INT32: 31, field.CPPTYPE_INT64: 63, field.CPPTYPE_UINT64: 64}[kind]
+        low = 0 if kind == field.CPPTYPE_UINT64 else -(2**bits)
+        ok = isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**bits
+    elif kind == field.CPPTYPE_BOOL:
+        ok = isinstance(value, bool)
+    else:
+        ok = isinstance(value, str) and value == value.encode("utf-8", "ignore").decode("utf-8")
+    return value if ok else None
+
+
+def to_proto(body: object) -> pb.GenerateRequest:
+    """The body as a gRPC message, keeping every value the message's types can carry (a body
+    without max_new_tokens asks for one token)."""
+    request = pb.GenerateRequest()
+    if not isinstance(body, dict):
+        return request
+    for message, values in ((request, body), (request.sampling, body.get("sampling"))):
+        if not isinstance(values, dict):
+            continue
+        for name, value in values.items():
+            field = message.DESCRIPTOR.fields_by_name.get(name)
+            if field is None or field.message_type is not None:
+                continue
+            if field.is_repeated:
+                kept = [_proto_value(field, v) for v in value] if isinstance(value, list) else []
+                getattr(message, name).extend(v for v in kept if v is not None)
+            elif (kept := _proto_value(field, value)) is not None:
+                setattr(message, name, kept)
+    if not request.sampling.HasField("max_new_tokens"):  # not the default 128: keep the valid requests short
+        request.sampling.max_new_tokens = 1
+    return request
+
+
+# -- checks ---------------------------------------------------------------------------------------
+def check_invalid(message: str, where: str) -> None:
+    """`field: what is wrong`, where the field is one of the request's or an unknown one."""
+    field, _, what = message.partition(": ")
+    assert what and (FIELD.match(field) or what == "unknown field"), f"{where}: no field named: {message!r}"
+    assert len(message) < 600, f"{where}: the message echoes too much ({len(message)} characters)"
+
+
+def grpc_outcome(call) -> str:
+    try:
+        responses = list(call())
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
+        check_invalid(exc.details(), "gRPC")
+        return "invalid"
+    assert responses and responses[-1].finished and responses[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    return "ok"
+
+
+def http_outcome(route: str, data: bytes) -> str:
+    r = requests.post(route, data=data, headers={"content-type": "application/json"}, timeout=60)
+    if r.status_code != 200:
+        assert r.status_code in (400, 413), (r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["code"] == ("RESOURCE_EXHAUSTED" if r.status_code == 413 else "INVALID_ARGUMENT")
+        check_invalid(error["message"], "HTTP")
+        return "invalid"
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    assert lines and "error" not in lines[-1] and lines[-1]["finished"], r.text[:300]
+    return "ok"
+
+
+def assert_still_serving_and_idle(client) -> None:
+    tokens = [
+        t for r in client.generate([5, 6, 7], max_new_tokens=3, temperature=0.0, ignore_eos=True) for t in r.token_ids
+    ]
+    assert len(tokens) == 3
+    for load in client.load().replicas:
+        assert load.running == 0 and load.waiting == 0, load
+        assert load.kv_full_used == 0 and load.kv_swa_used == 0, f"KV held after every request ended: {load}"
+
+
+# -- the doors ------------------------------------------------------------------------------------
+def test_grpc_door(app):
+    client, _ = app
+    raw = client.channel.unary_stream(
+        GENERATE, request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
+    )
+    outcomes: list[str] = []
+
+    @seed(20261123)
+    @FUZZ
+    @given(
+        body=bodies(), mangle=st.one_of(st.none(), st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=4)))
+    )
+    def case(body, mangle):
+        message = to_proto(body)
+        if mangle is None:
+            outcomes.append(grpc_outcome(lambda: client.stub.Generate(message, timeout=60)))
+            return
+        at, junk = mangle  # bytes flipped into (or cut from) a serialized message
+        data = message.SerializeToString()
+        data = data[: at % (len(data) + 1)] + junk + data[at % (len(data) + 1) + len(junk) :]
+        try:
+            pb.GenerateRequest.FromString(data)
+        except Exception:  # not a message at all: the server must say so
+            with pytest.raises(grpc.RpcError) as info:
+                list(raw(data, timeout=60))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            outcomes.append("undecodable")
+            return
+        outcomes.append(grpc_outcome(lambda: raw(data, timeout=60)))
+
+    case()
+    assert len(outcomes) >= CASES
+    assert outcomes.count("ok") > CASES // 20 and outcomes.count("invalid") > CASES // 4, {
+        o: outcomes.count(o) for o in set(outcomes)
+    }
+    assert_still_serving_and_idle(client)
+
+
+def test_http_door(app):
+    client, route = app
+    outcomes: list[str] = []
+
+    @seed(20261123)
+    @FUZZ
+    @given(body=bodies(), corrupt=st.integers(0, 15), at=st.integers(0, 10**6))
+    def case(body, corrupt, at):
+        data = json.dumps(body).encode()
+        if corrupt == 0:  # a byte that is not UTF-8
+            at %= len(data) + 1
+            data = data[:at] + b"\xff" + data[at:]
+        elif corrupt == 1:  # over the size limit
+            data = json.dumps({"prompt": "x" * (ARGS["max_request_bytes"] + 10)}).encode()
+        outcomes.append(http_outcome(route, data))
+
+    case()
+    assert len(outcomes) >= CASES
+    assert outcomes.count("ok") > CASES // 20 and outcomes.count("invalid") > CASES // 4, {
+        o: outcomes.count(o) for o in set(outcomes)
+    }
+    assert_still_serving_and_idle(client)
