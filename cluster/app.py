@@ -20,7 +20,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import AppArgs
-from cluster.ingress import GrpcIngress
+from cluster.ingress import HANDOVER_S, GrpcIngress
 from cluster.replica import LLMServer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ def build_app(args: dict[str, Any]) -> Application:
         .options(
             num_replicas=1,
             max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+            # hand over to a successor, then drain the gRPC calls in flight (ingress.__del__)
+            graceful_shutdown_timeout_s=HANDOVER_S + cfg.graceful_shutdown_timeout_s + 5,
             ray_actor_options={
                 "num_cpus": cfg.ingress_cpus,
                 "resources": {HEAD_NODE_RESOURCE: 0.001} if cfg.ingress_on_head else {},

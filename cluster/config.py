@@ -84,6 +84,12 @@ class GrpcArgs(BaseModel):
     max_message_bytes: int = Field(16 << 20, ge=1024)
     retries: int = Field(2, ge=0, description="retries on a replica failure before the first token")
     retry_backoff_s: float = Field(0.2, ge=0)
+    ready_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="how long a request waits for an engine replica while none runs after one has "
+        "(a redeploy or a replacement) before UNAVAILABLE; 0: at once",
+    )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> GrpcArgs:

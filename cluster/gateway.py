@@ -39,6 +39,7 @@ STATUS = {
     RESOURCE_EXHAUSTED: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
 }
 LONG_PROMPT_CHARS = 4096  # texts longer than this are tokenized on a worker thread
+READY_POLL_S = 0.25  # how often a request waiting for an engine replica looks again
 
 
 class RequestFailed(Exception):
@@ -66,6 +67,7 @@ class Gateway:
         retries: int,
         retry_backoff_s: float,
         metrics: ServingMetrics | None = None,
+        ready_wait_s: float = 0.0,
     ) -> None:
         self.llm = llm
         self.metrics = metrics
@@ -75,6 +77,8 @@ class Gateway:
         self.ready = ready
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
+        self.ready_wait_s = ready_wait_s
+        self.was_ready = False  # an engine replica has run: a gap is a redeploy or a replacement
         self._calls: dict[str, Any] = {}  # live request id -> its Serve call (None before it is sent)
         self._aborted: set[str] = set()
         self.retried = 0  # attempts repeated on another replica
@@ -156,7 +160,7 @@ class Gateway:
 
     async def _attempt(self, routed: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         rid = routed["request_id"]
-        if not await self.ready():
+        if not await self._wait_ready():
             raise RequestFailed(ErrorCode.UNAVAILABLE.value, "no healthy replica of the engine deployment")
         if rid in self._aborted:
             yield {"request_id": rid, "token_ids": [], "finished": True, "finish_reason": "abort"}
@@ -181,6 +185,18 @@ class Gateway:
             raise
         except Exception as exc:  # noqa: BLE001 - Serve and Ray failures: classified here
             raise RequestFailed(*_classify(exc)) from None
+
+    async def _wait_ready(self) -> bool:
+        """Whether an engine replica runs. Once one has run, a request waits up to `ready_wait_s`
+        for the next (Serve stops an old replica before its successor runs), so a redeploy or a
+        replacement fails nothing; a deployment that never ran fails at once."""
+        deadline = asyncio.get_running_loop().time() + (self.ready_wait_s if self.was_ready else 0.0)
+        while not await self.ready():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(READY_POLL_S)
+        self.was_ready = True
+        return True
 
     def _before_retry(self, routed: dict[str, Any], message: str) -> None:
         decision = BOARD.pop_decision(routed["request_id"])

@@ -20,12 +20,13 @@ import prometheus_client
 import ray
 from grpc_health.v1 import health_pb2
 from ray import serve
+from ray.experimental import internal_kv
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
 from cluster.auth import load_token
 from cluster.config import AppArgs
-from cluster.gateway import Gateway
+from cluster.gateway import READY_POLL_S, Gateway
 from cluster.grpc_server import SERVICE, GenerationService, start_server
 from cluster.http_api import HttpApi, unauthenticated
 from cluster.metrics import ServingMetrics
@@ -41,6 +42,19 @@ from workers.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "LLMServer"
+INGRESS_DEPLOYMENT = "GrpcIngress"
+HANDOVER_S = 60.0  # at most this long a stopping ingress waits for its successor
+KV_NAMESPACE = "slidespec"
+
+
+def _engine_ran(app_name: str) -> bool:
+    """Whether an ingress of this application has seen an engine replica run (kept in Ray's
+    key-value store, so an ingress that replaces another knows a gap is a redeploy)."""
+    return bool(internal_kv._internal_kv_exists(f"{app_name}/engine_ran", namespace=KV_NAMESPACE))
+
+
+def _note_engine_ran(app_name: str) -> None:
+    internal_kv._internal_kv_put(f"{app_name}/engine_ran", b"1", namespace=KV_NAMESPACE)
 
 
 class GrpcIngress:
@@ -56,10 +70,6 @@ class GrpcIngress:
         self.model_name = os.path.basename(os.path.normpath(self.args.model))  # served name in spans and metrics
         self.tracer = tracer_for(self.args.tracing, "ingress")
         self.metrics = ServingMetrics(self.model_name)
-        if self.args.metrics_port is not None:
-            prometheus_client.start_http_server(
-                self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry
-            )
         self.app_name = serve.get_replica_context().app_name
         self.gateway = Gateway(
             llm,
@@ -70,12 +80,28 @@ class GrpcIngress:
             self.args.grpc.retries,
             self.args.grpc.retry_backoff_s,
             self.metrics,
+            self.args.grpc.ready_wait_s,
         )
+        self.gateway.was_ready = await asyncio.to_thread(_engine_ran, self.app_name)
+        self._refreshed_at, self._refreshing = 0.0, asyncio.Lock()
         self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
         self.http = HttpApi(self.gateway, self._telemetry, self.args.max_request_bytes)
         self.token = load_token(self.args.grpc.auth_token_file)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
+        self._metrics_server = asyncio.create_task(self._serve_metrics()) if self.args.metrics_port else None
+
+    async def _serve_metrics(self) -> None:
+        """The Prometheus port; during a redeploy the old ingress may hold it a while longer."""
+        while True:
+            try:
+                prometheus_client.start_http_server(
+                    self.args.metrics_port, addr="127.0.0.1", registry=self.metrics.registry
+                )
+                return
+            except OSError as exc:
+                logger.info("metrics port %d not free yet (%s); trying again", self.args.metrics_port, exc)
+                await asyncio.sleep(1.0)
 
     async def _watch_replicas(self) -> None:
         """Readiness: SERVING while the engine deployment has a running replica."""
@@ -84,12 +110,21 @@ class GrpcIngress:
             await asyncio.sleep(1.0)
 
     async def _refresh_replicas(self) -> None:
-        try:
-            status = await asyncio.to_thread(serve.status)
-            deployment = status.applications[self.app_name].deployments.get(ENGINE_DEPLOYMENT)
-            self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
-        except Exception as exc:  # noqa: BLE001 - keep the last known state; try again
-            logger.warning("could not read the engine deployment's status: %s", exc)
+        """Ask Serve how many engine replicas run; concurrent callers share one question, and
+        one asked within the last READY_POLL_S answers for it."""
+        async with self._refreshing:
+            if asyncio.get_running_loop().time() - self._refreshed_at < READY_POLL_S:
+                return
+            try:
+                status = await asyncio.to_thread(serve.status)
+                deployment = status.applications[self.app_name].deployments.get(ENGINE_DEPLOYMENT)
+                self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
+            except Exception as exc:  # noqa: BLE001 - keep the last known state; try again
+                logger.warning("could not read the engine deployment's status: %s", exc)
+            self._refreshed_at = asyncio.get_running_loop().time()
+        if self.running_replicas and not self.gateway.was_ready:
+            self.gateway.was_ready = True
+            await asyncio.to_thread(_note_engine_ran, self.app_name)
         serving = (
             health_pb2.HealthCheckResponse.SERVING
             if self.running_replicas
@@ -166,6 +201,25 @@ class GrpcIngress:
         return await self.http.generate(request)
 
     async def __del__(self) -> None:
+        """Graceful stop (a redeploy, a scale-down, a deletion): say NOT_SERVING, keep taking calls
+        until a successor ingress runs (it shares the gRPC port) or the application is going
+        away, then stop taking calls and let the ones in flight finish."""
+        self.health.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._hand_over()
         self._watcher.cancel()
-        await self.server.stop(grace=5)
+        if self._metrics_server is not None:
+            self._metrics_server.cancel()
+        await self.server.stop(grace=self.args.graceful_shutdown_timeout_s)
         flush_all()
+
+    async def _hand_over(self) -> None:
+        deadline = asyncio.get_running_loop().time() + HANDOVER_S
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                app = (await asyncio.to_thread(serve.status)).applications.get(self.app_name)
+            except Exception:  # noqa: BLE001 - Serve itself is going away
+                return
+            ingress = app.deployments.get(INGRESS_DEPLOYMENT) if app is not None else None
+            if app is None or app.status == "DELETING" or ingress is None or ingress.replica_states.get("RUNNING"):
+                return
+            await asyncio.sleep(READY_POLL_S)
