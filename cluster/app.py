@@ -61,6 +61,8 @@ def build_app(args: dict[str, Any]) -> Application:
         .options(
             num_replicas=1,
             max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+            health_check_period_s=cfg.health_check_period_s,  # a dead ingress is replaced as fast as a replica
+            health_check_timeout_s=cfg.health_check_timeout_s,
             # hand over to a successor, then drain the gRPC calls in flight (ingress.__del__)
             graceful_shutdown_timeout_s=HANDOVER_S + cfg.graceful_shutdown_timeout_s + 5,
             ray_actor_options={

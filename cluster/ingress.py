@@ -216,8 +216,9 @@ class GrpcIngress:
         deadline = asyncio.get_running_loop().time() + HANDOVER_S
         while asyncio.get_running_loop().time() < deadline:
             try:
-                app = (await asyncio.to_thread(serve.status)).applications.get(self.app_name)
-            except Exception:  # noqa: BLE001 - Serve itself is going away
+                status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=2.0)
+                app = status.applications.get(self.app_name)
+            except Exception:  # noqa: BLE001 - Serve itself is going away (or too busy to say)
                 return
             ingress = app.deployments.get(INGRESS_DEPLOYMENT) if app is not None else None
             if app is None or app.status == "DELETING" or ingress is None or ingress.replica_states.get("RUNNING"):

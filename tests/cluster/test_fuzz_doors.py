@@ -187,7 +187,7 @@ def http_outcome(route: str, data: bytes) -> str:
         assert error["code"] == ("RESOURCE_EXHAUSTED" if r.status_code == 413 else "INVALID_ARGUMENT")
         check_invalid(error["message"], "HTTP")
         return "invalid"
-    lines = [json.loads(line) for line in r.text.splitlines()]
+    lines = [json.loads(line) for line in r.content.split(b"\n") if line]  # NDJSON: only "\n" ends a line
     assert lines and "error" not in lines[-1] and lines[-1]["finished"], r.text[:300]
     return "ok"
 
