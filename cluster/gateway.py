@@ -181,6 +181,9 @@ class Gateway:
                 yield {"request_id": rid, "token_ids": [], "finished": True, "finish_reason": "abort"}
                 return
             raise
+        except GeneratorExit:  # the consumer closed the stream (a client that left): stop generating
+            call.cancel()
+            raise
         except RequestFailed:
             raise
         except Exception as exc:  # noqa: BLE001 - Serve and Ray failures: classified here

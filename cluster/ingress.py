@@ -24,12 +24,14 @@ from ray.experimental import internal_kv
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import Response
 
-from cluster.auth import load_token
+from cluster.auth import DENIED, load_token
 from cluster.config import AppArgs
 from cluster.gateway import READY_POLL_S, Gateway
 from cluster.grpc_server import SERVICE, GenerationService, start_server
 from cluster.http_api import HttpApi, unauthenticated
 from cluster.metrics import ServingMetrics
+from cluster.openai_api import OpenAIApi
+from cluster.openai_api import error_response as openai_error
 from cluster.protocol import PromptLimits
 from cluster.rank_actor import rank0_replica, rank_actor_name
 from cluster.routing.load_board import BOARD
@@ -55,6 +57,13 @@ def _engine_ran(app_name: str) -> bool:
 
 def _note_engine_ran(app_name: str) -> None:
     internal_kv._internal_kv_put(f"{app_name}/engine_ran", b"1", namespace=KV_NAMESPACE)
+
+
+def _forget_engine_ran(app_name: str) -> None:
+    try:
+        internal_kv._internal_kv_del(f"{app_name}/engine_ran", namespace=KV_NAMESPACE)
+    except Exception as exc:  # noqa: BLE001 - the cluster is going away too
+        logger.info("could not clear %s's engine flag: %s", app_name, exc)
 
 
 class GrpcIngress:
@@ -86,6 +95,9 @@ class GrpcIngress:
         self._refreshed_at, self._refreshing = 0.0, asyncio.Lock()
         self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
         self.http = HttpApi(self.gateway, self._telemetry, self.args.max_request_bytes)
+        self.openai = OpenAIApi(
+            self.gateway, self._telemetry, self.tokenizer, self.model_name, self.args.max_request_bytes
+        )
         self.token = load_token(self.args.grpc.auth_token_file)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)
         self._watcher = asyncio.create_task(self._watch_replicas())
@@ -186,18 +198,22 @@ class GrpcIngress:
 
     async def __call__(self, request) -> Any:
         """HTTP through Serve's proxy: POST a `GenerateRequest` as JSON (`cluster/http_api.py`);
-        GET .../metrics is the Prometheus exposition, in the format the scraper asks for. With a
+        .../v1/... are OpenAI's routes (`cluster/openai_api.py`); GET .../metrics is the
+        Prometheus exposition, in the format the scraper asks for. With a
         bearer token configured, both need it (metrics unless `metrics_open`), as gRPC does."""
         metrics = request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics")
+        openai_route = OpenAIApi.route(request.url.path)
         if (
             self.token is not None
             and not (metrics and self.args.metrics_open)
             and not self.token.admits(request.headers.get("authorization"))
         ):
-            return unauthenticated()
+            return unauthenticated() if openai_route is None else openai_error(401, DENIED, code="invalid_api_key")
         if metrics:
             body, content_type = self.metrics.exposition(request.headers.get("accept"))
             return Response(body, media_type=content_type)
+        if openai_route is not None:
+            return await self.openai.handle(request, openai_route)
         return await self.http.generate(request)
 
     async def __del__(self) -> None:
@@ -213,14 +229,19 @@ class GrpcIngress:
         flush_all()
 
     async def _hand_over(self) -> None:
+        """Wait for a successor; when the application is going away, forget that its engine ran
+        (an application deployed later under the same name starts afresh)."""
         deadline = asyncio.get_running_loop().time() + HANDOVER_S
         while asyncio.get_running_loop().time() < deadline:
             try:
                 status = await asyncio.wait_for(asyncio.to_thread(serve.status), timeout=2.0)
                 app = status.applications.get(self.app_name)
             except Exception:  # noqa: BLE001 - Serve itself is going away (or too busy to say)
+                app = None
+            if app is None or app.status == "DELETING":
+                await asyncio.to_thread(_forget_engine_ran, self.app_name)
                 return
-            ingress = app.deployments.get(INGRESS_DEPLOYMENT) if app is not None else None
-            if app is None or app.status == "DELETING" or ingress is None or ingress.replica_states.get("RUNNING"):
+            ingress = app.deployments.get(INGRESS_DEPLOYMENT)
+            if ingress is None or ingress.replica_states.get("RUNNING"):
                 return
             await asyncio.sleep(READY_POLL_S)

@@ -6,8 +6,9 @@ fields, non-objects), and sends them through the real gRPC server and the real H
 also gets valid messages with raw bytes flipped or cut, HTTP bodies with invalid UTF-8. Every
 answer must be a success that ends with a finish reason, or INVALID_ARGUMENT (400, 413 for
 size) whose message starts with the offending field. Afterwards the application still serves,
-nothing runs, and the replica's KV pools are back at their free counts. A fixed seed and a
-bounded number of cases (at least 2,000 per door) keep CI deterministic."""
+nothing runs, and the replica's KV pools are back at their free counts; unknown gRPC methods are
+UNIMPLEMENTED. A fixed seed and a bounded number of cases (at least 2,000 per door) keep CI
+deterministic."""
 
 import json
 import math
@@ -262,4 +263,14 @@ def test_http_door(app):
     assert outcomes.count("ok") > CASES // 20 and outcomes.count("invalid") > CASES // 4, {
         o: outcomes.count(o) for o in set(outcomes)
     }
+    assert_still_serving_and_idle(client)
+
+
+def test_unknown_grpc_methods_are_unimplemented(app):
+    client, _ = app
+    for method in ("/slidespec.v1.Generation/Nope", "/slidespec.v1.Generation/generate", "/no.such.Service/Call"):
+        call = client.channel.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\x0a\x03abc\xff", timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED, (method, info.value.details())
     assert_still_serving_and_idle(client)

@@ -1,0 +1,427 @@
+"""The OpenAI-compatible HTTP API on the ingress, beside gRPC and the JSON-lines route.
+
+`POST .../v1/completions`, `POST .../v1/chat/completions` and `GET .../v1/models`, streaming as
+server-sent events (`data: {...}` chunks, then `data: [DONE]`). A request becomes the generation
+API's body and goes through the same gateway (validation, routing, retries), engine, metrics and
+traces as the other doors; chat messages are rendered with the model's own chat template
+(transformers). Errors take OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
+Parameters OpenAI defines that the engine does not implement are accepted at their neutral value
+and refused otherwise, naming the parameter; fields nobody defines are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.responses import JSONResponse, StreamingResponse
+
+from cluster.gateway import STATUS, Gateway, RequestFailed
+from cluster.http_api import BodyTooLarge, read_json
+from cluster.protocol import InvalidRequest
+from cluster.telemetry import RequestTelemetry
+from workers.rank_loop import ErrorCode
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context
+# parameter -> the values that mean "off" (anything else is refused: not implemented)
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+# the generation API's field -> the OpenAI parameter it came from
+PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    error = {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param, "code": code}
+    return JSONResponse({"error": error}, status_code=status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None  # vLLM's extension
+
+    def sampling(self) -> dict[str, Any]:
+        values = {
+            "max_new_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatRequest(_Request):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+
+
+def _parse(model: type[_Request], body: Any) -> _Request:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        param = str(error["loc"][0]) if error["loc"] else None
+        where = ".".join(str(part) for part in error["loc"])
+        raise OpenAIError(400, f"{where}: {error['msg']}", param) from None
+    for param, neutral in NEUTRAL.items():
+        value = (request.model_extra or {}).get(param)
+        if value not in neutral:
+            raise OpenAIError(400, f"{param}: not supported by this server (got {value!r})", param)
+    if request.n != 1:
+        raise OpenAIError(400, f"n: only 1 choice per prompt is supported (got {request.n})", "n")
+    return request
+
+
+def _openai_message(message: str, door_param: str) -> tuple[str, str]:
+    """The gateway's `field: what` message in OpenAI's names: (message, param)."""
+    field, _, what = message.partition(": ")
+    name = field.removeprefix("sampling.").split("[")[0].split(" ")[0]
+    param = PARAMS.get(name, name) if name not in ("prompt", "request") else door_param
+    return f"{param}: {what}" if what else message, param
+
+
+class OpenAIApi:
+    def __init__(
+        self,
+        gateway: Gateway,
+        telemetry: Callable[[dict[str, Any], Mapping[str, str], tuple[str, int]], RequestTelemetry],
+        tokenizer,
+        model_name: str,
+        max_request_bytes: int,
+    ) -> None:
+        self.gateway = gateway
+        self.telemetry = telemetry
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_request_bytes = max_request_bytes
+        self.created = int(time.time())
+
+    @staticmethod
+    def route(path: str) -> str | None:
+        """Which OpenAI route a request path ends with, if any."""
+        return next((r for r in ROUTES if path.rstrip("/").endswith(r)), None)
+
+    async def handle(self, request, route: str) -> Any:
+        try:
+            if route == "/v1/models":
+                return JSONResponse({"object": "list", "data": [self._model_card()]})
+            if request.method != "POST":
+                raise OpenAIError(405, f"{request.method} {route}: POST a JSON body")
+            try:
+                body = await read_json(request, self.max_request_bytes)
+            except BodyTooLarge as exc:
+                raise OpenAIError(413, str(exc)) from None
+            except InvalidRequest as exc:
+                raise OpenAIError(400, str(exc)) from None
+            chat = route == "/v1/chat/completions"
+            parsed = _parse(ChatRequest if chat else CompletionRequest, body)
+            if parsed.model != self.model_name:
+                raise OpenAIError(
+                    404,
+                    f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+                    "model",
+                    "model_not_found",
+                )
+            return await self._complete(parsed, chat, request)
+        except OpenAIError as exc:
+            if exc.status in (400, 413):
+                self.gateway.rejected("OpenAI", exc)
+            return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "slidespec",
+            "max_model_len": self.gateway.limits.context_length,
+        }
+
+    # -- requests -----------------------------------------------------------------------------------
+    def _prompts(self, parsed: _Request, chat: bool) -> list[dict[str, Any]]:
+        """The prompt fields of each choice's generation request."""
+        if chat:
+            return [{"prompt_token_ids": self._render(parsed)}]
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            return [{"prompt": prompt}]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [{"prompt_token_ids": prompt}]
+        if not prompt:
+            raise OpenAIError(400, "prompt: must not be empty", "prompt")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+    def _render(self, parsed: ChatRequest) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIError(400, f"messages: the model {self.model_name!r} has no chat template", "messages")
+        messages = [m.model_dump(exclude_none=True) for m in parsed.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the template's own complaint, e.g. roles out of order
+            raise OpenAIError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _prepare(self, parsed: _Request, chat: bool, prompt: dict[str, Any]) -> dict[str, Any]:
+        sampling = parsed.sampling()
+        if chat and parsed.max_completion_tokens is not None:
+            sampling["max_new_tokens"] = parsed.max_completion_tokens
+        if not chat:
+            sampling.setdefault("max_new_tokens", COMPLETIONS_MAX_TOKENS)
+        body = {**prompt, "sampling": sampling, "stream": True}
+        if parsed.user:
+            body["session_id"] = parsed.user
+        try:
+            routed = await self.gateway.prepare(body, "OpenAI")
+        except InvalidRequest as exc:
+            message, param = _openai_message(str(exc), "messages" if chat else "prompt")
+            raise OpenAIError(400, message, param) from None
+        room = self.gateway.limits.context_length - len(routed["prompt_token_ids"])
+        if "max_new_tokens" not in sampling:  # chat: the rest of the context
+            routed["sampling"]["max_new_tokens"] = room
+        elif sampling["max_new_tokens"] > room:  # as vLLM: refused, not cut short
+            raise OpenAIError(
+                400,
+                f"max_tokens: {sampling['max_new_tokens']} new tokens after a prompt of "
+                f"{len(routed['prompt_token_ids'])} exceed the context length of {self.gateway.limits.context_length}",
+                "max_tokens",
+            )
+        return routed
+
+    async def _complete(self, parsed: _Request, chat: bool, request) -> Any:
+        routed = [await self._prepare(parsed, chat, p) for p in self._prompts(parsed, chat)]
+        server = (request.url.hostname or "", request.url.port or 0)
+        headers = dict(request.headers)
+        if not parsed.user and headers.get("x-session-id"):
+            for r in routed:
+                r["session_id"] = headers["x-session-id"]
+        calls = [(r, self.telemetry(r, headers, server)) for r in routed]
+        response = _Response(chat, self.model_name, parsed.stream_options, len(calls))
+        events = _merge([_ended(self.gateway.generate(r, t), t) for r, t in calls])
+        try:  # the first update before the answer starts: a failure until then has its own status
+            first = await events.__anext__()
+            if parsed.stream:
+                return StreamingResponse(response.stream(first, events), media_type="text/event-stream")
+            response.add(*first)
+            async for index, update in events:
+                response.add(index, update)
+        except RequestFailed as failed:
+            await events.aclose()
+            status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1]
+            return error_response(status, failed.message, code=failed.code)
+        return JSONResponse(response.whole())
+
+
+async def _ended(updates: AsyncIterator[dict[str, Any]], telemetry: RequestTelemetry) -> AsyncIterator[dict[str, Any]]:
+    """A choice's updates, its telemetry ended however the stream ends."""
+    outcome: str | None = None
+    try:
+        async for update in updates:
+            yield update
+    except RequestFailed as failed:
+        telemetry.end(failed.code, failed.message)
+        outcome = "reported"
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"
+        raise
+    finally:
+        await updates.aclose()
+        if outcome != "reported":
+            telemetry.end(outcome)
+
+
+async def _merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """(choice index, update) from every choice's stream as they come; the first failure ends all."""
+    if len(streams) == 1:
+        try:
+            async for update in streams[0]:
+                yield 0, update
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for update in stream:
+                await queue.put((index, update, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, None, exc))
+        else:
+            await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(tasks):
+            index, update, error = await queue.get()
+            if error is not None:
+                raise error
+            if update is None:
+                done += 1
+                continue
+            yield index, update
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class _Response:
+    """Builds the OpenAI objects of one request: chunks while streaming, or the whole object."""
+
+    def __init__(self, chat: bool, model: str, stream_options: StreamOptions | None, choices: int) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.text = [""] * choices
+        self.finish: list[str | None] = [None] * choices
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        self.spec: list[dict[str, Any]] = []
+
+    def add(self, index: int, update: dict[str, Any]) -> None:
+        self.text[index] += update.get("text", "")
+        if update["finished"]:
+            self.finish[index] = FINISH.get(update.get("finish_reason"), update.get("finish_reason"))
+            for key in self.usage:
+                self.usage[key] += update.get(key, 0)
+            if update.get("spec"):
+                self.spec.append({"index": index, **update["spec"]})
+
+    def _usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.usage["prompt_tokens"],
+            "completion_tokens": self.usage["completion_tokens"],
+            "total_tokens": self.usage["prompt_tokens"] + self.usage["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": self.usage["cached_tokens"]},
+        }
+
+    def _object(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for i, (text, finish) in enumerate(zip(self.text, self.finish)):
+            body = (
+                {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
+            )
+            choices.append({"index": i, **body, "finish_reason": finish})
+        out = {**self._object(choices, chunk=False), "usage": self._usage()}
+        if self.spec:
+            out["speculative"] = self.spec  # accept lengths per choice (an extension)
+        return out
+
+    def _chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return _event(self._object([choice], chunk=True))
+
+    async def stream(
+        self, first: tuple[int, dict[str, Any]], events: AsyncIterator[tuple[int, dict[str, Any]]]
+    ) -> AsyncIterator[str]:
+        if self.chat:
+            for i in range(len(self.text)):
+                yield self._chunk(i, None, None, role=True)
+        try:
+            async for index, update in _chain(first, events):
+                self.add(index, update)
+                if update.get("text") or update["finished"]:
+                    yield self._chunk(index, update.get("text"), self.finish[index] if update["finished"] else None)
+        except RequestFailed as failed:  # the stream has started: an error event says why it ended
+            status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1]
+            error = {"message": failed.message, "type": ERROR_TYPES.get(status, "api_error"), "code": failed.code}
+            yield _event({"error": error})
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            await events.aclose()  # a client that left cancels the requests still running
+        if self.include_usage:
+            last = {**self._object([], chunk=True), "usage": self._usage()}
+            if self.spec:
+                last["speculative"] = self.spec
+            yield _event(last)
+        yield "data: [DONE]\n\n"
+
+
+async def _chain(first: tuple[int, dict[str, Any]], rest: AsyncIterator) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
