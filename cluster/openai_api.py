@@ -97,6 +97,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM's extension
+    return_token_ids: bool = False  # vLLM's extension: each choice (chunk) also carries its token ids
 
     def sampling(self) -> dict[str, Any]:
         values = {
@@ -262,7 +263,7 @@ class OpenAIApi:
             for r in routed:
                 r["session_id"] = headers["x-session-id"]
         calls = [(r, self.telemetry(r, headers, server)) for r in routed]
-        response = _Response(chat, self.model_name, parsed.stream_options, len(calls))
+        response = _Response(chat, self.model_name, parsed.stream_options, len(calls), parsed.return_token_ids)
         events = _merge([_ended(self.gateway.generate(r, t), t) for r, t in calls])
         try:  # the first update before the answer starts: a failure until then has its own status
             first = await events.__anext__()
@@ -336,8 +337,11 @@ async def _merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[
 class _Response:
     """Builds the OpenAI objects of one request: chunks while streaming, or the whole object."""
 
-    def __init__(self, chat: bool, model: str, stream_options: StreamOptions | None, choices: int) -> None:
+    def __init__(
+        self, chat: bool, model: str, stream_options: StreamOptions | None, choices: int, token_ids: bool = False
+    ) -> None:
         self.chat = chat
+        self.token_ids: list[list[int]] | None = [[] for _ in range(choices)] if token_ids else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
@@ -349,6 +353,8 @@ class _Response:
 
     def add(self, index: int, update: dict[str, Any]) -> None:
         self.text[index] += update.get("text", "")
+        if self.token_ids is not None:
+            self.token_ids[index] += update["token_ids"]
         if update["finished"]:
             self.finish[index] = FINISH.get(update.get("finish_reason"), update.get("finish_reason"))
             for key in self.usage:
@@ -375,12 +381,16 @@ class _Response:
                 {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
             )
             choices.append({"index": i, **body, "finish_reason": finish})
+            if self.token_ids is not None:
+                choices[-1]["token_ids"] = self.token_ids[i]
         out = {**self._object(choices, chunk=False), "usage": self._usage()}
         if self.spec:
             out["speculative"] = self.spec  # accept lengths per choice (an extension)
         return out
 
-    def _chunk(self, index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+    def _chunk(
+        self, index: int, text: str | None, finish: str | None, role: bool = False, ids: list[int] | None = None
+    ) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
@@ -388,7 +398,12 @@ class _Response:
             choice = {"index": index, "delta": delta, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return _event(self._object([choice], chunk=True))
+        if self.token_ids is not None and ids is not None:
+            choice["token_ids"] = ids
+        chunk = self._object([choice], chunk=True)
+        if finish and any(s["index"] == index for s in self.spec):  # this choice's accept lengths
+            chunk["speculative"] = [s for s in self.spec if s["index"] == index]
+        return _event(chunk)
 
     async def stream(
         self, first: tuple[int, dict[str, Any]], events: AsyncIterator[tuple[int, dict[str, Any]]]
@@ -399,8 +414,9 @@ class _Response:
         try:
             async for index, update in _chain(first, events):
                 self.add(index, update)
-                if update.get("text") or update["finished"]:
-                    yield self._chunk(index, update.get("text"), self.finish[index] if update["finished"] else None)
+                if update.get("text") or update["token_ids"] or update["finished"]:
+                    finish = self.finish[index] if update["finished"] else None
+                    yield self._chunk(index, update.get("text"), finish, ids=update["token_ids"])
         except RequestFailed as failed:  # the stream has started: an error event says why it ended
             status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1]
             error = {"message": failed.message, "type": ERROR_TYPES.get(status, "api_error"), "code": failed.code}

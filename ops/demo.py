@@ -83,6 +83,19 @@ async def _send(target: str, prompts: list[str], max_new_tokens: int) -> list[di
         await client.close()
 
 
+def _openai_chat(base_url: str, model: str) -> None:
+    """One chat completion through the OpenAI-compatible API (what the `openai` client sends)."""
+    import requests
+
+    body = {"model": model, "messages": [{"role": "user", "content": "def fibonacci(n):"}], "max_tokens": 32}
+    out = requests.post(f"{base_url}/chat/completions", json={**body, "temperature": 0}, timeout=60).json()
+    shown = out["choices"][0]["message"]["content"].replace("\n", "\n    | ")
+    print(
+        f"--- OpenAI API: POST {base_url}/chat/completions, {out['usage']['completion_tokens']} tokens, "
+        f"finish {out['choices'][0]['finish_reason']}\n    | {shown}\n"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
     import requests
@@ -149,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; "
             f"mean accept length {mean:.2f}"
         )
+        _openai_chat(f"http://127.0.0.1:{http_port}/generate/v1", os.path.basename(DEFAULT_MODEL))
         metrics = requests.get(f"http://127.0.0.1:{http_port}/generate/metrics", timeout=30).text
         shown = [
             line

@@ -181,6 +181,45 @@ class HttpBackend:
             await self.session.close()
 
 
+class OpenAIBackend(HttpBackend):
+    """The OpenAI-compatible completions route, streamed (token ids through vLLM's
+    `return_token_ids` extension, so tokens are counted as on the other backends)."""
+
+    def __init__(self, base_url: str, model: str) -> None:
+        super().__init__(base_url.rstrip("/") + "/completions")
+        self.model = model
+
+    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        async with self.session.post(self.url, json=body) as r:
+            if r.status != 200:
+                yield Chunk([], None, f"HTTP {r.status}: {await r.text()}")
+                return
+            async for line in r.content:
+                data = line.strip().removeprefix(b"data: ")
+                if not data or data == b"[DONE]":
+                    continue
+                d = json.loads(data)
+                if "error" in d:
+                    yield Chunk([], None, d["error"]["message"])
+                    continue
+                choice = d["choices"][0] if d.get("choices") else {}
+                accept = [n for s in d.get("speculative", []) for n in s["accept_lengths"]] or None
+                yield Chunk(choice.get("token_ids", []), accept if choice.get("finish_reason") else None)
+
+
 # -- the driver ----------------------------------------------------------------------------------------
 async def _one(stream: Stream, prompt: list[int], output_len: int) -> Result:
     start = last = time.perf_counter()
@@ -319,10 +358,12 @@ def launch(args: argparse.Namespace) -> dict[str, str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=["engine", "grpc", "http"], default="engine")
+    p.add_argument("--backend", choices=["engine", "grpc", "http", "openai"], default="engine")
     p.add_argument("--host", help="a running gRPC server (grpc backend); default: launch one")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--base-url", help="a running HTTP route, e.g. http://127.0.0.1:8000/generate")
+    p.add_argument(
+        "--base-url", help="a running HTTP route (http://127.0.0.1:8000/generate) or OpenAI base (.../generate/v1)"
+    )
     p.add_argument("--model", default="tiny-gemma3", help="a shipped model name or a model directory")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -362,10 +403,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         target = f"{args.host}:{args.port}" if args.host else None
         url = args.base_url
-        if (args.backend == "grpc" and target is None) or (args.backend == "http" and url is None):
+        if (args.backend == "grpc" and target is None) or (args.backend != "grpc" and url is None):
             where = launch(args)
             target, url = target or where["grpc"], url or where["http"]
-        backend = GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
+        if args.backend == "openai":
+            backend = OpenAIBackend(url if args.base_url else url + "/v1", os.path.basename(settings["model"]))
+        else:
+            backend = GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
 
     async def bench():
         warm = conversations(

@@ -3,6 +3,7 @@ application on loopback: completions and chat, streaming and not, greedy output 
 gRPC API's for the same prompt tokens, usage counts, a cancelled stream frees its KV, bad
 parameters get OpenAI-shaped 400s naming the parameter, the bearer token guards the routes."""
 
+import asyncio
 import time
 
 import openai
@@ -13,6 +14,7 @@ from ray import serve
 from cluster.app import build_app
 from cluster.client import GenerationClient
 from ops import DEFAULT_MODEL
+from ops.bench.serve_bench import OpenAIBackend
 from workers.tokenizer import load_tokenizer
 
 TOKEN = "openai-test-token"
@@ -157,3 +159,21 @@ def test_unknown_model_is_404_and_a_missing_token_401(app):
         anonymous.models.list()
     r = requests.post(f"{base}/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_the_serving_benchmark_drives_it_token_for_token(app):
+    _, grpc_client, base = app
+    _, ids, _ = _grpc(grpc_client, [7, 8, 9, 10], 8)
+    backend = OpenAIBackend(base, MODEL)
+
+    async def collect():
+        import aiohttp
+
+        backend.session = aiohttp.ClientSession(headers={"authorization": f"Bearer {TOKEN}"})
+        try:
+            return [chunk async for chunk in backend.stream([7, 8, 9, 10], 8)]
+        finally:
+            await backend.aclose()
+
+    chunks = asyncio.run(collect())
+    assert [t for c in chunks for t in c.tokens] == ids and not any(c.error for c in chunks)
