@@ -90,6 +90,8 @@ def test_completion_equals_the_grpc_api_streamed_or_not(app):
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
     ids_prompt = client.completions.create(model=MODEL, prompt=list(ids[:3]) + [5], max_tokens=4, **GREEDY)
     assert ids_prompt.usage.prompt_tokens == 4
+    again = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=2, **GREEDY)  # prefix cache
+    assert again.usage.prompt_tokens_details.cached_tokens == (last.usage.prompt_tokens - 1) // 4 * 4 > 0
 
 
 def test_a_list_of_prompts_gives_one_choice_each(app):
