@@ -20,6 +20,7 @@ Prints one table and writes every number to `--out` (JSON).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -27,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -175,6 +177,30 @@ def run_batch(engine: Engine, prompts: list[list[int]], new: int) -> dict:
     }
 
 
+def sync_sites(engine: Engine, steps: int) -> dict[str, int]:
+    """Where the host waits for the device: the project's frames at each synchronisation torch's
+    sync debug mode reports, counted over `steps` steps."""
+    sites: collections.Counter = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+            sites[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in frames[-4:][::-1])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = show
+    return dict(sites.most_common())
+
+
 def syncs_per_step(engine: Engine, prompts: list[list[int]], steps: int = 8) -> float:
     """Host synchronisations per decode step, counted by torch's sync debug mode."""
     sampling = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
@@ -182,19 +208,12 @@ def syncs_per_step(engine: Engine, prompts: list[list[int]], steps: int = 8) -> 
     while any(not r.prefilled for r in engine.scheduler.running):
         engine.step()
     engine.step()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(steps):
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    count = sum(sync_sites(engine, steps).values())
     while engine.has_unfinished():
         engine.step()
     for r in rids:
         engine.release(r)
-    return sum("synchroniz" in str(w.message) for w in caught) / steps
+    return count / steps
 
 
 def random_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -13,13 +13,10 @@ the kernels to fuse or replace.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import tempfile
 import time
-import traceback
-import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,6 +29,7 @@ from ops.bench.decode_throughput import (
     engine_for,
     free,
     random_prompts,
+    sync_sites,
     write_config,
 )
 from workers.engine import Engine, SamplingParams
@@ -47,30 +45,6 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
-
-
-def sync_sites(engine: Engine, steps: int) -> dict[str, int]:
-    """Where the host waits for the device: the project's frames at each synchronisation torch's
-    sync debug mode reports, counted over `steps` steps."""
-    sites: collections.Counter = collections.Counter()
-    show = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-            sites[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in frames[-4:][::-1])] += 1
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(steps):
-                engine.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = show
-    return dict(sites.most_common())
 
 
 def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str | None = None) -> dict:

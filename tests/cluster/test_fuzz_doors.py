@@ -193,6 +193,15 @@ def http_outcome(route: str, data: bytes) -> str:
     return "ok"
 
 
+def assert_run_held(client, outcomes: list[str]) -> None:
+    """Every case ran, enough were served and enough refused, and the application is intact."""
+    assert len(outcomes) >= CASES
+    assert outcomes.count("ok") > CASES // 20 and outcomes.count("invalid") > CASES // 4, {
+        o: outcomes.count(o) for o in set(outcomes)
+    }
+    assert_still_serving_and_idle(client)
+
+
 def assert_still_serving_and_idle(client) -> None:
     tokens = [
         t for r in client.generate([5, 6, 7], max_new_tokens=3, temperature=0.0, ignore_eos=True) for t in r.token_ids
@@ -235,11 +244,7 @@ def test_grpc_door(app):
         outcomes.append(grpc_outcome(lambda: raw(data, timeout=60)))
 
     case()
-    assert len(outcomes) >= CASES
-    assert outcomes.count("ok") > CASES // 20 and outcomes.count("invalid") > CASES // 4, {
-        o: outcomes.count(o) for o in set(outcomes)
-    }
-    assert_still_serving_and_idle(client)
+    assert_run_held(client, outcomes)
 
 
 def test_http_door(app):
@@ -259,11 +264,7 @@ def test_http_door(app):
         outcomes.append(http_outcome(route, data))
 
     case()
-    assert len(outcomes) >= CASES
-    assert outcomes.count("ok") > CASES // 20 and outcomes.count("invalid") > CASES // 4, {
-        o: outcomes.count(o) for o in set(outcomes)
-    }
-    assert_still_serving_and_idle(client)
+    assert_run_held(client, outcomes)
 
 
 def test_unknown_grpc_methods_are_unimplemented(app):
