@@ -99,6 +99,16 @@ class ForwardBatch:
             host=host,
         )
 
+    def use_device_ids(self, ids: torch.Tensor) -> None:
+        """Take the input ids from the device (tokens sampled by an earlier forward that the host
+        has not read): the host ids become placeholders and no device-to-host copy is needed."""
+        if ids.shape != self.input_ids.shape:
+            raise ValueError(
+                f"device input ids of shape {tuple(ids.shape)} for a batch of {tuple(self.input_ids.shape)}"
+            )
+        self.input_ids = ids
+        self.ids_on_device = True
+
 
 def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the device: shared memory on the CPU, one pinned copy on a GPU."""

@@ -29,10 +29,30 @@ from workers.scheduler import ScheduledBatch, Scheduler
 
 @dataclasses.dataclass
 class InFlight:
-    """A launched decode step whose tokens are still on the device."""
+    """A launched decode step whose tokens are still on the device, with their copy to the host
+    already queued behind the step (and only it: reading them must not wait for a step launched
+    later on the same stream)."""
 
     reqs: list[Request]
     tokens: torch.Tensor  # [B] int64 on the device, one per request
+    host_tokens: torch.Tensor  # [B] int64 on the host (pinned on a GPU), filled when `copied` is reached
+    copied: torch.cuda.Event | None  # None on a CPU: the copy is done when queued
+
+    @classmethod
+    def of(cls, reqs: list[Request], tokens: torch.Tensor) -> InFlight:
+        if tokens.device.type == "cpu":
+            return cls(reqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(reqs, tokens, host, copied)
+
+    def read(self) -> list[int]:
+        """The step's tokens on the host: waits for this step only."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
 
 
 class OverlapDecoder:
@@ -76,20 +96,19 @@ class OverlapDecoder:
             logits_rows=range(len(reqs)),
         )
         if previous is not None:
-            if previous.reqs == reqs:
-                batch.input_ids = previous.tokens
-            else:
+            ids = previous.tokens
+            if previous.reqs != reqs:
                 index = [previous.reqs.index(r) for r in reqs]
-                batch.input_ids = previous.tokens[upload(np.array(index, dtype=np.int64), previous.tokens.device)]
-            batch.ids_on_device = True
+                ids = ids[upload(np.array(index, dtype=np.int64), ids.device)]
+            batch.use_device_ids(ids)
         logits = self.forward(batch)
-        return InFlight(list(reqs), logits.argmax(dim=-1))
+        return InFlight.of(list(reqs), logits.argmax(dim=-1))
 
     def collect(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
-        """Read a launched step's tokens (the step's one device-to-host copy) and commit them to
-        the requests it still holds."""
+        """Read a launched step's tokens (the step's one device-to-host copy, queued at launch) and
+        commit them to the requests it still holds."""
         events = []
-        for req, token in zip(flight.reqs, flight.tokens.tolist()):
+        for req, token in zip(flight.reqs, flight.read()):
             if req.finished:  # finished by the previous step, or aborted: this row is dropped
                 continue
             new = self.scheduler.commit(req, [token], req.kv_len + 1)

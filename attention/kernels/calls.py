@@ -14,6 +14,7 @@ its q_len queries are the last q_len of them (bottom-right aligned causal mask).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -29,6 +30,13 @@ def cdiv(a: int, b: int) -> int:
 def chain_mask(batch_size: int, q_len: int, device: torch.device) -> torch.Tensor:
     """XQA's bit-packed draft-block mask for linear chains: row i has bits 0..i set; each row is
     32-bit words stored as two uint16 (low half first): `[B, q_len, 2 * ceil(q_len / 32)]`."""
+    return _chain_rows(q_len, torch.device(device)).expand(batch_size, -1, -1).contiguous()
+
+
+@functools.cache
+def _chain_rows(q_len: int, device: torch.device) -> torch.Tensor:
+    """One request's mask rows, built and uploaded once per query length and device (an upload
+    per verify step would make the host wait for the device)."""
     words = cdiv(q_len, 32)
     mask = torch.zeros(q_len, words * 2, dtype=torch.int32)
     for i in range(q_len):
@@ -37,7 +45,7 @@ def chain_mask(batch_size: int, q_len: int, device: torch.device) -> torch.Tenso
             word = (bits >> (32 * w)) & 0xFFFFFFFF
             mask[i, 2 * w] = word & 0xFFFF
             mask[i, 2 * w + 1] = word >> 16
-    return mask.to(torch.uint16).to(device).expand(batch_size, -1, -1).contiguous()
+    return mask.to(torch.uint16).to(device)
 
 
 def unpack_mask(mask: torch.Tensor, q_len: int) -> torch.Tensor:

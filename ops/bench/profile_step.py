@@ -47,6 +47,24 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def idle_gaps(kernels: list, steps: int, top: int, least_us: float = 5.0) -> list[dict]:
+    """Where the device sits idle between kernels: gaps of at least `least_us`, grouped by the
+    kernels on either side (a gap inside a graph replay names two of its kernels; one before a
+    replay names the host work it waited for)."""
+    ordered = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    groups: dict[tuple[str, str], list[float]] = {}
+    reach, last = None, ""
+    for start, end, name in ordered:
+        if reach is not None and start - reach >= least_us:
+            groups.setdefault((last[:60], name[:60]), []).append(start - reach)
+        if reach is None or end > reach:
+            reach, last = end, name
+    ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [
+        {"after": a, "before": b, "per_step": len(g) / steps, "us_per_step": sum(g) / steps} for (a, b), g in ranked
+    ]
+
+
 def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str | None = None) -> dict:
     """Prefill `batch` prompts, warm up, then profile `steps` decode steps."""
     sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -91,6 +109,7 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
         "kernels_per_step": len(kernels) / steps,
         "syncs_per_step": syncs / steps,
         "sync_sites_per_4_steps": sites,
+        "idle_gaps": idle_gaps(kernels, steps, top),
         "top_kernels": [
             {"name": name[:120], "per_step": len(t) / steps, "us_per_step": sum(t) / steps} for name, t in ranked
         ],
@@ -133,6 +152,14 @@ def main() -> None:
                 logger.info("    sync x%d in 4 steps: %s", n, site)
             for k in r["top_kernels"]:
                 logger.info("    %8.1f us  %5.1f x  %s", k["us_per_step"], k["per_step"], k["name"])
+            for g in r["idle_gaps"]:
+                logger.info(
+                    "    idle %7.1f us  %5.1f x  after %s  before %s",
+                    g["us_per_step"],
+                    g["per_step"],
+                    g["after"],
+                    g["before"],
+                )
         free(engine)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -33,6 +33,7 @@ from workers.scheduler import Scheduler
 from workers.speculative.stats import SpecStats
 
 HiddenRows = dict[str, tuple[int, torch.Tensor]]  # request id -> (position of row 0, target hidden rows)
+Tokens = list[int] | torch.Tensor  # one token per request: on the host, or still on the device
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class DraftState:
 
     stats: SpecStats
     draft_len: int = 0  # draft positions [0, draft_len) hold valid draft KV
-    next_token: int | None = None  # first draft token of the next round
+    next_token: int | torch.Tensor | None = None  # first draft token of the next round (0-d on the device: greedy)
     next_probs: torch.Tensor | None = None  # the distribution it was drawn from (None: greedy)
     next_hidden: torch.Tensor | None = None  # the draft hidden state the next step reads
 
@@ -98,24 +99,29 @@ class Drafter:
             r.spec.draft_len = b
         self._propose(proposing, out, [e for e, p in zip(ends, proposes) if p])
 
-    def step(self, reqs: list[Request], j: int, tokens: list[int], hidden: torch.Tensor) -> ForwardOutput:
+    def step(self, reqs: list[Request], j: int, tokens: Tokens, hidden: torch.Tensor) -> ForwardOutput:
         """Draft step j (2..num_steps): each request's draft j-1 -> logits for draft j."""
         positions = [r.num_tokens - 2 + j - self.shift for r in reqs]
         batch = ForwardBatch.build(
             ForwardMode.DECODE,
             rows=[r.row for r in reqs],
             prefix_lens=positions,
-            input_ids=[[t] for t in tokens],
+            input_ids=_single_rows(tokens),
             out_cache_loc=torch.cat([self.scheduler.slots(r, q, q + 1) for r, q in zip(reqs, positions)]),
             req_to_token=self.scheduler.req_to_token.table,
             logits_rows=range(len(reqs)),
             spec_hidden=hidden if self.reads_hidden else None,
         )
-        return self.runner.forward(batch)
+        return self.runner.forward(_with_device_ids(batch, tokens))
 
     def _propose(self, reqs: list[Request], out: ForwardOutput, rows: list[int]) -> None:
         """The first draft token of the next round for each request, from its logits row."""
         if not reqs:
+            return
+        if all(r.sampling.greedy for r in reqs):  # argmax stays on the device: no host sync
+            best = out.logits.argmax(dim=-1)
+            for i, (r, row) in enumerate(zip(reqs, rows)):
+                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, out.hidden[row]
             return
         tokens, probs, errors = draw_each(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
         for i, (r, t, p, row) in enumerate(zip(reqs, tokens, probs, rows)):
@@ -150,23 +156,36 @@ class FrozenKVDrafter(Drafter):
         out = self._query(ready, [r.output_ids[-1] for r in ready], rows, offset=1)
         self._propose(ready, out, list(range(len(ready))))
 
-    def step(self, reqs: list[Request], j: int, tokens: list[int], hidden: torch.Tensor) -> ForwardOutput:
+    def step(self, reqs: list[Request], j: int, tokens: Tokens, hidden: torch.Tensor) -> ForwardOutput:
         return self._query(reqs, tokens, hidden, offset=j)
 
-    def _query(self, reqs: list[Request], tokens: list[int], hidden: torch.Tensor, offset: int) -> ForwardOutput:
+    def _query(self, reqs: list[Request], tokens: Tokens, hidden: torch.Tensor, offset: int) -> ForwardOutput:
         """Read-only queries `offset` positions past each request's target KV."""
         batch = ForwardBatch.build(
             ForwardMode.DECODE,
             rows=[r.row for r in reqs],
             prefix_lens=[r.kv_len - 1 for r in reqs],
-            input_ids=[[t] for t in tokens],
+            input_ids=_single_rows(tokens),
             out_cache_loc=torch.zeros(0, dtype=torch.int64),
             req_to_token=self.scheduler.req_to_token.table,
             logits_rows=range(len(reqs)),
             query_offset=offset,
             spec_hidden=hidden,
         )
-        return self.runner.forward(batch, pool=self.target.pool)
+        return self.runner.forward(_with_device_ids(batch, tokens), pool=self.target.pool)
+
+
+def _single_rows(tokens: Tokens) -> list[list[int]]:
+    """One input token per request; placeholders when the tokens are still on the device."""
+    if isinstance(tokens, torch.Tensor):
+        return [[0]] * tokens.shape[0]
+    return [[t] for t in tokens]
+
+
+def _with_device_ids(batch: ForwardBatch, tokens: Tokens) -> ForwardBatch:
+    if isinstance(tokens, torch.Tensor):
+        batch.use_device_ids(tokens)
+    return batch
 
 
 def _rows(hidden: tuple[int, torch.Tensor], start: int, end: int) -> torch.Tensor:

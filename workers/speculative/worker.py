@@ -9,14 +9,21 @@ One decode round for every running request:
 
 Slots of rejected drafts are given back right after acceptance; SWA windows only after the
 catch-up, which still reads them.
+
+When every request of the round is greedy, each draft step's argmax stays on the device and
+feeds the next step and the verification directly; the round's only device-to-host copy is the
+drafts with the target's choices after verification (the catch-up proposes the next round's
+first drafts on the device too). Sampled rounds draw each draft on the host, since rejection
+sampling needs every draft's distribution.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from attention import ForwardMode
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, upload
 from workers.model_runner import ModelRunner
 from workers.request import Request
 from workers.sampler import draw_each, sampling_probs
@@ -49,12 +56,77 @@ class SpecWorker:
 
     def decode_round(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
         """One round for every request; a request whose sampling or verification raises fails
-        alone (`Scheduler.fail`) and leaves the round."""
+        alone (`Scheduler.fail`) and leaves the round. When every request is greedy, drafts
+        stay on the device until verification, and the round reads the device once."""
         k = self.num_steps
-        drafts = [[r.spec.next_token] for r in reqs]
+        if all(r.sampling.greedy for r in reqs):
+            reqs, drafts, draft_probs = self._draft_on_device(reqs)
+        else:
+            reqs, drafts, draft_probs = self._draft_sampled(reqs)
+        if not reqs:
+            return []
+
+        starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
+        on_device = isinstance(drafts, torch.Tensor)
+        batch = ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY,
+            rows=[r.row for r in reqs],
+            prefix_lens=starts,
+            input_ids=[r.tokens(s, s + 1) + ([0] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)],
+            out_cache_loc=torch.cat([self.scheduler.slots(r, s, s + k + 1) for r, s in zip(reqs, starts)]),
+            req_to_token=self.scheduler.req_to_token.table,
+            logits_rows=range(len(reqs) * (k + 1)),
+        )
+        if on_device:
+            pending = batch.input_ids.view(len(reqs), k + 1)[:, :1]
+            batch.use_device_ids(torch.cat([pending, drafts], dim=1).flatten())
+        out = self.target.forward(batch)
+        best = out.logits.argmax(dim=-1).view(len(reqs), k + 1)
+        if on_device:  # the round's one device-to-host copy: drafts and the target's choices
+            both = torch.cat([drafts, best], dim=1).tolist()
+            drafts, best = [row[:k] for row in both], [row[k:] for row in both]
+        else:  # one device sync for every greedy request
+            best = best.tolist()
+
+        events, live, rows = [], [], {}
+        self.last_accept_lengths = {}
+        self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
+        for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
+            try:
+                new = self._accept(req, start, d, dp, out.logits[i * (k + 1) : (i + 1) * (k + 1)], best[i])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self.scheduler.fail(req, exc)
+                continue
+            events.append((req, new))
+            if not req.finished:
+                rows[req.rid] = (start, out.hidden[i * (k + 1) : (i + 1) * (k + 1)])
+                live.append(req)
+        self.drafter.catch_up(ForwardMode.DRAFT_EXTEND_V2, live, rows)
+        return events
+
+    def _draft_on_device(self, reqs: list[Request]) -> tuple[list[Request], torch.Tensor, list[list[None]]]:
+        """Greedy drafts 1..k as a device tensor `[B, k]`: each step's argmax feeds the next."""
+        first = [r.spec.next_token for r in reqs]
+        if all(isinstance(t, torch.Tensor) for t in first):
+            tokens = torch.stack(first)
+        else:  # proposed by a sampled batch: on the host
+            tokens = upload(np.array([int(t) for t in first], dtype=np.int64), reqs[0].spec.next_hidden.device)
+        drafts = [tokens]
+        hidden = torch.stack([r.spec.next_hidden for r in reqs])
+        for j in range(2, self.num_steps + 1):
+            out = self.drafter.step(reqs, j, drafts[-1], hidden)
+            drafts.append(out.logits.argmax(dim=-1))
+            hidden = out.hidden
+        return reqs, torch.stack(drafts, dim=1), [[None] * self.num_steps for _ in reqs]
+
+    def _draft_sampled(
+        self, reqs: list[Request]
+    ) -> tuple[list[Request], list[list[int]], list[list[torch.Tensor | None]]]:
+        """Drafts drawn on the host, step by step; a request whose draw raises fails alone."""
+        drafts = [[int(r.spec.next_token)] for r in reqs]
         draft_probs = [[r.spec.next_probs] for r in reqs]
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
-        for j in range(2, k + 1):
+        for j in range(2, self.num_steps + 1):
             out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
             tokens, probs, errors = draw_each(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
             for d, dp, t, p in zip(drafts, draft_probs, tokens, probs):
@@ -71,44 +143,7 @@ class SpecWorker:
                     [draft_probs[i] for i in keep],
                 )
                 hidden = hidden[keep]
-        if not reqs:
-            return []
-
-        starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
-        batch = ForwardBatch.build(
-            ForwardMode.TARGET_VERIFY,
-            rows=[r.row for r in reqs],
-            prefix_lens=starts,
-            input_ids=[r.tokens(s, s + 1) + d for r, s, d in zip(reqs, starts, drafts)],
-            out_cache_loc=torch.cat([self.scheduler.slots(r, s, s + k + 1) for r, s in zip(reqs, starts)]),
-            req_to_token=self.scheduler.req_to_token.table,
-            logits_rows=range(len(reqs) * (k + 1)),
-        )
-        out = self.target.forward(batch)
-
-        events, live, rows = [], [], {}
-        self.last_accept_lengths = {}
-        self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
-        best = out.logits.argmax(dim=-1).tolist()  # one device sync for every greedy request
-        for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
-            try:
-                new = self._accept(
-                    req,
-                    start,
-                    d,
-                    dp,
-                    out.logits[i * (k + 1) : (i + 1) * (k + 1)],
-                    best[i * (k + 1) : (i + 1) * (k + 1)],
-                )
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self.scheduler.fail(req, exc)
-                continue
-            events.append((req, new))
-            if not req.finished:
-                rows[req.rid] = (start, out.hidden[i * (k + 1) : (i + 1) * (k + 1)])
-                live.append(req)
-        self.drafter.catch_up(ForwardMode.DRAFT_EXTEND_V2, live, rows)
-        return events
+        return reqs, drafts, draft_probs
 
     def _accept(
         self,
