@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from attention.forward_mode import ForwardMode
@@ -32,3 +33,7 @@ class AttentionBatch(Protocol):
     # (frozen-KV draft steps: the drafts themselves have no KV). 0 for every other forward:
     # then each request's queries are the last q_len positions of its KV.
     query_offset: int
+    # The host's master copy of req_to_token when the host owns it, else None. With it (and
+    # `host.req_pool_indices`, `host.out_cache_loc` as numpy) a backend may build its metadata
+    # on the host and upload it in one copy instead of launching kernels for it.
+    req_to_token_host: np.ndarray | None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -37,6 +38,9 @@ class KVPool(Protocol):
 
     def translate_full_to_swa(self, full_locs: torch.Tensor) -> torch.Tensor:
         """Full-pool slots to SWA-pool slots (evicted ones map into padding page 0)."""
+
+    def translate_full_to_swa_host(self, full_locs: np.ndarray) -> np.ndarray:
+        """The same translation through the host's master copy of the map."""
 
     def kv_cache(self, layer_id: int) -> torch.Tensor:
         """A layer's KV buffer, `[num_pages, 2, num_kv_heads, page_size, head_dim]`."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from attention.base import AttentionBackend, AttentionLayer
@@ -133,10 +134,15 @@ class TRTLLMMHABackend(AttentionBackend):
     def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> None:
         """Graph replay: this forward's metadata, recomputed from the batch and written in place
         into the static buffers (page tables zero-padded to `width` pages, by default the
-        narrowest captured width that holds the batch)."""
+        narrowest captured width that holds the batch). When the batch carries the host's
+        tables, the metadata is computed on the host and goes up in one copy."""
         if not self._static:
             raise RuntimeError("trtllm_mha: init_graph_buffers() before graph replay")
-        md = self._build_metadata(batch, pool, width)
+        host = self._host_metadata(batch, pool, width) if batch.req_to_token_host is not None else None
+        md = self._build_metadata(batch, pool, width, on_device=host is None)
+        if host is not None:
+            for name, value in zip(host, _upload_int32(list(host.values()), self.device)):
+                setattr(md, name, value)
         b = batch.batch_size
         for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv", "swa_out_loc", "mask"):
             value = getattr(md, name)
@@ -153,7 +159,33 @@ class TRTLLMMHABackend(AttentionBackend):
                 setattr(md, name, buf)
         self._md = md
 
-    def _build_metadata(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> ForwardMetadata:
+    def _host_metadata(self, batch: AttentionBatch, pool: KVPool, width: int | None) -> dict[str, np.ndarray]:
+        """Lengths, page tables and SWA write slots from the host's tables (the same values
+        `_build_metadata` computes on the device)."""
+        p = pool.page_size
+        table = batch.req_to_token_host
+        seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
+        pages = width or self.table_width(cdiv(max(int(seq_lens.max(initial=0)), 1), p))
+        cols = np.arange(pages)
+        first_slots = table[batch.host.req_pool_indices[:, None], np.minimum(cols * p, table.shape[1] - 1)[None, :]]
+        used = cols[None, :] < ((seq_lens + p - 1) // p)[:, None]
+        zero = np.zeros(1, dtype=np.int64)
+        out = {
+            "seq_lens": seq_lens,
+            "cu_seq_lens_q": np.concatenate([zero, np.cumsum(batch.q_lens_cpu, dtype=np.int64)]),
+            "cu_seq_lens_kv": np.concatenate([zero, np.cumsum(seq_lens)]),
+            "full_page_table": np.where(used, first_slots // p, 0),
+        }
+        if pool.has_swa:
+            out["swa_page_table"] = np.where(used, pool.translate_full_to_swa_host(first_slots) // p, 0)
+            out["swa_out_loc"] = pool.translate_full_to_swa_host(batch.host.out_cache_loc)
+        return out
+
+    def _build_metadata(
+        self, batch: AttentionBatch, pool: KVPool, width: int | None = None, on_device: bool = True
+    ) -> ForwardMetadata:
+        """The forward's metadata; with `on_device=False` only its scalars and the chain mask
+        (the caller fills lengths, page tables and SWA write slots from the host)."""
         mode = batch.forward_mode
         kernel = ROUTING[mode]
         q_lens, seq_lens = batch.q_lens_cpu, batch.seq_lens_cpu
@@ -169,18 +201,22 @@ class TRTLLMMHABackend(AttentionBackend):
         p = pool.page_size
         max_seq_len = max(seq_lens, default=0)
         pages_per_req = width or self.table_width(cdiv(max(max_seq_len, 1), p))
-        # Page table from each request's slot at the start of every page (allocation is page
-        # aligned, so slot // page_size is the page). Columns past a request's length -> 0.
-        cols = torch.arange(pages_per_req, device=device)
-        slot_cols = (cols * p).clamp(max=batch.req_to_token.shape[1] - 1)
-        first_slots = batch.req_to_token[batch.req_pool_indices[:, None], slot_cols[None, :]].long()
-        used = cols[None, :] < ((batch.seq_lens + p - 1) // p)[:, None]  # on the device: no host copy, no sync
-        full_pages = torch.where(used, first_slots // p, 0).to(torch.int32)
-        swa_pages = swa_out = None
-        if pool.has_swa:
-            swa_pages = torch.where(used, pool.translate_full_to_swa(first_slots) // p, 0).to(torch.int32)
-            swa_out = pool.translate_full_to_swa(batch.out_cache_loc)
-        zero = torch.zeros(1, dtype=torch.int32, device=device)
+        seq_lens_t = cu_q = cu_kv = full_pages = swa_pages = swa_out = None
+        if on_device:
+            # Page table from each request's slot at the start of every page (allocation is page
+            # aligned, so slot // page_size is the page). Columns past a request's length -> 0.
+            cols = torch.arange(pages_per_req, device=device)
+            slot_cols = (cols * p).clamp(max=batch.req_to_token.shape[1] - 1)
+            first_slots = batch.req_to_token[batch.req_pool_indices[:, None], slot_cols[None, :]].long()
+            used = cols[None, :] < ((batch.seq_lens + p - 1) // p)[:, None]  # on the device: no host copy, no sync
+            full_pages = torch.where(used, first_slots // p, 0).to(torch.int32)
+            if pool.has_swa:
+                swa_pages = torch.where(used, pool.translate_full_to_swa(first_slots) // p, 0).to(torch.int32)
+                swa_out = pool.translate_full_to_swa(batch.out_cache_loc)
+            zero = torch.zeros(1, dtype=torch.int32, device=device)
+            seq_lens_t = batch.seq_lens.to(torch.int32)
+            cu_q = torch.cat([zero, batch.q_lens.cumsum(0).to(torch.int32)])
+            cu_kv = torch.cat([zero, batch.seq_lens.cumsum(0).to(torch.int32)])
         mask = None
         if kernel == "decode" and q_len_per_req > 1 and self.kernels.needs_chain_mask:
             mask = chain_mask(batch.batch_size, q_len_per_req, device)
@@ -189,10 +225,10 @@ class TRTLLMMHABackend(AttentionBackend):
             pool=pool,
             kernel=kernel,
             q_len_per_req=q_len_per_req,
-            seq_lens=batch.seq_lens.to(torch.int32),
+            seq_lens=seq_lens_t,
             max_seq_len=pages_per_req * p if self._max_pages else max_seq_len,  # graphs: the table's bound
-            cu_seq_lens_q=torch.cat([zero, batch.q_lens.cumsum(0).to(torch.int32)]),
-            cu_seq_lens_kv=torch.cat([zero, batch.seq_lens.cumsum(0).to(torch.int32)]),
+            cu_seq_lens_q=cu_q,
+            cu_seq_lens_kv=cu_kv,
             max_q_len=max(q_lens, default=0),
             out_cache_loc=batch.out_cache_loc,
             full_page_table=full_pages,
@@ -288,3 +324,11 @@ class TRTLLMMHABackend(AttentionBackend):
         """The kernel this device runs for a forward mode (recorded in traces)."""
         route = ROUTING[mode]
         return None if route is None else getattr(self.kernels, f"{route}_name")
+
+
+def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays on the device as int32, in one (pinned, asynchronous) copy; shapes kept."""
+    packed = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32))
+    if device.type != "cpu":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return [part.view(a.shape) for part, a in zip(packed.split([a.size for a in arrays]), arrays)]

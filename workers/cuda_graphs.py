@@ -227,11 +227,10 @@ class CudaGraphRunner:
             out_cache_loc=locs,
             req_pool_indices=rows,
             req_to_token=self.allocator.req_to_token.table,
+            req_to_token_host=self.allocator.req_to_token.host,
             logits_indices=logits,
             query_offset=key.query_offset,
             attn_backend=self.runner.backend,
             spec_hidden=family.spec_hidden[:n] if family.spec_hidden is not None else None,
-            host=HostInputs(
-                packed[:n], packed[n : 2 * n], packed[2 * n : 2 * n + writes], packed[-3 * bs : -2 * bs], np.arange(n)
-            ),
+            host=HostInputs(*np.split(packed[: 3 * n + writes + bs], np.cumsum(sizes[:4]))),
         )

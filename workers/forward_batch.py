@@ -46,6 +46,7 @@ class ForwardBatch:
     spec_hidden: torch.Tensor | None = None  # [T, *] hidden states a draft head reads per token
     attn_backend: Any = None  # set by the model runner for this forward
     host: HostInputs | None = None
+    req_to_token_host: np.ndarray | None = None  # the host master of req_to_token (graph replays)
     ids_on_device: bool = False  # input_ids come from the device (overlapped decoding); host ids are placeholders
 
     @classmethod

@@ -125,3 +125,34 @@ def test_scratch_pages_are_outside_every_request(models):
     assert set(np.unique(padding)) == set(alloc.full.reserved)
     eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
     eng.check_no_leak()
+
+
+def test_replay_metadata_from_the_host_tables_equals_the_device_one(models):
+    """Graph replays build page tables and SWA write slots from the host's tables (one upload);
+    on a busy hybrid pool whose windows have slid (evicted SWA pages), they equal what the
+    backend computes on the device from the device copies."""
+    eng = _engine(models, "plain", 4, "emulate")
+    for p in PROMPTS:
+        eng.add_request(p, GREEDY)
+    for _ in range(12):
+        eng.step()
+    sb = eng.scheduler.schedule()
+    batch = eng.scheduler.build(sb)
+    assert sb.mode is ForwardMode.DECODE and eng.allocator._evicted, "the windows should have slid"
+    backend, pool = eng.runner.backend, eng.runner.pool
+    eng.allocator.flush()
+    width = backend.graph_table_widths()[-1]
+    device = backend._build_metadata(batch, pool, width)
+    batch.req_to_token_host = eng.allocator.req_to_token.host
+    host = backend._host_metadata(batch, pool, width)
+    assert set(host) == {
+        "seq_lens",
+        "cu_seq_lens_q",
+        "cu_seq_lens_kv",
+        "full_page_table",
+        "swa_page_table",
+        "swa_out_loc",
+    }
+    for name, value in host.items():
+        np.testing.assert_array_equal(value, getattr(device, name).numpy(), err_msg=name)
+    eng.shutdown()

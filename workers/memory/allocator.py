@@ -244,6 +244,7 @@ class HybridSWAAllocator(KVAllocator):
         self._expected_idle = identity.copy()
         self._f2s = HostMirrored(identity, req_to_token.table.device)
         self.full_to_swa = self._f2s.tensor
+        self.full_to_swa_host = self._f2s.host
         self._evicted: dict[int, int] = {}  # row -> leading page indices whose SWA page is gone
 
     @property

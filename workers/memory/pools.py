@@ -7,6 +7,7 @@ the allocator's `full_to_swa` map (the same tensor object for the pool's whole l
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from workers.memory.allocator import HybridSWAAllocator, KVAllocator
@@ -51,6 +52,9 @@ class MHAPool:
     def translate_full_to_swa(self, full_locs: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("MHAPool has no SWA index space; nothing to translate")
 
+    def translate_full_to_swa_host(self, full_locs: np.ndarray) -> np.ndarray:
+        raise RuntimeError("MHAPool has no SWA index space; nothing to translate")
+
     def kv_cache(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffers[self._slot(layer_id)]
 
@@ -67,11 +71,20 @@ class MHAPool:
 class HybridSWAPool:
     """Full pool for full-attention layers, SWA pool for sliding-window layers."""
 
-    def __init__(self, full: MHAPool, swa: MHAPool, full_to_swa: torch.Tensor, sliding_window: int) -> None:
+    def __init__(
+        self,
+        full: MHAPool,
+        swa: MHAPool,
+        full_to_swa: torch.Tensor,
+        full_to_swa_host: np.ndarray,
+        sliding_window: int,
+    ) -> None:
+        """`full_to_swa`: the allocator's map on the device; `full_to_swa_host`: its host master."""
         self.full = full
         self.swa = swa
         self.page_size = full.page_size
         self._full_to_swa = full_to_swa
+        self._full_to_swa_host = full_to_swa_host
         self._window = sliding_window
 
     @property
@@ -90,6 +103,9 @@ class HybridSWAPool:
 
     def translate_full_to_swa(self, full_locs: torch.Tensor) -> torch.Tensor:
         return self._full_to_swa[full_locs.long()]
+
+    def translate_full_to_swa_host(self, full_locs: np.ndarray) -> np.ndarray:
+        return self._full_to_swa_host[full_locs]
 
     def _pool(self, layer_id: int) -> MHAPool:
         return self.swa if self.is_swa_layer(layer_id) else self.full
@@ -132,5 +148,6 @@ def build_pool(
         MHAPool(full_layers, allocator.full.num_ids, *args),
         MHAPool(swa_layers, allocator.swa.num_ids, *args),
         allocator.full_to_swa,
+        allocator.full_to_swa_host,
         allocator.sliding_window,
     )
