@@ -15,6 +15,11 @@ import torch
 from attention.forward_mode import ForwardMode
 
 
+class HostIndices(Protocol):
+    req_pool_indices: np.ndarray  # [B] int64
+    out_cache_loc: np.ndarray  # [T] int64
+
+
 @runtime_checkable
 class AttentionBatch(Protocol):
     forward_mode: ForwardMode
@@ -33,7 +38,8 @@ class AttentionBatch(Protocol):
     # (frozen-KV draft steps: the drafts themselves have no KV). 0 for every other forward:
     # then each request's queries are the last q_len positions of its KV.
     query_offset: int
-    # The host's master copy of req_to_token when the host owns it, else None. With it (and
-    # `host.req_pool_indices`, `host.out_cache_loc` as numpy) a backend may build its metadata
-    # on the host and upload it in one copy instead of launching kernels for it.
+    # The host's master copy of req_to_token (None only for batches that never reach a paged
+    # backend) and the batch's rows and write slots on the host: backends build their metadata
+    # there and upload it in one copy instead of launching kernels for it.
     req_to_token_host: np.ndarray | None
+    host: HostIndices | None

@@ -134,15 +134,10 @@ class TRTLLMMHABackend(AttentionBackend):
     def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> None:
         """Graph replay: this forward's metadata, recomputed from the batch and written in place
         into the static buffers (page tables zero-padded to `width` pages, by default the
-        narrowest captured width that holds the batch). When the batch carries the host's
-        tables, the metadata is computed on the host and goes up in one copy."""
+        narrowest captured width that holds the batch)."""
         if not self._static:
             raise RuntimeError("trtllm_mha: init_graph_buffers() before graph replay")
-        host = self._host_metadata(batch, pool, width) if batch.req_to_token_host is not None else None
-        md = self._build_metadata(batch, pool, width, on_device=host is None)
-        if host is not None:
-            for name, value in zip(host, _upload_int32(list(host.values()), self.device)):
-                setattr(md, name, value)
+        md = self._build_metadata(batch, pool, width)
         b = batch.batch_size
         for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv", "swa_out_loc", "mask"):
             value = getattr(md, name)
@@ -159,13 +154,57 @@ class TRTLLMMHABackend(AttentionBackend):
                 setattr(md, name, buf)
         self._md = md
 
-    def _host_metadata(self, batch: AttentionBatch, pool: KVPool, width: int | None) -> dict[str, np.ndarray]:
-        """Lengths, page tables and SWA write slots from the host's tables (the same values
-        `_build_metadata` computes on the device)."""
+    def _build_metadata(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> ForwardMetadata:
+        """The forward's metadata. Lengths, page tables and SWA write slots are computed from
+        the host's tables (the host is their master) and reach the device in one copy: no
+        kernels, and no device read."""
+        mode = batch.forward_mode
+        kernel = ROUTING[mode]
+        q_lens, seq_lens = batch.q_lens_cpu, batch.seq_lens_cpu
+        q_len_per_req = q_lens[0] if q_lens and len(set(q_lens)) == 1 else 0
+        if kernel == "decode" and not q_len_per_req:
+            raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
+        if batch.query_offset and (kernel != "decode" or q_len_per_req != 1):
+            raise KernelContractError(
+                f"{mode.name}: queries past the KV end (offset {batch.query_offset}) must be "
+                f"single decode queries, got query lengths {q_lens}"
+            )
+        if batch.req_to_token_host is None:
+            raise RuntimeError("trtllm_mha: the batch carries no host req_to_token (build it with ForwardBatch.build)")
+        p = pool.page_size
+        max_seq_len = max(seq_lens, default=0)
+        pages_per_req = width or self.table_width(cdiv(max(max_seq_len, 1), p))
+        host = self._host_tables(batch, pool, pages_per_req)
+        dev = dict(zip(host, _upload_int32(list(host.values()), self.device)))
+        mask = None
+        if kernel == "decode" and q_len_per_req > 1 and self.kernels.needs_chain_mask:
+            mask = chain_mask(batch.batch_size, q_len_per_req, self.device)
+        return ForwardMetadata(
+            mode=mode,
+            pool=pool,
+            kernel=kernel,
+            q_len_per_req=q_len_per_req,
+            seq_lens=dev["seq_lens"],
+            max_seq_len=pages_per_req * p if self._max_pages else max_seq_len,  # graphs: the table's bound
+            cu_seq_lens_q=dev["cu_seq_lens_q"],
+            cu_seq_lens_kv=dev["cu_seq_lens_kv"],
+            max_q_len=max(q_lens, default=0),
+            out_cache_loc=batch.out_cache_loc,
+            full_page_table=dev["full_page_table"],
+            swa_page_table=dev.get("swa_page_table"),
+            swa_out_loc=dev.get("swa_out_loc"),
+            mask=mask,
+            query_offset=batch.query_offset,
+        )
+
+    @staticmethod
+    def _host_tables(batch: AttentionBatch, pool: KVPool, pages: int) -> dict[str, np.ndarray]:
+        """Lengths, page tables `[B, pages]` and SWA write slots on the host. A page table holds
+        each request's slot at the start of every page (allocation is page aligned, so slot //
+        page_size is the page); columns past a request's length are 0."""
         p = pool.page_size
         table = batch.req_to_token_host
         seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
-        pages = width or self.table_width(cdiv(max(int(seq_lens.max(initial=0)), 1), p))
         cols = np.arange(pages)
         first_slots = table[batch.host.req_pool_indices[:, None], np.minimum(cols * p, table.shape[1] - 1)[None, :]]
         used = cols[None, :] < ((seq_lens + p - 1) // p)[:, None]
@@ -180,63 +219,6 @@ class TRTLLMMHABackend(AttentionBackend):
             out["swa_page_table"] = np.where(used, pool.translate_full_to_swa_host(first_slots) // p, 0)
             out["swa_out_loc"] = pool.translate_full_to_swa_host(batch.host.out_cache_loc)
         return out
-
-    def _build_metadata(
-        self, batch: AttentionBatch, pool: KVPool, width: int | None = None, on_device: bool = True
-    ) -> ForwardMetadata:
-        """The forward's metadata; with `on_device=False` only its scalars and the chain mask
-        (the caller fills lengths, page tables and SWA write slots from the host)."""
-        mode = batch.forward_mode
-        kernel = ROUTING[mode]
-        q_lens, seq_lens = batch.q_lens_cpu, batch.seq_lens_cpu
-        q_len_per_req = q_lens[0] if q_lens and len(set(q_lens)) == 1 else 0
-        if kernel == "decode" and not q_len_per_req:
-            raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
-        if batch.query_offset and (kernel != "decode" or q_len_per_req != 1):
-            raise KernelContractError(
-                f"{mode.name}: queries past the KV end (offset {batch.query_offset}) must be "
-                f"single decode queries, got query lengths {q_lens}"
-            )
-        device = batch.positions.device
-        p = pool.page_size
-        max_seq_len = max(seq_lens, default=0)
-        pages_per_req = width or self.table_width(cdiv(max(max_seq_len, 1), p))
-        seq_lens_t = cu_q = cu_kv = full_pages = swa_pages = swa_out = None
-        if on_device:
-            # Page table from each request's slot at the start of every page (allocation is page
-            # aligned, so slot // page_size is the page). Columns past a request's length -> 0.
-            cols = torch.arange(pages_per_req, device=device)
-            slot_cols = (cols * p).clamp(max=batch.req_to_token.shape[1] - 1)
-            first_slots = batch.req_to_token[batch.req_pool_indices[:, None], slot_cols[None, :]].long()
-            used = cols[None, :] < ((batch.seq_lens + p - 1) // p)[:, None]  # on the device: no host copy, no sync
-            full_pages = torch.where(used, first_slots // p, 0).to(torch.int32)
-            if pool.has_swa:
-                swa_pages = torch.where(used, pool.translate_full_to_swa(first_slots) // p, 0).to(torch.int32)
-                swa_out = pool.translate_full_to_swa(batch.out_cache_loc)
-            zero = torch.zeros(1, dtype=torch.int32, device=device)
-            seq_lens_t = batch.seq_lens.to(torch.int32)
-            cu_q = torch.cat([zero, batch.q_lens.cumsum(0).to(torch.int32)])
-            cu_kv = torch.cat([zero, batch.seq_lens.cumsum(0).to(torch.int32)])
-        mask = None
-        if kernel == "decode" and q_len_per_req > 1 and self.kernels.needs_chain_mask:
-            mask = chain_mask(batch.batch_size, q_len_per_req, device)
-        return ForwardMetadata(
-            mode=mode,
-            pool=pool,
-            kernel=kernel,
-            q_len_per_req=q_len_per_req,
-            seq_lens=seq_lens_t,
-            max_seq_len=pages_per_req * p if self._max_pages else max_seq_len,  # graphs: the table's bound
-            cu_seq_lens_q=cu_q,
-            cu_seq_lens_kv=cu_kv,
-            max_q_len=max(q_lens, default=0),
-            out_cache_loc=batch.out_cache_loc,
-            full_page_table=full_pages,
-            swa_page_table=swa_pages,
-            swa_out_loc=swa_out,
-            mask=mask,
-            query_offset=batch.query_offset,
-        )
 
     @staticmethod
     def _window_left(md: ForwardMetadata, layer: AttentionLayer) -> int:

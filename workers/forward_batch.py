@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from attention import ForwardMode
+from workers.memory.req_to_token import ReqToTokenPool
 
 
 @dataclasses.dataclass
@@ -46,7 +47,7 @@ class ForwardBatch:
     spec_hidden: torch.Tensor | None = None  # [T, *] hidden states a draft head reads per token
     attn_backend: Any = None  # set by the model runner for this forward
     host: HostInputs | None = None
-    req_to_token_host: np.ndarray | None = None  # the host master of req_to_token (graph replays)
+    req_to_token_host: np.ndarray | None = None  # the host master of req_to_token
     ids_on_device: bool = False  # input_ids come from the device (overlapped decoding); host ids are placeholders
 
     @classmethod
@@ -57,7 +58,7 @@ class ForwardBatch:
         prefix_lens: Sequence[int],
         input_ids: Sequence[Sequence[int]],
         out_cache_loc: torch.Tensor,
-        req_to_token: torch.Tensor,
+        req_to_token: ReqToTokenPool,
         logits_rows: Sequence[int],
         query_offset: int = 0,
         spec_hidden: torch.Tensor | None = None,
@@ -79,7 +80,7 @@ class ForwardBatch:
         )
         lens = np.asarray(q_lens + seq_lens, dtype=np.int64)
         parts = [host.input_ids, host.positions, host.out_cache_loc, host.req_pool_indices, host.logits_indices, lens]
-        packed = upload(np.concatenate(parts), req_to_token.device)
+        packed = upload(np.concatenate(parts), req_to_token.table.device)
         ids, pos, loc, rows_t, logits, lens_t = packed.split([len(p) for p in parts])
         b = len(rows)
         return cls(
@@ -93,7 +94,8 @@ class ForwardBatch:
             seq_lens_cpu=seq_lens,
             out_cache_loc=loc,
             req_pool_indices=rows_t,
-            req_to_token=req_to_token,
+            req_to_token=req_to_token.table,
+            req_to_token_host=req_to_token.host,
             logits_indices=logits,
             query_offset=query_offset,
             spec_hidden=spec_hidden,

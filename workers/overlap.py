@@ -92,7 +92,7 @@ class OverlapDecoder:
             prefix_lens=positions,
             input_ids=ids,
             out_cache_loc=torch.cat([self.scheduler.slots(r, p, p + 1) for r, p in zip(reqs, positions)]),
-            req_to_token=self.scheduler.req_to_token.table,
+            req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs)),
         )
         if previous is not None:

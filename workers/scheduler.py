@@ -184,7 +184,7 @@ class Scheduler:
             prefix_lens=[r.kv_len for r in sb.reqs],
             input_ids=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(sb.reqs, sb.q_lens)],
             out_cache_loc=_cat([self.slots(r, r.kv_len, r.kv_len + n) for r, n in zip(sb.reqs, sb.q_lens)]),
-            req_to_token=self.req_to_token.table,
+            req_to_token=self.req_to_token,
             logits_rows=[end for end, s in zip(ends, sb.samples) if s],
         )
 

@@ -55,7 +55,7 @@ class Scenario:
     def batch(self, mode: ForwardMode, rows: list[int], q_lens: list[int]) -> ForwardBatch:
         prefix = [self.alloc.allocated_len(r) for r in rows]
         locs = torch.cat([self.alloc.extend(r, q) for r, q in zip(rows, q_lens)])
-        return ForwardBatch.build(mode, rows, prefix, [[0] * q for q in q_lens], locs, self.r2t.table, [])
+        return ForwardBatch.build(mode, rows, prefix, [[0] * q for q in q_lens], locs, self.r2t, [])
 
     def qkv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = torch.randn(num_tokens, H * D, generator=self.gen)

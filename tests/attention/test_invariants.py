@@ -2,6 +2,7 @@
 with the upstream mistake put back ("upstream_mistake"), which must make the test's check
 fail. The mistakes are re-created here, in the tests, as the bug reports describe them."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +62,9 @@ class _AllocatorDecides:
     def translate_full_to_swa(self, locs):
         return self._alloc.full_to_swa[locs.long()]
 
+    def translate_full_to_swa_host(self, locs):
+        return self._alloc.full_to_swa_host[locs]
+
     def kv_cache(self, layer_id):
         return self._pool.kv_cache(layer_id)
 
@@ -105,6 +109,7 @@ def test_resolve_at_use_after_pool_swap(variant, monkeypatch):
             swa_window = property(lambda self: self._first.swa_window)
             is_swa_layer = lambda self, i: self._first.is_swa_layer(i)  # noqa: E731
             translate_full_to_swa = lambda self, locs: self._first.translate_full_to_swa(locs)  # noqa: E731
+            translate_full_to_swa_host = lambda self, locs: self._first.translate_full_to_swa_host(locs)  # noqa: E731
             kv_cache = lambda self, i: self._current.kv_cache(i)  # noqa: E731
             set_kv = lambda self, i, locs, k, v: self._current.set_kv(i, locs, k, v)  # noqa: E731
 
@@ -215,20 +220,21 @@ def test_one_swa_write_location_per_forward(variant, path, monkeypatch):
 def test_graph_replay_sees_fresh_indices(variant, monkeypatch):
     """Replaying with the same input buffers (same address, new contents) gives fresh indices."""
     sc, rows = _busy_scenario()
-    if variant == "upstream_mistake":  # upstream bug 5: translation memoised on (data_ptr, numel)
+    if variant == "upstream_mistake":  # upstream bug 5: translation memoised on (buffer address, size)
         memo = {}
-        original = HybridSWAPool.translate_full_to_swa
+        original = HybridSWAPool.translate_full_to_swa_host
 
         def memoised(self, locs):
-            key = (locs.data_ptr(), locs.numel())
+            key = (locs.__array_interface__["data"][0], locs.size)
             if key not in memo:
                 memo[key] = original(self, locs)
             return memo[key]
 
-        monkeypatch.setattr(HybridSWAPool, "translate_full_to_swa", memoised)
+        monkeypatch.setattr(HybridSWAPool, "translate_full_to_swa_host", memoised)
     backend = TRTLLMMHABackend(CPU)
     backend.init_graph_buffers(max_batch_size=16, max_tokens=64, max_pages_per_req=32)
     static_out_cache_loc = torch.zeros(len(rows), dtype=torch.int64)  # a captured graph's input buffer
+    static_host_loc = np.zeros(len(rows), dtype=np.int64)  # and the host array a replay fills it from
     addresses = set()
 
     def check():
@@ -236,6 +242,8 @@ def test_graph_replay_sees_fresh_indices(variant, monkeypatch):
             batch = sc.batch(ForwardMode.DECODE, rows, [1] * len(rows))
             static_out_cache_loc.copy_(batch.out_cache_loc)
             batch.out_cache_loc = static_out_cache_loc
+            static_host_loc[:] = batch.host.out_cache_loc
+            batch.host.out_cache_loc = static_host_loc
             qkv = sc.qkv(len(rows))
             backend.init_forward_metadata_replay(batch, sc.hybrid_pool)
             md = backend._md

@@ -35,7 +35,7 @@ def _setup(prefix_lens, q_lens, seed=0):
         dense_k.append(k)
         dense_v.append(v)
     locs = torch.cat([alloc.extend(r, q) for r, q in zip(rows, q_lens)])
-    batch = ForwardBatch.build(ForwardMode.EXTEND, rows, prefix_lens, [[0] * q for q in q_lens], locs, r2t.table, [])
+    batch = ForwardBatch.build(ForwardMode.EXTEND, rows, prefix_lens, [[0] * q for q in q_lens], locs, r2t, [])
     return pool, batch, dense_k, dense_v, alloc
 
 

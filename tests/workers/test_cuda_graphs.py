@@ -127,10 +127,10 @@ def test_scratch_pages_are_outside_every_request(models):
     eng.check_no_leak()
 
 
-def test_replay_metadata_from_the_host_tables_equals_the_device_one(models):
-    """Graph replays build page tables and SWA write slots from the host's tables (one upload);
-    on a busy hybrid pool whose windows have slid (evicted SWA pages), they equal what the
-    backend computes on the device from the device copies."""
+def test_metadata_from_the_host_tables_equals_the_device_copies(models):
+    """trtllm_mha builds page tables and SWA write slots from the host's tables (one upload per
+    forward); on a busy hybrid pool whose windows have slid (evicted SWA pages) they equal what
+    the device copies of the same tables give, computed here independently."""
     eng = _engine(models, "plain", 4, "emulate")
     for p in PROMPTS:
         eng.add_request(p, GREEDY)
@@ -139,20 +139,24 @@ def test_replay_metadata_from_the_host_tables_equals_the_device_one(models):
     sb = eng.scheduler.schedule()
     batch = eng.scheduler.build(sb)
     assert sb.mode is ForwardMode.DECODE and eng.allocator._evicted, "the windows should have slid"
-    backend, pool = eng.runner.backend, eng.runner.pool
     eng.allocator.flush()
-    width = backend.graph_table_widths()[-1]
-    device = backend._build_metadata(batch, pool, width)
-    batch.req_to_token_host = eng.allocator.req_to_token.host
-    host = backend._host_metadata(batch, pool, width)
-    assert set(host) == {
-        "seq_lens",
-        "cu_seq_lens_q",
-        "cu_seq_lens_kv",
-        "full_page_table",
-        "swa_page_table",
-        "swa_out_loc",
+    pool, page = eng.runner.pool, eng.allocator.page_size
+    width = eng.runner.backend.graph_table_widths()[-1]
+    host = eng.runner.backend._host_tables(batch, pool, width)
+
+    cols = torch.arange(width)
+    first = batch.req_to_token[batch.req_pool_indices[:, None], (cols * page)[None, :]].long()
+    used = cols[None, :] < ((batch.seq_lens + page - 1) // page)[:, None]
+    f2s = eng.allocator.full_to_swa
+    expected = {
+        "seq_lens": batch.seq_lens,
+        "cu_seq_lens_q": torch.cat([torch.zeros(1, dtype=torch.int64), batch.q_lens.cumsum(0)]),
+        "cu_seq_lens_kv": torch.cat([torch.zeros(1, dtype=torch.int64), batch.seq_lens.cumsum(0)]),
+        "full_page_table": torch.where(used, first // page, 0),
+        "swa_page_table": torch.where(used, f2s[first] // page, 0),
+        "swa_out_loc": f2s[batch.out_cache_loc],
     }
-    for name, value in host.items():
-        np.testing.assert_array_equal(value, getattr(device, name).numpy(), err_msg=name)
+    assert set(host) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(host[name], value.numpy(), err_msg=name)
     eng.shutdown()

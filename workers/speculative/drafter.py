@@ -89,7 +89,7 @@ class Drafter:
             prefix_lens=[a for _, a, _ in todo],
             input_ids=[r.tokens(a + self.shift, b + self.shift) for r, a, b in todo],
             out_cache_loc=torch.cat([self.scheduler.slots(r, a, b) for r, a, b in todo]),
-            req_to_token=self.scheduler.req_to_token.table,
+            req_to_token=self.scheduler.req_to_token,
             logits_rows=[e for e, p in zip(ends, proposes) if p],
             spec_hidden=spec_hidden,
         )
@@ -108,7 +108,7 @@ class Drafter:
             prefix_lens=positions,
             input_ids=_single_rows(tokens),
             out_cache_loc=torch.cat([self.scheduler.slots(r, q, q + 1) for r, q in zip(reqs, positions)]),
-            req_to_token=self.scheduler.req_to_token.table,
+            req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs)),
             spec_hidden=hidden if self.reads_hidden else None,
         )
@@ -167,7 +167,7 @@ class FrozenKVDrafter(Drafter):
             prefix_lens=[r.kv_len - 1 for r in reqs],
             input_ids=_single_rows(tokens),
             out_cache_loc=torch.zeros(0, dtype=torch.int64),
-            req_to_token=self.scheduler.req_to_token.table,
+            req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs)),
             query_offset=offset,
             spec_hidden=hidden,

@@ -74,7 +74,7 @@ class SpecWorker:
             prefix_lens=starts,
             input_ids=[r.tokens(s, s + 1) + ([0] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)],
             out_cache_loc=torch.cat([self.scheduler.slots(r, s, s + k + 1) for r, s in zip(reqs, starts)]),
-            req_to_token=self.scheduler.req_to_token.table,
+            req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs) * (k + 1)),
         )
         if on_device:
