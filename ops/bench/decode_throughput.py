@@ -182,9 +182,10 @@ def sync_sites(engine: Engine, steps: int) -> dict[str, int]:
     sync debug mode reports, counted over `steps` steps."""
     sites: collections.Counter = collections.Counter()
     show = warnings.showwarning
+    stepping = False  # only inside engine.step(): switching the mode itself may report one
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if stepping and "synchroniz" in str(message):
             frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
             sites[" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in frames[-4:][::-1])] += 1
 
@@ -194,8 +195,11 @@ def sync_sites(engine: Engine, steps: int) -> dict[str, int]:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(steps):
+                stepping = True
                 engine.step()
+                stepping = False
         finally:
+            stepping = False
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = show
     return dict(sites.most_common())
