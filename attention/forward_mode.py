@@ -12,7 +12,7 @@ class ForwardMode(enum.Enum):
     DECODE: one new token per request (also draft decode steps).
     IDLE: this rank has no requests this step but takes part in collectives.
     TARGET_VERIFY: the target scores `num_draft_tokens` per request (uniform query length).
-    DRAFT_EXTEND_V2: the draft catches up on each request's accepted tokens (ragged).
+    DRAFT_EXTEND_V2: the draft catches up over the verified window (k + 1 rows per request, padded).
     """
 
     EXTEND = "EXTEND"

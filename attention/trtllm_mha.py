@@ -6,7 +6,8 @@ Correct by construction where the upstream engine was not (docs/design.md §4):
 2. nothing about a pool is kept between forwards: `init_forward_metadata` resolves it anew,
    so a pool swapped in at forward time (frozen-KV drafts) is honoured;
 3. the kernel is picked by the `ROUTING` table: the decode kernel only for uniform query
-   lengths whose KV lengths include the new tokens (DECODE, TARGET_VERIFY);
+   lengths whose KV lengths include the new tokens (DECODE, TARGET_VERIFY, the padded
+   DRAFT_EXTEND_V2); a ragged batch routed there is refused before any kernel runs;
 4. every SWA-layer write of a forward uses the one `swa_out_loc` translated from this batch's
    `out_cache_loc`;
 5. there is no translation memo: page tables and write slots are computed once per forward
@@ -27,12 +28,14 @@ from attention.kernels import ContextCall, DecodeCall, KernelContractError, Kern
 from attention.kernels.calls import cdiv, check_write
 from attention.kv_pool import KVPool
 
-# Forward mode -> kernel. DRAFT_EXTEND_V2 carries ragged accepted lengths: context kernel.
+# Forward mode -> kernel. The decode kernel only for modes whose batches have one query length
+# per request, KV included: DRAFT_EXTEND_V2 is the draft's fixed window over the verified
+# positions (padded, never ragged); a ragged batch in a decode mode is refused (`_build_metadata`).
 ROUTING: dict[ForwardMode, str | None] = {
     ForwardMode.EXTEND: "context",
     ForwardMode.DECODE: "decode",
     ForwardMode.TARGET_VERIFY: "decode",
-    ForwardMode.DRAFT_EXTEND_V2: "context",
+    ForwardMode.DRAFT_EXTEND_V2: "decode",
     ForwardMode.IDLE: None,
 }
 
@@ -161,9 +164,7 @@ class TRTLLMMHABackend(AttentionBackend):
         mode = batch.forward_mode
         kernel = ROUTING[mode]
         q_lens, seq_lens = batch.q_lens_cpu, batch.seq_lens_cpu
-        q_len_per_req = q_lens[0] if q_lens and len(set(q_lens)) == 1 else 0
-        if kernel == "decode" and not q_len_per_req:
-            raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
+        q_len_per_req = uniform_query_len(mode, kernel, q_lens)
         if batch.query_offset and (kernel != "decode" or q_len_per_req != 1):
             raise KernelContractError(
                 f"{mode.name}: queries past the KV end (offset {batch.query_offset}) must be "
@@ -306,6 +307,15 @@ class TRTLLMMHABackend(AttentionBackend):
         """The kernel this device runs for a forward mode (recorded in traces)."""
         route = ROUTING[mode]
         return None if route is None else getattr(self.kernels, f"{route}_name")
+
+
+def uniform_query_len(mode: ForwardMode, kernel: str | None, q_lens: list[int]) -> int:
+    """The batch's one query length per request (0 when ragged); a ragged batch routed to the
+    decode kernel is refused here, before any kernel runs (docs/design.md §4.3)."""
+    q_len = q_lens[0] if q_lens and len(set(q_lens)) == 1 else 0
+    if kernel == "decode" and not q_len:
+        raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
+    return q_len
 
 
 def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -94,8 +94,12 @@ class CudaGraphRunner:
 
     # -- start-up ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, mode: ForwardMode, q_len: int, pool: KVPool, query_offset: int = 0) -> None:
-        """Capture this key's graphs for every page-table width and batch size (largest first)."""
+    def capture(
+        self, mode: ForwardMode, q_len: int, pool: KVPool, query_offset: int = 0, hidden_in: int | None = None
+    ) -> None:
+        """Capture this key's graphs for every page-table width and batch size (largest first);
+        `hidden_in` overrides the width of the hidden states read per token (a draft head's
+        catch-up reads the target's, its decode steps its own)."""
         key = GraphKey(mode, q_len, query_offset, id(pool))
         if key in self.families:
             return
@@ -103,9 +107,8 @@ class CudaGraphRunner:
             raise ValueError(f"cuda graphs: {q_len} query tokens per padded row need more scratch pages")
         rows = self.max_batch_size * q_len
         inputs = torch.zeros(5 * rows + 3 * self.max_batch_size, dtype=torch.int64, device=self.device)
-        spec_hidden = (
-            torch.zeros(rows, self.hidden_in, dtype=self.dtype, device=self.device) if self.hidden_in else None
-        )
+        width = hidden_in or self.hidden_in
+        spec_hidden = torch.zeros(rows, width, dtype=self.dtype, device=self.device) if width else None
         family = _Family(pool, inputs, spec_hidden)
         self.families[key] = family
         start = time.perf_counter()

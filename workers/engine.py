@@ -198,7 +198,8 @@ class Engine:
         )
 
     def _capture_graphs(self, emulate: bool, max_batch_size: int) -> None:
-        """Capture the target's decode (or verify) and the draft's decode steps."""
+        """Capture the target's decode (or verify), the draft's decode steps and its catch-up over
+        the verified window."""
         sizes = capture_sizes(max_batch_size)
         k = self.spec.num_steps if self.spec is not None else 0
         max_q = k + 1 if self.spec is not None else 1
@@ -224,6 +225,8 @@ class Engine:
                     draft.capture(ForwardMode.DECODE, 1, self.runner.pool, offset)
             else:
                 draft.capture(ForwardMode.DECODE, 1, drafter.runner.pool)
+                reads = self.runner.model.handed_on_size if drafter.reads_hidden else None
+                draft.capture(ForwardMode.DRAFT_EXTEND_V2, k + 1, drafter.runner.pool, hidden_in=reads)
             seconds = target.capture_seconds + draft.capture_seconds
         if self.device.type == "cuda":
             grown = (torch.cuda.memory_allocated(self.device) - used) / 2**20

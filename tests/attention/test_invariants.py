@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from attention import ForwardMode, create_backend
+from attention import ForwardMode, create_backend, trtllm_mha
 from attention.kernels import KernelContractError
-from attention.trtllm_mha import ROUTING, TRTLLMMHABackend
+from attention.trtllm_mha import TRTLLMMHABackend
 from tests.attention.scenario import Scenario
 from workers.memory import HybridSWAPool
 
@@ -132,10 +132,14 @@ def test_resolve_at_use_after_pool_swap(variant, monkeypatch):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_kernel_only_for_uniform_verify(variant, monkeypatch):
-    """TARGET_VERIFY (uniform) runs the decode kernel; DRAFT_EXTEND_V2 (ragged) the context one."""
+    """TARGET_VERIFY and DRAFT_EXTEND_V2 with one query length per request (the drafter pads its
+    catch-up to the verified window) run the decode kernel and match the reference; a ragged
+    batch in a decode-routed mode is refused before any kernel runs. Upstream routed a ragged
+    draft extend (accepted lengths) to the decode kernel: an illegal memory access on the GPU.
+    The mistake put back: the refusal gone, the ragged batch reaches the decode kernel."""
     sc, rows = _busy_scenario(headroom=24)  # verify and draft extend grow every request by up to 8
-    if variant == "upstream_mistake":  # upstream bug 3: draft extend routed to the decode kernel
-        monkeypatch.setitem(ROUTING, ForwardMode.DRAFT_EXTEND_V2, "decode")
+    if variant == "upstream_mistake":
+        monkeypatch.setattr(trtllm_mha, "uniform_query_len", lambda mode, kernel, q_lens: max(q_lens))
     backend = TRTLLMMHABackend(CPU)
     used = []
     for kind in ("decode", "context"):
@@ -151,19 +155,24 @@ def test_decode_kernel_only_for_uniform_verify(variant, monkeypatch):
             ),
         )
 
-    def check():
-        for mode, q_lens, kernel in [
-            (ForwardMode.TARGET_VERIFY, [4] * 8, "decode"),
-            (ForwardMode.DRAFT_EXTEND_V2, [1, 3, 2, 4, 1, 1, 2, 3], "context"),
-        ]:
-            used.clear()
-            batch = sc.batch(mode, rows, q_lens)
-            qkv = sc.qkv(sum(q_lens))
-            refs = sc.reference(sc.hybrid_pool, batch, qkv)
-            _close(sc.run(backend, sc.hybrid_pool, batch, qkv), refs)
-            assert set(used) == {kernel}, f"{mode.name} ran {used}"
+    def run(mode, q_lens):
+        used.clear()
+        batch = sc.batch(mode, rows, q_lens)
+        qkv = sc.qkv(sum(q_lens))
+        try:
+            return batch, qkv, sc.run(backend, sc.hybrid_pool, batch, qkv)
+        finally:
             for r in rows:  # accepted tokens stay; nothing else to roll back here
                 sc.alloc.release_window(r, sc.alloc.allocated_len(r))
+
+    def check():
+        for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+            batch, qkv, outs = run(mode, [4] * 8)
+            _close(outs, sc.reference(sc.hybrid_pool, batch, qkv))
+            assert set(used) == {"decode"}, f"{mode.name} ran {used}"
+        with pytest.raises(KernelContractError, match="DRAFT_EXTEND_V2: the decode kernel needs one query length"):
+            run(ForwardMode.DRAFT_EXTEND_V2, [1, 3, 2, 4, 1, 1, 2, 3])
+        assert not used, f"a ragged batch reached {used}"
 
     _expect(variant, check)
 

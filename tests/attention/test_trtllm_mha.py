@@ -32,12 +32,13 @@ def test_routing_table():
         "DECODE": "decode",
         "IDLE": None,
         "TARGET_VERIFY": "decode",
-        "DRAFT_EXTEND_V2": "context",
+        "DRAFT_EXTEND_V2": "decode",
     }
     assert (KERNEL_SETS["sm90"].decode_name, KERNEL_SETS["sm90"].context_name) == ("xqa", "fmha_v2")
     backend = TRTLLMMHABackend(CPU)
     assert backend.kernel_name(ForwardMode.TARGET_VERIFY) == "reference_decode"
-    assert backend.kernel_name(ForwardMode.DRAFT_EXTEND_V2) == "reference_context"
+    assert backend.kernel_name(ForwardMode.DRAFT_EXTEND_V2) == "reference_decode"
+    assert backend.kernel_name(ForwardMode.EXTEND) == "reference_context"
 
 
 # -- generation on a busy pool ------------------------------------------------------------------

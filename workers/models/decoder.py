@@ -219,6 +219,11 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[AttentionLayer]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    @property
+    def handed_on_size(self) -> int:
+        """Width of the hidden states `forward` hands to a draft model."""
+        return self.cfg.hidden_size * max(1, len(self.model.capture_layers))
+
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states for logits, hidden states handed to a draft model): the final-norm
         states, or the captured layer outputs when `model.capture_layers` is set."""

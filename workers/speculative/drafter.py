@@ -4,15 +4,19 @@ Every draft shares the target's allocator and request->token table: a draft entr
 q lives at the same full-pool slot as the target's token at q, in the draft's own pool (or, for
 frozen-KV drafts, nowhere: they read the target's pool, handed to each forward).
 
-A drafter keeps each request's draft KV valid over draft positions [0, draft_len). After every
-target forward it *catches up* (`catch_up`): it runs on the entries it has not seen, and where
-that reaches the request's pending token its last row proposes the first draft token of the
-next round. A round then takes num_steps - 1 more single-token draft steps (`step`).
+A drafter keeps each request's draft KV valid over draft positions [0, draft_len). After a
+prefill chunk it *catches up* (`catch_up`, ragged): it runs on the entries it has not seen, and
+where that reaches the request's pending token its last row proposes the first draft token of the
+next round. A round then takes num_steps - 1 more single-token draft steps (`step`). After a
+verify it catches up over one fixed window of num_steps + 1 entries per request
+(`catch_up_verified`, `DRAFT_EXTEND_V2`): uniform, so the same kernel and graphs as the verify
+serve it. Rows past a request's accepted tokens read padding and write draft KV only at slots of
+rejected positions, which the round gives back right after; their logits are not read.
 
-- standalone: the entry at draft position q consumes token q; the catch-up after verify runs
-  the tokens the draft lacks (the bonus token, and the last draft if all were kept).
-- eagle: the entry at q consumes token q + 1 and the target's hidden state at q; the catch-up
-  runs every accepted token and the bonus with the target's hidden states (drafting used the
+- standalone: the entry at draft position q consumes token q; the window starts after the
+  pending token's entry (drafting already wrote the accepted ones; they are recomputed).
+- eagle: the entry at q consumes token q + 1 and the target's hidden state at q; the window
+  starts at the pending token's position, with the verify's hidden states (drafting used the
   draft's own).
 - frozen_kv_mtp: no KV; no catch-up: the first draft step reads the target's hidden state.
 """
@@ -22,10 +26,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
 import torch
 
 from attention import ForwardMode
-from workers.forward_batch import ForwardBatch
+from workers.cuda_graphs import PADDING_TOKEN
+from workers.forward_batch import ForwardBatch, upload
 from workers.model_runner import ForwardOutput, ModelRunner
 from workers.request import Request
 from workers.sampler import draw_each
@@ -51,7 +57,6 @@ class Drafter:
     """Standalone and EAGLE drafts: draft models with KV of their own."""
 
     shift = 0  # the entry consuming the token at position p sits at draft position p - shift
-    reuses_drafted_kv = True  # KV written while drafting equals what a catch-up would write
     reads_hidden = False  # entries read the target's hidden states
 
     def __init__(
@@ -67,10 +72,6 @@ class Drafter:
         """Draft positions that should hold entries once the target has run: the entries of
         the tokens the target has KV for and of the token after them (the pending token)."""
         return req.kv_len + 1 - self.shift
-
-    def after_verify(self, req: Request, accepted: int, num_steps: int) -> None:
-        if self.reuses_drafted_kv:
-            req.spec.draft_len += min(accepted, num_steps - 1)
 
     def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
         """Run the draft over each request's entries [draft_len, goal)."""
@@ -97,7 +98,33 @@ class Drafter:
         proposing = [r for (r, _, _), p in zip(todo, proposes) if p]
         for r, _, b in todo:
             r.spec.draft_len = b
-        self._propose(proposing, out, [e for e, p in zip(ends, proposes) if p])
+        self._propose(proposing, out.logits, out.hidden, [e for e, p in zip(ends, proposes) if p])
+
+    def catch_up_verified(
+        self, reqs: list[Request], starts: list[int], accepted: list[int], width: int, hidden: torch.Tensor
+    ) -> None:
+        """After a verify of `width` = num_steps + 1 positions from each request's `starts`
+        (the pending token's position), `accepted[i]` drafts of which were kept: one window of
+        `width` entries per request; row accepted[i] proposes. `hidden`: the verify's hidden
+        states, `width` rows per request."""
+        firsts = [s + 1 - self.shift for s in starts]
+        ids = [r.tokens(a + self.shift, a + self.shift + width) for r, a in zip(reqs, firsts)]
+        batch = ForwardBatch.build(
+            ForwardMode.DRAFT_EXTEND_V2,
+            rows=[r.row for r in reqs],
+            prefix_lens=firsts,
+            input_ids=[t + [PADDING_TOKEN] * (width - len(t)) for t in ids],
+            out_cache_loc=torch.cat([self.scheduler.slots(r, a, a + width) for r, a in zip(reqs, firsts)]),
+            req_to_token=self.scheduler.req_to_token,
+            logits_rows=range(len(reqs) * width),
+            spec_hidden=hidden if self.reads_hidden else None,
+        )
+        out = self.runner.forward(batch)
+        for r, a, n in zip(reqs, firsts, accepted):
+            r.spec.draft_len = a + n + 1
+        rows = [i * width + n for i, n in enumerate(accepted)]
+        logits = out.logits.index_select(0, upload(np.asarray(rows, dtype=np.int64), out.logits.device))
+        self._propose(reqs, logits, out.hidden, rows)
 
     def step(self, reqs: list[Request], j: int, tokens: Tokens, hidden: torch.Tensor) -> ForwardOutput:
         """Draft step j (2..num_steps): each request's draft j-1 -> logits for draft j."""
@@ -114,33 +141,32 @@ class Drafter:
         )
         return self.runner.forward(_with_device_ids(batch, tokens))
 
-    def _propose(self, reqs: list[Request], out: ForwardOutput, rows: list[int]) -> None:
-        """The first draft token of the next round for each request, from its logits row."""
+    def _propose(self, reqs: list[Request], logits: torch.Tensor, hidden: torch.Tensor, rows: list[int]) -> None:
+        """The first draft token of the next round for each request, from its row of `logits`
+        (one per request), and the draft hidden state of its row `rows[i]` of `hidden`."""
         if not reqs:
             return
         if all(r.sampling.greedy for r in reqs):  # argmax stays on the device: no host sync
-            best = out.logits.argmax(dim=-1)
+            best = logits.argmax(dim=-1)
             for i, (r, row) in enumerate(zip(reqs, rows)):
-                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, out.hidden[row]
+                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, hidden[row]
             return
-        tokens, probs, errors = draw_each(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        tokens, probs, errors = draw_each(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
         for i, (r, t, p, row) in enumerate(zip(reqs, tokens, probs, rows)):
             if i in errors:
                 self.scheduler.fail(r, errors[i])
             else:
-                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = t, p, out.hidden[row]
+                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = t, p, hidden[row]
 
 
 class EagleDrafter(Drafter):
     shift = 1
-    reuses_drafted_kv = False
     reads_hidden = True
 
 
 class FrozenKVDrafter(Drafter):
     """Draft layers read the target's pool, swapped in for every forward; no KV of their own."""
 
-    reuses_drafted_kv = False
     reads_hidden = True
 
     def goal(self, req: Request) -> int:
@@ -154,7 +180,15 @@ class FrozenKVDrafter(Drafter):
             return
         rows = torch.cat([_rows(hidden[r.rid], r.kv_len - 1, r.kv_len) for r in ready])
         out = self._query(ready, [r.output_ids[-1] for r in ready], rows, offset=1)
-        self._propose(ready, out, list(range(len(ready))))
+        self._propose(ready, out.logits, out.hidden, list(range(len(ready))))
+
+    def catch_up_verified(
+        self, reqs: list[Request], starts: list[int], accepted: list[int], width: int, hidden: torch.Tensor
+    ) -> None:
+        """Draft step 1 of the next round, from the verify's hidden state at the position before
+        each new pending token; a frozen-KV head has no KV to catch up on."""
+        rows = {r.rid: (s, hidden[i * width : (i + 1) * width]) for i, (r, s) in enumerate(zip(reqs, starts))}
+        self.catch_up(ForwardMode.DRAFT_EXTEND_V2, reqs, rows)
 
     def step(self, reqs: list[Request], j: int, tokens: Tokens, hidden: torch.Tensor) -> ForwardOutput:
         return self._query(reqs, tokens, hidden, offset=j)

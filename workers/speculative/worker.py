@@ -5,10 +5,11 @@ One decode round for every running request:
     draft DECODE x (num_steps - 1)   drafts 2..k (draft 1 came from the last catch-up)
     TARGET_VERIFY                    the pending token and k drafts, k + 1 query rows each
     accept                           greedy match or rejection sampling; commit n + 1 tokens
-    DRAFT_EXTEND_V2                  the draft catches up on the accepted tokens (ragged)
+    DRAFT_EXTEND_V2                  the draft catches up over the verified window, k + 1 rows
+                                     each (rows past the accepted tokens are padding)
 
-Slots of rejected drafts are given back right after acceptance; SWA windows only after the
-catch-up, which still reads them.
+Slots of rejected drafts are given back after the catch-up, whose padding rows write there;
+SWA windows after it too, since it still reads them.
 
 When every request of the round is greedy, each draft step's argmax stays on the device and
 feeds the next step and the verification directly; the round's only device-to-host copy is the
@@ -88,7 +89,7 @@ class SpecWorker:
         else:  # one device sync for every greedy request
             best = best.tolist()
 
-        events, live, rows = [], [], {}
+        events, live = [], []
         self.last_accept_lengths = {}
         self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
         for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
@@ -99,9 +100,16 @@ class SpecWorker:
                 continue
             events.append((req, new))
             if not req.finished:
-                rows[req.rid] = (start, out.hidden[i * (k + 1) : (i + 1) * (k + 1)])
-                live.append(req)
-        self.drafter.catch_up(ForwardMode.DRAFT_EXTEND_V2, live, rows)
+                live.append((i, req, start, len(new) - 1))
+        if live:
+            hidden = out.hidden
+            if len(live) < len(reqs):
+                hidden = torch.cat([out.hidden[i * (k + 1) : (i + 1) * (k + 1)] for i, _, _, _ in live])
+            _, live_reqs, live_starts, accepted = map(list, zip(*live))
+            self.drafter.catch_up_verified(live_reqs, live_starts, accepted, k + 1, hidden)
+            for req in live_reqs:
+                if not req.finished:  # (a failed proposal ends the request)
+                    self.scheduler.trim(req)  # rejected drafts' slots, written by the catch-up's padding rows
         return events
 
     def _draft_on_device(self, reqs: list[Request]) -> tuple[list[Request], torch.Tensor, list[list[None]]]:
@@ -166,7 +174,4 @@ class SpecWorker:
         new = self.scheduler.commit(req, drafts[:accepted] + [bonus], start + accepted + 1)
         if req.sampling.return_logits:
             req.logits.extend(logits[: len(new)].cpu())
-        if not req.finished:
-            self.scheduler.trim(req)  # rejected drafts' slots
-            self.drafter.after_verify(req, accepted, k)
         return new
