@@ -203,6 +203,43 @@ def test_accept_length_canary_catches_the_upstream_mistake(models, monkeypatch):
     assert mean < K, f"with the mistake put back the canary still saw a mean accept length of {mean:.2f}"
 
 
+@pytest.mark.parametrize("variant", ["standalone-swa", "standalone-full", "eagle3-full"])
+def test_catch_up_padding_writes_only_slots_the_round_gives_back(models, variant):
+    """The draft's catch-up after a verify runs num_steps + 1 rows per request; rows past the
+    accepted tokens are padding. They may write draft KV only at slots their own request holds
+    for this round, and after every round a request holds no slot past its pending token."""
+    m = models["gemma3"]
+    algorithm, pool, draft = VARIANTS[variant]
+    eng = _engine(m["target"], "trtllm_mha", 4, _spec(algorithm, m[draft], pool))
+    drafter, r2t, alloc = eng.spec.drafter, eng.req_to_token, eng.allocator
+    forward, seen = drafter.runner.forward, collections.Counter()
+
+    def checked_forward(batch, pool=None):
+        if batch.forward_mode.name == "DRAFT_EXTEND_V2":
+            width = K + 1
+            assert batch.q_lens_cpu == [width] * batch.batch_size
+            for i, row in enumerate(batch.host.req_pool_indices.tolist()):
+                held = set(r2t.host[row, : alloc.allocated_len(row)].tolist())
+                written = batch.host.out_cache_loc[i * width : (i + 1) * width].tolist()
+                assert set(written) <= held, f"row {row} wrote slots it does not hold: {set(written) - held}"
+            seen["catch_ups"] += 1
+        return forward(batch, pool)
+
+    drafter.runner.forward = checked_forward
+    sp = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    for p in random_prompts(PROMPT_LENS):
+        eng.add_request(p, sp)
+    while eng.has_unfinished():
+        eng.step()
+        for req in eng.scheduler.running:
+            if req.prefilled and not req.finished:
+                assert alloc.allocated_len(req.row) <= req.num_tokens, "slots held past the pending token"
+    assert seen["catch_ups"] > 0
+    for rid in list(eng._requests):
+        eng.release(rid)
+    eng.check_no_leak()
+
+
 # -- rejection sampling ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
