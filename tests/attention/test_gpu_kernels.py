@@ -1,5 +1,5 @@
 """Hopper kernels (XQA decode/verify, FMHA-v2 context) against the float32 reference kernels,
-bf16, on the device machine. Relative error ||out - ref|| / ||ref|| <= 1e-2.
+bf16, on a GPU. Relative error ||out - ref|| / ||ref|| <= 1e-2.
 
 Every pair of (page size, head dim, GQA ratio) values is covered by a Latin square; each row
 runs decode and one verify length (2..8), with and without a 127-token window.
