@@ -43,3 +43,11 @@ class AttentionBatch(Protocol):
     # there and upload it in one copy instead of launching kernels for it.
     req_to_token_host: np.ndarray | None
     host: HostIndices | None
+
+
+def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device: shared memory on the CPU, one pinned copy on a GPU."""
+    host = torch.from_numpy(values)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from attention.base import AttentionBackend, AttentionLayer
-from attention.batch import AttentionBatch
+from attention.batch import AttentionBatch, upload
 from attention.forward_mode import ForwardMode
 from attention.kernels import ContextCall, DecodeCall, KernelContractError, KernelSet, chain_mask, select_kernels
 from attention.kernels.calls import cdiv, check_write
@@ -319,8 +319,6 @@ def uniform_query_len(mode: ForwardMode, kernel: str | None, q_lens: list[int]) 
 
 
 def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host arrays on the device as int32, in one (pinned, asynchronous) copy; shapes kept."""
-    packed = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32))
-    if device.type != "cpu":
-        packed = packed.pin_memory().to(device, non_blocking=True)
+    """Host arrays on the device as int32, in one copy; shapes kept."""
+    packed = upload(np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32), device)
     return [part.view(a.shape) for part, a in zip(packed.split([a.size for a in arrays]), arrays)]

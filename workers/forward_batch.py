@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from attention import ForwardMode
+from attention.batch import upload
 from workers.memory.req_to_token import ReqToTokenPool
 
 
@@ -111,11 +112,3 @@ class ForwardBatch:
             )
         self.input_ids = ids
         self.ids_on_device = True
-
-
-def upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device: shared memory on the CPU, one pinned copy on a GPU."""
-    host = torch.from_numpy(values)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from attention import ForwardMode
-from workers.forward_batch import ForwardBatch, upload
+from attention.batch import upload
+from workers.forward_batch import ForwardBatch
 from workers.request import Request
 from workers.scheduler import ScheduledBatch, Scheduler
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from workers.forward_batch import upload
+from attention.batch import upload
 from workers.sampling_params import SamplingParams
 
 

@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from attention import ForwardMode
+from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
-from workers.forward_batch import ForwardBatch, upload
+from workers.forward_batch import ForwardBatch
 from workers.model_runner import ForwardOutput, ModelRunner
 from workers.request import Request
 from workers.sampler import draw_each
@@ -212,7 +213,7 @@ class FrozenKVDrafter(Drafter):
 def _single_rows(tokens: Tokens) -> list[list[int]]:
     """One input token per request; placeholders when the tokens are still on the device."""
     if isinstance(tokens, torch.Tensor):
-        return [[0]] * tokens.shape[0]
+        return [[PADDING_TOKEN]] * tokens.shape[0]
     return [[t] for t in tokens]
 
 

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from attention import ForwardMode
-from workers.forward_batch import ForwardBatch, upload
+from attention.batch import upload
+from workers.cuda_graphs import PADDING_TOKEN
+from workers.forward_batch import ForwardBatch
 from workers.model_runner import ModelRunner
 from workers.request import Request
 from workers.sampler import draw_each, sampling_probs
@@ -73,7 +75,9 @@ class SpecWorker:
             ForwardMode.TARGET_VERIFY,
             rows=[r.row for r in reqs],
             prefix_lens=starts,
-            input_ids=[r.tokens(s, s + 1) + ([0] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)],
+            input_ids=[
+                r.tokens(s, s + 1) + ([PADDING_TOKEN] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)
+            ],
             out_cache_loc=torch.cat([self.scheduler.slots(r, s, s + k + 1) for r, s in zip(reqs, starts)]),
             req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs) * (k + 1)),
