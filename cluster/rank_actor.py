@@ -2,14 +2,14 @@
 
 The actor builds its rank's `Engine` (target and draft shards, KV pools, the replica's allocator
 state), joins the replica's `torch.distributed` group (rank 0 publishes address and port) and
-runs the rank loop in a thread. Rank 0 also takes requests (`generate`, a Ray streaming
-generator fed by the loop thread) and aborts; other ranks only follow rank 0's broadcasts.
+runs the rank loop in a thread. Rank 0 also takes requests (`submit`) and aborts, and streams
+the updates of all its requests to the replica through one Ray streaming generator (`updates`),
+fed by the loop thread once per step; other ranks only follow rank 0's broadcasts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import datetime
 import logging
 import socket
@@ -92,7 +92,9 @@ class RankActor:
         self.loop: RankLoop | None = None
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._outbox: dict[str, dict[str, Any]] = {}  # request id -> its updates since the last item
+        self._ready = asyncio.Event()
+        self._reader = 0  # the `updates()` stream being read
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port for the process group's rendezvous (rank 0)."""
@@ -121,7 +123,7 @@ class RankActor:
             engine,
             self.rank,
             control if self.tp_size > 1 else None,
-            self._on_update,
+            self._on_updates,
             on_step=self._on_step if self.tracer is not None else None,
         )
         self._thread = threading.Thread(target=self.loop.run, name=f"rank{self.rank}-loop", daemon=True)
@@ -137,42 +139,45 @@ class RankActor:
         }
 
     # -- rank 0 ----------------------------------------------------------------------------------
-    async def generate(
+    def submit(
         self, rid: str, prompt_ids: list[int], sampling: dict[str, Any], trace_context: dict[str, str] | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Stream a request's updates (new token ids; the last one with finish reason and usage).
-        A request that fails, invalid ones included, ends with an update carrying `error`
-        (code and message) rather than an exception: bad input is not a fault of this actor.
-        `trace_context`: the W3C carrier of the request's span; step spans join that trace."""
-        if rid in self._streams:
-            yield error_update(ErrorCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in use")
-            return
+    ) -> dict[str, Any] | None:
+        """Queue a request; its updates come through `updates()`. Returns None, or the error
+        update of a request that cannot run (invalid input is not a fault of this actor, so it is
+        answered, never raised). `trace_context`: the W3C carrier of the request's span; step
+        spans join that trace."""
         try:
             self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
         except (ValueError, TypeError) as exc:
-            yield error_update(ErrorCode.INVALID_ARGUMENT, str(exc))
-            return
+            return error_update(ErrorCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # the loop stopped
-            yield error_update(ErrorCode.UNAVAILABLE, str(exc))
-            return
-        stream: asyncio.Queue[Update] = asyncio.Queue()
-        self._streams[rid] = stream
+            return error_update(ErrorCode.UNAVAILABLE, str(exc))
         if self.tracer is not None and trace_context:
             self._trace_contexts[rid] = context_from_carrier(trace_context)
-        finished = False
-        try:
-            while not finished:
-                update = await stream.get()
-                while not update.finished and not stream.empty():  # behind: send all that is ready at once
-                    later = stream.get_nowait()
-                    update = dataclasses.replace(later, token_ids=update.token_ids + later.token_ids)
-                finished = update.finished
-                yield update_to_wire(update)
-        finally:
-            self._streams.pop(rid, None)
-            self._trace_contexts.pop(rid, None)
-            if not finished:  # the caller went away: free the request's KV at the next step
-                self.loop.abort(rid)
+        return None
+
+    async def updates(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """Every request's updates, as one stream for the whole replica (the replica hands them
+        out): each item is everything that happened since the previous one, one update per
+        request (token ids of consecutive steps joined), so the number of items follows the
+        steps, not steps x requests, and shrinks further while the reader is behind (open it with
+        generator backpressure). An item with a finished request carries this rank's load.
+        One reader at a time: opening it again ends the previous reader's stream."""
+        self._reader += 1
+        reader = self._reader
+        while reader == self._reader:
+            await self._ready.wait()
+            self._ready.clear()
+            if reader != self._reader:
+                return
+            batch, self._outbox = self._outbox, {}
+            for rid, update in batch.items():
+                if update["finished"]:
+                    self._trace_contexts.pop(rid, None)
+            if any(update["finished"] for update in batch.values()):
+                yield {"updates": list(batch.values()), "load": self.load()}
+            else:
+                yield {"updates": list(batch.values())}
 
     def abort(self, rid: str) -> None:
         self.loop.abort(rid)
@@ -186,11 +191,20 @@ class RankActor:
         contexts = [self._trace_contexts.get(rid) for rid in step.request_ids]
         record_step(self.tracer, step, contexts, self.engine_info, self.loop.engine.kv_stats(), self.num_steps)
 
-    def _on_update(self, update: Update) -> None:
-        """Called by the loop thread: hand the update to the request's stream."""
-        stream = self._streams.get(update.rid)
-        if stream is not None:
-            self._aio.call_soon_threadsafe(stream.put_nowait, update)
+    def _on_updates(self, updates: list[Update]) -> None:
+        """Called by the loop thread once per step: one hand-over to the event loop."""
+        self._aio.call_soon_threadsafe(self._collect, updates)
+
+    def _collect(self, updates: list[Update]) -> None:
+        """Add a step's updates to the outbox, joining each request's tokens with what is
+        waiting there (a finished update is a request's last)."""
+        for update in updates:
+            wire = {"request_id": update.rid, **update_to_wire(update)}
+            waiting = self._outbox.get(update.rid)
+            if waiting is not None:
+                wire["token_ids"] = waiting["token_ids"] + wire["token_ids"]
+            self._outbox[update.rid] = wire
+        self._ready.set()
 
     # -- every rank ------------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:

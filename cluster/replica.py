@@ -9,7 +9,6 @@ or rank loop is gone, so Serve replaces the replica; requests in flight then end
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -29,6 +28,8 @@ from workers.sampling_params import SamplingParams
 from workers.tokenizer import IncrementalDetokenizer, StopStrings, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+UPDATE_BACKLOG = 2  # items of rank 0's update stream in flight before it waits (and joins updates)
 
 
 class LLMServer:
@@ -66,6 +67,9 @@ class LLMServer:
         addr, port = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
         self.limits = PromptLimits.of(self.info["context_length"], self.tokenizer)
+        self._requests: dict[str, asyncio.Queue] = {}  # request id -> the updates rank 0 sent for it
+        self._reader: asyncio.Task | None = None
+        self._last_load: dict[str, Any] = {}
         logger.info("replica %s: %d rank(s) up: %s", self.replica_tag, len(self.ranks), self.info)
 
     # -- requests ------------------------------------------------------------------------------
@@ -74,24 +78,32 @@ class LLMServer:
         tokenizer); the last carries finish reason, usage, speculative statistics and this
         replica's load. A stop string ends the request (its text is cut before the stop).
         A request that fails ends with an update carrying `error` ({code, message}); invalid
-        input is answered that way too, never raised (it is not a fault of the replica)."""
+        input is answered that way too, never raised (it is not a fault of the replica).
+        While the caller is behind, everything that is ready goes out as one update."""
         try:
             rid, prompt_ids, sampling, stop = await self._parse(body)
         except ValueError as exc:
             yield {**error_update(ErrorCode.INVALID_ARGUMENT, str(exc)), "replica": self.replica_tag}
             return
+        if rid in self._requests:
+            yield {
+                **error_update(ErrorCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in use"),
+                "replica": self.replica_tag,
+            }
+            return
+        self._start_reader()
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        stops, emitted = StopStrings(stop), 0
-        stream = (
-            self.ranks[0]
-            .generate.options(num_returns="streaming")
-            .remote(rid, prompt_ids, dataclasses.asdict(sampling), body.get("trace_context"))
-        )
+        stops, emitted, finished = StopStrings(stop), 0, False
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._requests[rid] = queue
         try:
-            async for ref in stream:
-                update = await self._resolve(rid, ref)
-                while not update["finished"] and stream.next_ready():  # behind: send all that is ready at once
-                    later = await self._resolve(rid, await stream.__anext__())
+            refused = await self._submit(rid, prompt_ids, sampling, body.get("trace_context"))
+            if refused is not None:
+                queue.put_nowait(refused)
+            while not finished:
+                update = await queue.get()
+                while not update["finished"] and not queue.empty():
+                    later = queue.get_nowait()
                     update = {**later, "token_ids": update["token_ids"] + later["token_ids"]}
                 update["request_id"], update["replica"] = rid, self.replica_tag
                 emitted += len(update["token_ids"])
@@ -105,24 +117,56 @@ class LLMServer:
                             prompt_tokens=len(prompt_ids),
                             completion_tokens=emitted,
                         )
-                if update["finished"]:
-                    with contextlib.suppress(ray.exceptions.RayError):  # its ranks may be gone
-                        update["load"] = await self.load()
+                finished = update["finished"]
+                if finished:  # rank 0's load as of this update (it comes with the update's item)
+                    update["load"] = {"replica": self.replica_tag, **self._last_load}
                 yield update
-                if update["finished"]:
-                    return
         finally:
-            if not stream.completed():  # cancelled, failed or cut at a stop string: free the KV
+            self._requests.pop(rid, None)
+            if not finished or stops.stopped:  # cancelled, failed or cut at a stop string: free the KV
                 self.ranks[0].abort.remote(rid)
 
-    async def _resolve(self, rid: str, ref: ray.ObjectRef) -> dict[str, Any]:
-        """A rank-0 update, or the error update of a rank that failed."""
+    async def _submit(
+        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, trace_context: dict[str, str] | None
+    ) -> dict[str, Any] | None:
+        """Hand the request to rank 0; None, or the update that ends it at once."""
         try:
-            return await ref
+            return await self.ranks[0].submit.remote(rid, prompt_ids, dataclasses.asdict(sampling), trace_context)
         except ray.exceptions.RayError as exc:
-            return error_update(
-                ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}"
-            )
+            return self._lost(rid, exc)
+
+    def _lost(self, rid: str, exc: BaseException) -> dict[str, Any]:
+        return error_update(
+            ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}"
+        )
+
+    def _start_reader(self) -> None:
+        """Read rank 0's update stream (once per replica, from the first request on)."""
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_updates())
+
+    async def _read_updates(self) -> None:
+        """Hand each request its updates from rank 0's one stream. When the stream breaks (a rank
+        died), every request waiting here ends with UNAVAILABLE; the health check then fails and
+        Serve replaces the replica."""
+        stream = (
+            self.ranks[0]
+            .updates.options(num_returns="streaming", _generator_backpressure_num_objects=UPDATE_BACKLOG)
+            .remote()
+        )
+        try:
+            async for ref in stream:
+                item = await ref
+                if "load" in item:
+                    self._last_load = item["load"]
+                for update in item["updates"]:
+                    queue = self._requests.get(update["request_id"])
+                    if queue is not None:
+                        queue.put_nowait(update)
+        except ray.exceptions.RayError as exc:
+            logger.error("replica %s: rank 0's update stream broke: %s", self.replica_tag, unwrap(exc))
+            for rid, queue in list(self._requests.items()):
+                queue.put_nowait(self._lost(rid, exc))
 
     async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
         """(request id, prompt token ids, sampling params, stop strings); ValueError names the

@@ -79,16 +79,18 @@ class RankLoop:
         engine: Engine,
         rank: int,
         group: dist.ProcessGroup | None = None,
-        on_update: Callable[[Update], None] | None = None,
+        on_updates: Callable[[list[Update]], None] | None = None,
         idle_wait_s: float = 0.5,
         on_step: Callable[[StepRecord], None] | None = None,
     ) -> None:
         """`group`: the CPU (gloo) group the plan is broadcast over; None when alone.
-        `on_update` (rank 0) gets every request's new tokens; `on_step` (rank 0) every step's record."""
+        `on_updates` (rank 0) gets the updates of every request a step (or a plan) touched, in one
+        call: one hand-over per step, however many requests run; `on_step` (rank 0) every step's
+        record."""
         self.engine = engine
         self.rank = rank
         self.group = group
-        self.on_update = on_update or (lambda update: None)
+        self.on_updates = on_updates or (lambda updates: None)
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -202,17 +204,19 @@ class RankLoop:
 
     def _apply(self, plan: StepPlan) -> None:
         """Admit and abort as rank 0 decided. A request that cannot be admitted fails alone."""
+        updates = []
         for new in plan.new:
             try:
                 self.engine.add_request(new.prompt_ids, new.sampling, request_id=new.rid)
             except Exception as exc:  # noqa: BLE001 - the same on every rank: this request fails
                 code = ErrorCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL
-                self._end(Update(new.rid, [], True, error=_describe(exc), code=code))
+                updates.append(self._end(Update(new.rid, [], True, error=_describe(exc), code=code)))
         for rid in plan.aborts:
             if self.engine.abort(rid):
-                self._finish(rid, [])
+                updates.append(self._finish(rid, []))
         if plan.flush_cache:
             self.engine.flush_cache()
+        self._hand_over(updates)
 
     def step_running_for(self) -> float:
         """Seconds the step under way has run (0 between steps): what a stall watchdog reads."""
@@ -229,14 +233,16 @@ class RankLoop:
         if self.rank == 0 and self.on_step is not None:
             self._report(self.on_step, self.engine.last_step)
         hits = dict(zip(self.engine.last_step.request_ids, self.engine.last_step.cached_tokens))
-        for rid, tokens, finished in events:
-            if finished:
-                self._finish(rid, tokens)
-            elif self.rank == 0:
-                self._report(self.on_update, Update(rid, tokens, False, cached_tokens=hits.get(rid, 0)))
+        self._hand_over(
+            [
+                self._finish(rid, tokens) if finished else Update(rid, tokens, False, cached_tokens=hits.get(rid, 0))
+                for rid, tokens, finished in events
+            ]
+        )
 
-    def _finish(self, rid: str, tokens: list[int]) -> None:
-        """A finished request's last update; building it fails only this request."""
+    def _finish(self, rid: str, tokens: list[int]) -> Update:
+        """A finished request's last update (its KV released); building it fails only this
+        request."""
         try:
             output = self.engine.output(rid)
         except Exception as exc:  # noqa: BLE001 - e.g. detokenizing its output raised
@@ -249,13 +255,16 @@ class RankLoop:
                 else Update(rid, tokens, True, output)
             )
         self.engine.release(rid)
-        self._end(update)
+        return self._end(update)
 
-    def _end(self, update: Update) -> None:
+    def _end(self, update: Update) -> Update:
         with self._lock:
             self._in_flight.discard(update.rid)
-        if self.rank == 0:
-            self._report(self.on_update, update)
+        return update
+
+    def _hand_over(self, updates: list[Update]) -> None:
+        if self.rank == 0 and updates:
+            self._report(self.on_updates, updates)
 
     def _report(self, callback: Callable, item: object) -> None:
         """A failing callback (a closed stream, a broken exporter) must not stop the loop."""
@@ -275,9 +284,7 @@ class RankLoop:
                 self.engine.release(rid)
             except Exception:  # noqa: BLE001 - the engine may be broken; the requests end anyway
                 logger.warning("rank %d: could not free request %s", self.rank, rid)
-        if self.rank == 0:
-            for rid in rids:
-                self._report(self.on_update, Update(rid, [], True, error=message, code=ErrorCode.UNAVAILABLE))
+        self._hand_over([Update(rid, [], True, error=message, code=ErrorCode.UNAVAILABLE) for rid in rids])
 
 
 def _describe(exc: BaseException) -> str:

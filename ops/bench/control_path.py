@@ -74,12 +74,12 @@ def _timed_stream(loop: RankLoop, steps: int) -> float:
     times = []
     done = threading.Event()
 
-    def on_update(update):
+    def on_updates(updates):
         times.append(time.perf_counter())
-        if update.finished:
+        if updates[-1].finished:
             done.set()
 
-    loop.on_update = on_update
+    loop.on_updates = on_updates
     loop.submit("r", [1, 2, 3, 4], sampling(steps))
     done.wait()
     return (len(times) - 1) / (times[-1] - times[0])

@@ -249,11 +249,11 @@ def free(engine: Engine | None) -> None:
 
 
 # -- parts -----------------------------------------------------------------------------------------------
-def decode_part(root: str, limits: dict, shapes: list[str]) -> dict:
+def decode_part(root: str, limits: dict, shapes: list[str], modes: list[str]) -> dict:
     out = {}
     for name in shapes:
         path = write_config(root, name, SHAPES[name])
-        for graphs in (True, False):
+        for graphs in [mode == "graphs" for mode in modes]:
             engine = engine_for(path, graphs)
             wb, kvb = weight_bytes(engine), kv_bytes_per_token(engine)
             for batch in BATCHES:
@@ -438,6 +438,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--parts", default="ceilings,decode,hf,prefill,spec,tiny")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--modes", default="graphs,eager", help="decode with CUDA graphs, eagerly, or both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parts, shapes = args.parts.split(","), args.shapes.split(",")
@@ -445,7 +446,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="shapes-")
     results["ceilings"] = ceilings()
     steps = {
-        "decode": lambda: decode_part(root, results["ceilings"], shapes),
+        "decode": lambda: decode_part(root, results["ceilings"], shapes, args.modes.split(",")),
         "hf": lambda: hf_part(root, [s for s in shapes if s != "gemma3-12b"]),
         "prefill": lambda: prefill_part(root, results["ceilings"]),
         "spec": lambda: spec_part(root),

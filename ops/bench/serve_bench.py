@@ -104,22 +104,28 @@ class EngineBackend:
         from workers.rank_loop import RankLoop
 
         self.engine = Engine(**engine_kwargs)
-        self.loop = RankLoop(self.engine, 0, None, self._on_update)
-        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.loop = RankLoop(self.engine, 0, None, self._on_updates)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.aio: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self.loop.run, daemon=True)
         self.thread.start()
         self.count = 0
 
-    def _on_update(self, update) -> None:
-        loop, queue = self.queues[update.rid]
-        loop.call_soon_threadsafe(queue.put_nowait, update)
+    def _on_updates(self, updates) -> None:
+        """One hand-over to the event loop per step, as the rank actor does."""
+        self.aio.call_soon_threadsafe(self._deliver, updates)
+
+    def _deliver(self, updates) -> None:
+        for update in updates:
+            self.queues[update.rid].put_nowait(update)
 
     async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
         from workers.sampling_params import SamplingParams
 
         self.count += 1
         rid, queue = f"bench-{self.count}", asyncio.Queue()
-        self.queues[rid] = (asyncio.get_running_loop(), queue)
+        self.aio = asyncio.get_running_loop()
+        self.queues[rid] = queue
         self.loop.submit(rid, prompt, SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
         while True:
             update = await queue.get()

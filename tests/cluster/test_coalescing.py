@@ -1,7 +1,8 @@
-"""When the consumer of a request's stream falls behind, the rank actor and the replica send
-everything that is ready as one update (tokens concatenated, the latest fields), and never hold
-back an update that is alone: the first token goes out at once. Driven without Ray, on the
-classes' own generate methods with the loop and the Ray stream replaced by stand-ins."""
+"""Rank 0 streams all of a replica's requests as one stream, one item per step (fewer while the
+replica is behind); the replica hands each request its updates and, when that request's caller
+falls behind, sends everything that is ready as one update (tokens concatenated, the latest
+fields). Nothing alone is held back: the first token goes out at once. Driven without Ray, on the
+classes' own methods with the rank loop and the Ray calls replaced by stand-ins."""
 
 import asyncio
 
@@ -13,10 +14,7 @@ from workers.sampling_params import SamplingParams
 
 
 class _Loop:
-    """A rank loop that takes requests and lets the test hand out their updates."""
-
-    def __init__(self, actor: RankActor) -> None:
-        self.actor = actor
+    """A rank loop that takes requests; the test hands out their updates."""
 
     def submit(self, rid, prompt_ids, sampling) -> None:
         pass
@@ -24,68 +22,101 @@ class _Loop:
     def abort(self, rid) -> None:
         pass
 
+    def load(self) -> dict:
+        return {"running": 0}
+
 
 def _output(tokens: list[int]) -> RequestOutput:
     return RequestOutput("r", [1, 2], tokens, "length", cached_tokens=0)
 
 
-def test_the_rank_actor_merges_the_updates_that_queued_up():
+def _rank_actor() -> RankActor:
     actor = object.__new__(RankActor)
-    actor._streams, actor._trace_contexts, actor.tracer = {}, {}, None
-    actor.loop = _Loop(actor)
+    actor._trace_contexts, actor.tracer, actor.loop = {}, None, _Loop()
+    actor._outbox, actor._ready, actor._reader = {}, asyncio.Event(), 0
+    return actor
+
+
+def test_the_rank_actor_streams_every_request_in_one_item_per_step_and_joins_what_queued_up():
+    actor = _rank_actor()
 
     async def run():
-        stream = actor.generate("r", [1, 2], {"max_new_tokens": 4})
+        assert actor.submit("a", [1, 2], {"max_new_tokens": 4}) is None
+        assert actor.submit("b", [3], {"max_new_tokens": 4}) is None
+        stream = actor.updates()
         first_task = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)
-        queue = actor._streams["r"]
-        queue.put_nowait(Update("r", [10], False))
-        first = await first_task  # alone in the queue: sent at once
-        for update in (
-            Update("r", [11], False),
-            Update("r", [12], False),
-            Update("r", [13], True, _output([10, 11, 12, 13])),
+        actor._collect([Update("a", [10], False), Update("b", [20], False)])  # one step, two requests
+        first = await first_task  # sent at once
+        for step in (
+            [Update("a", [11], False), Update("b", [21], False)],
+            [Update("a", [12], False), Update("b", [22], True, _output([20, 21, 22]))],
+            [Update("a", [13], True, _output([10, 11, 12, 13]))],
         ):
-            queue.put_nowait(update)
-        rest = [u async for u in stream]
-        return first, rest
+            actor._collect(step)  # the reader is behind: three steps wait
+        second = await stream.__anext__()
+        return first, second
 
-    first, rest = asyncio.run(run())
-    assert first["token_ids"] == [10] and not first["finished"]
-    assert len(rest) == 1 and rest[0]["token_ids"] == [11, 12, 13] and rest[0]["finished"]
-    assert rest[0]["completion_tokens"] == 4 and rest[0]["finish_reason"] == "length"
-
-
-class _Stream:
-    """A Ray streaming generator's stand-in: refs are futures the test resolves."""
-
-    def __init__(self, updates: list[asyncio.Future]) -> None:
-        self.updates = list(updates)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.updates:
-            raise StopAsyncIteration
-        return self.updates.pop(0)
-
-    def next_ready(self) -> bool:
-        return bool(self.updates) and self.updates[0].done()
-
-    def completed(self) -> bool:
-        return not self.updates
+    first, second = asyncio.run(run())
+    assert first == {
+        "updates": [
+            {"request_id": "a", "token_ids": [10], "finished": False, "cached_tokens": 0},
+            {"request_id": "b", "token_ids": [20], "finished": False, "cached_tokens": 0},
+        ]
+    }
+    a, b = second["updates"]
+    assert a["token_ids"] == [11, 12, 13] and a["finished"] and a["completion_tokens"] == 4
+    assert b["token_ids"] == [21, 22] and b["finished"] and b["finish_reason"] == "length"
+    assert second["load"] == {"running": 0}  # an item that finishes a request says the rank's load
 
 
-class _Method:
-    def __init__(self, stream) -> None:
-        self.stream = stream
+def test_the_rank_actor_refuses_bad_input_with_an_update():
+    actor = _rank_actor()
 
-    def options(self, **_):
-        return self
+    def refuse(rid, prompt_ids, sampling):
+        raise ValueError("sampling.top_p: must be in (0, 1]")
 
-    def remote(self, *_):
-        return self.stream
+    actor.loop.submit = refuse
+    refused = actor.submit("a", [1], {"top_p": 2.0})
+    assert refused["finished"] and refused["error"]["code"] == "invalid_argument"
+    assert "top_p" in refused["error"]["message"]
+
+
+class _Rank:
+    """Rank 0's stand-in: `submit` answers at once; `updates` is a stream the test feeds."""
+
+    def __init__(self, items: asyncio.Queue) -> None:
+        self.items = items
+        self.aborted: list[str] = []
+        outer = self
+
+        class _Submit:
+            def remote(self, *args):
+                future = asyncio.get_running_loop().create_future()
+                future.set_result(None)
+                return future
+
+        class _Updates:
+            def options(self, **_):
+                return self
+
+            def remote(self):
+                return outer._stream()
+
+        class _Abort:
+            def remote(self, rid):
+                outer.aborted.append(rid)
+
+        self.submit, self.updates, self.abort = _Submit(), _Updates(), _Abort()
+
+    async def _stream(self):
+        while True:
+            item = await self.items.get()
+            if isinstance(item, BaseException):
+                raise item
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(item)
+            yield future
 
 
 class _Replica(LLMServer):
@@ -93,30 +124,59 @@ class _Replica(LLMServer):
         """No rank actors to stop (and no Ray to start by trying)."""
 
 
-def test_the_replica_merges_what_is_ready_and_sends_a_lone_update_at_once():
+def _replica(items: asyncio.Queue) -> _Replica:
     replica = object.__new__(_Replica)
     replica.replica_tag, replica.tokenizer = "rep", None
+    replica._requests, replica._reader, replica._last_load = {}, None, {}
+    replica.ranks = [_Rank(items)]
 
     async def parse(body):
-        return "r", [1, 2], SamplingParams(max_new_tokens=4), []
+        return body["rid"], [1, 2], SamplingParams(max_new_tokens=4), []
 
-    async def load():
-        return {"replica": "rep"}
+    replica._parse = parse
+    return replica
 
-    replica._parse, replica.load = parse, load
+
+def _up(rid: str, tokens: list[int], finished: bool = False) -> dict:
+    return {"request_id": rid, "token_ids": tokens, "finished": finished, "finish_reason": "length"}
+
+
+def test_the_replica_hands_out_one_stream_and_merges_what_is_ready_per_request():
+    async def run():
+        items = asyncio.Queue()
+        replica = _replica(items)
+        a, b = replica.generate({"rid": "a"}), replica.generate({"rid": "b"})
+        first_a, first_b = asyncio.ensure_future(a.__anext__()), asyncio.ensure_future(b.__anext__())
+        await asyncio.sleep(0.01)
+        items.put_nowait({"updates": [_up("a", [10]), _up("b", [20])]})
+        first = (await first_a, await first_b)  # alone: not held back
+        items.put_nowait({"updates": [_up("a", [11]), _up("b", [21])]})
+        items.put_nowait({"updates": [_up("a", [12], True), _up("b", [22])], "load": {"running": 1}})
+        items.put_nowait({"updates": [_up("b", [23], True)], "load": {"running": 0}})
+        await asyncio.sleep(0.01)  # all of it ready before the callers read again
+        rest_a, rest_b = [u async for u in a], [u async for u in b]
+        return first, rest_a, rest_b, replica
+
+    (first_a, first_b), rest_a, rest_b, replica = asyncio.run(run())
+    assert first_a["token_ids"] == [10] and first_b["token_ids"] == [20]
+    assert len(rest_a) == 1 and rest_a[0]["token_ids"] == [11, 12] and rest_a[0]["finished"]
+    assert len(rest_b) == 1 and rest_b[0]["token_ids"] == [21, 22, 23] and rest_b[0]["finished"]
+    assert rest_a[0]["replica"] == "rep" and rest_b[0]["load"] == {"replica": "rep", "running": 0}
+    assert replica._requests == {} and replica.ranks[0].aborted == []
+
+
+def test_a_broken_update_stream_ends_every_waiting_request_unavailable():
+    import ray
 
     async def run():
-        loop = asyncio.get_running_loop()
-        refs = [loop.create_future() for _ in range(4)]
-        replica.ranks = [type("Rank", (), {"generate": _Method(_Stream(refs))})()]
-        stream = replica.generate({})
-        refs[0].set_result({"token_ids": [10], "finished": False})
-        first = await stream.__anext__()  # nothing else is ready: not held back
-        for ref, update in zip(refs[1:], ([11], [12], [13])):
-            ref.set_result({"token_ids": update, "finished": update == [13], "finish_reason": "length"})
-        return first, [u async for u in stream]
+        items = asyncio.Queue()
+        replica = _replica(items)
+        a = replica.generate({"rid": "a"})
+        first = asyncio.ensure_future(a.__anext__())
+        await asyncio.sleep(0.01)
+        items.put_nowait(ray.exceptions.RayActorError())
+        return await asyncio.wait_for(first, 5)
 
-    first, rest = asyncio.run(run())
-    assert first["token_ids"] == [10]
-    assert len(rest) == 1 and rest[0]["token_ids"] == [11, 12, 13] and rest[0]["finished"]
-    assert rest[0]["replica"] == "rep" and rest[0]["load"] == {"replica": "rep"}
+    update = asyncio.run(run())
+    assert update["finished"] and update["error"]["code"] == "unavailable"
+    assert "'a'" in update["error"]["message"]

@@ -82,14 +82,15 @@ class Loop:
     def __init__(self, engine: Engine) -> None:
         self.updates: dict[str, list] = {}
         self.done: dict[str, threading.Event] = {}
-        self.loop = RankLoop(engine, 0, on_update=self._on_update, idle_wait_s=0.05)
+        self.loop = RankLoop(engine, 0, on_updates=self._on_updates, idle_wait_s=0.05)
         self.thread = threading.Thread(target=self.loop.run, daemon=True)
         self.thread.start()
 
-    def _on_update(self, update) -> None:
-        self.updates.setdefault(update.rid, []).append(update)
-        if update.finished:
-            self.done.setdefault(update.rid, threading.Event()).set()
+    def _on_updates(self, updates) -> None:
+        for update in updates:
+            self.updates.setdefault(update.rid, []).append(update)
+            if update.finished:
+                self.done.setdefault(update.rid, threading.Event()).set()
 
     def submit(self, rid: str, prompt: list[int], sampling: SamplingParams) -> None:
         self.done.setdefault(rid, threading.Event())

@@ -48,17 +48,18 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: 
     engine = Engine(**engine_kwargs, tp=TPGroup(rank, world, dist.group.WORLD))
     outputs = {}
 
-    def on_update(update):
-        if update.finished:
-            outputs[update.rid] = update.output
-            if len(outputs) == len(FIRST):
-                for i in range(len(FIRST), len(PROMPTS)):
-                    loop.submit(f"r{i}", PROMPTS[i], sampling)
-            if len(outputs) == len(PROMPTS):
-                loop.flush_cache()
-                loop.stop()
+    def on_updates(updates):
+        for update in updates:
+            if update.finished:
+                outputs[update.rid] = update.output
+                if len(outputs) == len(FIRST):
+                    for i in range(len(FIRST), len(PROMPTS)):
+                        loop.submit(f"r{i}", PROMPTS[i], sampling)
+                if len(outputs) == len(PROMPTS):
+                    loop.flush_cache()
+                    loop.stop()
 
-    loop = RankLoop(engine, rank, control, on_update)
+    loop = RankLoop(engine, rank, control, on_updates)
     if rank == 0:
         for i, prompt in enumerate(FIRST):
             loop.submit(f"r{i}", prompt, sampling)
