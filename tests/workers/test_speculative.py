@@ -240,6 +240,44 @@ def test_catch_up_padding_writes_only_slots_the_round_gives_back(models, variant
     eng.check_no_leak()
 
 
+@pytest.mark.parametrize(
+    "variant, early", [("standalone-swa", True), ("eagle3-full", True), ("frozen_kv_mtp-target", False)]
+)
+def test_greedy_rounds_launch_the_catch_up_before_reading_the_verify(models, monkeypatch, variant, early):
+    """With a fixed catch-up window the device runs the draft's catch-up while the host reads
+    and commits the verify (a frozen-KV head's next step depends on what was accepted: after)."""
+    m = models["gemma3"]
+    algorithm, pool, draft = VARIANTS[variant]
+    eng = _engine(m["target"], "trtllm_mha", 4, _spec(algorithm, m[draft], pool))
+    events = []
+    read = spec_worker.InFlight.read
+    for name, runner in (("target", eng.runner), ("draft", eng.spec.drafter.runner)):
+        monkeypatch.setattr(runner, "forward", _recording(runner.forward, name, events))
+
+    def recorded_read(flight):
+        events.append("read")
+        return read(flight)
+
+    monkeypatch.setattr(spec_worker.InFlight, "read", recorded_read)
+    prompts = random_prompts(PROMPT_LENS)
+    outputs = [o.token_ids for o in eng.generate(prompt_token_ids=prompts, sampling=GREEDY)]
+    after_verify = [events[i + 1 : i + 3] for i, e in enumerate(events) if e == "target TARGET_VERIFY"]
+    catch_up = "draft DRAFT_EXTEND_V2" if early else "draft DECODE"
+    expected = [catch_up, "read"] if early else ["read", catch_up]
+    assert after_verify and all(e == expected for e in after_verify[:-1]), after_verify[:3]
+    plain = _engine(m["target"], "trtllm_mha", 4).generate(prompt_token_ids=prompts, sampling=GREEDY)
+    assert outputs == [o.token_ids for o in plain]
+    eng.check_no_leak()
+
+
+def _recording(forward, name: str, events: list[str]):
+    def recorded(batch, pool=None):
+        events.append(f"{name} {batch.forward_mode.name}")
+        return forward(batch, pool)
+
+    return recorded
+
+
 # -- rejection sampling ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):

@@ -57,6 +57,7 @@ class DraftState:
 class Drafter:
     """Standalone and EAGLE drafts: draft models with KV of their own."""
 
+    fixed_window = True  # the catch-up after a verify has the same shape whatever was accepted
     shift = 0  # the entry consuming the token at position p sits at draft position p - shift
     reads_hidden = False  # entries read the target's hidden states
 
@@ -102,14 +103,28 @@ class Drafter:
         self._propose(proposing, out.logits, out.hidden, [e for e, p in zip(ends, proposes) if p])
 
     def catch_up_verified(
-        self, reqs: list[Request], starts: list[int], accepted: list[int], width: int, hidden: torch.Tensor
+        self,
+        reqs: list[Request],
+        starts: list[int],
+        accepted: list[int] | torch.Tensor,
+        width: int,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor | None = None,
     ) -> None:
         """After a verify of `width` = num_steps + 1 positions from each request's `starts`
         (the pending token's position), `accepted[i]` drafts of which were kept: one window of
         `width` entries per request; row accepted[i] proposes. `hidden`: the verify's hidden
-        states, `width` rows per request."""
+        states, `width` rows per request.
+
+        Launched before the host has read the verify (greedy rounds): `accepted` is on the
+        device and `tokens` are the target's choices `[B * width]`, which equal the committed
+        tokens up to each request's bonus (rows past it are padding whatever they hold);
+        `settle_verified` records the outcome once the host knows it."""
         firsts = [s + 1 - self.shift for s in starts]
-        ids = [r.tokens(a + self.shift, a + self.shift + width) for r, a in zip(reqs, firsts)]
+        if tokens is None:
+            ids = [r.tokens(a + self.shift, a + self.shift + width) for r, a in zip(reqs, firsts)]
+        else:
+            ids = [[] for _ in reqs]
         batch = ForwardBatch.build(
             ForwardMode.DRAFT_EXTEND_V2,
             rows=[r.row for r in reqs],
@@ -120,12 +135,22 @@ class Drafter:
             logits_rows=range(len(reqs) * width),
             spec_hidden=hidden if self.reads_hidden else None,
         )
+        if tokens is not None:
+            batch.use_device_ids(tokens)
         out = self.runner.forward(batch)
-        for r, a, n in zip(reqs, firsts, accepted):
-            r.spec.draft_len = a + n + 1
+        if isinstance(accepted, torch.Tensor):
+            rows = torch.arange(len(reqs), device=accepted.device) * width + accepted
+            self._propose(reqs, out.logits.index_select(0, rows), out.hidden.index_select(0, rows), range(len(reqs)))
+            return
+        self.settle_verified(reqs, starts, accepted)
         rows = [i * width + n for i, n in enumerate(accepted)]
         logits = out.logits.index_select(0, upload(np.asarray(rows, dtype=np.int64), out.logits.device))
         self._propose(reqs, logits, out.hidden, rows)
+
+    def settle_verified(self, reqs: list[Request], starts: list[int], accepted: list[int]) -> None:
+        """The catch-up after a verify left valid draft KV up to each request's pending token."""
+        for r, s, n in zip(reqs, starts, accepted):
+            r.spec.draft_len = s + 1 - self.shift + n + 1
 
     def step(self, reqs: list[Request], j: int, tokens: Tokens, hidden: torch.Tensor) -> ForwardOutput:
         """Draft step j (2..num_steps): each request's draft j-1 -> logits for draft j."""
@@ -168,6 +193,7 @@ class EagleDrafter(Drafter):
 class FrozenKVDrafter(Drafter):
     """Draft layers read the target's pool, swapped in for every forward; no KV of their own."""
 
+    fixed_window = False  # step 1 of the next round sits at the new pending token's position
     reads_hidden = True
 
     def goal(self, req: Request) -> int:

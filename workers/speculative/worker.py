@@ -13,8 +13,10 @@ SWA windows after it too, since it still reads them.
 
 When every request of the round is greedy, each draft step's argmax stays on the device and
 feeds the next step and the verification directly; the round's only device-to-host copy is the
-drafts with the target's choices after verification (the catch-up proposes the next round's
-first drafts on the device too). Sampled rounds draw each draft on the host, since rejection
+drafts with the target's choices after verification. Drafts with a fixed catch-up window
+(standalone, EAGLE) launch the catch-up before that copy is read, from the target's choices and
+the accepted counts computed on the device, so the device runs it while the host commits; it
+proposes the next round's first drafts on the device too. Sampled rounds draw each draft on the host, since rejection
 sampling needs every draft's distribution.
 """
 
@@ -28,6 +30,7 @@ from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
 from workers.model_runner import ModelRunner
+from workers.overlap import InFlight
 from workers.request import Request
 from workers.sampler import draw_each, sampling_probs
 from workers.scheduler import ScheduledBatch, Scheduler
@@ -87,8 +90,13 @@ class SpecWorker:
             batch.use_device_ids(torch.cat([pending, drafts], dim=1).flatten())
         out = self.target.forward(batch)
         best = out.logits.argmax(dim=-1).view(len(reqs), k + 1)
+        early = on_device and self.drafter.fixed_window
         if on_device:  # the round's one device-to-host copy: drafts and the target's choices
-            both = torch.cat([drafts, best], dim=1).tolist()
+            flight = InFlight.of(reqs, torch.cat([drafts, best], dim=1))
+            if early:  # the draft catches up while the host reads and commits
+                accepted = (drafts == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+                self.drafter.catch_up_verified(reqs, starts, accepted, k + 1, out.hidden, tokens=best.flatten())
+            both = flight.read()
             drafts, best = [row[:k] for row in both], [row[k:] for row in both]
         else:  # one device sync for every greedy request
             best = best.tolist()
@@ -106,11 +114,14 @@ class SpecWorker:
             if not req.finished:
                 live.append((i, req, start, len(new) - 1))
         if live:
-            hidden = out.hidden
-            if len(live) < len(reqs):
-                hidden = torch.cat([out.hidden[i * (k + 1) : (i + 1) * (k + 1)] for i, _, _, _ in live])
             _, live_reqs, live_starts, accepted = map(list, zip(*live))
-            self.drafter.catch_up_verified(live_reqs, live_starts, accepted, k + 1, hidden)
+            if early:
+                self.drafter.settle_verified(live_reqs, live_starts, accepted)
+            else:
+                hidden = out.hidden
+                if len(live) < len(reqs):
+                    hidden = torch.cat([out.hidden[i * (k + 1) : (i + 1) * (k + 1)] for i, _, _, _ in live])
+                self.drafter.catch_up_verified(live_reqs, live_starts, accepted, k + 1, hidden)
             for req in live_reqs:
                 if not req.finished:  # (a failed proposal ends the request)
                     self.scheduler.trim(req)  # rejected drafts' slots, written by the catch-up's padding rows
