@@ -163,6 +163,12 @@ class AppArgs(EngineArgs):
     )
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica takes at once")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="tokens per streamed update after a request's first (as SGLang's --stream-interval): "
+        "larger values send fewer messages through the stack, for more throughput under load and coarser streaming",
+    )
     max_queued_requests: int = Field(
         1024, ge=1, description="requests waiting for a replica; more get RESOURCE_EXHAUSTED"
     )

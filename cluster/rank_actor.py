@@ -13,7 +13,6 @@ import asyncio
 import datetime
 import logging
 import socket
-import sys
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,12 +29,6 @@ from workers.rank_loop import ErrorCode, RankLoop, Update
 from workers.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
-
-# How long the loop thread may hold the interpreter lock while this actor's event loop waits to
-# hand a step's tokens out (Python's default is 5 ms: on a GPU, where the loop thread is almost
-# always running Python to launch the next step, that is a whole step added to every token's
-# latency).
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def rank_actor_name(app: str, replica: str, rank: int) -> str:
@@ -96,7 +89,6 @@ class RankActor:
         self.tracer = tracer_for(TracingArgs(**(tracing or {})), f"rank{rank}") if rank == 0 else None
         self._trace_contexts: dict[str, Any] = {}  # request id -> its request span's context
         torch.set_num_threads(torch_threads)
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.loop: RankLoop | None = None
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None

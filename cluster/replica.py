@@ -79,7 +79,8 @@ class LLMServer:
         replica's load. A stop string ends the request (its text is cut before the stop).
         A request that fails ends with an update carrying `error` ({code, message}); invalid
         input is answered that way too, never raised (it is not a fault of the replica).
-        While the caller is behind, everything that is ready goes out as one update."""
+        While the caller is behind, everything that is ready goes out as one update; after the
+        first, an update waits for `stream_interval` tokens (or the end)."""
         try:
             rid, prompt_ids, sampling, stop = await self._parse(body)
         except ValueError as exc:
@@ -93,7 +94,7 @@ class LLMServer:
             return
         self._start_reader()
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        stops, emitted, finished = StopStrings(stop), 0, False
+        stops, emitted, finished, held = StopStrings(stop), 0, False, None
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._requests[rid] = queue
         try:
@@ -102,9 +103,15 @@ class LLMServer:
                 queue.put_nowait(refused)
             while not finished:
                 update = await queue.get()
+                if held is not None:
+                    update = {**update, "token_ids": held["token_ids"] + update["token_ids"]}
                 while not update["finished"] and not queue.empty():
                     later = queue.get_nowait()
                     update = {**later, "token_ids": update["token_ids"] + later["token_ids"]}
+                held = None
+                if not update["finished"] and emitted and len(update["token_ids"]) < self.args.stream_interval:
+                    held = update  # the first tokens go out at once, later ones stream_interval at a time
+                    continue
                 update["request_id"], update["replica"] = rid, self.replica_tag
                 emitted += len(update["token_ids"])
                 if detok is not None:
@@ -120,6 +127,7 @@ class LLMServer:
                 finished = update["finished"]
                 if finished:  # rank 0's load as of this update (it comes with the update's item)
                     update["load"] = {"replica": self.replica_tag, **self._last_load}
+                    self._requests.pop(rid, None)  # its id is free again before the caller hears
                 yield update
         finally:
             self._requests.pop(rid, None)

@@ -356,7 +356,13 @@ def launch(args: argparse.Namespace) -> dict[str, str]:
         log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    app = {**engine_settings(args), "num_replicas": args.num_replicas, "cpus_per_rank": 0.5, "grpc": {"port": 0}}
+    app = {
+        **engine_settings(args),
+        "num_replicas": args.num_replicas,
+        "cpus_per_rank": 0.5,
+        "grpc": {"port": 0},
+        "stream_interval": args.stream_interval,
+    }
     handle = serve.run(build_app(app), name="bench", route_prefix="/generate")
     grpc_port = handle.ports.remote().result()["grpc"]
     return {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}/generate"}
@@ -377,6 +383,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="launched application: tokens per streamed update after the first",
+    )
     p.add_argument("--speculative-algorithm", choices=["standalone", "eagle", "frozen_kv_mtp"])
     p.add_argument("--speculative-draft-model", default="tiny-gemma3-eagle")
     p.add_argument("--speculative-num-steps", type=int, default=4)

@@ -5,6 +5,7 @@ fields). Nothing alone is held back: the first token goes out at once. Driven wi
 classes' own methods with the rank loop and the Ray calls replaced by stand-ins."""
 
 import asyncio
+import types
 
 from cluster.rank_actor import RankActor
 from cluster.replica import LLMServer
@@ -124,10 +125,11 @@ class _Replica(LLMServer):
         """No rank actors to stop (and no Ray to start by trying)."""
 
 
-def _replica(items: asyncio.Queue) -> _Replica:
+def _replica(items: asyncio.Queue, stream_interval: int = 1) -> _Replica:
     replica = object.__new__(_Replica)
     replica.replica_tag, replica.tokenizer = "rep", None
     replica._requests, replica._reader, replica._last_load = {}, None, {}
+    replica.args = types.SimpleNamespace(stream_interval=stream_interval)
     replica.ranks = [_Rank(items)]
 
     async def parse(body):
@@ -180,3 +182,24 @@ def test_a_broken_update_stream_ends_every_waiting_request_unavailable():
     update = asyncio.run(run())
     assert update["finished"] and update["error"]["code"] == "unavailable"
     assert "'a'" in update["error"]["message"]
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_groups():
+    async def run():
+        items = asyncio.Queue()
+        replica = _replica(items, stream_interval=3)
+        stream = replica.generate({"rid": "a"})
+        got = []
+
+        async def read():
+            async for update in stream:
+                got.append(update["token_ids"])
+
+        reader = asyncio.ensure_future(read())
+        for step, tokens in enumerate([[10], [11], [12], [13], [14], [15], [16]]):
+            items.put_nowait({"updates": [_up("a", tokens, step == 6)]})
+            await asyncio.sleep(0.01)  # the caller keeps up: nothing joins by being late
+        await asyncio.wait_for(reader, 5)
+        return got
+
+    assert asyncio.run(run()) == [[10], [11, 12, 13], [14, 15, 16]]
