@@ -137,10 +137,14 @@ class LLMServer:
     async def _submit(
         self, rid: str, prompt_ids: list[int], sampling: SamplingParams, trace_context: dict[str, str] | None
     ) -> dict[str, Any] | None:
-        """Hand the request to rank 0; None, or the update that ends it at once."""
+        """Hand the request to rank 0; None, or the update that ends it at once. A submit that
+        failed without rank 0 dying (cancelled, say) may still have queued the request: it is
+        aborted, so that a retry of the same id finds it gone."""
         try:
             return await self.ranks[0].submit.remote(rid, prompt_ids, dataclasses.asdict(sampling), trace_context)
         except ray.exceptions.RayError as exc:
+            if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+                self.ranks[0].abort.remote(rid)
             return self._lost(rid, exc)
 
     def _lost(self, rid: str, exc: BaseException) -> dict[str, Any]:

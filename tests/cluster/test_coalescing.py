@@ -89,12 +89,16 @@ class _Rank:
     def __init__(self, items: asyncio.Queue) -> None:
         self.items = items
         self.aborted: list[str] = []
+        self.submit_error: BaseException | None = None
         outer = self
 
         class _Submit:
             def remote(self, *args):
                 future = asyncio.get_running_loop().create_future()
-                future.set_result(None)
+                if outer.submit_error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(outer.submit_error)
                 return future
 
         class _Updates:
@@ -203,3 +207,19 @@ def test_stream_interval_sends_the_first_token_at_once_then_groups():
         return got
 
     assert asyncio.run(run()) == [[10], [11, 12, 13], [14, 15, 16]]
+
+
+def test_a_submit_that_failed_without_rank_0_dying_is_aborted_before_the_caller_hears():
+    """A cancelled submit may have queued the request: the replica aborts it, so that the
+    gateway's retry of the same id is not refused as a duplicate."""
+    import ray
+
+    async def run():
+        replica = _replica(asyncio.Queue())
+        replica.ranks[0].submit_error = ray.exceptions.TaskCancelledError()
+        updates = [u async for u in replica.generate({"rid": "a"})]
+        return updates, replica.ranks[0].aborted
+
+    updates, aborted = asyncio.run(run())
+    assert len(updates) == 1 and updates[0]["error"]["code"] == "unavailable"
+    assert aborted == ["a"]
