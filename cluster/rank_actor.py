@@ -30,6 +30,8 @@ from workers.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 
+HAND_OVER_WAIT_S = 0.002  # at most this long the loop thread waits for a step's updates to go out
+
 
 def rank_actor_name(app: str, replica: str, rank: int) -> str:
     """The Ray name of a replica's rank actor (the ingress reaches rank 0 by it)."""
@@ -94,6 +96,7 @@ class RankActor:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._outbox: dict[str, dict[str, Any]] = {}  # request id -> its updates since the last item
         self._ready = asyncio.Event()
+        self._sent = threading.Event()  # the stream took the last hand-over
         self._reader = 0  # the `updates()` stream being read
 
     def address(self) -> tuple[str, int]:
@@ -160,8 +163,8 @@ class RankActor:
         """Every request's updates, as one stream for the whole replica (the replica hands them
         out): each item is everything that happened since the previous one, one update per
         request (token ids of consecutive steps joined), so the number of items follows the
-        steps, not steps x requests, and shrinks further while the reader is behind (open it with
-        generator backpressure). An item with a finished request carries this rank's load.
+        steps, not steps x requests, and shrinks further while this actor's event loop is behind.
+        An item with a finished request carries this rank's load.
         One reader at a time: opening it again ends the previous reader's stream."""
         self._reader += 1
         reader = self._reader
@@ -178,6 +181,7 @@ class RankActor:
                 yield {"updates": list(batch.values()), "load": self.load()}
             else:
                 yield {"updates": list(batch.values())}
+            self._sent.set()  # Ray has taken the item
 
     def abort(self, rid: str) -> None:
         self.loop.abort(rid)
@@ -192,8 +196,14 @@ class RankActor:
         record_step(self.tracer, step, contexts, self.engine_info, self.loop.engine.kv_stats(), self.num_steps)
 
     def _on_updates(self, updates: list[Update]) -> None:
-        """Called by the loop thread once per step: one hand-over to the event loop."""
+        """Called by the loop thread once per step: one hand-over to the event loop, then a
+        short wait (the interpreter lock released) until the stream has taken it. Otherwise the
+        event loop would wait for the lock at every step of the hand-over while this thread runs
+        the next step's Python: up to the 5 ms switch interval each time, on every token's way
+        out (the next step is already launched, so the device does not wait)."""
+        self._sent.clear()
         self._aio.call_soon_threadsafe(self._collect, updates)
+        self._sent.wait(HAND_OVER_WAIT_S)
 
     def _collect(self, updates: list[Update]) -> None:
         """Add a step's updates to the outbox, joining each request's tokens with what is

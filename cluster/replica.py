@@ -29,8 +29,6 @@ from workers.tokenizer import IncrementalDetokenizer, StopStrings, load_tokenize
 
 logger = logging.getLogger(__name__)
 
-UPDATE_BACKLOG = 2  # items of rank 0's update stream in flight before it waits (and joins updates)
-
 
 class LLMServer:
     """One replica. Methods are called through Serve deployment handles (and HTTP)."""
@@ -161,11 +159,7 @@ class LLMServer:
         """Hand each request its updates from rank 0's one stream. When the stream breaks (a rank
         died), every request waiting here ends with UNAVAILABLE; the health check then fails and
         Serve replaces the replica."""
-        stream = (
-            self.ranks[0]
-            .updates.options(num_returns="streaming", _generator_backpressure_num_objects=UPDATE_BACKLOG)
-            .remote()
-        )
+        stream = self.ranks[0].updates.options(num_returns="streaming").remote()
         try:
             async for ref in stream:
                 item = await ref

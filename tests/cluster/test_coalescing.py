@@ -5,6 +5,7 @@ fields). Nothing alone is held back: the first token goes out at once. Driven wi
 classes' own methods with the rank loop and the Ray calls replaced by stand-ins."""
 
 import asyncio
+import threading
 import types
 
 from cluster.rank_actor import RankActor
@@ -34,7 +35,7 @@ def _output(tokens: list[int]) -> RequestOutput:
 def _rank_actor() -> RankActor:
     actor = object.__new__(RankActor)
     actor._trace_contexts, actor.tracer, actor.loop = {}, None, _Loop()
-    actor._outbox, actor._ready, actor._reader = {}, asyncio.Event(), 0
+    actor._outbox, actor._ready, actor._reader, actor._sent = {}, asyncio.Event(), 0, threading.Event()
     return actor
 
 
@@ -55,7 +56,9 @@ def test_the_rank_actor_streams_every_request_in_one_item_per_step_and_joins_wha
             [Update("a", [13], True, _output([10, 11, 12, 13]))],
         ):
             actor._collect(step)  # the reader is behind: three steps wait
+        assert not actor._sent.is_set()  # the first item is out, the stream not yet back for more
         second = await stream.__anext__()
+        assert actor._sent.is_set()  # taking the next item says the first went out
         return first, second
 
     first, second = asyncio.run(run())
