@@ -157,8 +157,8 @@ class LLMServer:
 
     async def _read_updates(self) -> None:
         """Hand each request its updates from rank 0's one stream. When the stream breaks (a rank
-        died), every request waiting here ends with UNAVAILABLE; the health check then fails and
-        Serve replaces the replica."""
+        died) or ends, every request waiting here ends with UNAVAILABLE (the next request opens
+        the stream again); a dead rank fails the health check, and Serve replaces the replica."""
         stream = self.ranks[0].updates.options(num_returns="streaming").remote()
         try:
             async for ref in stream:
@@ -169,10 +169,12 @@ class LLMServer:
                     queue = self._requests.get(update["request_id"])
                     if queue is not None:
                         queue.put_nowait(update)
+            broke: BaseException = RuntimeError("rank 0's update stream ended")
         except ray.exceptions.RayError as exc:
-            logger.error("replica %s: rank 0's update stream broke: %s", self.replica_tag, unwrap(exc))
-            for rid, queue in list(self._requests.items()):
-                queue.put_nowait(self._lost(rid, exc))
+            broke = exc
+        logger.error("replica %s: rank 0's update stream broke: %s", self.replica_tag, unwrap(broke))
+        for rid, queue in list(self._requests.items()):
+            queue.put_nowait(self._lost(rid, broke))
 
     async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
         """(request id, prompt token ids, sampling params, stop strings); ValueError names the

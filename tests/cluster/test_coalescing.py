@@ -8,6 +8,8 @@ import asyncio
 import threading
 import types
 
+import pytest
+
 from cluster.rank_actor import RankActor
 from cluster.replica import LLMServer
 from workers.engine import RequestOutput
@@ -122,6 +124,8 @@ class _Rank:
             item = await self.items.get()
             if isinstance(item, BaseException):
                 raise item
+            if item is None:  # the stream ends
+                return
             future = asyncio.get_running_loop().create_future()
             future.set_result(item)
             yield future
@@ -174,7 +178,8 @@ def test_the_replica_hands_out_one_stream_and_merges_what_is_ready_per_request()
     assert replica._requests == {} and replica.ranks[0].aborted == []
 
 
-def test_a_broken_update_stream_ends_every_waiting_request_unavailable():
+@pytest.mark.parametrize("ending", ["rank died", "stream ended"])
+def test_a_broken_update_stream_ends_every_waiting_request_unavailable(ending):
     import ray
 
     async def run():
@@ -183,7 +188,7 @@ def test_a_broken_update_stream_ends_every_waiting_request_unavailable():
         a = replica.generate({"rid": "a"})
         first = asyncio.ensure_future(a.__anext__())
         await asyncio.sleep(0.01)
-        items.put_nowait(ray.exceptions.RayActorError())
+        items.put_nowait(ray.exceptions.RayActorError() if ending == "rank died" else None)
         return await asyncio.wait_for(first, 5)
 
     update = asyncio.run(run())
