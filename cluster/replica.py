@@ -9,6 +9,7 @@ or rank loop is gone, so Serve replaces the replica; requests in flight then end
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -130,7 +131,7 @@ class LLMServer:
         finally:
             self._requests.pop(rid, None)
             if not finished or stops.stopped:  # cancelled, failed or cut at a stop string: free the KV
-                self.ranks[0].abort.remote(rid)
+                self._abort(rid)
 
     async def _submit(
         self, rid: str, prompt_ids: list[int], sampling: SamplingParams, trace_context: dict[str, str] | None
@@ -142,8 +143,13 @@ class LLMServer:
             return await self.ranks[0].submit.remote(rid, prompt_ids, dataclasses.asdict(sampling), trace_context)
         except ray.exceptions.RayError as exc:
             if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-                self.ranks[0].abort.remote(rid)
+                self._abort(rid)
             return self._lost(rid, exc)
+
+    def _abort(self, rid: str) -> None:
+        """Abort a request on rank 0, outside the calling request's Ray task: Ray cancels the
+        calls a cancelled request made, and this one must still arrive."""
+        contextvars.Context().run(self.ranks[0].abort.remote, rid)
 
     def _lost(self, rid: str, exc: BaseException) -> dict[str, Any]:
         return error_update(
@@ -151,9 +157,12 @@ class LLMServer:
         )
 
     def _start_reader(self) -> None:
-        """Read rank 0's update stream (once per replica, from the first request on)."""
+        """Read rank 0's update stream (once per replica, from the first request on). The task
+        runs in a context of its own: in an async actor Ray takes the calling task from the
+        context, and a stream opened as a request's child would be cancelled with that request
+        (breaking it for every other request)."""
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_updates())
+            self._reader = asyncio.get_running_loop().create_task(self._read_updates(), context=contextvars.Context())
 
     async def _read_updates(self) -> None:
         """Hand each request its updates from rank 0's one stream. When the stream breaks (a rank

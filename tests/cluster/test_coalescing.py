@@ -5,6 +5,7 @@ fields). Nothing alone is held back: the first token goes out at once. Driven wi
 classes' own methods with the rank loop and the Ray calls replaced by stand-ins."""
 
 import asyncio
+import contextvars
 import threading
 import types
 
@@ -88,6 +89,9 @@ def test_the_rank_actor_refuses_bad_input_with_an_update():
     assert "top_p" in refused["error"]["message"]
 
 
+REQUEST_TASK = contextvars.ContextVar("request_task")  # as Ray keeps an async actor's current task
+
+
 class _Rank:
     """Rank 0's stand-in: `submit` answers at once; `updates` is a stream the test feeds."""
 
@@ -95,6 +99,7 @@ class _Rank:
         self.items = items
         self.aborted: list[str] = []
         self.submit_error: BaseException | None = None
+        self.opened_in: list[str | None] = []  # the calling request as the stream was opened
         outer = self
 
         class _Submit:
@@ -111,6 +116,7 @@ class _Rank:
                 return self
 
             def remote(self):
+                outer.opened_in.append(REQUEST_TASK.get(None))
                 return outer._stream()
 
         class _Abort:
@@ -231,3 +237,22 @@ def test_a_submit_that_failed_without_rank_0_dying_is_aborted_before_the_caller_
     updates, aborted = asyncio.run(run())
     assert len(updates) == 1 and updates[0]["error"]["code"] == "unavailable"
     assert aborted == ["a"]
+
+
+def test_the_update_stream_is_not_opened_as_a_child_of_the_first_request():
+    """Ray cancels the calls a cancelled request made; the replica's one stream must not be one."""
+
+    async def run():
+        replica = _replica(asyncio.Queue())
+
+        async def first_request():
+            REQUEST_TASK.set("request-1")
+            stream = replica.generate({"rid": "a"})
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.01)
+            task.cancel()
+
+        await first_request()
+        return replica.ranks[0].opened_in
+
+    assert asyncio.run(run()) == [None]
