@@ -85,12 +85,6 @@ class LLMServer:
         except ValueError as exc:
             yield {**error_update(ErrorCode.INVALID_ARGUMENT, str(exc)), "replica": self.replica_tag}
             return
-        if rid in self._requests:
-            yield {
-                **error_update(ErrorCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in use"),
-                "replica": self.replica_tag,
-            }
-            return
         self._start_reader()
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         stops, emitted, finished, held = StopStrings(stop), 0, False, None
@@ -187,8 +181,8 @@ class LLMServer:
 
     async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
         """(request id, prompt token ids, sampling params, stop strings); ValueError names the
-        field. The ingress has validated and tokenized already; direct handle callers may send
-        text, tokenized here off the event loop."""
+        field (an id this replica is running is one). The ingress has validated and tokenized
+        already; direct handle callers may send text, tokenized here off the event loop."""
         parsed = parse_request(body, RoutedBody)
         if parsed.stop and self.tokenizer is None:
             raise InvalidRequest("sampling.stop: stop strings need a tokenizer; use stop_token_ids")
@@ -199,6 +193,8 @@ class LLMServer:
             self.limits.check_text(parsed.body.prompt)
             ids = await asyncio.to_thread(self.tokenizer.encode, parsed.body.prompt)
         rid = parsed.request_id or f"{self.replica_tag}-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequest(f"request_id: {rid!r} is already in use")
         return rid, list(ids), parsed.sampling, parsed.stop
 
     async def abort(self, rid: str) -> None:

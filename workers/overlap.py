@@ -30,9 +30,9 @@ from workers.scheduler import ScheduledBatch, Scheduler
 
 @dataclasses.dataclass
 class InFlight:
-    """A launched decode step whose tokens are still on the device, with their copy to the host
-    already queued behind the step (and only it: reading them must not wait for a step launched
-    later on the same stream)."""
+    """A launched forward's tokens, still on the device, with their copy to the host already
+    queued behind it (and only it: reading them must not wait for work launched later on the
+    same stream - the next decode step, or a speculative round's catch-up)."""
 
     reqs: list[Request]
     tokens: torch.Tensor  # [B] int64 on the device, one per request

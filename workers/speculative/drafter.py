@@ -123,13 +123,14 @@ class Drafter:
         firsts = [s + 1 - self.shift for s in starts]
         if tokens is None:
             ids = [r.tokens(a + self.shift, a + self.shift + width) for r, a in zip(reqs, firsts)]
-        else:
-            ids = [[] for _ in reqs]
+            input_ids = [t + [PADDING_TOKEN] * (width - len(t)) for t in ids]
+        else:  # placeholders: the ids come from the device
+            input_ids = [[PADDING_TOKEN] * width for _ in reqs]
         batch = ForwardBatch.build(
             ForwardMode.DRAFT_EXTEND_V2,
             rows=[r.row for r in reqs],
             prefix_lens=firsts,
-            input_ids=[t + [PADDING_TOKEN] * (width - len(t)) for t in ids],
+            input_ids=input_ids,
             out_cache_loc=torch.cat([self.scheduler.slots(r, a, a + width) for r, a in zip(reqs, firsts)]),
             req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs) * width),

@@ -16,8 +16,8 @@ feeds the next step and the verification directly; the round's only device-to-ho
 drafts with the target's choices after verification. Drafts with a fixed catch-up window
 (standalone, EAGLE) launch the catch-up before that copy is read, from the target's choices and
 the accepted counts computed on the device, so the device runs it while the host commits; it
-proposes the next round's first drafts on the device too. Sampled rounds draw each draft on the host, since rejection
-sampling needs every draft's distribution.
+proposes the next round's first drafts on the device too. Sampled rounds draw each draft on the
+host, since rejection sampling needs every draft's distribution.
 """
 
 from __future__ import annotations
