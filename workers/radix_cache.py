@@ -24,10 +24,18 @@ Every rank of a tensor-parallel group runs the same deterministic tree on the sa
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from workers.memory import HybridSWAAllocator, KVAllocator
+from workers.memory import HybridSWAAllocator, KVAllocator, PageAllocator
+
+RECLAIM_BATCH = 1 / 64  # of a pool's pages, given back at once when it runs short
+
+
+def _batch(pool: PageAllocator) -> int:
+    return max(1, int(pool.num_pages * RECLAIM_BATCH))
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,9 +69,11 @@ class RadixCache:
         self.root = Node((), 0, None)
         self._clock = itertools.count(1)
         self.num_pages = 0  # full pages the tree holds
-        allocator.full.reclaim = self.evict_full
+        self._leaves: dict[Node, None] = {}  # nodes without children (what full eviction drops)
+        self._swa: dict[Node, None] = {}  # nodes holding their SWA page (what SWA eviction releases)
+        allocator.full.reclaim = functools.partial(self._reclaim, self.evict_full, _batch(allocator.full))
         if self.window is not None:
-            allocator.swa.reclaim = self.evict_swa
+            allocator.swa.reclaim = functools.partial(self._reclaim, self.evict_swa, _batch(allocator.swa))
 
     # -- lookup ---------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> Match:
@@ -120,11 +130,14 @@ class RadixCache:
             if child is None:
                 child = Node(key, page, node, follow=follow)
                 node.children[key] = child
+                self._leaves.pop(node, None)
+                self._leaves[child] = None
                 self.allocator.full.ref([page])
                 self.num_pages += 1
             if not child.swa and child.page == page and i >= swa_from and self.window is not None:
                 self.allocator.hold_swa([page])
                 child.swa = True
+                self._swa[child] = None
             child.last_used = now
             node = child
 
@@ -132,39 +145,47 @@ class RadixCache:
     def evict_swa(self, pages: int) -> int:
         """Give back the tree's SWA pages, least recently used first, until `pages` of them are
         free; their nodes keep their full pages. Returns the pages freed."""
-        freed = 0
-        alloc = self.allocator
-        for node in sorted(self._nodes(), key=lambda n: n.last_used):
-            if freed >= pages:
-                break
-            if node.swa:  # a locked node too: requests reading its window hold their own SWA pages
-                sole = alloc.swa.holders(alloc.swa_page_of(node.page)) == 1
-                self.allocator.release_swa([node.page])
-                node.swa = False
-                freed += int(sole)
+        freed, alloc = 0, self.allocator
+        heap = [(n.last_used, id(n), n) for n in self._swa]
+        heapq.heapify(heap)
+        while freed < pages and heap:
+            node = heapq.heappop(heap)[2]  # a locked node too: requests reading its window hold their own SWA pages
+            sole = alloc.swa.holders(alloc.swa_page_of(node.page)) == 1
+            alloc.release_swa([node.page])
+            node.swa = False
+            del self._swa[node]
+            freed += int(sole)
         return freed
 
     def evict_full(self, pages: int) -> int:
         """Drop unlocked leaves, least recently used first, until `pages` full pages are free
-        (leaves whose page a running request still holds free nothing and are kept)."""
+        (leaves whose page a running request still holds free nothing and are kept); a parent
+        whose last child went is a leaf in the same pass. A heap of the leaves, kept as the tree
+        changes: a pool running short costs O(leaves + pages log leaves), not a sort of the tree."""
         freed = 0
-        while freed < pages:
-            leaves = [
-                n for n in self._nodes() if not n.children and n.locks == 0 and self.allocator.full.holders(n.page) == 1
-            ]
-            if not leaves:
-                break
-            for leaf in sorted(leaves, key=lambda n: n.last_used):
-                if freed >= pages:
-                    break
-                self._drop(leaf)
-                freed += 1
+        heap = [(n.last_used, id(n), n) for n in self._leaves if self._evictable(n)]
+        heapq.heapify(heap)
+        while freed < pages and heap:
+            node = heapq.heappop(heap)[2]
+            self._drop(node)
+            freed += 1
+            parent = node.parent
+            if parent is not self.root and self._evictable(parent):
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
         return freed
+
+    def _evictable(self, node: Node) -> bool:
+        return not node.children and node.locks == 0 and self.allocator.full.holders(node.page) == 1
+
+    def _reclaim(self, evict: Callable[[int], int], batch: int, pages: int) -> int:
+        """A pool ran short by `pages`: evict at least `batch` (a fraction of the pool) at once,
+        so that a busy pool builds its eviction heap once per batch rather than once per page."""
+        return evict(max(pages, batch))
 
     def flush(self) -> None:
         """Drop every node no running request uses (all of them when the engine is idle)."""
         while True:
-            leaves = [n for n in self._nodes() if not n.children and n.locks == 0]
+            leaves = [n for n in self._leaves if n.locks == 0]
             if not leaves:
                 return
             for leaf in leaves:
@@ -173,8 +194,13 @@ class RadixCache:
     def _drop(self, node: Node) -> None:
         if node.swa:
             self.allocator.release_swa([node.page])
+            del self._swa[node]
         self.allocator.full.free([node.page])
-        del node.parent.children[node.key]
+        parent = node.parent
+        del parent.children[node.key]
+        del self._leaves[node]
+        if parent is not self.root and not parent.children:
+            self._leaves[parent] = None
         self.num_pages -= 1
 
     def _nodes(self) -> list[Node]:
@@ -186,13 +212,12 @@ class RadixCache:
         return out
 
     def num_swa_pages(self) -> int:
-        return sum(n.swa for n in self._nodes())
+        return len(self._swa)
 
     def usage(self) -> tuple[int, int, int, int]:
         """(full pages, SWA pages) the tree holds, then those only the tree holds (free for the
         asking), in one walk of the tree."""
-        alloc, nodes = self.allocator, self._nodes()
-        swa = [n for n in nodes if n.swa] if self.window is not None else []
+        alloc, nodes, swa = self.allocator, self._nodes(), self._swa
         return (
             len(nodes),
             len(swa),
@@ -201,10 +226,13 @@ class RadixCache:
         )
 
     def check_sole_holder(self) -> None:
-        """With no request running: every page in use is a node's, held by the tree alone."""
+        """With no request running: every page in use is a node's, held by the tree alone (and the
+        indexes eviction reads agree with the tree)."""
         alloc, nodes = self.allocator, self._nodes()
         if any(n.locks for n in nodes):
             raise AssertionError("prefix cache: nodes are still locked by requests")
+        if set(self._leaves) != {n for n in nodes if not n.children} or set(self._swa) != {n for n in nodes if n.swa}:
+            raise AssertionError("prefix cache: its index of leaves or of SWA holders disagrees with the tree")
         if alloc.full.num_free + len(nodes) != alloc.full.num_pages or any(
             alloc.full.holders(n.page) != 1 for n in nodes
         ):
