@@ -29,6 +29,8 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from workers.memory import HybridSWAAllocator, KVAllocator, PageAllocator
 
 RECLAIM_BATCH = 1 / 64  # of a pool's pages, given back at once when it runs short
@@ -45,7 +47,6 @@ class Node:
     parent: Node | None
     swa: bool = False  # the tree holds the page's SWA page
     follow: int | None = None  # the token after the page, when its draft KV read it
-    locks: int = 0  # running requests whose prefix this is
     last_used: int = 0
     children: dict[tuple[int, ...], Node] = dataclasses.field(default_factory=dict)
 
@@ -71,6 +72,11 @@ class RadixCache:
         self.num_pages = 0  # full pages the tree holds
         self._leaves: dict[Node, None] = {}  # nodes without children (what full eviction drops)
         self._swa: dict[Node, None] = {}  # nodes holding their SWA page (what SWA eviction releases)
+        # Per full page, for reads from other threads (`usage`) without walking the tree:
+        ids = allocator.full.num_ids + 1
+        self._is_node = np.zeros(ids, dtype=bool)  # a node's page
+        self._holds_swa = np.zeros(ids, dtype=bool)  # a node's page whose SWA page the tree holds
+        self._locks = np.zeros(ids, dtype=np.int32)  # running requests whose prefix the page is
         allocator.full.reclaim = functools.partial(self._reclaim, self.evict_full, _batch(allocator.full))
         if self.window is not None:
             allocator.swa.reclaim = functools.partial(self._reclaim, self.evict_swa, _batch(allocator.swa))
@@ -108,12 +114,10 @@ class RadixCache:
 
     # -- holding ----------------------------------------------------------------------------------
     def lock(self, match: Match) -> None:
-        for n in match.nodes:
-            n.locks += 1
+        self._locks[match.pages] += 1  # a match's pages are distinct
 
     def unlock(self, match: Match) -> None:
-        for n in match.nodes:
-            n.locks -= 1
+        self._locks[match.pages] -= 1
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], swa_from: int) -> None:
         """Cache the complete pages of a sequence whose KV lies in `pages` (page i holds tokens
@@ -133,11 +137,13 @@ class RadixCache:
                 self._leaves.pop(node, None)
                 self._leaves[child] = None
                 self.allocator.full.ref([page])
+                self._is_node[page] = True
                 self.num_pages += 1
             if not child.swa and child.page == page and i >= swa_from and self.window is not None:
                 self.allocator.hold_swa([page])
                 child.swa = True
                 self._swa[child] = None
+                self._holds_swa[page] = True
             child.last_used = now
             node = child
 
@@ -154,6 +160,7 @@ class RadixCache:
             alloc.release_swa([node.page])
             node.swa = False
             del self._swa[node]
+            self._holds_swa[node.page] = False
             freed += int(sole)
         return freed
 
@@ -175,7 +182,7 @@ class RadixCache:
         return freed
 
     def _evictable(self, node: Node) -> bool:
-        return not node.children and node.locks == 0 and self.allocator.full.holders(node.page) == 1
+        return not node.children and self._locks[node.page] == 0 and self.allocator.full.holders(node.page) == 1
 
     def _reclaim(self, evict: Callable[[int], int], batch: int, pages: int) -> int:
         """A pool ran short by `pages`: evict at least `batch` (a fraction of the pool) at once,
@@ -185,7 +192,7 @@ class RadixCache:
     def flush(self) -> None:
         """Drop every node no running request uses (all of them when the engine is idle)."""
         while True:
-            leaves = [n for n in self._leaves if n.locks == 0]
+            leaves = [n for n in self._leaves if self._locks[n.page] == 0]
             if not leaves:
                 return
             for leaf in leaves:
@@ -196,6 +203,7 @@ class RadixCache:
             self.allocator.release_swa([node.page])
             del self._swa[node]
         self.allocator.full.free([node.page])
+        self._is_node[node.page] = self._holds_swa[node.page] = False
         parent = node.parent
         del parent.children[node.key]
         del self._leaves[node]
@@ -216,23 +224,37 @@ class RadixCache:
 
     def usage(self) -> tuple[int, int, int, int]:
         """(full pages, SWA pages) the tree holds, then those only the tree holds (free for the
-        asking), in one walk of the tree."""
-        alloc, nodes, swa = self.allocator, self._nodes(), self._swa
+        asking). Array reads only: rank 0 answers load queries from another thread while the
+        loop thread changes the tree (a snapshot a step old at worst, never an error)."""
+        alloc = self.allocator
+        nodes = self._is_node.copy()
+        swa = np.flatnonzero(self._holds_swa)
+        sole_full = nodes & (self._locks == 0) & (alloc.full.refs == 1)
+        swa_pages = alloc.swa_pages_of(swa) if len(swa) else swa
         return (
-            len(nodes),
+            int(nodes.sum()),
             len(swa),
-            sum(n.locks == 0 and alloc.full.holders(n.page) == 1 for n in nodes),
-            sum(alloc.swa.holders(alloc.swa_page_of(n.page)) == 1 for n in swa),
+            int(sole_full.sum()),
+            int((alloc.swa.refs[swa_pages] == 1).sum()) if len(swa) else 0,
         )
 
     def check_sole_holder(self) -> None:
         """With no request running: every page in use is a node's, held by the tree alone (and the
         indexes eviction reads agree with the tree)."""
         alloc, nodes = self.allocator, self._nodes()
-        if any(n.locks for n in nodes):
+        if self._locks.any():
             raise AssertionError("prefix cache: nodes are still locked by requests")
-        if set(self._leaves) != {n for n in nodes if not n.children} or set(self._swa) != {n for n in nodes if n.swa}:
-            raise AssertionError("prefix cache: its index of leaves or of SWA holders disagrees with the tree")
+        pages = np.zeros_like(self._is_node)
+        pages[[n.page for n in nodes]] = True
+        swa = np.zeros_like(self._holds_swa)
+        swa[[n.page for n in nodes if n.swa]] = True
+        if (
+            set(self._leaves) != {n for n in nodes if not n.children}
+            or set(self._swa) != {n for n in nodes if n.swa}
+            or not np.array_equal(pages, self._is_node)
+            or not np.array_equal(swa, self._holds_swa)
+        ):
+            raise AssertionError("prefix cache: its indexes of leaves, pages or SWA holders disagree with the tree")
         if alloc.full.num_free + len(nodes) != alloc.full.num_pages or any(
             alloc.full.holders(n.page) != 1 for n in nodes
         ):

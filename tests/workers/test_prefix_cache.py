@@ -8,6 +8,9 @@ index spaces; evicted SWA pages cut a match; no forward writes a page the tree h
 request's window release never frees the tree's SWA pages (each shown to fail with the mistake
 put back); a property test drives random colliding prompts, aborts and pool pressure."""
 
+import sys
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -315,3 +318,34 @@ def test_random_prefixes_aborts_and_pressure(pressure_engines, variant, requests
     eng.check_no_leak()
     stats = eng.kv_stats()
     assert stats["full_free"] == stats["full_total"] and stats["swa_free"] == stats["swa_total"]
+
+
+def test_kv_stats_read_from_another_thread_while_the_cache_changes(models):
+    """Rank 0 answers load queries (`kv_stats`) from its event loop while its loop thread
+    inserts into and evicts from the tree: a read must never fail (a failing read broke the
+    update stream of every request in the replica)."""
+    eng = _engine(models["gemma3"], "torch_native", 2, max_total_tokens=256, swa_full_tokens_ratio=0.5)
+    errors, done = [], threading.Event()
+
+    def read():
+        while not done.is_set():
+            try:
+                stats = eng.kv_stats()
+                assert 0 <= stats["full_free"] <= stats["full_total"], stats
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                return
+
+    reader = threading.Thread(target=read)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often: inside a read, not only between reads
+    reader.start()
+    try:
+        for seed in range(12):
+            eng.generate(prompt_token_ids=random_prompts([30 + seed % 5] * 8, seed=seed), sampling=GREEDY)
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    eng.check_no_leak()

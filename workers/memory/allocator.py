@@ -86,6 +86,13 @@ class PageAllocator:
     def holders(self, page: int) -> int:
         return int(self._refs[page])
 
+    @property
+    def refs(self) -> np.ndarray:
+        """Holders of every page id, read-only (for counting many pages at once)."""
+        view = self._refs.view()
+        view.flags.writeable = False
+        return view
+
     def check_no_leak(self) -> None:
         if self.num_free != self.num_pages:
             raise AssertionError(f"{self.name}: {self.num_pages - self.num_free} pages still in use")
@@ -318,6 +325,10 @@ class HybridSWAAllocator(KVAllocator):
     def swa_page_of(self, full_page: int) -> int:
         """The SWA page a full page maps to (0: none), read on the host."""
         return int(self._f2s.host[full_page * self.page_size]) // self.page_size
+
+    def swa_pages_of(self, full_pages: np.ndarray) -> np.ndarray:
+        """`swa_page_of` for many full pages at once."""
+        return np.asarray(self._f2s.host[full_pages * self.page_size]) // self.page_size
 
     def swa_start(self, row: int) -> int:
         """The first page of a request whose SWA page the request still holds."""
