@@ -161,7 +161,9 @@ class LLMServer:
     async def _read_updates(self) -> None:
         """Hand each request its updates from rank 0's one stream. When the stream breaks (a rank
         died) or ends, every request waiting here ends with UNAVAILABLE (the next request opens
-        the stream again); a dead rank fails the health check, and Serve replaces the replica."""
+        the stream again) and is aborted on rank 0, which may still be running it: a retry of
+        the same id must find it gone. A dead rank fails the health check, and Serve replaces
+        the replica."""
         stream = self.ranks[0].updates.options(num_returns="streaming").remote()
         try:
             async for ref in stream:
@@ -177,6 +179,7 @@ class LLMServer:
             broke = exc
         logger.error("replica %s: rank 0's update stream broke: %s", self.replica_tag, unwrap(broke))
         for rid, queue in list(self._requests.items()):
+            self._abort(rid)
             queue.put_nowait(self._lost(rid, broke))
 
     async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
