@@ -196,14 +196,16 @@ class RankActor:
         record_step(self.tracer, step, contexts, self.engine_info, self.loop.engine.kv_stats(), self.num_steps)
 
     def _on_updates(self, updates: list[Update]) -> None:
-        """Called by the loop thread once per step: one hand-over to the event loop, then a
-        short wait (the interpreter lock released) until the stream has taken it. Otherwise the
-        event loop would wait for the lock at every step of the hand-over while this thread runs
-        the next step's Python: up to the 5 ms switch interval each time, on every token's way
-        out (the next step is already launched, so the device does not wait)."""
+        """Called by the loop thread once per step: one hand-over to the event loop, then, while
+        the device runs the next (overlapped) step, a short wait (the interpreter lock released)
+        until the stream has taken it. Otherwise the event loop would wait for the lock at every
+        step of the hand-over while this thread runs the next step's Python: up to the 5 ms
+        switch interval each time, on every token's way out. Without a step in flight
+        (speculative rounds, prefill) the device would idle through the wait: none then."""
         self._sent.clear()
         self._aio.call_soon_threadsafe(self._collect, updates)
-        self._sent.wait(HAND_OVER_WAIT_S)
+        if self.loop.engine.step_in_flight:
+            self._sent.wait(HAND_OVER_WAIT_S)
 
     def _collect(self, updates: list[Update]) -> None:
         """Add a step's updates to the outbox, joining each request's tokens with what is

@@ -371,6 +371,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or self._inflight is not None
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether the device already has the next decode step (overlapped), so that host work
+        between steps costs it nothing."""
+        return self._inflight is not None
+
     def output(self, request_id: str) -> RequestOutput:
         req = self._requests[request_id]
         return RequestOutput(

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from cluster.rank_actor import RankActor
+from cluster.rank_actor import HAND_OVER_WAIT_S, RankActor
 from cluster.replica import LLMServer
 from workers.engine import RequestOutput
 from workers.rank_loop import Update
@@ -20,6 +20,8 @@ from workers.sampling_params import SamplingParams
 
 class _Loop:
     """A rank loop that takes requests; the test hands out their updates."""
+
+    engine = types.SimpleNamespace(step_in_flight=False)
 
     def submit(self, rid, prompt_ids, sampling) -> None:
         pass
@@ -257,3 +259,23 @@ def test_the_update_stream_is_not_opened_as_a_child_of_the_first_request():
         return replica.ranks[0].opened_in
 
     assert asyncio.run(run()) == [None]
+
+
+@pytest.mark.parametrize("in_flight", [True, False])
+def test_the_loop_thread_waits_for_the_hand_over_only_while_the_device_has_a_step(in_flight):
+    """With the next step launched, the loop thread waits (up to HAND_OVER_WAIT_S) until the
+    stream took the step's updates; with nothing in flight (a speculative round, a prefill) the
+    device would idle through that wait, so it hands over and goes on."""
+    actor = _rank_actor()
+    actor.loop = types.SimpleNamespace(engine=types.SimpleNamespace(step_in_flight=in_flight))
+    waits = []
+    actor._sent = types.SimpleNamespace(clear=lambda: None, wait=waits.append)
+
+    async def run():
+        actor._aio = asyncio.get_running_loop()
+        await asyncio.to_thread(actor._on_updates, [Update("a", [10], False)])
+        await asyncio.sleep(0)
+        return actor._outbox
+
+    assert asyncio.run(run())["a"]["token_ids"] == [10]  # handed over either way
+    assert waits == ([HAND_OVER_WAIT_S] if in_flight else [])

@@ -39,14 +39,16 @@ def _params(i: int, stop: list[int]) -> SamplingParams:
 
 
 def _run(engine: Engine, stops: list[int], abort_at: int | None = None, late: int = 0):
-    """Stream PROMPTS (the last `late` of them arriving mid-way), collecting events per request."""
-    tokens, finished = collections.defaultdict(list), collections.Counter()
+    """Stream PROMPTS (the last `late` of them arriving mid-way), collecting events per request
+    and, per step, whether the engine left the next step running on the device."""
+    tokens, finished, in_flight = collections.defaultdict(list), collections.Counter(), []
     rids = [engine.add_request(p, _params(i, stops)) for i, p in enumerate(PROMPTS[: len(PROMPTS) - late])]
     step = 0
     while engine.has_unfinished():
         for rid, new, done in engine.step():
             tokens[rid] += new
             finished[rid] += done
+        in_flight.append(engine.step_in_flight)
         step += 1
         if step == 6 and late:
             rids += [engine.add_request(p, _params(len(rids) + j, stops)) for j, p in enumerate(PROMPTS[-late:])]
@@ -54,7 +56,7 @@ def _run(engine: Engine, stops: list[int], abort_at: int | None = None, late: in
             engine.abort(rids[0])
             finished[rids[0]] += 1
     engine.check_no_leak()
-    return [tokens[r] for r in rids], [finished[r] for r in rids]
+    return [tokens[r] for r in rids], [finished[r] for r in rids], in_flight
 
 
 @pytest.mark.parametrize("graphs", [False, "emulate"])
@@ -62,15 +64,16 @@ def test_overlapped_decoding_gives_the_step_by_step_tokens(model, graphs):
     reference = _engine(model, False).generate(prompt_token_ids=PROMPTS, sampling=[_params(i, []) for i in range(6)])
     common = collections.Counter(t for o in reference for t in o.token_ids[2:6])
     stops = [t for t, _ in common.most_common(2)]  # tokens that do come up: requests stop mid-way
-    expected, _ = _run(_engine(model, False, graphs), stops)
-    got, finished = _run(_engine(model, True, graphs), stops)
+    expected, _, eager_in_flight = _run(_engine(model, False, graphs), stops)
+    got, finished, in_flight = _run(_engine(model, True, graphs), stops)
     assert got == expected
+    assert not any(eager_in_flight) and any(in_flight) and not in_flight[-1]  # what the hand-over wait reads
     assert finished == [1] * len(PROMPTS)
     assert any(len(t) < 8 + 5 * i for i, t in enumerate(got)), "a stop token should end some request early"
 
 
 def test_arrivals_and_aborts_while_the_pipeline_runs(model):
-    expected, _ = _run(_engine(model, False), [], abort_at=9, late=2)
-    got, finished = _run(_engine(model, True), [], abort_at=9, late=2)
+    expected, _, _ = _run(_engine(model, False), [], abort_at=9, late=2)
+    got, finished, _ = _run(_engine(model, True), [], abort_at=9, late=2)
     assert got[1:] == expected[1:]  # the aborted request's tokens depend on when the abort lands
     assert finished == [1] * len(PROMPTS)
