@@ -72,6 +72,10 @@ class RadixCache:
         self.num_pages = 0  # full pages the tree holds
         self._leaves: dict[Node, None] = {}  # nodes without children (what full eviction drops)
         self._swa: dict[Node, None] = {}  # nodes holding their SWA page (what SWA eviction releases)
+        # Least recently used first, kept across evictions: an entry (last_used, id, node) is
+        # current while the node still has that last_used and is still a leaf / SWA holder.
+        self._leaf_heap: list[tuple[int, int, Node]] = []
+        self._swa_heap: list[tuple[int, int, Node]] = []
         # Per full page, for reads from other threads (`usage`) without walking the tree:
         ids = allocator.full.num_ids + 1
         self._is_node = np.zeros(ids, dtype=bool)  # a node's page
@@ -100,7 +104,7 @@ class RadixCache:
         match = Match(nodes[: max(0, usable)])
         now = next(self._clock)
         for n in match.nodes:
-            n.last_used = now
+            self._touch(n, now)
         return match
 
     def swa_from(self, num_pages: int) -> int:
@@ -144,49 +148,71 @@ class RadixCache:
                 child.swa = True
                 self._swa[child] = None
                 self._holds_swa[page] = True
-            child.last_used = now
+            self._touch(child, now)
             node = child
 
     # -- eviction ---------------------------------------------------------------------------------
     def evict_swa(self, pages: int) -> int:
         """Give back the tree's SWA pages, least recently used first, until `pages` of them are
         free; their nodes keep their full pages. Returns the pages freed."""
-        freed, alloc = 0, self.allocator
-        heap = [(n.last_used, id(n), n) for n in self._swa]
-        heapq.heapify(heap)
-        while freed < pages and heap:
-            node = heapq.heappop(heap)[2]  # a locked node too: requests reading its window hold their own SWA pages
-            sole = alloc.swa.holders(alloc.swa_page_of(node.page)) == 1
-            alloc.release_swa([node.page])
+        freed, alloc, released = 0, self.allocator, []
+        while freed < pages and self._swa_heap:
+            last_used, _, node = heapq.heappop(self._swa_heap)
+            if node.last_used != last_used or node not in self._swa:
+                continue  # touched since, or released or dropped already
+            # a locked node too: requests reading its window hold their own SWA pages
+            freed += alloc.swa.holders(alloc.swa_page_of(node.page)) == 1
             node.swa = False
             del self._swa[node]
             self._holds_swa[node.page] = False
-            freed += int(sole)
+            released.append(node.page)
+        if released:
+            alloc.release_swa(released)
         return freed
 
     def evict_full(self, pages: int) -> int:
         """Drop unlocked leaves, least recently used first, until `pages` full pages are free
         (leaves whose page a running request still holds free nothing and are kept); a parent
-        whose last child went is a leaf in the same pass. A heap of the leaves, kept as the tree
-        changes: a pool running short costs O(leaves + pages log leaves), not a sort of the tree."""
-        freed = 0
-        heap = [(n.last_used, id(n), n) for n in self._leaves if self._evictable(n)]
-        heapq.heapify(heap)
-        while freed < pages and heap:
-            node = heapq.heappop(heap)[2]
-            self._drop(node)
-            freed += 1
-            parent = node.parent
-            if parent is not self.root and self._evictable(parent):
-                heapq.heappush(heap, (parent.last_used, id(parent), parent))
-        return freed
+        whose last child went is a leaf in the same pass. The leaves' heap is kept as the tree
+        changes, so a pool running short costs O(pages log leaves) plus the leaves it skips."""
+        dropped, kept = [], []
+        while len(dropped) < pages and self._leaf_heap:
+            entry = heapq.heappop(self._leaf_heap)
+            node = entry[2]
+            if node.last_used != entry[0] or node not in self._leaves:
+                continue  # touched since, or no longer a leaf
+            if not self._evictable(node):
+                kept.append(entry)  # locked or shared now; a candidate again later
+                continue
+            self._unlink(node)
+            dropped.append(node)
+        for entry in kept:
+            heapq.heappush(self._leaf_heap, entry)
+        self._release(dropped)
+        return len(dropped)
 
     def _evictable(self, node: Node) -> bool:
         return not node.children and self._locks[node.page] == 0 and self.allocator.full.holders(node.page) == 1
 
+    def _touch(self, node: Node, now: int) -> None:
+        """Mark a node used at `now` and queue it for eviction in that order."""
+        node.last_used = now
+        if node.swa:
+            self._push(self._swa_heap, node, self._swa)
+        if node in self._leaves:
+            self._push(self._leaf_heap, node, self._leaves)
+
+    @staticmethod
+    def _push(heap: list[tuple[int, int, Node]], node: Node, index: dict[Node, None]) -> None:
+        """Queue a node; a heap grown to twice its index (entries gone stale) is rebuilt."""
+        heapq.heappush(heap, (node.last_used, id(node), node))
+        if len(heap) > 2 * len(index) + 64:
+            heap[:] = [(n.last_used, id(n), n) for n in index]
+            heapq.heapify(heap)
+
     def _reclaim(self, evict: Callable[[int], int], batch: int, pages: int) -> int:
         """A pool ran short by `pages`: evict at least `batch` (a fraction of the pool) at once,
-        so that a busy pool builds its eviction heap once per batch rather than once per page."""
+        so that a busy pool is not short again at the next page."""
         return evict(max(pages, batch))
 
     def flush(self) -> None:
@@ -196,20 +222,31 @@ class RadixCache:
             if not leaves:
                 return
             for leaf in leaves:
-                self._drop(leaf)
+                self._unlink(leaf)
+            self._release(leaves)
 
-    def _drop(self, node: Node) -> None:
+    def _unlink(self, node: Node) -> None:
+        """Take a leaf out of the tree; its pages are released by `_release`, in one call per
+        pool for all the nodes an eviction drops."""
         if node.swa:
-            self.allocator.release_swa([node.page])
             del self._swa[node]
-        self.allocator.full.free([node.page])
         self._is_node[node.page] = self._holds_swa[node.page] = False
         parent = node.parent
         del parent.children[node.key]
         del self._leaves[node]
         if parent is not self.root and not parent.children:
             self._leaves[parent] = None
+            self._push(self._leaf_heap, parent, self._leaves)
         self.num_pages -= 1
+
+    def _release(self, nodes: list[Node]) -> None:
+        swa = [n.page for n in nodes if n.swa]
+        if swa:
+            self.allocator.release_swa(swa)
+        for n in nodes:
+            n.swa = False
+        if nodes:
+            self.allocator.full.free([n.page for n in nodes])
 
     def _nodes(self) -> list[Node]:
         out, stack = [], list(self.root.children.values())
@@ -255,6 +292,10 @@ class RadixCache:
             or not np.array_equal(swa, self._holds_swa)
         ):
             raise AssertionError("prefix cache: its indexes of leaves, pages or SWA holders disagree with the tree")
+        for heap, index in ((self._leaf_heap, self._leaves), (self._swa_heap, self._swa)):
+            queued = {(t, n) for t, _, n in heap}
+            if any((n.last_used, n) not in queued for n in index):
+                raise AssertionError("prefix cache: a node eviction could take is missing from its queue")
         if alloc.full.num_free + len(nodes) != alloc.full.num_pages or any(
             alloc.full.holders(n.page) != 1 for n in nodes
         ):

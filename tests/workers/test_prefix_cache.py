@@ -161,7 +161,7 @@ def test_evicted_swa_pages_cut_the_match_and_the_rest_is_recomputed(models):
     nodes = eng.cache.match(second).nodes
     assert len(nodes) == 9 and all(n.swa for n in nodes[7:])  # the window before 36: pages 7, 8
     cached_pages = eng.cache.num_pages
-    nodes[8].last_used = 0  # least recently used: SWA eviction takes it first
+    eng.cache._touch(nodes[8], 0)  # least recently used: SWA eviction takes it first
     assert eng.cache.evict_swa(1) == 1
     assert not nodes[8].swa and eng.cache.num_pages == cached_pages  # a tombstone: full page kept
     got = eng.generate(prompt_token_ids=[second], sampling=GREEDY)
