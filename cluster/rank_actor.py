@@ -197,14 +197,14 @@ class RankActor:
 
     def _on_updates(self, updates: list[Update]) -> None:
         """Called by the loop thread once per step: one hand-over to the event loop, then, while
-        the device runs the next (overlapped) step, a short wait (the interpreter lock released)
-        until the stream has taken it. Otherwise the event loop would wait for the lock at every
-        step of the hand-over while this thread runs the next step's Python: up to the 5 ms
-        switch interval each time, on every token's way out. Without a step in flight
-        (speculative rounds, prefill) the device would idle through the wait: none then."""
+        the device runs the next (overlapped) step or is this host's CPU, a short wait (the
+        interpreter lock released) until the stream has taken it. Otherwise the event loop would
+        wait for the lock at every step of the hand-over while this thread runs the next step's
+        Python: up to the 5 ms switch interval each time, on every token's way out. A GPU without
+        a step in flight (speculative rounds, prefill) would idle through the wait: none then."""
         self._sent.clear()
         self._aio.call_soon_threadsafe(self._collect, updates)
-        if self.loop.engine.step_in_flight:
+        if self.loop.engine.host_can_pause:
             self._sent.wait(HAND_OVER_WAIT_S)
 
     def _collect(self, updates: list[Update]) -> None:

@@ -373,9 +373,15 @@ class Engine:
 
     @property
     def step_in_flight(self) -> bool:
-        """Whether the device already has the next decode step (overlapped), so that host work
-        between steps costs it nothing."""
+        """Whether the device already has the next decode step (overlapped)."""
         return self._inflight is not None
+
+    @property
+    def host_can_pause(self) -> bool:
+        """Whether the host may pause between steps without the device idling: the next decode
+        step already runs on it, or the device is this host's CPU (a pause there only hands the
+        interpreter lock to another thread)."""
+        return self.step_in_flight or self.device.type == "cpu"
 
     def output(self, request_id: str) -> RequestOutput:
         req = self._requests[request_id]

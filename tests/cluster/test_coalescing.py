@@ -21,7 +21,7 @@ from workers.sampling_params import SamplingParams
 class _Loop:
     """A rank loop that takes requests; the test hands out their updates."""
 
-    engine = types.SimpleNamespace(step_in_flight=False)
+    engine = types.SimpleNamespace(host_can_pause=False)
 
     def submit(self, rid, prompt_ids, sampling) -> None:
         pass
@@ -261,13 +261,13 @@ def test_the_update_stream_is_not_opened_as_a_child_of_the_first_request():
     assert asyncio.run(run()) == [None]
 
 
-@pytest.mark.parametrize("in_flight", [True, False])
-def test_the_loop_thread_waits_for_the_hand_over_only_while_the_device_has_a_step(in_flight):
-    """With the next step launched, the loop thread waits (up to HAND_OVER_WAIT_S) until the
-    stream took the step's updates; with nothing in flight (a speculative round, a prefill) the
-    device would idle through that wait, so it hands over and goes on."""
+@pytest.mark.parametrize("can_pause", [True, False])
+def test_the_loop_thread_waits_for_the_hand_over_only_when_the_device_would_not_idle(can_pause):
+    """With the next step launched (or on CPU), the loop thread waits (up to HAND_OVER_WAIT_S)
+    until the stream took the step's updates; a GPU with nothing in flight (a speculative round,
+    a prefill) would idle through that wait, so it hands over and goes on."""
     actor = _rank_actor()
-    actor.loop = types.SimpleNamespace(engine=types.SimpleNamespace(step_in_flight=in_flight))
+    actor.loop = types.SimpleNamespace(engine=types.SimpleNamespace(host_can_pause=can_pause))
     waits = []
     actor._sent = types.SimpleNamespace(clear=lambda: None, wait=waits.append)
 
@@ -278,4 +278,4 @@ def test_the_loop_thread_waits_for_the_hand_over_only_while_the_device_has_a_ste
         return actor._outbox
 
     assert asyncio.run(run())["a"]["token_ids"] == [10]  # handed over either way
-    assert waits == ([HAND_OVER_WAIT_S] if in_flight else [])
+    assert waits == ([HAND_OVER_WAIT_S] if can_pause else [])

@@ -67,7 +67,7 @@ def test_overlapped_decoding_gives_the_step_by_step_tokens(model, graphs):
     expected, _, eager_in_flight = _run(_engine(model, False, graphs), stops)
     got, finished, in_flight = _run(_engine(model, True, graphs), stops)
     assert got == expected
-    assert not any(eager_in_flight) and any(in_flight) and not in_flight[-1]  # what the hand-over wait reads
+    assert not any(eager_in_flight) and any(in_flight) and not in_flight[-1]  # what the hand-over wait reads on GPU
     assert finished == [1] * len(PROMPTS)
     assert any(len(t) < 8 + 5 * i for i, t in enumerate(got)), "a stop token should end some request early"
 
@@ -77,3 +77,10 @@ def test_arrivals_and_aborts_while_the_pipeline_runs(model):
     got, finished, _ = _run(_engine(model, True), [], abort_at=9, late=2)
     assert got[1:] == expected[1:]  # the aborted request's tokens depend on when the abort lands
     assert finished == [1] * len(PROMPTS)
+
+
+def test_the_host_may_pause_between_steps_on_cpu(model):
+    """On CPU the host is the device: the rank actor's hand-over wait only hands the interpreter
+    lock to the thread sending the tokens, so it stays on whether or not a step is in flight."""
+    engine = _engine(model, False)
+    assert not engine.step_in_flight and engine.host_can_pause
