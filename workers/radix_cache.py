@@ -191,8 +191,8 @@ class RadixCache:
         self._release(dropped)
         return len(dropped)
 
-    def _evictable(self, node: Node) -> bool:
-        return not node.children and self._locks[node.page] == 0 and self.allocator.full.holders(node.page) == 1
+    def _evictable(self, leaf: Node) -> bool:
+        return self._locks[leaf.page] == 0 and self.allocator.full.holders(leaf.page) == 1
 
     def _touch(self, node: Node, now: int) -> None:
         """Mark a node used at `now` and queue it for eviction in that order."""
@@ -263,17 +263,12 @@ class RadixCache:
         """(full pages, SWA pages) the tree holds, then those only the tree holds (free for the
         asking). Array reads only: rank 0 answers load queries from another thread while the
         loop thread changes the tree (a snapshot a step old at worst, never an error)."""
-        alloc = self.allocator
-        nodes = self._is_node.copy()
+        alloc, nodes = self.allocator, self._is_node.copy()
+        full = (int(nodes.sum()), int((nodes & (self._locks == 0) & (alloc.full.refs == 1)).sum()))
+        if self.window is None:
+            return full[0], 0, full[1], 0
         swa = np.flatnonzero(self._holds_swa)
-        sole_full = nodes & (self._locks == 0) & (alloc.full.refs == 1)
-        swa_pages = alloc.swa_pages_of(swa) if len(swa) else swa
-        return (
-            int(nodes.sum()),
-            len(swa),
-            int(sole_full.sum()),
-            int((alloc.swa.refs[swa_pages] == 1).sum()) if len(swa) else 0,
-        )
+        return full[0], len(swa), full[1], int((alloc.swa.refs[alloc.swa_pages_of(swa)] == 1).sum())
 
     def check_sole_holder(self) -> None:
         """With no request running: every page in use is a node's, held by the tree alone (and the
