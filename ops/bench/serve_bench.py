@@ -359,6 +359,7 @@ def launch(args: argparse.Namespace) -> dict[str, str]:
     app = {
         **engine_settings(args),
         "num_replicas": args.num_replicas,
+        "tp_size": args.tp_size,
         "cpus_per_rank": 0.5,
         "grpc": {"port": 0},
         "stream_interval": args.stream_interval,
@@ -383,6 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--tp-size", type=int, default=1, help="launched application: tensor-parallel ranks per replica")
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -416,6 +418,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vocab = json.load(f)["vocab_size"]
     close: Callable[[], Any] = lambda: None  # noqa: E731
     if args.backend == "engine":
+        if args.tp_size > 1:
+            raise SystemExit("--tp-size: the in-process engine is one rank; ops.bench.tensor_parallel measures TP")
         backend = EngineBackend(settings)
         close = backend.close
     else:

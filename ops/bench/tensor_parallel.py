@@ -1,0 +1,206 @@
+"""Decode throughput of one replica at tensor-parallel sizes 1, 2, ... on the GPUs of one host.
+
+    python -m ops.bench.tensor_parallel --out results.json [--tp-sizes 1,2] [--batches 1,64]
+
+Each size runs in its own processes, one a GPU, exactly as a serving replica's rank actors do:
+NCCL for the model's collectives, gloo for the step plans, `RankLoop` in lockstep, CUDA graphs on
+(the collectives are captured in them). Rank 0 submits a batch of greedy requests (the Llama-3-8B
+shape with dummy weights by default, prompt 128, 128 new tokens) and times the decode phase: from
+the moment every request has its first token to the last token. The same harness at size 1 is
+the baseline, so a size's speed-up is one division. Also measured: a captured graph of 64
+all-reduces of one decode step's hidden state (bf16, batch 1 and 64), the collective's own cost
+per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ops.bench.decode_throughput import NEW, PROMPT, SHAPES, random_prompts, write_config
+from workers.distributed import TPGroup
+from workers.engine import Engine, SamplingParams
+from workers.rank_loop import RankLoop, Update
+
+logger = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BatchClock:
+    """Rank 0's view of one batch: when every request had its first token, when the last ended."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.first: dict[str, float] = {}
+        self.tokens = 0
+        self.finished = 0
+        self.done = threading.Event()
+
+    def on_updates(self, updates: list[Update]) -> None:
+        now = time.perf_counter()
+        for u in updates:
+            if u.token_ids and u.rid not in self.first:
+                self.first[u.rid] = now
+            elif u.rid in self.first:
+                self.tokens += len(u.token_ids)
+            if u.error:
+                raise RuntimeError(f"request {u.rid} failed: {u.error}")
+            if u.finished:
+                self.finished += 1
+                if self.finished == self.size:
+                    self.end = now
+                    self.done.set()
+
+    def result(self) -> dict:
+        seconds = self.end - max(self.first.values())
+        steps = self.tokens / self.size
+        return {
+            "tokens": self.tokens,
+            "seconds": seconds,
+            "tok_per_s": self.tokens / seconds,
+            "ms_per_step": 1e3 * seconds / steps,
+        }
+
+
+def allreduce_graph_us(tp: TPGroup, hidden: int, batch: int, count: int = 64) -> float:
+    """Microseconds per all-reduce in a captured graph of `count` (one decode step's worth)."""
+    x = torch.ones(batch, hidden, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            tp.all_reduce(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(count):
+            tp.all_reduce(x)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / reps / count
+
+
+def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, batches: list[int], results) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    control = dist.new_group(backend="gloo")
+    tp = TPGroup(rank, world, dist.group.WORLD)
+    engine = Engine(**engine_kwargs, tp=tp)
+    out: dict = {}
+    if world > 1:
+        for batch in (1, 64):
+            out[f"allreduce_us/b{batch}"] = allreduce_graph_us(tp, engine.cfg.hidden_size, batch)
+    clock = BatchClock(0)
+    loop = RankLoop(engine, rank, control if world > 1 else None, lambda updates: clock.on_updates(updates))
+    if rank != 0:
+        loop.run()
+    else:
+        thread = threading.Thread(target=loop.run, name="rank0-loop")
+        thread.start()
+        sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+        for tag, batch in [("warmup", max(batches))] + [(f"b{b}", b) for b in batches]:
+            clock = BatchClock(batch)
+            for i, prompt in enumerate(random_prompts(engine.cfg.vocab_size, batch, PROMPT, seed=batch)):
+                loop.submit(f"{tag}-{i}", prompt, sampling)
+            if not clock.done.wait(600):
+                raise TimeoutError(f"tp {world} batch {batch} did not finish")
+            if tag != "warmup":
+                out[tag] = clock.result()
+                logger.info("tp %d batch %d: %.1f tok/s", world, batch, out[tag]["tok_per_s"])
+        loop.stop()
+        thread.join()
+        results.put(pickle.dumps(out))
+    engine.check_no_leak()
+    dist.barrier(group=control)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def run_size(world: int, engine_kwargs: dict, batches: list[int]) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, batches, results)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    out = pickle.loads(results.get(timeout=1800))
+    for p in procs:
+        p.join(timeout=120)
+        if p.exitcode != 0:
+            raise RuntimeError(f"tp {world}: a rank exited with {p.exitcode}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--tp-sizes", default="1,2")
+    parser.add_argument("--batches", default="1,64")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    batches = [int(b) for b in args.batches.split(",")]
+    sizes = [int(s) for s in args.tp_sizes.split(",")]
+    if max(sizes) > torch.cuda.device_count():
+        raise SystemExit(f"--tp-sizes {args.tp_sizes}: this host has {torch.cuda.device_count()} GPUs")
+    with tempfile.TemporaryDirectory() as root:
+        engine_kwargs = dict(
+            model=write_config(root, args.shape, SHAPES[args.shape]),
+            device="cuda",
+            dtype="bfloat16",
+            load_format="dummy",
+            page_size=16,
+            swa_full_tokens_ratio=1.0,
+            max_total_tokens=max(batches) * (PROMPT + NEW + 64),
+            max_running_requests=max(batches),
+            chunked_prefill_size=8192,
+        )
+        report: dict = {"shape": args.shape, "prompt": PROMPT, "new_tokens": NEW, "gpu": torch.cuda.get_device_name()}
+        for world in sizes:
+            report[f"tp{world}"] = run_size(world, engine_kwargs, batches)
+    base = report.get("tp1", {})
+    for world in sizes:
+        for b in batches:
+            got = report[f"tp{world}"][f"b{b}"]
+            if f"b{b}" in base:
+                got["speedup_over_tp1"] = got["tok_per_s"] / base[f"b{b}"]["tok_per_s"]
+            print(
+                f"tp {world} batch {b}: {got['tok_per_s']:.1f} tok/s, {got['ms_per_step']:.2f} ms/step"
+                + (f", {got['speedup_over_tp1']:.2f}x tp1" if "speedup_over_tp1" in got else "")
+            )
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
