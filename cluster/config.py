@@ -43,6 +43,9 @@ class EngineArgs(BaseModel):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     seed: int = 0
     debug_kv_checks: bool = False
+    tp_all_reduce: Literal["nccl", "one_shot"] = Field(
+        "nccl", description="tensor-parallel all-reduces of decode size: NCCL, or one kernel over peer memory"
+    )
     cuda_graphs: bool = Field(True, description="capture and replay decode-side forwards (CUDA, trtllm_mha)")
     cuda_graph_max_batch_size: int | None = Field(
         None, ge=1, description="largest captured batch (default: max_running_requests)"

@@ -21,7 +21,7 @@ import torch
 
 from attention import ForwardMode
 from workers.cuda_graphs import CudaGraphRunner, capture_sizes
-from workers.distributed import SINGLE_RANK, TPGroup
+from workers.distributed import SINGLE_RANK, AllReduce, TPGroup
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
 from workers.model_runner import ModelRunner
@@ -77,13 +77,15 @@ class Engine:
         debug_kv_checks: bool = False,
         speculative: Mapping[str, Any] | None = None,
         tp: TPGroup = SINGLE_RANK,
+        tp_all_reduce: AllReduce = "nccl",
         cuda_graphs: bool | str = True,
         cuda_graph_max_batch_size: int | None = None,
         overlap_schedule: bool | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; every rank of it builds an Engine with the
-        same arguments and steps in lockstep (see `workers.rank_loop`).
+        same arguments and steps in lockstep (see `workers.rank_loop`). `tp_all_reduce`:
+        "one_shot" sends decode-sized all-reduces through peer memory (`workers/distributed.py`).
         `cuda_graphs`: capture the decode-side forwards (decode, or verify and draft decode) for
         batch sizes up to `cuda_graph_max_batch_size` (default `max_running_requests`) and
         replay them; on CUDA with `trtllm_mha` only, and not with `debug_kv_checks` (the checks
@@ -132,6 +134,10 @@ class Engine:
         else:
             self.allocator = KVAllocator(self.req_to_token, full_pages, page_size, scratch)
         self.tp = tp
+        if tp_all_reduce == "one_shot":
+            tp.use_one_shot_all_reduce(self.dtype, self.device)
+        elif tp_all_reduce != "nccl":
+            raise ValueError(f"tp_all_reduce: 'nccl' or 'one_shot', got {tp_all_reduce!r}")
         self.runner = ModelRunner.load(
             self.cfg,
             model,

@@ -7,9 +7,9 @@ NCCL for the model's collectives, gloo for the step plans, `RankLoop` in lockste
 (the collectives are captured in them). Rank 0 submits a batch of greedy requests (the Llama-3-8B
 shape with dummy weights by default, prompt 128, 128 new tokens) and times the decode phase: from
 the moment every request has its first token to the last token. The same harness at size 1 is
-the baseline, so a size's speed-up is one division. Also measured: a captured graph of 64
-all-reduces of one decode step's hidden state (bf16, batch 1 and 64), the collective's own cost
-per step.
+the baseline, so a size's speed-up is one division. Sizes above 1 run with each `tp_all_reduce`
+(NCCL, one-shot over peer memory). Also measured: a captured graph of 64 all-reduces of one
+decode step's hidden state (bf16, batch 1 and 64), the collective's own cost per step.
 """
 
 from __future__ import annotations
@@ -101,7 +101,10 @@ def allreduce_graph_us(tp: TPGroup, hidden: int, batch: int, count: int = 64) ->
     return 1e6 * (time.perf_counter() - start) / reps / count
 
 
-def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, batches: list[int], results) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, engine_kwargs: dict, batches: list[int], all_reduce: str, results
+) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank}/{world} %(message)s")
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
@@ -112,7 +115,7 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, batches: l
     )
     control = dist.new_group(backend="gloo")
     tp = TPGroup(rank, world, dist.group.WORLD)
-    engine = Engine(**engine_kwargs, tp=tp)
+    engine = Engine(**engine_kwargs, tp=tp, tp_all_reduce=all_reduce)
     out: dict = {}
     if world > 1:
         for batch in (1, 64):
@@ -139,16 +142,17 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, batches: l
         results.put(pickle.dumps(out))
     engine.check_no_leak()
     dist.barrier(group=control)
-    dist.destroy_process_group()
+    # Leave without tearing NCCL down: its communicators are captured in this process's graphs.
     os._exit(0)
 
 
-def run_size(world: int, engine_kwargs: dict, batches: list[int]) -> dict:
+def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: str) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, batches, results)) for r in range(world)
+        ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, batches, all_reduce, results))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp-sizes", default="1,2")
     parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--all-reduce", default="nccl,one_shot", help="tp_all_reduce settings to run at sizes > 1")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     batches = [int(b) for b in args.batches.split(",")]
@@ -185,16 +190,19 @@ def main(argv: list[str] | None = None) -> dict:
             chunked_prefill_size=8192,
         )
         report: dict = {"shape": args.shape, "prompt": PROMPT, "new_tokens": NEW, "gpu": torch.cuda.get_device_name()}
-        for world in sizes:
-            report[f"tp{world}"] = run_size(world, engine_kwargs, batches)
-    base = report.get("tp1", {})
-    for world in sizes:
+        runs = [(w, "nccl") for w in sizes if w == 1] + [
+            (w, ar) for w in sizes if w > 1 for ar in args.all_reduce.split(",")
+        ]
+        for world, all_reduce in runs:
+            report[f"tp{world}/{all_reduce}"] = run_size(world, engine_kwargs, batches, all_reduce)
+    base = report.get("tp1/nccl", {})
+    for world, all_reduce in runs:
         for b in batches:
-            got = report[f"tp{world}"][f"b{b}"]
+            got = report[f"tp{world}/{all_reduce}"][f"b{b}"]
             if f"b{b}" in base:
                 got["speedup_over_tp1"] = got["tok_per_s"] / base[f"b{b}"]["tok_per_s"]
             print(
-                f"tp {world} batch {b}: {got['tok_per_s']:.1f} tok/s, {got['ms_per_step']:.2f} ms/step"
+                f"tp {world} ({all_reduce}) batch {b}: {got['tok_per_s']:.1f} tok/s, {got['ms_per_step']:.2f} ms/step"
                 + (f", {got['speedup_over_tp1']:.2f}x tp1" if "speedup_over_tp1" in got else "")
             )
     with open(args.out, "w") as f:

@@ -2,13 +2,18 @@
 trtllm_mha in bf16, with and without speculative decoding, against one GPU. Logits agree within
 bf16 noise up to any first divergence (reduction order differs between 1 and 2 ranks)."""
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tests.draft_models import make_perturbed_copy
 from tests.hf_models import make_tiny_model
 from tests.workers.test_gpu_engine import compare_bf16_runs
-from tests.workers.test_tensor_parallel import PROMPTS, run_tp
+from tests.workers.test_tensor_parallel import PROMPTS, _free_port, run_tp
+from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -16,7 +21,8 @@ SAMPLING = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, r
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative):
+@pytest.mark.parametrize("all_reduce", ["nccl", "one_shot"])
+def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative, all_reduce):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     target = str(tmp_path / "gemma3")
@@ -36,10 +42,63 @@ def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative):
         draft = make_perturbed_copy(target, str(tmp_path / "draft"), noise=0.0)
         kwargs["speculative"] = {"algorithm": "standalone", "draft_model": draft, "num_steps": 4, "draft_pool": "full"}
     ref = Engine(**kwargs).generate(prompt_token_ids=PROMPTS, sampling=SAMPLING)
-    got = run_tp(2, kwargs, SAMPLING)
-    diverged, worst = compare_bf16_runs(ref, got, f"tp2 speculative={speculative}")
+    got = run_tp(2, {**kwargs, "tp_all_reduce": all_reduce}, SAMPLING)
+    diverged, worst = compare_bf16_runs(ref, got, f"tp2 {all_reduce} speculative={speculative}")
     lengths = [n for o in got if o.spec for n in o.spec.accept_lengths]
     print(
-        f"tp2 speculative={speculative}: {diverged} of {len(PROMPTS)} diverged, largest logit difference {worst:.3g}"
+        f"tp2 {all_reduce} speculative={speculative}: {diverged} of {len(PROMPTS)} diverged, "
+        f"largest logit difference {worst:.3g}"
         + (f", mean accept length {sum(lengths) / len(lengths):.2f}" if lengths else "")
     )
+
+
+def _one_shot_rank(rank: int, port: int, results) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    one_shot, nccl = TPGroup(rank, 2, dist.group.WORLD), TPGroup(rank, 2, dist.group.WORLD)
+    one_shot.use_one_shot_all_reduce(torch.bfloat16, torch.device("cuda", rank))
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    inputs = [torch.randn(n, 4096, generator=g, device="cuda").to(torch.bfloat16) for n in (1, 3, 64)]
+    big = torch.randn(256, 4096, generator=g, device="cuda").to(torch.bfloat16)  # past the buffer: NCCL
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside capture (NCCL connects lazily)
+        for x in inputs:
+            one_shot.all_reduce(x.clone())
+        nccl.all_reduce(big.clone())
+    torch.cuda.current_stream().wait_stream(stream)
+    graph, outs = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        # Back to back on one buffer, as a decode step's layers use it.
+        outs = [one_shot.all_reduce(x.clone()) for x in inputs] + [one_shot.all_reduce(big.clone())]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    wants = [nccl.all_reduce(x.clone()) for x in inputs + [big]]
+    same = all(torch.equal(o, w) for o, w in zip(outs, wants, strict=True))
+    # The reference itself: every rank's input, summed on the host in float32.
+    gathered = [torch.empty_like(inputs[0]) for _ in range(2)]
+    dist.all_gather(gathered, inputs[0])
+    close = torch.allclose(outs[0].float(), sum(t.float() for t in gathered), rtol=1e-2, atol=1e-2)
+    if rank == 0:
+        results.put((same, close))
+    dist.barrier()
+    os._exit(0)
+
+
+def test_one_shot_all_reduce_equals_nccl_under_graph_replay():
+    """Two ranks' sums through peer memory, captured and replayed back to back on one buffer,
+    equal NCCL's bit for bit (a sum of two bf16 values rounds once either way); a message past
+    the buffer takes NCCL."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_one_shot_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    same, close = results.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    assert same and close

@@ -137,3 +137,8 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
     assert min(o.cached_tokens for o in got[len(FIRST) :]) >= 8
     if speculative:
         assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]
+
+
+def test_tp_all_reduce_setting_is_checked(model_dirs):
+    with pytest.raises(ValueError, match="tp_all_reduce"):
+        Engine(model=model_dirs["target"], max_total_tokens=256, tp_all_reduce="ring")
