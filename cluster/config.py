@@ -151,6 +151,12 @@ class AppArgs(EngineArgs):
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (Ray actors) per replica")
     num_replicas: int | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = None
+    ingress_path: Literal["direct", "serve_handle"] = Field(
+        "direct",
+        description="how the ingress reaches replicas: their rank-0 actors directly (two fewer Ray hops each way), "
+        "or the engine deployment's Serve handle; autoscaling always takes the handle (Serve's autoscaler "
+        "counts the requests its handles carry)",
+    )
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
     cpus_per_rank: float = Field(1.0, gt=0)
     replica_cpus: float = Field(0.5, gt=0, description="the replica actor itself (it only relays)")
@@ -209,6 +215,11 @@ class AppArgs(EngineArgs):
         per_replica = self.replica_cpus + self.tp_size * self.cpus_per_rank
         replicas = self.num_replicas if isinstance(self.num_replicas, int) else 1
         return replicas * per_replica + self.ingress_cpus
+
+    @property
+    def direct_path(self) -> bool:
+        autoscaled = self.autoscaling_config is not None or self.num_replicas == "auto"
+        return self.ingress_path == "direct" and not autoscaled
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{name: getattr(self, name) for name in EngineArgs.model_fields})

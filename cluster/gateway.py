@@ -22,9 +22,12 @@ import ray
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from cluster.metrics import ServingMetrics
-from cluster.protocol import InvalidRequest, PromptLimits, check_sizes, parse_request
+from cluster.protocol import InvalidRequest, PromptLimits, RoutedBody, check_sizes, parse_request
 from cluster.rank_actor import rank_actor_name
+from cluster.rank_client import unwrap
+from cluster.replica_set import QueueFull, ReplicaSet
 from cluster.routing.load_board import BOARD
+from cluster.routing.serve_router import route_request
 from cluster.telemetry import RequestTelemetry
 from workers.rank_loop import ErrorCode
 
@@ -51,11 +54,6 @@ class RequestFailed(Exception):
         self.message = message
 
 
-def unwrap(exc: BaseException) -> BaseException:
-    """The exception a Ray task raised, without Ray's wrapper (and its remote traceback)."""
-    return getattr(exc, "cause", None) or exc
-
-
 class Gateway:
     def __init__(
         self,
@@ -68,8 +66,12 @@ class Gateway:
         retry_backoff_s: float,
         metrics: ServingMetrics | None = None,
         ready_wait_s: float = 0.0,
+        replicas: ReplicaSet | None = None,
     ) -> None:
+        """`replicas`: stream to the replicas' rank-0 actors directly (`cluster/replica_set.py`);
+        None: through the engine deployment's Serve handle `llm`."""
         self.llm = llm
+        self.replicas = replicas
         self.metrics = metrics
         self.app_name = app_name
         self.tokenizer = tokenizer
@@ -163,8 +165,44 @@ class Gateway:
         if not await self._wait_ready():
             raise RequestFailed(ErrorCode.UNAVAILABLE.value, "no healthy replica of the engine deployment")
         if rid in self._aborted:
-            yield {"request_id": rid, "token_ids": [], "finished": True, "finish_reason": "abort"}
+            yield _aborted(rid)
             return
+        attempt = self._direct(routed) if self.replicas is not None else self._through_serve(routed)
+        async for update in attempt:
+            yield update
+
+    async def _direct(self, routed: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """One attempt on the replica the policy chooses, streamed from its rank 0."""
+        rid = routed["request_id"]
+        parsed = parse_request(routed, RoutedBody)
+        request = route_request(routed)
+        try:
+            client = await self.replicas.acquire(request)
+        except QueueFull as exc:
+            raise RequestFailed(RESOURCE_EXHAUSTED, str(exc)) from None
+        except LookupError as exc:
+            raise RequestFailed(ErrorCode.UNAVAILABLE.value, str(exc)) from None
+        try:
+            if rid in self._aborted:
+                yield _aborted(rid)
+                return
+            ids = parsed.body.prompt_token_ids
+            async for update in client.generate(rid, ids, parsed.sampling, parsed.stop, routed.get("trace_context")):
+                if update["finished"]:
+                    BOARD.finished(rid, update.get("load"))
+                error = update.get("error")
+                if error is not None:
+                    if error["code"] == ErrorCode.UNAVAILABLE.value:
+                        self.replicas.set_replica_aside(client.replica)
+                    raise RequestFailed(error["code"], error["message"])
+                yield update
+        finally:
+            BOARD.finished(rid)
+            self.replicas.release()
+
+    async def _through_serve(self, routed: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """One attempt through the engine deployment's Serve handle (its request router chooses)."""
+        rid = routed["request_id"]
         call = self.llm.options(stream=True).generate.remote(routed)
         self._calls[rid] = call
         try:
@@ -178,7 +216,7 @@ class Gateway:
         except (asyncio.CancelledError, RequestCancelledError):
             call.cancel()
             if rid in self._aborted:  # aborted before a replica took it: end the stream normally
-                yield {"request_id": rid, "token_ids": [], "finished": True, "finish_reason": "abort"}
+                yield _aborted(rid)
                 return
             raise
         except GeneratorExit:  # the consumer closed the stream (a client that left): stop generating
@@ -228,6 +266,11 @@ class Gateway:
         if call is not None:
             call.cancel()
         return True
+
+
+def _aborted(rid: str) -> dict[str, Any]:
+    """The last update of a request aborted before a replica took it."""
+    return {"request_id": rid, "token_ids": [], "finished": True, "finish_reason": "abort"}
 
 
 def _classify(exc: BaseException) -> tuple[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +35,9 @@ from cluster.openai_api import OpenAIApi
 from cluster.openai_api import error_response as openai_error
 from cluster.protocol import PromptLimits
 from cluster.rank_actor import rank0_replica, rank_actor_name
+from cluster.replica_set import ReplicaSet
 from cluster.routing.load_board import BOARD
+from cluster.routing.policies import make_policy
 from cluster.telemetry import RequestTelemetry
 from cluster.tracing import flush_all, tracer_for
 from workers.engine import resolve_context_length
@@ -80,6 +83,21 @@ class GrpcIngress:
         self.tracer = tracer_for(self.args.tracing, "ingress")
         self.metrics = ServingMetrics(self.model_name)
         self.app_name = serve.get_replica_context().app_name
+        policy_kwargs = self.args.router.policy_kwargs()
+        policy = policy_kwargs.pop("policy")
+        self.replicas = (
+            ReplicaSet(
+                self.app_name,
+                f"ingress-{uuid.uuid4().hex[:8]}",
+                self.tokenizer,
+                make_policy(policy, **policy_kwargs),
+                self.args.stream_interval,
+                self.args.max_ongoing_requests,
+                self.args.max_queued_requests,
+            )
+            if self.args.direct_path
+            else None
+        )
         self.gateway = Gateway(
             llm,
             self.app_name,
@@ -90,6 +108,7 @@ class GrpcIngress:
             self.args.grpc.retry_backoff_s,
             self.metrics,
             self.args.grpc.ready_wait_s,
+            self.replicas,
         )
         self.gateway.was_ready = await asyncio.to_thread(_engine_ran, self.app_name)
         self._refreshed_at, self._refreshing = 0.0, asyncio.Lock()
@@ -128,11 +147,15 @@ class GrpcIngress:
             if asyncio.get_running_loop().time() - self._refreshed_at < READY_POLL_S:
                 return
             try:
-                status = await asyncio.to_thread(serve.status)
-                deployment = status.applications[self.app_name].deployments.get(ENGINE_DEPLOYMENT)
-                self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
+                if self.replicas is not None:
+                    await self.replicas.refresh()
+                    self.running_replicas = len(self.replicas.ready)
+                else:
+                    status = await asyncio.to_thread(serve.status)
+                    deployment = status.applications[self.app_name].deployments.get(ENGINE_DEPLOYMENT)
+                    self.running_replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
             except Exception as exc:  # noqa: BLE001 - keep the last known state; try again
-                logger.warning("could not read the engine deployment's status: %s", exc)
+                logger.warning("could not read the engine replicas' state: %s", exc)
             self._refreshed_at = asyncio.get_running_loop().time()
         if self.running_replicas and not self.gateway.was_ready:
             self.gateway.was_ready = True
@@ -145,10 +168,15 @@ class GrpcIngress:
         self.health.set(SERVICE, serving)
 
     async def _ready(self) -> bool:
-        """Whether a replica runs; asks Serve again before saying no (the watcher may lag)."""
-        if not self.running_replicas:
+        """Whether a replica runs; looks again before saying no (the watcher may lag)."""
+        if not self._running():
             await self._refresh_replicas()
-        return self.running_replicas > 0
+        return self._running() > 0
+
+    def _running(self) -> int:
+        """Replicas that take requests now (on the direct path: not set aside since the watcher
+        last looked)."""
+        return len(self.replicas.ready) if self.replicas is not None else self.running_replicas
 
     async def _loads(self) -> list[dict[str, Any]]:
         """Every engine replica's live load, asked of its rank-0 actor (a replica that does not
@@ -226,6 +254,8 @@ class GrpcIngress:
         if self._metrics_server is not None:
             self._metrics_server.cancel()
         await self.server.stop(grace=self.args.graceful_shutdown_timeout_s)
+        if self.replicas is not None:
+            self.replicas.close()
         flush_all()
 
     async def _hand_over(self) -> None:

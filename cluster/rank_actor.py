@@ -10,6 +10,7 @@ fed by the loop thread once per step; other ranks only follow rank 0's broadcast
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import socket
@@ -31,6 +32,17 @@ from workers.step_record import StepRecord
 logger = logging.getLogger(__name__)
 
 HAND_OVER_WAIT_S = 0.002  # at most this long the loop thread waits for a step's updates to go out
+REPLICA_READER = "replica"  # the replica deployment's own stream (Serve handle callers)
+DRAIN_POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class Outbox:
+    """One reader's updates since its stream's last item: request id -> its joined update."""
+
+    updates: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    stream: int = 0  # the `updates()` call reading it; a newer call ends an older one
 
 
 def rank_actor_name(app: str, replica: str, rank: int) -> str:
@@ -94,10 +106,10 @@ class RankActor:
         self.loop: RankLoop | None = None
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._outbox: dict[str, dict[str, Any]] = {}  # request id -> its updates since the last item
-        self._ready = asyncio.Event()
-        self._sent = threading.Event()  # the stream took the last hand-over
-        self._reader = 0  # the `updates()` stream being read
+        self._outboxes: dict[str, Outbox] = {}  # reader -> what its stream has not taken yet
+        self._reader_of: dict[str, str] = {}  # live request id -> the reader its updates go to
+        self._sent = threading.Event()  # a stream took the last hand-over
+        self.draining = False
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port for the process group's rendezvous (rank 0)."""
@@ -143,45 +155,85 @@ class RankActor:
 
     # -- rank 0 ----------------------------------------------------------------------------------
     def submit(
-        self, rid: str, prompt_ids: list[int], sampling: dict[str, Any], trace_context: dict[str, str] | None = None
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        trace_context: dict[str, str] | None = None,
+        reader: str = REPLICA_READER,
     ) -> dict[str, Any] | None:
-        """Queue a request; its updates come through `updates()`. Returns None, or the error
-        update of a request that cannot run (invalid input is not a fault of this actor, so it is
-        answered, never raised). `trace_context`: the W3C carrier of the request's span; step
-        spans join that trace."""
+        """Queue a request; its updates come through `updates(reader)`. Returns None, or the
+        error update of a request that cannot run (invalid input is not a fault of this actor,
+        so it is answered, never raised; a draining replica answers UNAVAILABLE, which callers
+        retry elsewhere). `trace_context`: the W3C carrier of the request's span; step spans
+        join that trace."""
+        if self.draining:
+            return error_update(ErrorCode.UNAVAILABLE, f"rank {self.rank} is draining (the replica is stopping)")
         try:
             self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
         except (ValueError, TypeError) as exc:
             return error_update(ErrorCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:  # the loop stopped
             return error_update(ErrorCode.UNAVAILABLE, str(exc))
+        self._reader_of[rid] = reader
         if self.tracer is not None and trace_context:
             self._trace_contexts[rid] = context_from_carrier(trace_context)
         return None
 
-    async def updates(self) -> AsyncIterator[list[dict[str, Any]]]:
-        """Every request's updates, as one stream for the whole replica (the replica hands them
-        out): each item is everything that happened since the previous one, one update per
+    async def updates(self, reader: str = REPLICA_READER) -> AsyncIterator[dict[str, Any]]:
+        """The updates of every request submitted for `reader`, as one stream (the reader hands
+        them out): each item is everything that happened since the previous one, one update per
         request (token ids of consecutive steps joined), so the number of items follows the
         steps, not steps x requests, and shrinks further while this actor's event loop is behind.
-        An item with a finished request carries this rank's load.
-        One reader at a time: opening it again ends the previous reader's stream."""
-        self._reader += 1
-        reader = self._reader
-        while reader == self._reader:
-            await self._ready.wait()
-            self._ready.clear()
-            if reader != self._reader:
-                return
-            batch, self._outbox = self._outbox, {}
-            for rid, update in batch.items():
-                if update["finished"]:
-                    self._trace_contexts.pop(rid, None)
-            if any(update["finished"] for update in batch.values()):
-                yield {"updates": list(batch.values()), "load": self.load()}
-            else:
-                yield {"updates": list(batch.values())}
-            self._sent.set()  # Ray has taken the item
+        An item with a finished request carries this rank's load. One stream per reader: opening
+        it again ends the previous one; a stream that ends with its reader gone (its consumer
+        closed it, not a newer stream) aborts that reader's requests."""
+        box = self._outboxes.setdefault(reader, Outbox())
+        box.stream += 1
+        mine = box.stream
+        box.ready.set()  # an older stream of this reader wakes up and ends
+        replaced = False
+        try:
+            while True:
+                await box.ready.wait()
+                box.ready.clear()
+                if box.stream != mine:
+                    replaced = True
+                    return
+                if not box.updates:
+                    continue
+                batch, box.updates = box.updates, {}
+                finished = False
+                for rid, update in batch.items():
+                    if update["finished"]:
+                        finished = True
+                        self._trace_contexts.pop(rid, None)
+                        self._reader_of.pop(rid, None)
+                item = {"updates": list(batch.values())}
+                if finished:
+                    item["load"] = self.load()
+                yield item
+                self._sent.set()  # Ray has taken the item
+        finally:
+            if not replaced and reader != REPLICA_READER:
+                self._forget_reader(reader)
+
+    def _forget_reader(self, reader: str) -> None:
+        """A reader left: abort its requests (nobody reads their tokens) and drop its outbox."""
+        self._outboxes.pop(reader, None)
+        for rid in [rid for rid, r in self._reader_of.items() if r == reader]:
+            self._reader_of.pop(rid, None)
+            self.loop.abort(rid)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait up to `timeout_s` for the running ones to finish (the
+        replica is stopping; callers that reach rank 0 directly are not tracked by Serve's own
+        graceful shutdown). Returns how many are still running."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.loop.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return self.loop.in_flight
 
     def abort(self, rid: str) -> None:
         self.loop.abort(rid)
@@ -208,15 +260,20 @@ class RankActor:
             self._sent.wait(HAND_OVER_WAIT_S)
 
     def _collect(self, updates: list[Update]) -> None:
-        """Add a step's updates to the outbox, joining each request's tokens with what is
-        waiting there (a finished update is a request's last)."""
+        """Add a step's updates to their readers' outboxes, joining each request's tokens with
+        what is waiting there (a finished update is a request's last)."""
+        touched = set()
         for update in updates:
+            reader = self._reader_of.get(update.rid, REPLICA_READER)
+            box = self._outboxes.setdefault(reader, Outbox())
             wire = {"request_id": update.rid, **update_to_wire(update)}
-            waiting = self._outbox.get(update.rid)
+            waiting = box.updates.get(update.rid)
             if waiting is not None:
                 wire["token_ids"] = waiting["token_ids"] + wire["token_ids"]
-            self._outbox[update.rid] = wire
-        self._ready.set()
+            box.updates[update.rid] = wire
+            touched.add(reader)
+        for reader in touched:
+            self._outboxes[reader].ready.set()
 
     # -- every rank ------------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
@@ -232,7 +289,12 @@ class RankActor:
             raise RuntimeError(
                 f"rank {self.rank}: a step has run for {stalled:.1f} s (stall_timeout_s {self.stall_timeout_s})"
             )
-        return {"rank": self.rank, "steps": self.loop.steps, "node_id": ray.get_runtime_context().get_node_id()}
+        return {
+            "rank": self.rank,
+            "steps": self.loop.steps,
+            "draining": self.draining,
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     def kv_check(self) -> dict[str, int]:
         """Assert this rank's pools are back at their initial free counts; returns them."""

@@ -9,8 +9,6 @@ or rank loop is gone, so Serve replaces the replica; requests in flight then end
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import dataclasses
 import itertools
 import logging
 import uuid
@@ -21,12 +19,12 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import AppArgs
-from cluster.gateway import unwrap
 from cluster.protocol import InvalidRequest, PromptLimits, RoutedBody, parse_request
-from cluster.rank_actor import RankActor, error_update, rank_actor_name
+from cluster.rank_actor import REPLICA_READER, RankActor, error_update, rank_actor_name
+from cluster.rank_client import RankClient, unwrap
 from workers.rank_loop import ErrorCode
 from workers.sampling_params import SamplingParams
-from workers.tokenizer import IncrementalDetokenizer, StopStrings, load_tokenizer
+from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -66,121 +64,23 @@ class LLMServer:
         addr, port = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
         self.limits = PromptLimits.of(self.info["context_length"], self.tokenizer)
-        self._requests: dict[str, asyncio.Queue] = {}  # request id -> the updates rank 0 sent for it
-        self._reader: asyncio.Task | None = None
-        self._last_load: dict[str, Any] = {}
+        self.client = RankClient(
+            self.ranks[0], self.replica_tag, REPLICA_READER, self.tokenizer, self.args.stream_interval
+        )
         logger.info("replica %s: %d rank(s) up: %s", self.replica_tag, len(self.ranks), self.info)
 
     # -- requests ------------------------------------------------------------------------------
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream a request: dicts with new `token_ids` (and `text` when the model has a
-        tokenizer); the last carries finish reason, usage, speculative statistics and this
-        replica's load. A stop string ends the request (its text is cut before the stop).
-        A request that fails ends with an update carrying `error` ({code, message}); invalid
-        input is answered that way too, never raised (it is not a fault of the replica).
-        While the caller is behind, everything that is ready goes out as one update; after the
-        first, an update waits for `stream_interval` tokens (or the end)."""
+        """Stream a request for a Serve handle caller (`cluster/rank_client.py` says what the
+        updates hold). Invalid input is answered with an error update, never raised (it is not
+        a fault of the replica)."""
         try:
             rid, prompt_ids, sampling, stop = await self._parse(body)
         except ValueError as exc:
             yield {**error_update(ErrorCode.INVALID_ARGUMENT, str(exc)), "replica": self.replica_tag}
             return
-        self._start_reader()
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        stops, emitted, finished, held = StopStrings(stop), 0, False, None
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._requests[rid] = queue
-        try:
-            refused = await self._submit(rid, prompt_ids, sampling, body.get("trace_context"))
-            if refused is not None:
-                queue.put_nowait(refused)
-            while not finished:
-                update = await queue.get()
-                if held is not None:
-                    update = {**update, "token_ids": held["token_ids"] + update["token_ids"]}
-                while not update["finished"] and not queue.empty():
-                    later = queue.get_nowait()
-                    update = {**later, "token_ids": update["token_ids"] + later["token_ids"]}
-                held = None
-                if not update["finished"] and emitted and len(update["token_ids"]) < self.args.stream_interval:
-                    held = update  # the first tokens go out at once, later ones stream_interval at a time
-                    continue
-                update["request_id"], update["replica"] = rid, self.replica_tag
-                emitted += len(update["token_ids"])
-                if detok is not None:
-                    delta = detok.add(update["token_ids"], final=update["finished"])
-                    update["text"] = stops.add(delta, final=update["finished"])
-                    if stops.stopped and "error" not in update:
-                        update.update(
-                            finished=True,
-                            finish_reason="stop",
-                            prompt_tokens=len(prompt_ids),
-                            completion_tokens=emitted,
-                        )
-                finished = update["finished"]
-                if finished:  # rank 0's load as of this update (it comes with the update's item)
-                    update["load"] = {"replica": self.replica_tag, **self._last_load}
-                    self._requests.pop(rid, None)  # its id is free again before the caller hears
-                yield update
-        finally:
-            self._requests.pop(rid, None)
-            if not finished or stops.stopped:  # cancelled, failed or cut at a stop string: free the KV
-                self._abort(rid)
-
-    async def _submit(
-        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, trace_context: dict[str, str] | None
-    ) -> dict[str, Any] | None:
-        """Hand the request to rank 0; None, or the update that ends it at once. A submit that
-        failed without rank 0 dying (cancelled, say) may still have queued the request: it is
-        aborted, so that a retry of the same id finds it gone."""
-        try:
-            return await self.ranks[0].submit.remote(rid, prompt_ids, dataclasses.asdict(sampling), trace_context)
-        except ray.exceptions.RayError as exc:
-            if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-                self._abort(rid)
-            return self._lost(rid, exc)
-
-    def _abort(self, rid: str) -> None:
-        """Abort a request on rank 0, outside the calling request's Ray task: Ray cancels the
-        calls a cancelled request made, and this one must still arrive."""
-        contextvars.Context().run(self.ranks[0].abort.remote, rid)
-
-    def _lost(self, rid: str, exc: BaseException) -> dict[str, Any]:
-        return error_update(
-            ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica_tag}: {unwrap(exc)!r}"
-        )
-
-    def _start_reader(self) -> None:
-        """Read rank 0's update stream (once per replica, from the first request on). The task
-        runs in a context of its own: in an async actor Ray takes the calling task from the
-        context, and a stream opened as a request's child would be cancelled with that request
-        (breaking it for every other request)."""
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_updates(), context=contextvars.Context())
-
-    async def _read_updates(self) -> None:
-        """Hand each request its updates from rank 0's one stream. When the stream breaks (a rank
-        died) or ends, every request waiting here ends with UNAVAILABLE (the next request opens
-        the stream again) and is aborted on rank 0, which may still be running it: a retry of
-        the same id must find it gone. A dead rank fails the health check, and Serve replaces
-        the replica."""
-        stream = self.ranks[0].updates.options(num_returns="streaming").remote()
-        try:
-            async for ref in stream:
-                item = await ref
-                if "load" in item:
-                    self._last_load = item["load"]
-                for update in item["updates"]:
-                    queue = self._requests.get(update["request_id"])
-                    if queue is not None:
-                        queue.put_nowait(update)
-            broke: BaseException = RuntimeError("rank 0's update stream ended")
-        except ray.exceptions.RayError as exc:
-            broke = exc
-        logger.error("replica %s: rank 0's update stream broke: %s", self.replica_tag, unwrap(broke))
-        for rid, queue in list(self._requests.items()):
-            self._abort(rid)
-            queue.put_nowait(self._lost(rid, broke))
+        async for update in self.client.generate(rid, prompt_ids, sampling, stop, body.get("trace_context")):
+            yield update
 
     async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
         """(request id, prompt token ids, sampling params, stop strings); ValueError names the
@@ -196,7 +96,7 @@ class LLMServer:
             self.limits.check_text(parsed.body.prompt)
             ids = await asyncio.to_thread(self.tokenizer.encode, parsed.body.prompt)
         rid = parsed.request_id or f"{self.replica_tag}-{next(self._ids)}"
-        if rid in self._requests:
+        if rid in self.client:
             raise InvalidRequest(f"request_id: {rid!r} is already in use")
         return rid, list(ids), parsed.sampling, parsed.stop
 
@@ -233,9 +133,15 @@ class LLMServer:
         return await self.load()
 
     def __del__(self) -> None:
-        """Serve drained the replica: stop the rank loops, then make sure the actors are gone."""
+        """Serve drained the replica's handle calls: let the requests the ingress sent to rank 0
+        directly finish (rank 0 refuses new ones, which the ingress retries elsewhere), stop the
+        rank loops, then make sure the actors are gone."""
         ranks = getattr(self, "ranks", [])
         try:
+            if ranks:
+                left = ray.get(ranks[0].drain.remote(self.args.graceful_shutdown_timeout_s))
+                if left:
+                    logger.warning("replica %s: stopping with %d request(s) still running", self.replica_tag, left)
             ray.get([a.shutdown.remote() for a in ranks], timeout=30)
         except Exception as exc:  # noqa: BLE001 - a dead rank cannot shut down; kill what is left
             logger.warning("replica %s: rank shutdown failed (%s); killing the rank actors", self.replica_tag, exc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from cluster.routing.policies import Decision, RouteRequest
+from cluster.routing.policies import Decision, Policy, RouteRequest
 
 
 class LoadBoard:
@@ -49,6 +49,20 @@ class LoadBoard:
         with self._lock:
             self._reported.pop(replica, None)
             self._in_flight = {rid: v for rid, v in self._in_flight.items() if v[0] != replica}
+
+    def choose(self, policy: Policy, request: RouteRequest, candidates: list[str]) -> Decision:
+        """The policy's ranking of `candidates` (a retry avoids the replicas that failed it,
+        unless none is left) by their loads on this board; recorded until the request ends."""
+        allowed = sorted(r for r in candidates if r not in request.exclude) or sorted(candidates)
+        decision = policy.choose(request, allowed, self.token_loads(allowed))
+        self.decide(request.request_id, decision, allowed)
+        return decision
+
+    def note_routed(self, policy: Policy, request: RouteRequest, replica: str) -> None:
+        """The request went to `replica`: the policy learns it, the board counts its tokens."""
+        policy.on_routed(request, replica)
+        decision = self.decisions.get(request.request_id)
+        self.routed(request, replica, decision[0] if decision else None, decision[1] if decision else None)
 
     def decide(self, request_id: str, decision: Decision, candidates: list[str]) -> None:
         """The router's choice for a request, until its span is written or the request ends."""

@@ -47,24 +47,17 @@ class SlidespecRequestRouter(FIFOMixin, RequestRouter):
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        allowed = {r: by_id[r] for r in by_id if r not in request.exclude}
-        by_id = allowed or by_id  # a retry avoids replicas that failed it, unless none is left
         for replica in candidate_replicas:
             if replica.routing_stats:
                 load_board.BOARD.report(replica.replica_id.unique_id, replica.routing_stats)
-        ids = sorted(by_id)
-        decision = self.policy.choose(request, ids, load_board.BOARD.token_loads(ids))
-        load_board.BOARD.decide(request.request_id, decision, ids)
+        decision = load_board.BOARD.choose(self.policy, request, list(by_id))
         return [[by_id[r]] for r in decision.ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         request = self._route_request(pending_request)
         if request is None:
             return
-        replica = replica_id.unique_id
-        self.policy.on_routed(request, replica)
-        decision = load_board.BOARD.decisions.get(request.request_id)
-        load_board.BOARD.routed(request, replica, decision[0] if decision else None, decision[1] if decision else None)
+        load_board.BOARD.note_routed(self.policy, request, replica_id.unique_id)
         self._requests[pending_request.metadata.internal_request_id] = request
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

@@ -7,6 +7,7 @@ token recover from a dead replica; with none healthy the answer is UNAVAILABLE."
 import asyncio
 import datetime
 import ipaddress
+import threading
 import time
 
 import grpc
@@ -81,7 +82,7 @@ def servers(ray_serve, model, tmp_path_factory):
     cert, key, pem = _self_signed(tmp)
     (tmp / "token").write_text(TOKEN + "\n")
     apps = {
-        "api": dict(num_replicas=2, router={"policy": "cache_aware"}, grpc={"port": 0}),
+        "api": dict(num_replicas=2, router={"policy": "cache_aware"}, grpc={"port": 0, "ready_wait_s": 3.0}),
         "secure": dict(
             num_replicas=1,
             max_ongoing_requests=1,
@@ -337,16 +338,28 @@ def test_retry_on_a_dead_replica_then_unavailable_when_none_is_healthy(servers, 
         assert len(tokens) == 3 and last.finished
         served.add(last.replica)
     assert ingress.stats.remote().result()["retried"] > before
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for actor in _rank0s("api"):  # Serve keeps replacing replicas: kill whatever rank came up
-            ray.kill(actor)
-        try:
-            list(api.generate([1, 2, 3], max_new_tokens=2))
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-            assert "replica" in exc.details()
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail("requests kept succeeding with every engine rank dead")
+    stop = threading.Event()
+
+    def keep_killing():  # Serve keeps replacing replicas: kill whatever rank comes up
+        while not stop.is_set():
+            for actor in _rank0s("api"):
+                ray.kill(actor)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=keep_killing, daemon=True)
+    killer.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                list(api.generate([1, 2, 3], max_new_tokens=2))
+            except grpc.RpcError as exc:
+                # a replica that failed it, or none that came up within ready_wait_s (3 s here)
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+                assert "replica" in exc.details()
+                break
+        else:
+            pytest.fail("requests kept succeeding with every engine rank dead")
+    finally:
+        stop.set()
+        killer.join()

@@ -1,0 +1,170 @@
+"""One caller's connection to a replica's rank-0 actor: submit requests, read their updates from
+one stream, and turn each request's updates into what a caller streams.
+
+Two callers use it: the replica deployment (for Serve handle callers) and the ingress, which
+reaches every replica's rank 0 directly on the hot path (no Serve handle and no replica actor in
+between: two fewer Ray hops each way). Each has its own `reader` on rank 0, so each stream only
+carries its own requests.
+
+Per request: updates that queued up while the caller was behind go out as one; after the first,
+an update waits for `stream_interval` tokens (or the end); text is detokenized incrementally and
+cut at a stop string (which ends the request); the last update carries the replica's load. A
+request that fails ends with an update carrying `error` ({code, message}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from cluster.rank_actor import error_update
+from workers.rank_loop import ErrorCode
+from workers.sampling_params import SamplingParams
+from workers.tokenizer import IncrementalDetokenizer, StopStrings
+
+logger = logging.getLogger(__name__)
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The exception a Ray task raised, without Ray's wrapper (and its remote traceback)."""
+    return getattr(exc, "cause", None) or exc
+
+
+class RankClient:
+    def __init__(self, rank0, replica: str, reader: str, tokenizer, stream_interval: int) -> None:
+        self.rank0 = rank0
+        self.replica = replica
+        self.reader = reader
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.last_load: dict[str, Any] = {}
+        self.broken: BaseException | None = None  # why the last stream ended, until one is opened again
+        self._requests: dict[str, asyncio.Queue] = {}  # request id -> the updates rank 0 sent for it
+        self._stream: asyncio.Task | None = None
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._requests
+
+    def __len__(self) -> int:
+        """Requests streaming through this client now."""
+        return len(self._requests)
+
+    async def generate(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stop: list[str],
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Run a request on rank 0 and stream its updates (see the module's docstring)."""
+        self._open()
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        stops, emitted, finished, held = StopStrings(stop), 0, False, None
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._requests[rid] = queue
+        try:
+            refused = await self._submit(rid, prompt_ids, sampling, trace_context)
+            if refused is not None:
+                queue.put_nowait(refused)
+            while not finished:
+                update = await queue.get()
+                if held is not None:
+                    update = {**update, "token_ids": held["token_ids"] + update["token_ids"]}
+                while not update["finished"] and not queue.empty():
+                    later = queue.get_nowait()
+                    update = {**later, "token_ids": update["token_ids"] + later["token_ids"]}
+                held = None
+                if not update["finished"] and emitted and len(update["token_ids"]) < self.stream_interval:
+                    held = update  # the first tokens go out at once, later ones stream_interval at a time
+                    continue
+                update["request_id"], update["replica"] = rid, self.replica
+                emitted += len(update["token_ids"])
+                if detok is not None:
+                    delta = detok.add(update["token_ids"], final=update["finished"])
+                    update["text"] = stops.add(delta, final=update["finished"])
+                    if stops.stopped and "error" not in update:
+                        update.update(
+                            finished=True,
+                            finish_reason="stop",
+                            prompt_tokens=len(prompt_ids),
+                            completion_tokens=emitted,
+                        )
+                finished = update["finished"]
+                if finished:  # rank 0's load as of this update (it comes with the update's item)
+                    update["load"] = {"replica": self.replica, **self.last_load}
+                    self._requests.pop(rid, None)  # its id is free again before the caller hears
+                yield update
+        finally:
+            self._requests.pop(rid, None)
+            if not finished or stops.stopped:  # cancelled, failed or cut at a stop string: free the KV
+                self.abort(rid)
+
+    async def _submit(
+        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, trace_context: dict[str, str] | None
+    ) -> dict[str, Any] | None:
+        """Hand the request to rank 0; None, or the update that ends it at once. A submit that
+        failed without rank 0 dying (cancelled, say) may still have queued the request: it is
+        aborted, so that a retry of the same id finds it gone."""
+        try:
+            return await self.rank0.submit.remote(
+                rid, prompt_ids, dataclasses.asdict(sampling), trace_context, self.reader
+            )
+        except ray.exceptions.RayError as exc:
+            if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+                self.abort(rid)
+            return self._lost(rid, exc)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request on rank 0, outside the calling request's Ray task: Ray cancels the
+        calls a cancelled request made, and this one must still arrive."""
+        contextvars.Context().run(self.rank0.abort.remote, rid)
+
+    def _lost(self, rid: str, exc: BaseException) -> dict[str, Any]:
+        return error_update(ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica}: {unwrap(exc)!r}")
+
+    def _open(self) -> None:
+        """Read this reader's update stream (from the first request on). The task runs in a
+        context of its own: in an async actor Ray takes the calling task from the context, and a
+        stream opened as a request's child would be cancelled with that request (breaking it for
+        every other request)."""
+        if self._stream is None or self._stream.done():
+            self.broken = None
+            self._stream = asyncio.get_running_loop().create_task(self._read(), context=contextvars.Context())
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+
+    async def _read(self) -> None:
+        """Hand each request its updates from the stream. When the stream breaks (a rank died)
+        or ends, every request waiting here ends with UNAVAILABLE (the next request opens the
+        stream again) and is aborted on rank 0, which may still be running it: a retry of the
+        same id must find it gone."""
+        stream = self.rank0.updates.options(num_returns="streaming").remote(self.reader)
+        try:
+            async for ref in stream:
+                item = await ref
+                if "load" in item:
+                    self.last_load = item["load"]
+                for update in item["updates"]:
+                    queue = self._requests.get(update["request_id"])
+                    if queue is not None:
+                        queue.put_nowait(update)
+            broke: BaseException = RuntimeError("rank 0's update stream ended")
+        except ray.exceptions.RayError as exc:
+            broke = exc
+        except asyncio.CancelledError:
+            ray.cancel(stream)
+            raise
+        self.broken = broke
+        logger.error("replica %s: rank 0's update stream broke: %s", self.replica, unwrap(broke))
+        for rid, queue in list(self._requests.items()):
+            self.abort(rid)
+            queue.put_nowait(self._lost(rid, broke))
