@@ -41,7 +41,7 @@ class Outbox:
     """One reader's updates since its stream's last item: request id -> its joined update."""
 
     updates: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # the current stream's wake-up
     stream: int = 0  # the `updates()` call reading it; a newer call ends an older one
 
 
@@ -189,14 +189,17 @@ class RankActor:
         it again ends the previous one; a stream that ends with its reader gone (its consumer
         closed it, not a newer stream) aborts that reader's requests."""
         box = self._outboxes.setdefault(reader, Outbox())
+        older, box.ready = box.ready, asyncio.Event()
         box.stream += 1
-        mine = box.stream
-        box.ready.set()  # an older stream of this reader wakes up and ends
+        mine, wake = box.stream, box.ready
+        older.set()  # an older stream of this reader wakes up and ends
+        if box.updates:
+            wake.set()
         replaced = False
         try:
             while True:
-                await box.ready.wait()
-                box.ready.clear()
+                await wake.wait()
+                wake.clear()
                 if box.stream != mine:
                     replaced = True
                     return

@@ -43,6 +43,7 @@ HTTP_CODES = {
     *("cancelled", "deadline_exceeded", "connection_refused", "connection_reset", "stream_cut"),
 }
 KINDS = {"normal": 0.6, "cancel": 0.15, "deadline": 0.1, "invalid": 0.15}
+REPLICAS = 2  # the scenario's engine replicas
 
 
 def app_args(grpc_port: int) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def app_args(grpc_port: int) -> dict[str, Any]:
         page_size=4,
         max_total_tokens=8192,
         context_length=512,
-        num_replicas=2,
+        num_replicas=REPLICAS,
         health_check_period_s=1,
         grpc={"port": grpc_port, "ready_wait_s": 10},
     )
@@ -170,14 +171,15 @@ def recovery_s(client, since: float, limit_s: float = 120.0) -> float:
 
 
 def idle_loads(client, limit_s: float = 60.0) -> list[dict[str, int]]:
-    """Every replica's load once none runs anything (or after `limit_s`)."""
+    """Every replica's load once all `REPLICAS` are up (a killed one is being replaced) and none
+    runs anything (or after `limit_s`)."""
     deadline = time.monotonic() + limit_s
     while True:
         try:
             loads = list(client.load().replicas)
         except grpc.RpcError:
             loads = []
-        idle = loads and all(x.running == 0 and x.waiting == 0 for x in loads)
+        idle = len(loads) == REPLICAS and all(x.running == 0 and x.waiting == 0 for x in loads)
         if idle or time.monotonic() > deadline:
             fields = ("running", "waiting", "kv_full_used", "kv_swa_used")
             return [{"replica": x.replica, **{f: getattr(x, f) for f in fields}} for x in loads]

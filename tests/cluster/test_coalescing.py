@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from cluster.rank_actor import HAND_OVER_WAIT_S, RankActor
+from cluster.rank_actor import HAND_OVER_WAIT_S, REPLICA_READER, RankActor
+from cluster.rank_client import RankClient
 from cluster.replica import LLMServer
 from workers.engine import RequestOutput
 from workers.rank_loop import Update
@@ -39,8 +40,8 @@ def _output(tokens: list[int]) -> RequestOutput:
 
 def _rank_actor() -> RankActor:
     actor = object.__new__(RankActor)
-    actor._trace_contexts, actor.tracer, actor.loop = {}, None, _Loop()
-    actor._outbox, actor._ready, actor._reader, actor._sent = {}, asyncio.Event(), 0, threading.Event()
+    actor._trace_contexts, actor.tracer, actor.loop, actor.rank = {}, None, _Loop(), 0
+    actor._outboxes, actor._reader_of, actor._sent, actor.draining = {}, {}, threading.Event(), False
     return actor
 
 
@@ -117,7 +118,7 @@ class _Rank:
             def options(self, **_):
                 return self
 
-            def remote(self):
+            def remote(self, reader):
                 outer.opened_in.append(REQUEST_TASK.get(None))
                 return outer._stream()
 
@@ -147,9 +148,8 @@ class _Replica(LLMServer):
 def _replica(items: asyncio.Queue, stream_interval: int = 1) -> _Replica:
     replica = object.__new__(_Replica)
     replica.replica_tag, replica.tokenizer = "rep", None
-    replica._requests, replica._reader, replica._last_load = {}, None, {}
-    replica.args = types.SimpleNamespace(stream_interval=stream_interval)
     replica.ranks = [_Rank(items)]
+    replica.client = RankClient(replica.ranks[0], "rep", REPLICA_READER, None, stream_interval)
 
     async def parse(body):
         return body["rid"], [1, 2], SamplingParams(max_new_tokens=4), []
@@ -183,7 +183,7 @@ def test_the_replica_hands_out_one_stream_and_merges_what_is_ready_per_request()
     assert len(rest_a) == 1 and rest_a[0]["token_ids"] == [11, 12] and rest_a[0]["finished"]
     assert len(rest_b) == 1 and rest_b[0]["token_ids"] == [21, 22, 23] and rest_b[0]["finished"]
     assert rest_a[0]["replica"] == "rep" and rest_b[0]["load"] == {"replica": "rep", "running": 0}
-    assert replica._requests == {} and replica.ranks[0].aborted == []
+    assert len(replica.client) == 0 and replica.ranks[0].aborted == []
 
 
 @pytest.mark.parametrize("ending", ["rank died", "stream ended"])
@@ -275,7 +275,62 @@ def test_the_loop_thread_waits_for_the_hand_over_only_when_the_device_would_not_
         actor._aio = asyncio.get_running_loop()
         await asyncio.to_thread(actor._on_updates, [Update("a", [10], False)])
         await asyncio.sleep(0)
-        return actor._outbox
+        return actor._outboxes[REPLICA_READER].updates
 
     assert asyncio.run(run())["a"]["token_ids"] == [10]  # handed over either way
     assert waits == ([HAND_OVER_WAIT_S] if can_pause else [])
+
+
+def test_each_reader_gets_only_its_own_requests_and_a_reader_that_leaves_has_them_aborted():
+    """The ingress and the replica read rank 0 side by side; a newer stream of a reader ends the
+    older one without aborting anything, and a reader whose stream closes (its consumer left)
+    has its requests aborted: nobody would read their tokens."""
+    actor = _rank_actor()
+    aborted = []
+    actor.loop.abort = aborted.append
+
+    async def run():
+        actor.submit("i1", [1], {"max_new_tokens": 4}, None, "ingress-x")
+        actor.submit("r1", [1], {"max_new_tokens": 4})
+        ingress, replica = actor.updates("ingress-x"), actor.updates()
+        got_i, got_r = asyncio.ensure_future(ingress.__anext__()), asyncio.ensure_future(replica.__anext__())
+        await asyncio.sleep(0)
+        actor._collect([Update("i1", [10], False), Update("r1", [20], False)])
+        first_i, first_r = await got_i, await got_r
+        newer = actor.updates()  # the replica reopens its stream: the older one ends
+        newer_first = asyncio.ensure_future(newer.__anext__())
+        await asyncio.sleep(0)
+        with pytest.raises(StopAsyncIteration):
+            await replica.__anext__()
+        assert aborted == []
+        await ingress.aclose()  # the ingress went away
+        actor._collect([Update("r1", [21], True, _output([20, 21]))])
+        return first_i, first_r, await newer_first
+
+    first_i, first_r, newer_first = asyncio.run(run())
+    assert [u["request_id"] for u in first_i["updates"]] == ["i1"]
+    assert [u["request_id"] for u in first_r["updates"]] == ["r1"]
+    assert newer_first["updates"][0]["token_ids"] == [21] and newer_first["updates"][0]["finished"]
+    assert aborted == ["i1"] and "ingress-x" not in actor._outboxes
+
+
+def test_a_draining_rank_refuses_new_requests_and_waits_for_the_running_ones():
+    actor = _rank_actor()
+    actor.loop = types.SimpleNamespace(in_flight=2, submit=lambda *a: None)
+
+    async def finish_them():
+        for _ in range(2):
+            await asyncio.sleep(0.06)
+            actor.loop.in_flight -= 1
+
+    async def run():
+        finishing = asyncio.ensure_future(finish_them())
+        left = await actor.drain(timeout_s=10)
+        await finishing
+        return left
+
+    assert asyncio.run(run()) == 0  # returned once both had finished
+    refused = actor.submit("late", [1], {"max_new_tokens": 2})
+    assert refused["error"]["code"] == "unavailable" and "draining" in refused["error"]["message"]
+    actor.loop.in_flight = 1
+    assert asyncio.run(actor.drain(timeout_s=0.1)) == 1  # gives up after its timeout
