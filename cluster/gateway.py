@@ -144,7 +144,6 @@ class Gateway:
         sent = 0
         try:
             for attempt in range(self.retries + 1):
-                retryable = sent == 0 and attempt < self.retries
                 try:
                     async for update in self._attempt(routed):
                         telemetry.update(update)
@@ -152,6 +151,7 @@ class Gateway:
                         yield update
                     return
                 except RequestFailed as failed:
+                    retryable = sent == 0 and attempt < self.retries  # the client has seen nothing yet
                     if not (failed.code == ErrorCode.UNAVAILABLE.value and retryable):
                         raise
                     self._before_retry(routed, failed.message)

@@ -44,7 +44,6 @@ class RankClient:
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
         self.last_load: dict[str, Any] = {}
-        self.broken: BaseException | None = None  # why the last stream ended, until one is opened again
         self._requests: dict[str, asyncio.Queue] = {}  # request id -> the updates rank 0 sent for it
         self._stream: asyncio.Task | None = None
 
@@ -135,12 +134,13 @@ class RankClient:
         stream opened as a request's child would be cancelled with that request (breaking it for
         every other request)."""
         if self._stream is None or self._stream.done():
-            self.broken = None
             self._stream = asyncio.get_running_loop().create_task(self._read(), context=contextvars.Context())
 
-    def close(self) -> None:
+    def close(self, why: BaseException) -> None:
+        """Stop reading; every request still waiting ends UNAVAILABLE (and is aborted)."""
         if self._stream is not None:
             self._stream.cancel()
+        self._fail_all(why)
 
     async def _read(self) -> None:
         """Hand each request its updates from the stream. When the stream breaks (a rank died)
@@ -160,11 +160,10 @@ class RankClient:
             broke: BaseException = RuntimeError("rank 0's update stream ended")
         except ray.exceptions.RayError as exc:
             broke = exc
-        except asyncio.CancelledError:
-            ray.cancel(stream)
-            raise
-        self.broken = broke
         logger.error("replica %s: rank 0's update stream broke: %s", self.replica, unwrap(broke))
+        self._fail_all(broke)
+
+    def _fail_all(self, why: BaseException) -> None:
         for rid, queue in list(self._requests.items()):
             self.abort(rid)
-            queue.put_nowait(self._lost(rid, broke))
+            queue.put_nowait(self._lost(rid, why))

@@ -59,8 +59,11 @@ class ReplicaSet:
         return sorted(r for r in self.clients if r not in self.set_aside)
 
     async def refresh(self) -> None:
-        """Find this application's rank-0 actors: a new one joins once its ping answers (set up,
-        not draining); one set aside comes back when its ping does; a gone one leaves."""
+        """Find this application's rank-0 actors and ping each: a new one joins once it answers
+        (set up, not draining); one set aside comes back when it does; one that is dead (a call
+        to it fails at once, say its node is gone) fails its requests now, before Ray tears
+        down their streams (which waits for the cluster to declare the node dead); a gone one
+        leaves."""
         named = await asyncio.to_thread(ray.util.list_named_actors, True)
         found = {}
         for entry in named:
@@ -69,33 +72,40 @@ class ReplicaSet:
                 found[replica] = entry
         for gone in set(self.clients) - set(found):
             self._remove(gone)
-        checks = [r for r in found if r not in self.clients or r in self.set_aside]
-        answers = await asyncio.gather(*(self._ping(r, found[r]) for r in checks))
-        for replica, actor in zip(checks, answers, strict=True):
-            if actor is None:
-                if replica in self.clients:
+        answers = await asyncio.gather(*(self._ping(r, found[r]) for r in found))
+        for replica, (actor, state) in zip(found, answers, strict=True):
+            client = self.clients.get(replica)
+            if state == "dead" and client is not None:
+                self._remove(replica, RuntimeError(f"rank 0 of replica {replica} is dead"))
+            elif state != "up":
+                if client is not None:
                     self.set_aside.add(replica)
-                continue
-            if replica not in self.clients:
-                self.clients[replica] = RankClient(actor, replica, self.reader, self.tokenizer, self.stream_interval)
-                logger.info("replica %s joined the ingress's direct path", replica)
-            self.set_aside.discard(replica)
+            else:
+                if client is None:
+                    self.clients[replica] = RankClient(
+                        actor, replica, self.reader, self.tokenizer, self.stream_interval
+                    )
+                    logger.info("replica %s joined the ingress's direct path", replica)
+                self.set_aside.discard(replica)
         self._freed.set()
 
-    async def _ping(self, replica: str, entry: dict[str, Any]):
-        """The rank-0 actor if it is set up and takes requests, else None."""
+    async def _ping(self, replica: str, entry: dict[str, Any]) -> tuple[Any, str]:
+        """(its rank-0 actor, "up" | "draining" | "silent" | "dead")."""
         try:
             actor = await asyncio.to_thread(ray.get_actor, entry["name"], entry.get("namespace"))
             info = await asyncio.wait_for(actor.ping.remote(), timeout=PING_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - not up yet, gone or going
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            logger.warning("replica %s: rank 0 is dead: %s", replica, unwrap(exc))
+            return None, "dead"
+        except Exception as exc:  # noqa: BLE001 - not set up yet, busy, or going
             logger.debug("replica %s does not answer yet: %s", replica, unwrap(exc))
-            return None
-        return None if info.get("draining") else actor
+            return None, "silent"
+        return actor, "draining" if info.get("draining") else "up"
 
-    def _remove(self, replica: str) -> None:
+    def _remove(self, replica: str, why: BaseException | None = None) -> None:
         client = self.clients.pop(replica)
         self.set_aside.discard(replica)
-        client.close()
+        client.close(why or RuntimeError(f"replica {replica} is gone"))
         self.policy.on_replica_removed(replica)
         BOARD.forget(replica)
         logger.info("replica %s left the ingress's direct path", replica)
@@ -134,4 +144,4 @@ class ReplicaSet:
 
     def close(self) -> None:
         for client in self.clients.values():
-            client.close()
+            client.close(RuntimeError("the ingress is stopping"))

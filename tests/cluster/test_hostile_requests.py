@@ -2,7 +2,8 @@
 sampling values, malformed and oversized bodies, duplicate and huge request ids, undecodable
 gRPC messages. Each is answered at once with the right status naming the field, nothing is
 retried that failed on its own content, other streams keep flowing, load and metrics stay live,
-and bad input is logged without a traceback. One application, two replicas, both doors."""
+and bad input is logged without a traceback. One application, two replicas, both doors,
+requests through the engine deployment's Serve handle (and its request router)."""
 
 import json
 import math
@@ -32,6 +33,7 @@ ARGS = dict(
     router={"policy": "round_robin"},
     health_check_period_s=1,
     grpc={"port": 0},
+    ingress_path="serve_handle",  # the other applications take the direct path: both stay covered
 )
 GENERATE = "/slidespec.v1.Generation/Generate"
 
