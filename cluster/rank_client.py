@@ -45,7 +45,8 @@ class RankClient:
         self.stream_interval = stream_interval
         self.last_load: dict[str, Any] = {}
         self._requests: dict[str, asyncio.Queue] = {}  # request id -> the updates rank 0 sent for it
-        self._stream: asyncio.Task | None = None
+        self._stream: asyncio.Task | None = None  # the task reading rank 0's stream
+        self._updates = None  # that stream (a Ray streaming generator)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._requests
@@ -137,9 +138,12 @@ class RankClient:
             self._stream = asyncio.get_running_loop().create_task(self._read(), context=contextvars.Context())
 
     def close(self, why: BaseException) -> None:
-        """Stop reading; every request still waiting ends UNAVAILABLE (and is aborted)."""
+        """Stop reading (rank 0's side of the stream is cancelled too, so that it aborts this
+        reader's requests at once); every request still waiting ends UNAVAILABLE."""
         if self._stream is not None:
             self._stream.cancel()
+        if self._updates is not None:
+            ray.cancel(self._updates)
         self._fail_all(why)
 
     async def _read(self) -> None:
@@ -147,7 +151,7 @@ class RankClient:
         or ends, every request waiting here ends with UNAVAILABLE (the next request opens the
         stream again) and is aborted on rank 0, which may still be running it: a retry of the
         same id must find it gone."""
-        stream = self.rank0.updates.options(num_returns="streaming").remote(self.reader)
+        self._updates = stream = self.rank0.updates.options(num_returns="streaming").remote(self.reader)
         try:
             async for ref in stream:
                 item = await ref
