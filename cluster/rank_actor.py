@@ -267,7 +267,9 @@ class RankActor:
         what is waiting there (a finished update is a request's last)."""
         touched = set()
         for update in updates:
-            reader = self._reader_of.get(update.rid, REPLICA_READER)
+            reader = self._reader_of.get(update.rid)
+            if reader is None:  # its reader left (and aborted it): nobody reads these
+                continue
             box = self._outboxes.setdefault(reader, Outbox())
             wire = {"request_id": update.rid, **update_to_wire(update)}
             waiting = box.updates.get(update.rid)

@@ -90,9 +90,15 @@ class ReplicaSet:
         self._freed.set()
 
     async def _ping(self, replica: str, entry: dict[str, Any]) -> tuple[Any, str]:
-        """(its rank-0 actor, "up" | "draining" | "silent" | "dead")."""
+        """(its rank-0 actor, "up" | "draining" | "silent" | "dead"); a known replica is pinged
+        through the handle its client holds, a new one looked up by name first."""
         try:
-            actor = await asyncio.to_thread(ray.get_actor, entry["name"], entry.get("namespace"))
+            client = self.clients.get(replica)
+            actor = (
+                client.rank0
+                if client is not None
+                else await asyncio.to_thread(ray.get_actor, entry["name"], entry.get("namespace"))
+            )
             info = await asyncio.wait_for(actor.ping.remote(), timeout=PING_TIMEOUT_S)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             logger.warning("replica %s: rank 0 is dead: %s", replica, unwrap(exc))

@@ -29,6 +29,7 @@ class TPGroup:
     size: int = 1
     group: dist.ProcessGroup | None = None
     _peer_buffer: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
+    _peer_group: str = dataclasses.field(default="", init=False, repr=False)  # its rendezvous group's name
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -44,9 +45,9 @@ class TPGroup:
             raise ValueError(f"tp_all_reduce: 'one_shot' needs CUDA devices, not {device.type}")
         import torch.distributed._symmetric_memory as symm_mem
 
-        group = self.group or dist.group.WORLD
+        self._peer_group = (self.group or dist.group.WORLD).group_name
         buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, group.group_name)
+        symm_mem.rendezvous(buffer, self._peer_group)
         self._peer_buffer = buffer
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,9 +55,8 @@ class TPGroup:
             return x
         peer = self._peer_buffer
         if peer is not None and x.dtype == peer.dtype and x.numel() <= peer.numel() and x.is_contiguous():
-            group = self.group or dist.group.WORLD
             return torch.ops.symm_mem.one_shot_all_reduce_copy(
-                peer[: x.numel()], x.view(-1), "sum", group.group_name
+                peer[: x.numel()], x.view(-1), "sum", self._peer_group
             ).view_as(x)
         dist.all_reduce(x, group=self.group)
         return x

@@ -273,6 +273,7 @@ def test_the_loop_thread_waits_for_the_hand_over_only_when_the_device_would_not_
 
     async def run():
         actor._aio = asyncio.get_running_loop()
+        actor._reader_of["a"] = REPLICA_READER  # as `submit` records it
         await asyncio.to_thread(actor._on_updates, [Update("a", [10], False)])
         await asyncio.sleep(0)
         return actor._outboxes[REPLICA_READER].updates
@@ -304,12 +305,13 @@ def test_each_reader_gets_only_its_own_requests_and_a_reader_that_leaves_has_the
             await replica.__anext__()
         assert aborted == []
         await ingress.aclose()  # the ingress went away
-        actor._collect([Update("r1", [21], True, _output([20, 21]))])
+        actor._collect([Update("i1", [11], True, _output([10, 11])), Update("r1", [21], True, _output([20, 21]))])
         return first_i, first_r, await newer_first
 
     first_i, first_r, newer_first = asyncio.run(run())
     assert [u["request_id"] for u in first_i["updates"]] == ["i1"]
     assert [u["request_id"] for u in first_r["updates"]] == ["r1"]
+    assert [u["request_id"] for u in newer_first["updates"]] == ["r1"]  # i1's last update is nobody's now
     assert newer_first["updates"][0]["token_ids"] == [21] and newer_first["updates"][0]["finished"]
     assert aborted == ["i1"] and "ingress-x" not in actor._outboxes
 
