@@ -26,10 +26,8 @@ class AttentionBatch(Protocol):
     batch_size: int
     # Query tokens are laid out request after request; request i owns rows
     # [cu_q_lens[i], cu_q_lens[i+1]) of q/k/v.
-    q_lens: torch.Tensor  # [B] int32, new tokens per request
-    seq_lens: torch.Tensor  # [B] int32, KV length *including* this forward's new tokens
-    q_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    q_lens_cpu: list[int]  # new tokens per request
+    seq_lens_cpu: list[int]  # KV length *including* this forward's new tokens
     positions: torch.Tensor  # [T] int64, position of every query token
     out_cache_loc: torch.Tensor  # [T] int64, full-pool slot each new token's KV is written to
     req_pool_indices: torch.Tensor  # [B] int64, row of each request in req_to_token

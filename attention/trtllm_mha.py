@@ -17,6 +17,7 @@ Correct by construction where the upstream engine was not (docs/design.md §4):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -77,7 +78,7 @@ class TRTLLMMHABackend(AttentionBackend):
         )
         self._md: ForwardMetadata | None = None
         self._static: dict[str, torch.Tensor] = {}
-        self._tables: dict[int, dict[str, torch.Tensor]] = {}
+        self._layout: dict[str, int] = {}
         self._max_pages = 0
         self._page_size = 1
 
@@ -106,22 +107,21 @@ class TRTLLMMHABackend(AttentionBackend):
         Page tables come in a few widths (`GRAPH_KV_BUCKETS` tokens, and the whole context):
         the decode kernel sizes its work by the table's width, so a short batch replays the
         graph of the narrowest table that holds it. Eager forwards pad their tables to the same
-        widths, so both run the same kernel configuration."""
-        dev, i32 = self.device, torch.int32
+        widths, so both run the same kernel configuration.
+
+        The int32 metadata lives in one buffer, `[seq_lens | cu_seq_lens_q | cu_seq_lens_kv |
+        page tables]` (a batch of b rows and width w puts its full table in the first b * w
+        entries of the table region and its SWA table right after), so a replay writes it with
+        one host-to-device copy."""
+        dev = self.device
+        b = max_batch_size
+        self._layout = {"seq_lens": 0, "cu_seq_lens_q": b, "cu_seq_lens_kv": 2 * b + 1, "tables": 3 * b + 2}
+        self._max_pages = max_pages_per_req
         self._static = {
-            "seq_lens": torch.zeros(max_batch_size, dtype=i32, device=dev),
-            "cu_seq_lens_q": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
-            "cu_seq_lens_kv": torch.zeros(max_batch_size + 1, dtype=i32, device=dev),
+            "int32": torch.zeros(3 * b + 2 + 2 * b * max_pages_per_req, dtype=torch.int32, device=dev),
             "swa_out_loc": torch.zeros(max_tokens, dtype=torch.int64, device=dev),
             "mask": torch.zeros(max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), dtype=torch.uint16, device=dev),
         }
-        self._tables = {}
-        self._max_pages = max_pages_per_req
-        for width in self.graph_table_widths():
-            self._tables[width] = {
-                name: torch.zeros(max_batch_size, width, dtype=i32, device=dev)
-                for name in ("full_page_table", "swa_page_table")
-            }
 
     def graph_table_widths(self) -> list[int]:
         """Page-table widths (pages) graphs are captured for; empty without graph buffers."""
@@ -134,33 +134,79 @@ class TRTLLMMHABackend(AttentionBackend):
         graph buffers)."""
         return next((w for w in self.graph_table_widths() if w >= pages), pages)
 
-    def init_forward_metadata_replay(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> None:
+    def init_forward_metadata_replay(
+        self, batch: AttentionBatch, pool: KVPool, width: int | None = None, reach: int = 0
+    ) -> None:
         """Graph replay: this forward's metadata, recomputed from the batch and written in place
         into the static buffers (page tables zero-padded to `width` pages, by default the
-        narrowest captured width that holds the batch)."""
+        narrowest captured width that holds the batch; they cover each request's KV and
+        `reach` more tokens, which a chain of draft steps writes and reads)."""
         if not self._static:
             raise RuntimeError("trtllm_mha: init_graph_buffers() before graph replay")
-        md = self._build_metadata(batch, pool, width)
-        b = batch.batch_size
-        for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv", "swa_out_loc", "mask"):
-            value = getattr(md, name)
-            if value is not None:
-                buf = self._static[name].view(-1)[: value.numel()].view(value.shape)
-                buf.copy_(value)
-                setattr(md, name, buf)
-        tables = self._tables[md.full_page_table.shape[1]]
-        for name in ("full_page_table", "swa_page_table"):
-            value = getattr(md, name)
-            if value is not None:
-                buf = tables[name][:b]
-                buf.copy_(value)
-                setattr(md, name, buf)
-        self._md = md
+        self._md = self._build_metadata(batch, pool, width, reach, place=self._place_static)
 
-    def _build_metadata(self, batch: AttentionBatch, pool: KVPool, width: int | None = None) -> ForwardMetadata:
+    def _place_static(self, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Host metadata into the static buffers, in one copy for the int32 part (and one for
+        SWA write slots); views of the static buffers in the same shapes."""
+        at, (b, w) = self._layout, host["full_page_table"].shape
+        tables = ["full_page_table", "swa_page_table"][: 1 + ("swa_page_table" in host)]
+        staged = np.zeros(at["tables"] + len(tables) * b * w, dtype=np.int32)
+        views = {}
+        flat = self._static["int32"]
+        for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv"):
+            start, n = at[name], host[name].size
+            staged[start : start + n] = host[name]
+            views[name] = flat[start : start + n]
+        for i, name in enumerate(tables):
+            start = at["tables"] + i * b * w
+            staged[start : start + b * w] = host[name].reshape(-1)
+            views[name] = flat[start : start + b * w].view(b, w)
+        _copy_in(flat, staged)
+        if "swa_out_loc" in host:
+            n = host["swa_out_loc"].size
+            _copy_in(self._static["swa_out_loc"], host["swa_out_loc"].astype(np.int64, copy=False))
+            views["swa_out_loc"] = self._static["swa_out_loc"][:n]
+        return views
+
+    def _static_mask(self, batch_size: int, q_len: int) -> torch.Tensor:
+        """The chain mask, written into the static buffer afresh for every replay (§4.5)."""
+        mask = chain_mask(batch_size, q_len, self.device)
+        buf = self._static["mask"][: mask.numel()].view(mask.shape)
+        buf.copy_(mask)
+        return buf
+
+    def advance_decode(self, batch: AttentionBatch, by: torch.Tensor | int = 1) -> None:
+        """Move single-token decode metadata on, on the device: the next step of a chain of draft
+        steps inside one graph (`by` 1), or rows whose KV is `by[i]` longer than the host knew.
+        A forward writing KV reads that many more keys and writes at `batch.out_cache_loc`;
+        read-only queries sit `batch.query_offset` past the KV end (the caller moved the batch
+        on first). Page tables were built to reach the chain's end."""
+        md = self._md
+        if md is None or md.kernel != "decode" or md.q_len_per_req != 1:
+            raise KernelContractError("advance_decode: only single-token decode metadata moves on")
+        if isinstance(by, torch.Tensor):  # per row: the KV grew by as much (read-only queries too)
+            md.seq_lens.add_(by.to(torch.int32))
+            md.cu_seq_lens_kv[1:].add_(by.cumsum(0).to(torch.int32))
+        elif md.query_offset:
+            md.query_offset = batch.query_offset
+        else:
+            md.seq_lens.add_(by)
+            steps = torch.arange(md.cu_seq_lens_kv.shape[0], dtype=torch.int32, device=self.device)
+            md.cu_seq_lens_kv.add_(steps * by)
+        if not md.query_offset and md.swa_out_loc is not None:  # writes: md.out_cache_loc is the batch's
+            md.swa_out_loc.copy_(md.pool.translate_full_to_swa(batch.out_cache_loc))
+
+    def _build_metadata(
+        self,
+        batch: AttentionBatch,
+        pool: KVPool,
+        width: int | None = None,
+        reach: int = 0,
+        place: Callable[[dict[str, np.ndarray]], dict[str, torch.Tensor]] | None = None,
+    ) -> ForwardMetadata:
         """The forward's metadata. Lengths, page tables and SWA write slots are computed from
         the host's tables (the host is their master) and reach the device in one copy: no
-        kernels, and no device read."""
+        kernels, and no device read. `place` puts them there (default: fresh device tensors)."""
         mode = batch.forward_mode
         kernel = ROUTING[mode]
         q_lens, seq_lens = batch.q_lens_cpu, batch.seq_lens_cpu
@@ -174,12 +220,13 @@ class TRTLLMMHABackend(AttentionBackend):
             raise RuntimeError("trtllm_mha: the batch carries no host req_to_token (build it with ForwardBatch.build)")
         p = pool.page_size
         max_seq_len = max(seq_lens, default=0)
-        pages_per_req = width or self.table_width(cdiv(max(max_seq_len, 1), p))
-        host = self._host_tables(batch, pool, pages_per_req)
-        dev = dict(zip(host, _upload_int32(list(host.values()), self.device)))
+        pages_per_req = width or self.table_width(cdiv(max(max_seq_len + reach, 1), p))
+        host = self._host_tables(batch, pool, pages_per_req, reach)
+        dev = place(host) if place else dict(zip(host, _upload_int32(list(host.values()), self.device)))
         mask = None
         if kernel == "decode" and q_len_per_req > 1 and self.kernels.needs_chain_mask:
-            mask = chain_mask(batch.batch_size, q_len_per_req, self.device)
+            args = (batch.batch_size, q_len_per_req)
+            mask = chain_mask(*args, self.device) if place is None else self._static_mask(*args)
         return ForwardMetadata(
             mode=mode,
             pool=pool,
@@ -199,16 +246,16 @@ class TRTLLMMHABackend(AttentionBackend):
         )
 
     @staticmethod
-    def _host_tables(batch: AttentionBatch, pool: KVPool, pages: int) -> dict[str, np.ndarray]:
+    def _host_tables(batch: AttentionBatch, pool: KVPool, pages: int, reach: int = 0) -> dict[str, np.ndarray]:
         """Lengths, page tables `[B, pages]` and SWA write slots on the host. A page table holds
         each request's slot at the start of every page (allocation is page aligned, so slot //
-        page_size is the page); columns past a request's length are 0."""
+        page_size is the page); columns past a request's length (plus `reach`) are 0."""
         p = pool.page_size
         table = batch.req_to_token_host
         seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
         cols = np.arange(pages)
         first_slots = table[batch.host.req_pool_indices[:, None], np.minimum(cols * p, table.shape[1] - 1)[None, :]]
-        used = cols[None, :] < ((seq_lens + p - 1) // p)[:, None]
+        used = cols[None, :] < ((seq_lens + reach + p - 1) // p)[:, None]
         zero = np.zeros(1, dtype=np.int64)
         out = {
             "seq_lens": seq_lens,
@@ -316,6 +363,14 @@ def uniform_query_len(mode: ForwardMode, kernel: str | None, q_lens: list[int]) 
     if kernel == "decode" and not q_len:
         raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
     return q_len
+
+
+def _copy_in(dst: torch.Tensor, values: np.ndarray) -> None:
+    """A host array into the head of a device buffer (pinned and asynchronous on a GPU)."""
+    host = torch.from_numpy(values)
+    if dst.device.type != "cpu":
+        host = host.pin_memory()
+    dst[: values.size].copy_(host, non_blocking=True)
 
 
 def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -9,6 +9,12 @@ rewrites before launching: the batch's inputs (one host-to-device copy) and the 
 metadata (`init_forward_metadata_replay` translates this batch's page tables and SWA write
 slots into the backend's static buffers: §4.4 and §4.5 hold under replay as in eager mode).
 
+A *chain* graph runs a draft model's greedy decode steps back to back in one launch: between
+steps it moves the batch on, on the device (positions, write slots gathered from the device
+request->token table, the backend's lengths), and feeds each step's argmax (through a draft
+vocabulary's token map) and hidden state to the next. The host prepares the chain's first step
+only, with page tables that already reach its last; its slots are allocated beforehand.
+
 A batch is padded to the next captured size. Padded rows use the request->token table's
 padding row, whose slots are the allocator's scratch pages: they read and write KV only there,
 at slots every kernel contract allows, and their logits are dropped. Nothing in a captured
@@ -24,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +57,7 @@ class GraphKey:
     q_len: int
     query_offset: int
     pool: int  # id() of the KV pool captured with
+    chain: int = 0  # 0: one forward; n: n greedy draft decode steps in one graph
 
 
 @dataclasses.dataclass
@@ -64,6 +71,8 @@ class _Family:
     spec_hidden: torch.Tensor | None
     logits: torch.Tensor | None = None  # [max rows, vocab] float32
     hidden: torch.Tensor | None = None  # [max rows, hidden handed on]
+    drafts: torch.Tensor | None = None  # chains: [max batch, steps] int64, each step's token
+    ahead: torch.Tensor | None = None  # chains: [max batch] positions each row starts further on
     graphs: dict[tuple[int, int], object] = dataclasses.field(default_factory=dict)  # (batch size, width)
 
 
@@ -95,68 +104,124 @@ class CudaGraphRunner:
     # -- start-up ----------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(
-        self, mode: ForwardMode, q_len: int, pool: KVPool, query_offset: int = 0, hidden_in: int | None = None
+        self,
+        mode: ForwardMode,
+        q_len: int,
+        pool: KVPool,
+        query_offset: int = 0,
+        hidden_in: int | None = None,
+        chain: int = 0,
     ) -> None:
         """Capture this key's graphs for every page-table width and batch size (largest first);
         `hidden_in` overrides the width of the hidden states read per token (a draft head's
-        catch-up reads the target's, its decode steps its own)."""
-        key = GraphKey(mode, q_len, query_offset, id(pool))
+        catch-up reads the target's, its decode steps its own); `chain`: that many greedy
+        draft decode steps in each graph instead of one forward."""
+        key = GraphKey(mode, q_len, query_offset, id(pool), chain)
         if key in self.families:
             return
-        if q_len > len(self.allocator.scratch_slots):
-            raise ValueError(f"cuda graphs: {q_len} query tokens per padded row need more scratch pages")
+        if chain and (mode != ForwardMode.DECODE or q_len != 1):
+            raise ValueError(f"cuda graphs: a chain of draft steps is single-token DECODE, not {mode.name} x{q_len}")
+        if max(q_len, chain) > len(self.allocator.scratch_slots):
+            raise ValueError(f"cuda graphs: {max(q_len, chain)} tokens per padded row need more scratch pages")
         rows = self.max_batch_size * q_len
         inputs = torch.zeros(5 * rows + 3 * self.max_batch_size, dtype=torch.int64, device=self.device)
         width = hidden_in or self.hidden_in
         spec_hidden = torch.zeros(rows, width, dtype=self.dtype, device=self.device) if width else None
         family = _Family(pool, inputs, spec_hidden)
+        if chain:
+            family.drafts = torch.zeros(self.max_batch_size, chain, dtype=torch.int64, device=self.device)
+            family.ahead = torch.zeros(self.max_batch_size, dtype=torch.int64, device=self.device)
         self.families[key] = family
         start = time.perf_counter()
-        backend = self.runner.backend
-        for width in reversed(backend.graph_table_widths()):
+        for width in reversed(self.runner.backend.graph_table_widths()):
             for bs in reversed(self.batch_sizes):
-                batch = self._static_batch(key, family, bs, self._padding(key, bs, 0))
-                backend.init_forward_metadata_replay(batch, pool, width)
-                if not self.emulate:
-                    family.graphs[(bs, width)] = self._capture_one(family, batch)
+
+                def prepare(bs: int = bs, width: int = width) -> ForwardBatch:
+                    return self._prepare(key, family, bs, self._padding(key, bs, 0), width, _reach(key))
+
+                if self.emulate:
+                    prepare()
+                else:
+                    family.graphs[(bs, width)] = self._capture_one(key, family, prepare)
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
         logger.info(
-            "cuda graphs: %s q_len %d offset %d captured for batch sizes %s and KV widths %s pages in %.1f s",
+            "cuda graphs: %s q_len %d offset %d chain %d captured for batch sizes %s and KV widths %s pages in %.1f s",
             mode.name,
             q_len,
             query_offset,
+            chain,
             self.batch_sizes,
-            backend.graph_table_widths(),
+            self.runner.backend.graph_table_widths(),
             elapsed,
         )
 
-    def _capture_one(self, family: _Family, batch: ForwardBatch) -> object:
+    def _capture_one(self, key: GraphKey, family: _Family, prepare: Callable[[], ForwardBatch]) -> object:
+        """`prepare` rewrites the static inputs and metadata (a chain moves them on as it runs)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: JIT compilation, allocator, lazy module state
-                logits, hidden = self.runner.run_model(batch)
+                logits, hidden = self._forward(key, family, prepare())
         torch.cuda.current_stream().wait_stream(stream)
-        if family.logits is None:
-            rows = self.max_batch_size * batch.q_lens_cpu[0]
-            family.logits = torch.empty(rows, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        if family.hidden is None:
+            rows = self.max_batch_size * key.q_len
             family.hidden = torch.empty(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+            if not key.chain:
+                family.logits = torch.empty(rows, logits.shape[-1], dtype=logits.dtype, device=self.device)
         del logits, hidden
+        batch = prepare()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = self.runner.run_model(batch)
-            family.logits[: logits.shape[0]].copy_(logits)
-            family.hidden[: hidden.shape[0]].copy_(hidden)
+            logits, hidden = self._forward(key, family, batch)
+            if not key.chain:
+                family.logits[: logits.shape[0]].copy_(logits)
+                family.hidden[: hidden.shape[0]].copy_(hidden)
         return graph
 
+    def _forward(self, key: GraphKey, family: _Family, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph of `key` runs on the static `batch`: one forward, or a chain of greedy
+        draft steps, each moving the batch one token on first (no host sync anywhere); a chain
+        keeps its tokens and its first step's hidden state (a draft state to go on from)."""
+        if not key.chain:
+            return self.runner.run_model(batch)
+        token_map = getattr(self.runner.model, "draft_to_target", None)
+        self._move(key, batch, family.ahead[: batch.batch_size])  # rows further on than the host built them
+        for step in range(key.chain):
+            if step:
+                self._move(key, batch, 1)
+            logits, hidden = self.runner.run_model(batch)
+            if step == 0:
+                if family.hidden is None:  # first run: a warm-up, outside any capture
+                    family.hidden = hidden.new_empty(self.max_batch_size, hidden.shape[-1])
+                family.hidden[: batch.batch_size].copy_(hidden)
+            tokens = logits.argmax(dim=-1)
+            if token_map is not None:
+                tokens = token_map[tokens]
+            family.drafts[: batch.batch_size, step].copy_(tokens)
+            batch.input_ids.copy_(tokens)
+            if batch.spec_hidden is not None:
+                batch.spec_hidden.copy_(hidden)
+        return logits, hidden
+
+    def _move(self, key: GraphKey, batch: ForwardBatch, by: torch.Tensor | int) -> None:
+        """Move a chain's batch on, on the device: one position (the next step), or each row by
+        its own count (rows whose requests hold that many more tokens than the host knew: their
+        KV ends further on too)."""
+        batch.positions.add_(by)
+        if key.query_offset and not isinstance(by, torch.Tensor):  # one more position past the KV end
+            batch.query_offset += by
+        if not key.query_offset:  # the draft positions' slots
+            batch.out_cache_loc.copy_(batch.req_to_token[batch.req_pool_indices, batch.positions])
+        self.runner.backend.advance_decode(batch, by)
+
     # -- per step ------------------------------------------------------------------------------
-    def can_run(self, batch: ForwardBatch, pool: KVPool) -> bool:
+    def can_run(self, batch: ForwardBatch, pool: KVPool, chain: int = 0) -> bool:
         q = batch.q_lens_cpu[0] if batch.q_lens_cpu else 0
         return (
             batch.host is not None
             and 0 < batch.batch_size <= self.max_batch_size
-            and self._key(batch, pool) in self.families
+            and self._key(batch, pool, chain) in self.families
             and all(n == q for n in batch.q_lens_cpu)
             and len(batch.host.logits_indices) == batch.batch_size * q
         )
@@ -164,32 +229,66 @@ class CudaGraphRunner:
     def run(self, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits of every query row, hidden states handed on) of `batch`; the logits are a
         view valid until this runner's next replay."""
-        key = self._key(batch, pool)
+        key, family, graph, static = self._stage(batch, pool, 0)
+        rows = batch.batch_size * key.q_len
+        if self.emulate:
+            logits, hidden = self._forward(key, family, static)
+            return logits[:rows], hidden[:rows]
+        graph.replay()
+        return family.logits[:rows], family.hidden[:rows].clone()
+
+    def run_chain(
+        self, batch: ForwardBatch, pool: KVPool, steps: int, ahead: torch.Tensor | None = None, most: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, steps]` greedy draft tokens (target ids) and the first step's hidden states,
+        `batch` being the chain's first step; `ahead` (device, `[B]`, at most `most`): each row
+        starts that many positions further on, its KV that much longer (known only on the
+        device when the chain is launched)."""
+        key, family, graph, static = self._stage(batch, pool, steps, most)
+        family.ahead.zero_()
+        if ahead is not None:
+            family.ahead[: batch.batch_size].copy_(ahead)
+        if self.emulate:
+            self._forward(key, family, static)
+        else:
+            graph.replay()
+        b = batch.batch_size
+        return family.drafts[:b].clone(), family.hidden[:b].clone()
+
+    def _stage(
+        self, batch: ForwardBatch, pool: KVPool, chain: int, ahead: int = 0
+    ) -> tuple[GraphKey, _Family, object, ForwardBatch]:
+        """Write `batch` (padded) and its metadata into the static buffers of its graph; page
+        tables reach `ahead` more positions for chains that start further on."""
+        key = self._key(batch, pool, chain)
         family = self.families[key]
         bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
-        backend = self.runner.backend
-        width = backend.table_width(cdiv(max(batch.seq_lens_cpu), self.allocator.page_size))
-        static = self._static_batch(key, family, bs, self._padding(key, bs, batch.batch_size, batch))
+        reach = _reach(key) + ahead
+        width = self.runner.backend.table_width(cdiv(max(batch.seq_lens_cpu) + reach, self.allocator.page_size))
+        static = self._prepare(key, family, bs, self._padding(key, bs, batch.batch_size, batch), width, reach)
         if batch.ids_on_device:
             static.input_ids[: batch.input_ids.shape[0]].copy_(batch.input_ids)
         if family.spec_hidden is not None:
             family.spec_hidden[: batch.spec_hidden.shape[0]].copy_(batch.spec_hidden)
-        backend.init_forward_metadata_replay(static, pool, width)
         self.replays += 1
-        rows = batch.batch_size * key.q_len
-        if self.emulate:
-            logits, hidden = self.runner.run_model(static)
-            return logits[:rows], hidden[:rows]
-        family.graphs[(bs, width)].replay()
-        return family.logits[:rows], family.hidden[:rows].clone()
+        return key, family, family.graphs.get((bs, width)), static
 
-    def _key(self, batch: ForwardBatch, pool: KVPool) -> GraphKey:
+    def _key(self, batch: ForwardBatch, pool: KVPool, chain: int = 0) -> GraphKey:
         q = batch.q_lens_cpu[0] if batch.q_lens_cpu else 0
-        return GraphKey(batch.forward_mode, q, batch.query_offset, id(pool))
+        return GraphKey(batch.forward_mode, q, batch.query_offset, id(pool), chain)
+
+    def _prepare(
+        self, key: GraphKey, family: _Family, bs: int, packed: np.ndarray, width: int, reach: int
+    ) -> ForwardBatch:
+        """The static batch holding `packed`, with its attention metadata in place."""
+        batch = self._static_batch(key, family, bs, packed)
+        self.runner.backend.init_forward_metadata_replay(batch, family.pool, width, reach=reach)
+        return batch
 
     def _padding(self, key: GraphKey, bs: int, real: int, batch: ForwardBatch | None = None) -> np.ndarray:
         """The packed static inputs of a batch of `bs` rows whose first `real` come from `batch`
-        and the rest are padding (the padding row's scratch slots, positions 0..q-1)."""
+        and the rest are padding (the padding row's scratch slots, positions 0..q-1), then the
+        rows' KV lengths (kept on the host)."""
         q, pad = key.q_len, bs - real
         seq_len = q  # a padded row's KV is its q scratch tokens
         scratch = self.allocator.scratch_slots[:q]
@@ -200,33 +299,29 @@ class CudaGraphRunner:
         rows = np.concatenate(
             [host.req_pool_indices if host else [], np.full(pad, self.allocator.req_to_token.padding_row)]
         )
-        q_lens = np.full(bs, q)
         seq_lens = np.concatenate([batch.seq_lens_cpu if batch is not None else [], np.full(pad, seq_len)])
         if key.query_offset:  # read-only queries: nothing is written, positions sit past the KV
             positions[real * q :] += key.query_offset
             locs = np.zeros(0)
         logits = np.arange(bs * q)
-        return np.concatenate([ids, positions, locs, rows, logits, q_lens, seq_lens]).astype(np.int64)
+        return np.concatenate([ids, positions, locs, rows, logits, seq_lens]).astype(np.int64)
 
     def _static_batch(self, key: GraphKey, family: _Family, bs: int, packed: np.ndarray) -> ForwardBatch:
         """A ForwardBatch of `bs` rows over the family's static buffers, holding `packed`."""
         inputs = family.inputs
-        host = torch.from_numpy(packed)
-        inputs[: len(packed)].copy_(host if self.emulate else host.pin_memory(), non_blocking=True)
+        host = torch.from_numpy(packed[:-bs])
+        inputs[: len(packed) - bs].copy_(host if self.emulate else host.pin_memory(), non_blocking=True)
         q, n = key.q_len, bs * key.q_len
         writes = 0 if key.query_offset else n
-        sizes = [n, n, writes, bs, n, bs, bs]
-        ids, positions, locs, rows, logits, q_lens, seq_lens = inputs[: sum(sizes)].split(sizes)
-        seq_lens_cpu = packed[-bs:].tolist()
+        sizes = [n, n, writes, bs, n]
+        ids, positions, locs, rows, logits = inputs[: sum(sizes)].split(sizes)
         return ForwardBatch(
             forward_mode=key.mode,
             batch_size=bs,
             input_ids=ids,
             positions=positions,
-            q_lens=q_lens.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
             q_lens_cpu=[q] * bs,
-            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_cpu=packed[-bs:].tolist(),
             out_cache_loc=locs,
             req_pool_indices=rows,
             req_to_token=self.allocator.req_to_token.table,
@@ -237,3 +332,9 @@ class CudaGraphRunner:
             spec_hidden=family.spec_hidden[:n] if family.spec_hidden is not None else None,
             host=HostInputs(*np.split(packed[: 3 * n + writes + bs], np.cumsum(sizes[:4]))),
         )
+
+
+def _reach(key: GraphKey) -> int:
+    """Tokens a graph's KV grows by after its first forward: a chain writing KV reads one more
+    key at each step, so its page tables are built to cover them."""
+    return key.chain - 1 if key.chain and not key.query_offset else 0

@@ -204,8 +204,8 @@ class Engine:
         )
 
     def _capture_graphs(self, emulate: bool, max_batch_size: int) -> None:
-        """Capture the target's decode (or verify), the draft's decode steps and its catch-up over
-        the verified window."""
+        """Capture the target's decode (or verify), the draft's decode steps (one by one for
+        sampled rounds, chained for greedy ones) and its catch-up over the verified window."""
         sizes = capture_sizes(max_batch_size)
         k = self.spec.num_steps if self.spec is not None else 0
         max_q = k + 1 if self.spec is not None else 1
@@ -233,6 +233,11 @@ class Engine:
                 draft.capture(ForwardMode.DECODE, 1, drafter.runner.pool)
                 reads = self.runner.model.handed_on_size if drafter.reads_hidden else None
                 draft.capture(ForwardMode.DRAFT_EXTEND_V2, k + 1, drafter.runner.pool, hidden_in=reads)
+            if k > 1:  # greedy rounds: drafts 2..k in one graph
+                offset = 2 if drafter.runner.pool is None else 0
+                draft.capture(ForwardMode.DECODE, 1, drafter.step_pool, offset, chain=k - 1)
+            if k > 1 and drafter.runner.pool is None:  # frozen KV: steps 1..k, launched a round ahead
+                draft.capture(ForwardMode.DECODE, 1, drafter.step_pool, 1, chain=k)
             seconds = target.capture_seconds + draft.capture_seconds
         if self.device.type == "cuda":
             grown = (torch.cuda.memory_allocated(self.device) - used) / 2**20

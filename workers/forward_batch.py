@@ -36,10 +36,8 @@ class ForwardBatch:
     batch_size: int
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    q_lens: torch.Tensor  # [B] int32
-    seq_lens: torch.Tensor  # [B] int32, KV length including this forward's tokens
     q_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int]  # KV length including this forward's tokens
     out_cache_loc: torch.Tensor  # [T] int64, full-pool slots of the new tokens
     req_pool_indices: torch.Tensor  # [B] int64
     req_to_token: torch.Tensor  # [R, C] int32
@@ -79,18 +77,14 @@ class ForwardBatch:
             req_pool_indices=np.asarray(rows, dtype=np.int64),
             logits_indices=np.asarray(logits_rows, dtype=np.int64),
         )
-        lens = np.asarray(q_lens + seq_lens, dtype=np.int64)
-        parts = [host.input_ids, host.positions, host.out_cache_loc, host.req_pool_indices, host.logits_indices, lens]
+        parts = [host.input_ids, host.positions, host.out_cache_loc, host.req_pool_indices, host.logits_indices]
         packed = upload(np.concatenate(parts), req_to_token.table.device)
-        ids, pos, loc, rows_t, logits, lens_t = packed.split([len(p) for p in parts])
-        b = len(rows)
+        ids, pos, loc, rows_t, logits = packed.split([len(p) for p in parts])
         return cls(
             forward_mode=mode,
-            batch_size=b,
+            batch_size=len(rows),
             input_ids=ids,
             positions=pos,
-            q_lens=lens_t[:b].to(torch.int32),
-            seq_lens=lens_t[b:].to(torch.int32),
             q_lens_cpu=q_lens,
             seq_lens_cpu=seq_lens,
             out_cache_loc=loc,

@@ -94,6 +94,35 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, pool: KVPool | None = None) -> ForwardOutput:
         """One forward through `pool`, or this runner's own pool when none is given: a graph
         replay when one was captured for it, eager otherwise."""
+        pool, start = self._begin(batch, pool)
+        if self.graphs is not None and self.graphs.can_run(batch, pool):
+            logits, hidden = self.graphs.run(batch, pool)
+        else:
+            self.backend.init_forward_metadata(batch, pool)
+            logits, hidden = self.run_model(batch)
+        self._record(batch, start, 1)
+        return ForwardOutput(logits, hidden)
+
+    @torch.inference_mode()
+    def forward_chain(
+        self,
+        batch: ForwardBatch,
+        steps: int,
+        pool: KVPool | None = None,
+        ahead: torch.Tensor | None = None,
+        most: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`steps` greedy draft decode steps from `batch` (the first) in one graph replay: their
+        tokens `[B, steps]` and the first step's hidden states, or None when no chain graph was
+        captured for it. `ahead`: see `CudaGraphRunner.run_chain`."""
+        if self.graphs is None or not self.graphs.can_run(batch, pool or self.pool, steps):
+            return None
+        pool, start = self._begin(batch, pool)
+        out = self.graphs.run_chain(batch, pool, steps, ahead, most)
+        self._record(batch, start, steps)
+        return out
+
+    def _begin(self, batch: ForwardBatch, pool: KVPool | None) -> tuple[KVPool, int]:
         pool = pool if pool is not None else self.pool
         if pool is None:
             raise RuntimeError("model runner: this model owns no KV pool; pass the pool it reads")
@@ -101,25 +130,25 @@ class ModelRunner:
         if self.allocator is not None:
             self.allocator.flush()
         batch.attn_backend = self.backend
-        if self.graphs is not None and self.graphs.can_run(batch, pool):
-            logits, hidden = self.graphs.run(batch, pool)
-        else:
-            self.backend.init_forward_metadata(batch, pool)
-            logits, hidden = self.run_model(batch)
-        if self.recorder is not None:
-            mode = batch.forward_mode
-            self.recorder(
-                ForwardRecord(
-                    self.role,
-                    mode.name,
-                    batch.batch_size,
-                    len(batch.positions),
-                    self.backend.kernel_name(mode) or "",
-                    start,
-                    time.time_ns(),
-                )
+        return pool, start
+
+    def _record(self, batch: ForwardBatch, start: int, steps: int) -> None:
+        if self.recorder is None:
+            return
+        mode = batch.forward_mode
+        kernel = self.backend.kernel_name(mode) or ""
+        self.recorder(
+            ForwardRecord(
+                self.role,
+                mode.name,
+                batch.batch_size,
+                len(batch.positions) * steps,
+                kernel,
+                start,
+                time.time_ns(),
+                steps,
             )
-        return ForwardOutput(logits, hidden)
+        )
 
     def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The model on a batch whose attention metadata is in place: (float32 logits of the

@@ -92,7 +92,7 @@ class OverlapDecoder:
             rows=[r.row for r in reqs],
             prefix_lens=positions,
             input_ids=ids,
-            out_cache_loc=torch.cat([self.scheduler.slots(r, p, p + 1) for r, p in zip(reqs, positions)]),
+            out_cache_loc=self.scheduler.slots(reqs, positions, [p + 1 for p in positions]),
             req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs)),
         )

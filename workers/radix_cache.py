@@ -81,7 +81,7 @@ class RadixCache:
         self._is_node = np.zeros(ids, dtype=bool)  # a node's page
         self._holds_swa = np.zeros(ids, dtype=bool)  # a node's page whose SWA page the tree holds
         self._locks = np.zeros(ids, dtype=np.int32)  # running requests whose prefix the page is
-        allocator.full.reclaim = functools.partial(self._reclaim, self.evict_full, _batch(allocator.full))
+        allocator.full.reclaim = functools.partial(self._reclaim_full, _batch(allocator.full))
         if self.window is not None:
             allocator.swa.reclaim = functools.partial(self._reclaim, self.evict_swa, _batch(allocator.swa))
 
@@ -170,29 +170,51 @@ class RadixCache:
             alloc.release_swa(released)
         return freed
 
-    def evict_full(self, pages: int) -> int:
-        """Drop unlocked leaves, least recently used first, until `pages` full pages are free
-        (leaves whose page a running request still holds free nothing and are kept); a parent
-        whose last child went is a leaf in the same pass. The leaves' heap is kept as the tree
-        changes, so a pool running short costs O(pages log leaves) plus the leaves it skips."""
-        dropped, kept = [], []
-        while len(dropped) < pages and self._leaf_heap:
+    def evict_full(self, pages: int, needed: int | None = None) -> int:
+        """Drop unlocked leaves, least recently used first, until `pages` full pages are free; a
+        parent whose last child went is a leaf in the same pass. Leaves whose page a running
+        request still holds free nothing and are kept, unless the others free fewer than
+        `needed` (default `pages`): a request's pages inserted under another's cached prefix make
+        that prefix's pages (held by the tree alone, which admission counts as free for the
+        asking) internal nodes, reachable only through such leaves, which then go where they
+        lead to such a page. The leaves' heap is kept as the tree changes, so a pool running
+        short costs O(pages log leaves) plus the leaves it skips. Returns the pages freed."""
+        freed = self._evict_leaves(pages, shared=False)
+        needed = pages if needed is None else needed
+        if freed < needed:
+            freed += self._evict_leaves(needed - freed, shared=True)
+        return freed
+
+    def _evict_leaves(self, pages: int, shared: bool) -> int:
+        """One LRU pass over the leaves; `shared`: also drop leaves a running request holds that
+        sit above a page only the tree holds."""
+        dropped, kept, freed = [], [], 0
+        holders = self.allocator.full.holders
+        while freed < pages and self._leaf_heap:
             entry = heapq.heappop(self._leaf_heap)
             node = entry[2]
             if node.last_used != entry[0] or node not in self._leaves:
                 continue  # touched since, or no longer a leaf
-            if not self._evictable(node):
+            alone = holders(node.page) == 1
+            if self._locks[node.page] or not (alone or (shared and self._above_tree_page(node))):
                 kept.append(entry)  # locked or shared now; a candidate again later
                 continue
+            freed += alone
             self._unlink(node)
             dropped.append(node)
         for entry in kept:
             heapq.heappush(self._leaf_heap, entry)
         self._release(dropped)
-        return len(dropped)
+        return freed
 
-    def _evictable(self, leaf: Node) -> bool:
-        return self._locks[leaf.page] == 0 and self.allocator.full.holders(leaf.page) == 1
+    def _above_tree_page(self, node: Node) -> bool:
+        """Whether an ancestor's page is held by the tree alone (and unlocked)."""
+        holders, parent = self.allocator.full.holders, node.parent
+        while parent is not self.root:
+            if holders(parent.page) == 1 and not self._locks[parent.page]:
+                return True
+            parent = parent.parent
+        return False
 
     def _touch(self, node: Node, now: int) -> None:
         """Mark a node used at `now` and queue it for eviction in that order."""
@@ -214,6 +236,10 @@ class RadixCache:
         """A pool ran short by `pages`: evict at least `batch` (a fraction of the pool) at once,
         so that a busy pool is not short again at the next page."""
         return evict(max(pages, batch))
+
+    def _reclaim_full(self, batch: int, pages: int) -> int:
+        """As `_reclaim`; running requests' leaves go only for the shortfall itself."""
+        return self.evict_full(max(pages, batch), needed=pages)
 
     def flush(self) -> None:
         """Drop every node no running request uses (all of them when the engine is idle)."""

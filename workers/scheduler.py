@@ -24,7 +24,7 @@ import torch
 from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
 from workers.memory import KVAllocator, ReqToTokenPool
-from workers.memory.allocator import cdiv
+from workers.memory.allocator import cdiv, expand_ranges
 from workers.radix_cache import RadixCache
 from workers.request import FinishReason, Request
 
@@ -183,17 +183,23 @@ class Scheduler:
             rows=[r.row for r in sb.reqs],
             prefix_lens=[r.kv_len for r in sb.reqs],
             input_ids=[r.tokens(r.kv_len, r.kv_len + n) for r, n in zip(sb.reqs, sb.q_lens)],
-            out_cache_loc=_cat([self.slots(r, r.kv_len, r.kv_len + n) for r, n in zip(sb.reqs, sb.q_lens)]),
+            out_cache_loc=self.slots(
+                sb.reqs, [r.kv_len for r in sb.reqs], [r.kv_len + n for r, n in zip(sb.reqs, sb.q_lens)]
+            ),
             req_to_token=self.req_to_token,
             logits_rows=[end for end, s in zip(ends, sb.samples) if s],
         )
 
-    def slots(self, req: Request, start: int, end: int) -> torch.Tensor:
-        """Full-pool slots of positions [start, end) of a request, allocating any not held yet."""
-        held = self.allocator.allocated_len(req.row)
-        if end > held:
-            self.allocator.extend(req.row, end - held)
-        return torch.from_numpy(self.req_to_token.slots(req.row, start, end).astype(np.int64))
+    def slots(
+        self, reqs: list[Request], starts: list[int], ends: list[int], allocate_to: list[int] | None = None
+    ) -> torch.Tensor:
+        """Full-pool slots of positions [starts[i], ends[i]) of each request, concatenated (int64,
+        host); any not held yet up to `allocate_to` (default `ends`) are allocated first. One
+        allocation and one table gather for the batch: no per-request tensor work."""
+        rows = [r.row for r in reqs]
+        self.allocator.extend_rows(rows, ends if allocate_to is None else allocate_to)
+        of, pos = expand_ranges(starts, ends)
+        return torch.from_numpy(self.req_to_token.host[np.asarray(rows, dtype=np.int64)[of], pos].astype(np.int64))
 
     def trim(self, req: Request) -> None:
         """Give back slots held past the request's tokens (rejected drafts); the pending
@@ -271,7 +277,3 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.int64)

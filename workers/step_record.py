@@ -17,6 +17,7 @@ class ForwardRecord:
     kernel: str  # the attention kernel the backend runs for this mode
     start_ns: int  # wall clock (time.time_ns) around the forward, as seen by the host
     end_ns: int
+    steps: int = 1  # forwards in one launch (a chain of draft steps in one CUDA graph)
 
 
 @dataclasses.dataclass

@@ -1,9 +1,11 @@
-"""The hybrid SWA allocator as a state machine (hypothesis): random extend / truncate /
-release_window / free / prefix sharing against a simple model of the pages each request holds.
+"""The hybrid SWA allocator as a state machine (hypothesis): random extend (one row, or a batch
+of rows at once as a decode step or a verify does) / truncate / release_window / free / prefix
+sharing against a simple model of the pages each request holds.
 After every step: no full page is held by two requests unless it is a shared prefix page, the
 pools' free counts equal the model's, every page a request still holds in the window maps to its
 own SWA page, every page it let go maps to padding; at the end nothing leaks."""
 
+import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -45,6 +47,20 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(1, 9))
     def extend(self, data, n: int) -> None:
         self._extend(data.draw(st.sampled_from(sorted(self.rows))), n)
+
+    @precondition(lambda self: self.rows)
+    @rule(data=st.data())
+    def extend_a_batch(self, data) -> None:
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, unique=True))
+        ends = [self.rows[r]["len"] + data.draw(st.integers(0, 6)) for r in rows]
+        before = (self.alloc.full.num_free, self.alloc.swa.num_free)
+        try:
+            self.alloc.extend_rows(rows, ends)
+        except OutOfKVError:
+            assert (self.alloc.full.num_free, self.alloc.swa.num_free) == before  # all or nothing
+            return
+        for row, end in zip(rows, ends):
+            self.rows[row]["len"] = end
 
     def _extend(self, row: int, n: int) -> None:
         before = (self.alloc.full.num_free, self.alloc.swa.num_free)
@@ -97,6 +113,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.cached = []
 
     # -- invariants -----------------------------------------------------------------------------------
+    @invariant()
+    def every_position_has_the_next_slot_of_its_page(self) -> None:
+        for row, state in self.rows.items():
+            n = state["len"]
+            assert self.alloc.allocated_len(row) == n
+            starts = self.r2t.host[row, :n:P].repeat(P)[:n]
+            assert (self.r2t.host[row, :n] == starts + np.arange(n) % P).all(), row
+            assert (starts % P == 0).all()
+
     @invariant()
     def pages_are_held_as_the_model_says(self) -> None:
         holders: dict[int, int] = {}

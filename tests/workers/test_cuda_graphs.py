@@ -13,6 +13,7 @@ from attention import ForwardMode
 from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
 from tests.hf_models import WINDOW, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
+from workers.forward_batch import ForwardBatch
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 PROMPTS = random_prompts([3 * WINDOW + 5, WINDOW + 3, 2 * WINDOW + 1, 5, 17], seed=7)  # 5 rows: graph of 8
@@ -78,6 +79,45 @@ def test_replay_gives_the_eager_tokens(models, variant, page_size):
     eng.check_no_leak()
 
 
+@pytest.mark.parametrize("variant", [v for v, spec in SPECS.items() if spec is not None])
+def test_chained_draft_steps_propose_the_eager_drafts(models, variant):
+    """Under replay, drafts 2..k of a greedy round come from one chain graph (the batch moved on
+    on the device between steps), mostly launched by the round before, ahead of its read, from
+    accepted counts the host had not seen (frozen-KV drafts: steps 1..k, standing in for the
+    catch-up). Every round's drafts,
+    accepted or not, equal the eager engine's step-by-step drafts: a rejected first draft would
+    hide a wrong second one from the token comparison above."""
+    engines = [_engine(models, variant, 4, graphs) for graphs in (False, "emulate")]
+    for eng in engines:
+        for p in PROMPTS:
+            eng.add_request(p, GREEDY)
+    families = engines[1].spec.drafter.runner.graphs.families
+    frozen = engines[1].spec.drafter.runner.pool is None  # also steps 1..3 chained, launched ahead
+    assert sorted(key.chain for key in families if key.chain) == ([2, 3] if frozen else [2])
+    rounds = chain_replays = 0
+    while engines[0].has_unfinished():
+        for eng in engines:
+            eng.step()
+        eager, replayed = (eng.last_step.drafts for eng in engines)
+        assert replayed == eager
+        rounds += bool(eager)
+        chain_replays += sum(f.steps > 1 for f in engines[1].last_step.forwards)
+    assert rounds > 5 and not engines[1].has_unfinished()
+    assert chain_replays >= rounds and engines[1].spec.rounds_drafted_ahead > rounds // 2
+    for eng in engines:
+        eng.check_no_leak()
+
+
+def _busy_engine(models, variant: str) -> Engine:
+    """An emulated-replay engine twelve steps into the five prompts (the windows have slid)."""
+    eng = _engine(models, variant, 4, "emulate")
+    for p in PROMPTS:
+        eng.add_request(p, GREEDY)
+    for _ in range(12):
+        eng.step()
+    return eng
+
+
 def test_padded_rows_write_only_scratch_pages(models):
     """Three requests replay the graph of four: KV buffers equal the eager run's (up to the
     float32 rounding of a 4-row instead of a 3-row matmul) everywhere but on the scratch pages,
@@ -131,11 +171,7 @@ def test_metadata_from_the_host_tables_equals_the_device_copies(models):
     """trtllm_mha builds page tables and SWA write slots from the host's tables (one upload per
     forward); on a busy hybrid pool whose windows have slid (evicted SWA pages) they equal what
     the device copies of the same tables give, computed here independently."""
-    eng = _engine(models, "plain", 4, "emulate")
-    for p in PROMPTS:
-        eng.add_request(p, GREEDY)
-    for _ in range(12):
-        eng.step()
+    eng = _busy_engine(models, "plain")
     sb = eng.scheduler.schedule()
     batch = eng.scheduler.build(sb)
     assert sb.mode is ForwardMode.DECODE and eng.allocator._evicted, "the windows should have slid"
@@ -146,12 +182,13 @@ def test_metadata_from_the_host_tables_equals_the_device_copies(models):
 
     cols = torch.arange(width)
     first = batch.req_to_token[batch.req_pool_indices[:, None], (cols * page)[None, :]].long()
-    used = cols[None, :] < ((batch.seq_lens + page - 1) // page)[:, None]
+    seq_lens, q_lens = torch.tensor(batch.seq_lens_cpu), torch.tensor(batch.q_lens_cpu)
+    used = cols[None, :] < ((seq_lens + page - 1) // page)[:, None]
     f2s = eng.allocator.full_to_swa
     expected = {
-        "seq_lens": batch.seq_lens,
-        "cu_seq_lens_q": torch.cat([torch.zeros(1, dtype=torch.int64), batch.q_lens.cumsum(0)]),
-        "cu_seq_lens_kv": torch.cat([torch.zeros(1, dtype=torch.int64), batch.seq_lens.cumsum(0)]),
+        "seq_lens": seq_lens,
+        "cu_seq_lens_q": torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]),
+        "cu_seq_lens_kv": torch.cat([torch.zeros(1, dtype=torch.int64), seq_lens.cumsum(0)]),
         "full_page_table": torch.where(used, first // page, 0),
         "swa_page_table": torch.where(used, f2s[first] // page, 0),
         "swa_out_loc": f2s[batch.out_cache_loc],
@@ -159,4 +196,96 @@ def test_metadata_from_the_host_tables_equals_the_device_copies(models):
     assert set(host) == set(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(host[name], value.numpy(), err_msg=name)
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("variant", ["plain", "standalone-swa"])
+def test_replay_metadata_in_the_static_buffers_equals_the_eager_metadata(models, variant):
+    """A replay stages its metadata into one static int32 buffer (lengths, then both page tables
+    packed for this batch's size and width) in one copy; every field reads back as the eager
+    forward's (verify with its mask included)."""
+    eng = _busy_engine(models, variant)
+    backend, pool = eng.runner.backend, eng.runner.pool
+    reqs = [r for r in eng.scheduler.running if r.prefilled]
+    q = 4 if variant != "plain" else 1
+    mode = ForwardMode.TARGET_VERIFY if q > 1 else ForwardMode.DECODE
+    starts = [r.num_tokens - 1 for r in reqs]
+    batch = ForwardBatch.build(
+        mode,
+        rows=[r.row for r in reqs],
+        prefix_lens=starts,
+        input_ids=[[0] * q for _ in reqs],
+        out_cache_loc=eng.scheduler.slots(reqs, starts, [s + q for s in starts]),
+        req_to_token=eng.scheduler.req_to_token,
+        logits_rows=range(len(reqs) * q),
+    )
+    eng.allocator.flush()
+    fields = ["seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv", "full_page_table", "swa_page_table", "swa_out_loc", "mask"]
+    backend.init_forward_metadata(batch, pool)
+    eager = {name: getattr(backend._md, name) for name in fields}
+    assert eager["swa_page_table"] is not None and (eager["mask"] is not None) == (q > 1)
+    for _ in range(2):  # a second replay of the same shape writes everything again
+        backend.init_forward_metadata_replay(batch, pool)
+        for name in fields:
+            value = getattr(backend._md, name)
+            assert (value is None) == (eager[name] is None), name
+            if value is not None:
+                torch.testing.assert_close(value, eager[name], msg=name, check_dtype=False)
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("variant", ["standalone-swa", "frozen_kv_mtp"])
+def test_a_chain_moved_on_on_the_device_reads_and_writes_where_one_built_there_would(models, variant):
+    """A chain launched a round ahead is built where each request would be had it accepted
+    nothing, then moved on by `ahead[i]` on the device (positions, write slots, lengths; a
+    read-only chain's KV end too). Its metadata then equals that of a batch built on the host at
+    the moved positions: lengths, write slots (full and SWA) and every page-table column the
+    kernels read (the chain's tables reach further, for its later steps)."""
+    eng = _busy_engine(models, variant)
+    drafter, k = eng.spec.drafter, eng.spec.num_steps
+    graphs, backend, pool = drafter.runner.graphs, drafter.runner.backend, drafter.step_pool
+    reqs = [r for r in eng.scheduler.running if r.prefilled]
+    ahead = torch.tensor([i % (k + 1) for i in range(len(reqs))])
+    hidden = torch.stack([r.spec.next_hidden for r in reqs])
+    tokens = torch.zeros(len(reqs), dtype=torch.int64)
+    first = 1 if drafter.runner.pool is None else 2
+    base = drafter._step_batch(reqs, first, tokens, hidden, reach=2 * k, next_round=True)
+    writes = not base.query_offset
+    prefix = [p + int(a) for p, a in zip(base.host.positions - base.query_offset, ahead)]
+    moved = ForwardBatch.build(
+        ForwardMode.DECODE,
+        rows=[r.row for r in reqs],
+        prefix_lens=prefix,
+        input_ids=[[0]] * len(reqs),
+        out_cache_loc=(
+            eng.scheduler.slots(reqs, prefix, [q + 1 for q in prefix]) if writes else torch.zeros(0, dtype=torch.int64)
+        ),
+        req_to_token=eng.scheduler.req_to_token,
+        logits_rows=range(len(reqs)),
+        query_offset=base.query_offset,
+    )
+    eng.allocator.flush()
+    backend.init_forward_metadata(moved, pool)
+    expected = {name: getattr(backend._md, name) for name in ("seq_lens", "full_page_table", "swa_page_table")}
+    expected["swa_out_loc"] = backend._md.swa_out_loc
+    key = next(key for key in graphs.families if key.chain and key.query_offset == base.query_offset)
+    family, b = graphs.families[key], len(reqs)
+    bs = next(size for size in graphs.batch_sizes if size >= b)
+    reach = (key.chain - 1 if writes else 0) + k
+    width = backend.table_width(-(-(max(base.seq_lens_cpu) + reach) // eng.allocator.page_size))
+    with torch.inference_mode():  # as a replay runs (the static buffers are inference tensors)
+        static = graphs._prepare(key, family, bs, graphs._padding(key, bs, b, base), width, reach)
+        graphs._move(key, static, torch.cat([ahead, torch.zeros(bs - b, dtype=torch.int64)]))
+    md = backend._md
+    assert md.seq_lens[:b].tolist() == expected["seq_lens"].tolist() == [p + 1 for p in prefix]
+    assert static.positions[:b].tolist() == moved.positions.tolist()
+    if writes:
+        assert static.out_cache_loc[:b].tolist() == moved.out_cache_loc.tolist()
+        assert md.swa_out_loc[:b].tolist() == expected["swa_out_loc"].tolist()
+    for name in ("full_page_table", "swa_page_table"):
+        if expected[name] is None:
+            continue
+        for i, n in enumerate(expected["seq_lens"].tolist()):
+            used = -(-n // eng.allocator.page_size)
+            assert md.__dict__[name][i, :used].tolist() == expected[name][i, :used].tolist(), (name, i)
     eng.shutdown()

@@ -349,3 +349,42 @@ def test_kv_stats_read_from_another_thread_while_the_cache_changes(models):
         sys.setswitchinterval(interval)
     assert not errors, errors
     eng.check_no_leak()
+
+
+def test_eviction_reaches_the_trees_pages_under_a_running_requests_leaves():
+    """A running request's pages entered the tree under a finished request's cached prefix: that
+    prefix's pages, held by the tree alone (admission counts them as free for the asking), are
+    internal nodes now, below leaves the running request still holds. A pool running short
+    drops those leaves (freeing nothing: the request keeps its pages) to reach them, instead of
+    failing the request that asked. Found by the random-pressure test above (an EAGLE engine
+    whose verify ran out of pages with the tree holding ten)."""
+    from workers.memory import KVAllocator
+    from workers.memory.allocator import OutOfKVError
+    from workers.memory.req_to_token import ReqToTokenPool
+    from workers.radix_cache import RadixCache
+
+    alloc = KVAllocator(ReqToTokenPool(2, 16, "cpu"), num_full_pages=8, page_size=2)
+    cache = RadixCache(alloc)
+    tokens = list(range(10, 20))
+    done = alloc.req_to_token.alloc()
+    alloc.extend(done, 4)
+    cache.insert(tokens[:4], alloc.row_pages(done, 2), 0)
+    alloc.free(done)
+    alloc.req_to_token.free(done)  # its two pages: the tree's alone
+    running = alloc.req_to_token.alloc()
+    alloc.extend(running, 8)  # the same first four tokens in its own pages, then four more
+    cache.insert(tokens[:8], alloc.row_pages(running, 4), 0)
+    assert alloc.full.num_free == 2 and cache.num_pages == 4
+    alloc.full.alloc(4)  # two free pages and the tree's two
+    assert alloc.full.num_free == 0 and alloc.allocated_len(running) == 8
+    assert [alloc.full.holders(pg) for pg in alloc.row_pages(running, 4)] == [1, 1, 1, 1]
+
+    # With no page the tree holds alone, a short pool drops none of a running request's entries.
+    alloc = KVAllocator(ReqToTokenPool(2, 16, "cpu"), num_full_pages=4, page_size=2)
+    cache = RadixCache(alloc)
+    running = alloc.req_to_token.alloc()
+    alloc.extend(running, 8)
+    cache.insert(tokens[:8], alloc.row_pages(running, 4), 0)
+    with pytest.raises(OutOfKVError):
+        alloc.full.alloc(1)
+    assert cache.num_pages == 4

@@ -4,6 +4,7 @@ canary (with the upstream mistake of invariant 1, docs/design.md §4.1, put back
 distribution, bad configurations and KV accounting."""
 
 import collections
+import json
 
 import pytest
 import torch
@@ -351,10 +352,55 @@ def test_bad_speculative_configurations(models, tmp_path):
         (_spec("frozen_kv_mtp", m["frozen"], num_steps=WINDOW), "speculative.num_steps"),
         (_spec("eagle", m["copy"]), "not an EAGLE head"),
         (_spec("standalone", models["llama"]["copy"], "swa"), "speculative.draft_pool"),
+        (_spec("eagle", m["eagle1"]) | {"token_map": str(tmp_path / "absent.json")}, "speculative.token_map"),
+        (_spec("eagle", m["eagle1"]) | {"token_map": _ids_file(tmp_path, "far", [1, 10**6])}, "speculative.token_map"),
+        (_spec("eagle", m["eagle1"]) | {"token_map": _ids_file(tmp_path, "twice", [3, 5, 3])}, "twice"),
+        (_spec("eagle", m["eagle3"]) | {"token_map": _ids_file(tmp_path, "ok", [1, 2, 3])}, "draft vocabulary"),
     ]
     for spec, message in cases:
         with pytest.raises(ValueError, match=message):
             Engine(model=m["target"], page_size=16, max_total_tokens=512, context_length=500, speculative=spec)
+
+
+def _ids_file(root, name: str, ids: list[int]) -> str:
+    path = root / f"{name}.json"
+    path.write_text(json.dumps(ids))
+    return str(path)
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+@pytest.mark.parametrize("variant", ["standalone-full", "eagle1-full", "frozen_kv_mtp-target"])
+def test_a_hot_token_map_keeps_the_output_and_drafts_only_listed_tokens(models, baselines, tmp_path, variant, graphs):
+    """`speculative.token_map`: the draft's LM head keeps the rows of the listed tokens (here
+    the even ids and the baseline's own tokens, so that drafts are still accepted); greedy
+    output is the output without speculation, every draft is a listed token, accepted drafts
+    still occur, and sampled rounds (rejection sampling over a draft distribution that is zero
+    off the list) run too."""
+    m = models["gemma3"]
+    algorithm, pool, draft = VARIANTS[variant]
+    prompts = random_prompts(PROMPT_LENS)
+    key = ("gemma3", 16, "trtllm_mha")
+    if key not in baselines:
+        plain = _engine(m["target"], "trtllm_mha", 16)
+        baselines[key] = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling=GREEDY)]
+    vocab = Engine(model=m["target"], max_total_tokens=256).cfg.vocab_size
+    listed = sorted(set(range(0, vocab, 2)) | {t for seq in baselines[key] for t in seq})
+    spec = _spec(algorithm, m[draft], pool) | {"token_map": _ids_file(tmp_path, "hot", listed)}
+    eng = _engine(m["target"], "trtllm_mha", 16, spec, cuda_graphs=graphs)
+    assert eng.spec.drafter.token_map is not None and len(eng.spec.drafter.token_map) == len(listed)
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    drafted: set[int] = set()
+    while eng.has_unfinished():
+        eng.step()
+        drafted.update(t for d in eng.last_step.drafts.values() for t in d)
+    outs = [eng.output(r) for r in rids]
+    assert [o.token_ids for o in outs] == baselines[key]
+    assert drafted and drafted <= set(listed)
+    if variant == "standalone-full":  # the perturbed copy: drafts from the list are accepted
+        assert any(n > 1 for o in outs for n in o.spec.accept_lengths)
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    assert all(len(o.token_ids) == 12 for o in eng.generate(prompt_token_ids=prompts, sampling=sampled))
+    eng.check_no_leak()
 
 
 def test_stops_inside_accepted_drafts_match_plain_decoding(models):

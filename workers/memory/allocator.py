@@ -12,7 +12,7 @@ decided by each model's own pool (workers/memory/pools.py), never by the allocat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -98,6 +98,17 @@ class PageAllocator:
             raise AssertionError(f"{self.name}: {self.num_pages - self.num_free} pages still in use")
 
 
+def expand_ranges(starts: Sequence[int], ends: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Ranges [starts[i], ends[i]) laid end to end: each element's range index and its value
+    (int64). One element a range (a decode step) takes no expansion."""
+    starts_a = np.asarray(starts, dtype=np.int64)
+    if all(e - s == 1 for s, e in zip(starts, ends)):
+        return np.arange(len(starts_a)), starts_a
+    widths = np.asarray(ends, dtype=np.int64) - starts_a
+    of = np.repeat(np.arange(len(starts_a)), widths)
+    return of, np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths) + starts_a[of]
+
+
 class KVAllocator:
     """Full-pool slots for every token of every request, allocated page by page.
 
@@ -127,34 +138,64 @@ class KVAllocator:
     def extend(self, row: int, n: int) -> torch.Tensor:
         """Give the next `n` positions of request `row` full slots; returns them (int64, host)."""
         start = self._lens.get(row, 0)
-        end = start + n
-        if end > self.req_to_token.max_context_len:
-            raise OutOfKVError(
-                f"request row {row}: {end} positions exceed the context of {self.req_to_token.max_context_len}"
-            )
-        p = self.page_size
-        if n == 1 and start % p:  # a decode step inside the current page: the next slot of it
-            loc = int(self.req_to_token.host[row, start - 1]) + 1
-            self.req_to_token.write(row, start, np.array([loc], dtype=np.int64))
-            self._lens[row] = end
-            return torch.tensor([loc])
-        new_pages = self.full.alloc(cdiv(end, p) - cdiv(start, p))
+        self.extend_rows([row], [start + n])
+        return torch.from_numpy(self.req_to_token.host[row, start : start + n].astype(np.int64))
+
+    def extend_rows(self, rows: Sequence[int], ends: Sequence[int]) -> None:
+        """Give each request row full slots up to `ends[i]` positions (rows that long already
+        are left alone): one page allocation and one table write for a whole batch, however
+        many rows (a decode step's, a verify's). All or nothing: a batch that does not fit
+        takes no page."""
+        rows_a = np.asarray(rows, dtype=np.int64)
+        held_list = [self._lens.get(r, 0) for r in rows]
+        held = np.asarray(held_list, dtype=np.int64)
+        p, limit = self.page_size, self.req_to_token.max_context_len
+        if all(e == h + 1 and h % p and e <= limit for h, e in zip(held_list, ends)):  # decode inside each page
+            self.req_to_token.write_many(rows_a, held, self.req_to_token.host[rows_a, held - 1] + 1)
+            self._lens.update(zip(rows, ends))
+            return
+        ends_a = np.asarray(ends, dtype=np.int64)
+        grow = ends_a > held
+        if not grow.any():
+            return
+        rows_a, held, ends_a = rows_a[grow], held[grow], ends_a[grow]
+        if (ends_a > limit).any():
+            i = int(np.argmax(ends_a > limit))
+            raise OutOfKVError(f"request row {rows_a[i]}: {ends_a[i]} positions exceed the context of {limit}")
+        first_new = -(-held // p)  # each row's first page index that needs a new page
+        counts = -(-ends_a // p) - first_new
+        new_pages = self.full.alloc(int(counts.sum()))
         try:
             self._on_new_pages(new_pages)
         except OutOfKVError:
             self.full.free(new_pages)
             raise
-        held = [int(self.req_to_token.host[row, start - 1]) // p] if start % p else []
-        pages = np.array(held + new_pages, dtype=np.int64)
-        pos = np.arange(start, end)
-        locs = pages[pos // p - start // p] * p + pos % p
-        self.req_to_token.write(row, start, locs)
-        self._lens[row] = end
-        return torch.from_numpy(locs)
+        of, pos = expand_ranges(held, ends_a)
+        page_idx = pos // p
+        fresh = page_idx >= first_new[of]
+        pages = np.empty(len(pos), dtype=np.int64)
+        start_in_new = np.cumsum(counts) - counts  # each row's first page in `new_pages`
+        pages[fresh] = np.asarray(new_pages, dtype=np.int64)[
+            start_in_new[of[fresh]] + page_idx[fresh] - first_new[of[fresh]]
+        ]
+        partial = of[~fresh]  # positions in a row's last, partly filled page
+        pages[~fresh] = self.req_to_token.host[rows_a[partial], held[partial] - 1] // p
+        self.req_to_token.write_many(rows_a[of], pos, pages * p + pos % p)
+        self._lens.update(zip(rows_a.tolist(), ends_a.tolist()))
 
     def flush(self) -> None:
         """Bring the device copies of the allocator's tables up to date (before a forward)."""
         self.req_to_token.flush()
+
+    def can_extend(self, ends: dict[int, int]) -> bool:
+        """Whether every row could hold slots up to its end (positions) with the pages free now
+        (slots borrowed for a moment: a speculative round launched ahead gives them back)."""
+        p = self.page_size
+        need = sum(max(0, cdiv(end, p) - cdiv(self._lens.get(row, 0), p)) for row, end in ends.items())
+        return need <= self._free_pages()
+
+    def _free_pages(self) -> int:
+        return self.full.num_free
 
     def swa_start(self, row: int) -> int:
         """The first page of a request whose SWA page the request still holds (no SWA: all)."""
@@ -261,6 +302,9 @@ class HybridSWAAllocator(KVAllocator):
     def flush(self) -> None:
         super().flush()
         self._f2s.flush()
+
+    def _free_pages(self) -> int:
+        return min(self.full.num_free, self.swa.num_free)
 
     def release_window(self, row: int, seq_len: int) -> None:
         """Let go of SWA pages whose positions no future query can see: those before the window

@@ -43,6 +43,11 @@ class ReqToTokenPool:
         base = row * self.max_context_len
         self._mirror.mark_range(base + start, base + start + len(slots))
 
+    def write_many(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Slot `slots[i]` at position `positions[i]` of request row `rows[i]` (a batch's at once)."""
+        self.host[rows, positions] = slots
+        self._mirror.mark(rows * self.max_context_len + positions)
+
     def slots(self, row: int, start: int, end: int) -> np.ndarray:
         return self.host[row, start:end]
 

@@ -230,8 +230,10 @@ class CausalLM(nn.Module):
         hidden, captured = self.model(batch.input_ids, batch.positions, batch)
         return hidden, hidden if captured is None else captured
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head.logits(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
+        """Float32 logits, soft-capped as this model's are; `head`: other LM-head rows to score
+        with (a draft's hot-token head) instead of this model's."""
+        logits = (head or self.lm_head).logits(hidden).float()
         cap = self.cfg.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 

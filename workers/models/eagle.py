@@ -120,7 +120,8 @@ class EagleHead(nn.Module):
             self.fc = ReplicatedLinear(3 * target.cfg.hidden_size, h, bias=ec.fc_bias)
             self.midlayer = Eagle3Layer(cfg, tp)
             self.norm = RMSNorm(h, cfg.rms_norm_eps, gemma=False)
-        own_head = "lm_head.weight" in ec.checkpoint_names
+        # EAGLE-3 checkpoints carry their own head (over the draft vocabulary); so do dummy ones.
+        own_head = "lm_head.weight" in ec.checkpoint_names or (ec.version == 3 and not ec.checkpoint_names)
         self.lm_head = ParallelLMHead(ec.draft_vocab_size, h, tp) if own_head else None
         if ec.draft_vocab_size != cfg.vocab_size:
             if self.lm_head is None:
@@ -155,13 +156,10 @@ class EagleHead(nn.Module):
         return self.norm(residual), residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (`draft_to_target` maps them to target ids): a
+        greedy draft step takes its argmax there, a fraction of the target's vocabulary."""
         head = self.lm_head or self._target[0].lm_head
-        logits = head.logits(hidden).float()
-        if self.draft_to_target is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
-        full[:, self.draft_to_target] = logits
-        return full
+        return head.logits(hidden).float()
 
     def load_weights(self, weights) -> None:
         rest = []

@@ -75,6 +75,7 @@ class FrozenKVMTPHead(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, src, tp, reads_kv_only=True) for src in kv_source_layers)
         self.norm = RMSNorm(h, eps, gemma)
         self.rotary = RotaryTables(cfg)
+        self.lm_head: nn.Module | None = None  # the target's, unless a hot-token map gives one
 
     @property
     def attention_layers(self) -> list[AttentionLayer]:
@@ -97,7 +98,7 @@ class FrozenKVMTPHead(nn.Module):
         return hidden, hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._target[0].compute_logits(hidden)
+        return self._target[0].compute_logits(hidden, self.lm_head)
 
     def load_weights(self, weights) -> None:
         gate_up = tuple(s for s in STACKED_PARAMS if s[0] == "gate_up_proj")

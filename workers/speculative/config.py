@@ -30,6 +30,9 @@ class SpecConfig:
     # With tensor parallelism: "shard" the draft over the target's ranks, or "replicate" it on
     # every rank (drafts too small to shard: fewer heads than ranks).
     draft_tp: str = "shard"
+    # A file of target token ids the draft proposes from (its LM head keeps their rows only):
+    # `workers/speculative/token_map.py`.
+    token_map: str | None = None
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpecConfig:

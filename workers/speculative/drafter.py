@@ -29,7 +29,7 @@ import itertools
 import numpy as np
 import torch
 
-from attention import ForwardMode
+from attention import ForwardMode, KVPool
 from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
@@ -69,6 +69,23 @@ class Drafter:
         self.runner = runner
         self.target = target
         self.scheduler = scheduler
+        # A draft vocabulary (EAGLE-3): draft logits cover it, this maps its ids to the target's.
+        self.token_map: torch.Tensor | None = getattr(runner.model, "draft_to_target", None)
+        self.vocab_size = target.model.cfg.vocab_size
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely draft token, as a target id (on the device)."""
+        best = logits.argmax(dim=-1)
+        return best if self.token_map is None else self.token_map[best]
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the target's vocabulary, -inf outside a draft vocabulary: what
+        sampling and rejection sampling read."""
+        if self.token_map is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.token_map] = logits
+        return full
 
     def goal(self, req: Request) -> int:
         """Draft positions that should hold entries once the target has run: the entries of
@@ -91,7 +108,7 @@ class Drafter:
             rows=[r.row for r, _, _ in todo],
             prefix_lens=[a for _, a, _ in todo],
             input_ids=[r.tokens(a + self.shift, b + self.shift) for r, a, b in todo],
-            out_cache_loc=torch.cat([self.scheduler.slots(r, a, b) for r, a, b in todo]),
+            out_cache_loc=self.scheduler.slots(*map(list, zip(*todo))),
             req_to_token=self.scheduler.req_to_token,
             logits_rows=[e for e, p in zip(ends, proposes) if p],
             spec_hidden=spec_hidden,
@@ -131,7 +148,7 @@ class Drafter:
             rows=[r.row for r in reqs],
             prefix_lens=firsts,
             input_ids=input_ids,
-            out_cache_loc=torch.cat([self.scheduler.slots(r, a, a + width) for r, a in zip(reqs, firsts)]),
+            out_cache_loc=self.scheduler.slots(reqs, firsts, [a + width for a in firsts]),
             req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs) * width),
             spec_hidden=hidden if self.reads_hidden else None,
@@ -155,18 +172,84 @@ class Drafter:
 
     def step(self, reqs: list[Request], j: int, tokens: Tokens, hidden: torch.Tensor) -> ForwardOutput:
         """Draft step j (2..num_steps): each request's draft j-1 -> logits for draft j."""
-        positions = [r.num_tokens - 2 + j - self.shift for r in reqs]
+        return self.runner.forward(self._step_batch(reqs, j, tokens, hidden), pool=self.step_pool)
+
+    def chain(
+        self,
+        reqs: list[Request],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        steps: int,
+        first: int = 2,
+        ahead: torch.Tensor | None = None,
+        most: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Greedy draft steps first..first + steps - 1 in one graph replay: their tokens `[B,
+        steps]` (target ids) and the first step's hidden states, or None when no chain graph
+        covers this batch (the caller steps one by one).
+
+        With `ahead` (device, `[B]`, at most `most`), the chain is the *next* round's, launched
+        before the host has read this one: each request will have committed ahead[i] + 1
+        tokens; slots are allocated for the furthest outcome."""
+        batch = self._step_batch(reqs, first, tokens, hidden, reach=steps + most, next_round=ahead is not None)
+        return self.runner.forward_chain(batch, steps, pool=self.step_pool, ahead=ahead, most=most)
+
+    def draft_ahead(
+        self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The next round's drafts 2..k `[B, k - 1]`, launched before this round's read from the
+        catch-up's proposals (already launched) and the accepted counts on the device; None
+        (the next round drafts them) unless every request has room for the furthest outcome
+        within its KV reservation and the pools have the pages free now (the round's trim
+        gives them back)."""
+        k = best.shape[1] - 1  # the target's choices: k + 1 a request
+        ends = {r.row: r.num_tokens + 2 * k - self.shift for r in reqs}
+        room = self.scheduler.lookahead
+        if any(ends[r.row] > r.max_len + room for r in reqs) or not self.scheduler.allocator.can_extend(ends):
+            return None
+        tokens = torch.stack([r.spec.next_token for r in reqs])
+        hidden = torch.stack([r.spec.next_hidden for r in reqs])
+        out = self.chain(reqs, tokens, hidden, k - 1, ahead=accepted, most=k)
+        return None if out is None else out[0]
+
+    @property
+    def step_pool(self) -> KVPool:
+        """The pool draft steps read and write: the draft's own."""
+        return self.runner.pool
+
+    def _step_batch(
+        self,
+        reqs: list[Request],
+        j: int,
+        tokens: Tokens,
+        hidden: torch.Tensor,
+        reach: int = 1,
+        next_round: bool = False,
+    ) -> ForwardBatch:
+        """Draft step j's batch (of the next round: each request one token longer, the round's
+        bonus); slots are allocated for `reach` positions from its own, for the steps a chain
+        runs after it."""
+        prefix_lens, offset, locs = self._step_where(reqs, j, reach, next_round)
         batch = ForwardBatch.build(
             ForwardMode.DECODE,
             rows=[r.row for r in reqs],
-            prefix_lens=positions,
+            prefix_lens=prefix_lens,
             input_ids=_single_rows(tokens),
-            out_cache_loc=torch.cat([self.scheduler.slots(r, q, q + 1) for r, q in zip(reqs, positions)]),
+            out_cache_loc=locs,
             req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs)),
+            query_offset=offset,
             spec_hidden=hidden if self.reads_hidden else None,
         )
-        return self.runner.forward(_with_device_ids(batch, tokens))
+        return _with_device_ids(batch, tokens)
+
+    def _step_where(
+        self, reqs: list[Request], j: int, reach: int, next_round: bool
+    ) -> tuple[list[int], int, torch.Tensor]:
+        """Where draft step j's queries sit: positions, read-only offset, write slots."""
+        positions = [r.num_tokens - 2 + j - self.shift + next_round for r in reqs]
+        locs = self.scheduler.slots(reqs, positions, [q + 1 for q in positions], [q + reach for q in positions])
+        return positions, 0, locs
 
     def _propose(self, reqs: list[Request], logits: torch.Tensor, hidden: torch.Tensor, rows: list[int]) -> None:
         """The first draft token of the next round for each request, from its row of `logits`
@@ -174,11 +257,13 @@ class Drafter:
         if not reqs:
             return
         if all(r.sampling.greedy for r in reqs):  # argmax stays on the device: no host sync
-            best = logits.argmax(dim=-1)
+            best = self.greedy(logits)
             for i, (r, row) in enumerate(zip(reqs, rows)):
                 r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, hidden[row]
             return
-        tokens, probs, errors = draw_each(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        tokens, probs, errors = draw_each(
+            self.target_logits(logits), [r.sampling for r in reqs], [r.generator for r in reqs]
+        )
         for i, (r, t, p, row) in enumerate(zip(reqs, tokens, probs, rows)):
             if i in errors:
                 self.scheduler.fail(r, errors[i])
@@ -207,7 +292,7 @@ class FrozenKVDrafter(Drafter):
         if not ready:
             return
         rows = torch.cat([_rows(hidden[r.rid], r.kv_len - 1, r.kv_len) for r in ready])
-        out = self._query(ready, [r.output_ids[-1] for r in ready], rows, offset=1)
+        out = self.step(ready, 1, [r.output_ids[-1] for r in ready], rows)
         self._propose(ready, out.logits, out.hidden, list(range(len(ready))))
 
     def catch_up_verified(
@@ -218,23 +303,39 @@ class FrozenKVDrafter(Drafter):
         rows = {r.rid: (s, hidden[i * width : (i + 1) * width]) for i, (r, s) in enumerate(zip(reqs, starts))}
         self.catch_up(ForwardMode.DRAFT_EXTEND_V2, reqs, rows)
 
-    def step(self, reqs: list[Request], j: int, tokens: Tokens, hidden: torch.Tensor) -> ForwardOutput:
-        return self._query(reqs, tokens, hidden, offset=j)
+    def settle_verified(self, reqs: list[Request], starts: list[int], accepted: list[int]) -> None:
+        """No draft KV to account for."""
 
-    def _query(self, reqs: list[Request], tokens: Tokens, hidden: torch.Tensor, offset: int) -> ForwardOutput:
-        """Read-only queries `offset` positions past each request's target KV."""
-        batch = ForwardBatch.build(
-            ForwardMode.DECODE,
-            rows=[r.row for r in reqs],
-            prefix_lens=[r.kv_len - 1 for r in reqs],
-            input_ids=_single_rows(tokens),
-            out_cache_loc=torch.zeros(0, dtype=torch.int64),
-            req_to_token=self.scheduler.req_to_token,
-            logits_rows=range(len(reqs)),
-            query_offset=offset,
-            spec_hidden=hidden,
-        )
-        return self.runner.forward(_with_device_ids(batch, tokens), pool=self.target.pool)
+    def draft_ahead(
+        self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The next round's draft steps 1..k in one chain, launched before this round's read: step 1
+        reads each request's bonus token (the target's choice after its accepted drafts) and
+        the verify's hidden state at the position before it, both picked on the device. It also
+        stands in for the catch-up: each request's next first draft and hidden state come from
+        it. Returns drafts 2..k `[B, k - 1]`, or None when no chain graph covers the batch."""
+        k, rows = best.shape[1] - 1, torch.arange(len(reqs), device=best.device)
+        tokens = best[rows, accepted]
+        hidden = hidden.view(len(reqs), k + 1, -1)[rows, accepted]
+        out = self.chain(reqs, tokens, hidden, k, first=1, ahead=accepted, most=k)
+        if out is None:
+            return None
+        drafts, first_hidden = out
+        for i, r in enumerate(reqs):
+            r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = drafts[i, 0], None, first_hidden[i]
+        return drafts[:, 1:]
+
+    @property
+    def step_pool(self) -> KVPool:
+        """Frozen-KV draft steps read the target's pool."""
+        return self.target.pool
+
+    def _step_where(
+        self, reqs: list[Request], j: int, reach: int, next_round: bool
+    ) -> tuple[list[int], int, torch.Tensor]:
+        """Read-only queries j positions past each request's target KV (of the next round: the
+        KV one token longer); nothing written."""
+        return [r.kv_len - 1 + next_round for r in reqs], j, torch.zeros(0, dtype=torch.int64)
 
 
 def _single_rows(tokens: Tokens) -> list[list[int]]:

@@ -18,6 +18,7 @@ from workers.models.loader import build_module
 from workers.scheduler import Scheduler
 from workers.speculative.config import DRAFT_POOLS, SpecConfig
 from workers.speculative.drafter import DRAFTERS, Drafter
+from workers.speculative.token_map import apply_token_map, load_token_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class DraftPlan:
     build: Callable[[nn.Module, TPGroup], nn.Module] | None  # (target model, tp) -> draft head; None: a causal LM
     swa_window: int | None  # widest window the draft keeps in an SWA pool (sizes the allocator)
     capture_layers: tuple[int, ...] = ()  # target layers whose outputs the draft reads (EAGLE-3)
+    token_map: torch.Tensor | None = None  # target token ids the draft proposes from
 
 
 def plan_draft(spec: SpecConfig, target: ModelConfig, context_length: int) -> DraftPlan:
@@ -63,6 +65,8 @@ def plan_draft(spec: SpecConfig, target: ModelConfig, context_length: int) -> Dr
             f"speculative.draft_model: sliding window {plan.cfg.max_window} is larger than the target's "
             f"context length {context_length}"
         )
+    if spec.token_map is not None:
+        plan = dataclasses.replace(plan, token_map=load_token_map(spec.token_map, target.vocab_size))
     return plan
 
 
@@ -121,5 +125,7 @@ def build_drafter(
             role="draft",
             allocator=allocator,
         )
+    if plan.token_map is not None:
+        apply_token_map(runner.model, target.model, plan.token_map, tp)
     target.model.model.capture_layers = plan.capture_layers
     return DRAFTERS[spec.algorithm](spec.algorithm, plan.pool_kind, runner, target, scheduler)

@@ -12,15 +12,21 @@ Slots of rejected drafts are given back after the catch-up, whose padding rows w
 SWA windows after it too, since it still reads them.
 
 When every request of the round is greedy, each draft step's argmax stays on the device and
-feeds the next step and the verification directly; the round's only device-to-host copy is the
+feeds the next step and the verification directly (with CUDA graphs, drafts 2..k run as one
+chain graph: one launch, no host work between steps); the round's only device-to-host copy is the
 drafts with the target's choices after verification. Drafts with a fixed catch-up window
 (standalone, EAGLE) launch the catch-up before that copy is read, from the target's choices and
 the accepted counts computed on the device, so the device runs it while the host commits; it
-proposes the next round's first drafts on the device too. Sampled rounds draw each draft on the
+proposes the next round's first drafts on the device too, and under CUDA graphs the next round's
+drafts 2..k follow it there (`_draft_ahead`): a chain that starts each request `accepted[i]`
+positions on. Its KV writes start at the first draft position the catch-up has not made valid,
+inside the window the next catch-up rewrites. Sampled rounds draw each draft on the
 host, since rejection sampling needs every draft's distribution.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
@@ -39,6 +45,15 @@ from workers.speculative.drafter import Drafter, DraftState, HiddenRows
 from workers.speculative.stats import SpecStats
 
 
+@dataclasses.dataclass
+class _Ahead:
+    """Drafts 2..k of the next round, launched before this round's read."""
+
+    reqs: list[Request]
+    drafts: torch.Tensor  # [B, k - 1], on the device
+    num_tokens: list[int] | None = None  # each request's length once this round has committed
+
+
 class SpecWorker:
     def __init__(self, num_steps: int, target: ModelRunner, drafter: Drafter, scheduler: Scheduler) -> None:
         self.num_steps = num_steps
@@ -47,6 +62,8 @@ class SpecWorker:
         self.scheduler = scheduler
         self.last_accept_lengths: dict[str, int] = {}
         self.last_drafts: dict[str, list[int]] = {}
+        self._ahead: _Ahead | None = None
+        self.rounds_drafted_ahead = 0  # rounds whose drafts 2..k the previous round launched
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -81,7 +98,7 @@ class SpecWorker:
             input_ids=[
                 r.tokens(s, s + 1) + ([PADDING_TOKEN] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)
             ],
-            out_cache_loc=torch.cat([self.scheduler.slots(r, s, s + k + 1) for r, s in zip(reqs, starts)]),
+            out_cache_loc=self.scheduler.slots(reqs, starts, [s + k + 1 for s in starts]),
             req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs) * (k + 1)),
         )
@@ -90,12 +107,14 @@ class SpecWorker:
             batch.use_device_ids(torch.cat([pending, drafts], dim=1).flatten())
         out = self.target.forward(batch)
         best = out.logits.argmax(dim=-1).view(len(reqs), k + 1)
-        early = on_device and self.drafter.fixed_window
+        early = False  # the draft's catch-up launched before the read
         if on_device:  # the round's one device-to-host copy: drafts and the target's choices
             flight = InFlight.of(reqs, torch.cat([drafts, best], dim=1))
-            if early:  # the draft catches up while the host reads and commits
-                accepted = (drafts == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+            accepted = (drafts == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+            if self.drafter.fixed_window:  # the draft catches up, and drafts the next round, meanwhile
                 self.drafter.catch_up_verified(reqs, starts, accepted, k + 1, out.hidden, tokens=best.flatten())
+            self._ahead = self._draft_ahead(reqs, accepted, best, out.hidden)
+            early = self.drafter.fixed_window or self._ahead is not None  # a frozen-KV chain ahead is its catch-up
             both = flight.read()
             drafts, best = [row[:k] for row in both], [row[k:] for row in both]
         else:  # one device sync for every greedy request
@@ -125,7 +144,20 @@ class SpecWorker:
             for req in live_reqs:
                 if not req.finished:  # (a failed proposal ends the request)
                     self.scheduler.trim(req)  # rejected drafts' slots, written by the catch-up's padding rows
+        if self._ahead is not None:  # good for a next round of exactly these requests
+            self._ahead.num_tokens = [r.num_tokens for r in reqs]
+            if len(live) < len(reqs) or any(r.finished for r in reqs):
+                self._ahead = None
         return events
+
+    def _draft_ahead(
+        self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, hidden: torch.Tensor
+    ) -> _Ahead | None:
+        """The next round's drafts 2..k, launched before this round's read (`Drafter.draft_ahead`)."""
+        if self.num_steps < 2:
+            return None
+        drafts = self.drafter.draft_ahead(reqs, accepted, best, hidden)
+        return None if drafts is None else _Ahead(reqs, drafts)
 
     def _draft_on_device(self, reqs: list[Request]) -> tuple[list[Request], torch.Tensor, list[list[None]]]:
         """Greedy drafts 1..k as a device tensor `[B, k]`: each step's argmax feeds the next."""
@@ -134,13 +166,22 @@ class SpecWorker:
             tokens = torch.stack(first)
         else:  # proposed by a sampled batch: on the host
             tokens = upload(np.array([int(t) for t in first], dtype=np.int64), reqs[0].spec.next_hidden.device)
-        drafts = [tokens]
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
+        no_probs = [[None] * self.num_steps for _ in reqs]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.reqs == reqs and ahead.num_tokens == [r.num_tokens for r in reqs]:
+            self.rounds_drafted_ahead += 1
+            return reqs, torch.cat([tokens[:, None], ahead.drafts], dim=1), no_probs
+        if self.num_steps > 1:
+            chained = self.drafter.chain(reqs, tokens, hidden, self.num_steps - 1)
+            if chained is not None:  # drafts 2..k in one graph replay
+                return reqs, torch.cat([tokens[:, None], chained[0]], dim=1), no_probs
+        drafts = [tokens]
         for j in range(2, self.num_steps + 1):
             out = self.drafter.step(reqs, j, drafts[-1], hidden)
-            drafts.append(out.logits.argmax(dim=-1))
+            drafts.append(self.drafter.greedy(out.logits))
             hidden = out.hidden
-        return reqs, torch.stack(drafts, dim=1), [[None] * self.num_steps for _ in reqs]
+        return reqs, torch.stack(drafts, dim=1), no_probs
 
     def _draft_sampled(
         self, reqs: list[Request]
@@ -151,7 +192,8 @@ class SpecWorker:
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
         for j in range(2, self.num_steps + 1):
             out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
-            tokens, probs, errors = draw_each(out.logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+            logits = self.drafter.target_logits(out.logits)
+            tokens, probs, errors = draw_each(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
             for d, dp, t, p in zip(drafts, draft_probs, tokens, probs):
                 d.append(t)
                 dp.append(p)
