@@ -23,6 +23,7 @@ class SpeculativeArgs(BaseModel):
     draft_pool: Literal["swa", "full", "target"] | None = None
     draft_load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     draft_tp: Literal["shard", "replicate"] = "shard"
+    token_map: str | None = Field(None, description="file of target token ids the draft proposes from")
 
 
 class EngineArgs(BaseModel):
@@ -156,6 +157,12 @@ class AppArgs(EngineArgs):
         description="how the ingress reaches replicas: their rank-0 actors directly (two fewer Ray hops each way), "
         "or the engine deployment's Serve handle; autoscaling always takes the handle (Serve's autoscaler "
         "counts the requests its handles carry)",
+    )
+    rank0_transport: Literal["socket", "ray"] = Field(
+        "socket",
+        description="how the ingress and the replica reach rank 0 on the hot path: over a Unix socket when on its "
+        "node (rank 0's loop thread writes each step's updates; no Ray task a token), or Ray actor calls and a "
+        "streaming generator; callers on another node always take Ray",
     )
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
     cpus_per_rank: float = Field(1.0, gt=0)

@@ -94,6 +94,7 @@ class GrpcIngress:
                 self.args.stream_interval,
                 self.args.max_ongoing_requests,
                 self.args.max_queued_requests,
+                self.args.rank0_transport,
             )
             if self.args.direct_path
             else None

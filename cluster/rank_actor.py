@@ -2,9 +2,11 @@
 
 The actor builds its rank's `Engine` (target and draft shards, KV pools, the replica's allocator
 state), joins the replica's `torch.distributed` group (rank 0 publishes address and port) and
-runs the rank loop in a thread. Rank 0 also takes requests (`submit`) and aborts, and streams
-the updates of all its requests to the replica through one Ray streaming generator (`updates`),
-fed by the loop thread once per step; other ranks only follow rank 0's broadcasts.
+runs the rank loop in a thread. Rank 0 also takes requests and aborts and hands out their
+updates, once per step, to each caller (a "reader": the replica, an ingress): over its Unix
+socket (`cluster/rank_channel.py`) for callers on this node, which the loop thread writes
+itself, or through one Ray streaming generator per reader (`submit`, `updates`); other ranks only
+follow rank 0's broadcasts.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+import os
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.config import TracingArgs
+from cluster.rank_channel import ChannelServer, Connection
 from cluster.tracing import context_from_carrier, engine_info, flush_all, record_step, tracer_for
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
@@ -36,11 +40,15 @@ REPLICA_READER = "replica"  # the replica deployment's own stream (Serve handle 
 DRAIN_POLL_S = 0.05
 
 
+Sink = str | Connection  # where a request's updates go: a Ray reader's name or a socket caller
+
+
 @dataclasses.dataclass
 class Outbox:
-    """One reader's updates since its stream's last item: request id -> its joined update."""
+    """One Ray reader's updates since its stream's last item: request id -> its joined update."""
 
     updates: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    load: dict[str, Any] | None = None  # rank 0's load as of the latest step that finished a request
     ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # the current stream's wake-up
     stream: int = 0  # the `updates()` call reading it; a newer call ends an older one
 
@@ -106,9 +114,11 @@ class RankActor:
         self.loop: RankLoop | None = None
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._outboxes: dict[str, Outbox] = {}  # reader -> what its stream has not taken yet
-        self._reader_of: dict[str, str] = {}  # live request id -> the reader its updates go to
+        self._outboxes: dict[str, Outbox] = {}  # Ray reader -> what its stream has not taken yet
+        self._reader_of: dict[str, Sink | None] = {}  # live request id -> where its updates go (None: gone)
+        self._claims = threading.Lock()  # request ids are claimed from the event loop and socket threads
         self._sent = threading.Event()  # a stream took the last hand-over
+        self.channel: ChannelServer | None = None
         self.draining = False
 
     def address(self) -> tuple[str, int]:
@@ -143,6 +153,11 @@ class RankActor:
         )
         self._thread = threading.Thread(target=self.loop.run, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
+        if self.rank == 0:
+            try:
+                self.channel = ChannelServer(self._on_channel_message, self._on_channel_close)
+            except OSError as exc:  # e.g. no writable temporary directory: callers take Ray
+                logger.warning("rank 0: no Unix socket for same-node callers (%s); they stream through Ray", exc)
         cfg = engine.cfg
         return {
             "rank": self.rank,
@@ -154,31 +169,63 @@ class RankActor:
         }
 
     # -- rank 0 ----------------------------------------------------------------------------------
+    def channel_address(self) -> dict[str, Any] | None:
+        """Where callers on this node reach rank 0 without Ray: the node, the socket's path and
+        its secret (None on other ranks)."""
+        if self.channel is None:
+            return None
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "path": self.channel.path,
+            "secret": self.channel.secret,
+        }
+
     def submit(
         self,
         rid: str,
         prompt_ids: list[int],
         sampling: dict[str, Any],
         trace_context: dict[str, str] | None = None,
-        reader: str = REPLICA_READER,
+        reader: Sink = REPLICA_READER,
     ) -> dict[str, Any] | None:
-        """Queue a request; its updates come through `updates(reader)`. Returns None, or the
-        error update of a request that cannot run (invalid input is not a fault of this actor,
-        so it is answered, never raised; a draining replica answers UNAVAILABLE, which callers
-        retry elsewhere). `trace_context`: the W3C carrier of the request's span; step spans
-        join that trace."""
+        """Queue a request; its updates go to `reader` (a Ray reader's `updates` stream, or a
+        socket caller). Returns None, or the error update of a request that cannot run (invalid
+        input is not a fault of this actor, so it is answered, never raised; a draining replica
+        answers UNAVAILABLE, which callers retry elsewhere). `trace_context`: the W3C carrier of
+        the request's span; step spans join that trace."""
         if self.draining:
             return error_update(ErrorCode.UNAVAILABLE, f"rank {self.rank} is draining (the replica is stopping)")
-        try:
-            self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
-        except (ValueError, TypeError) as exc:
-            return error_update(ErrorCode.INVALID_ARGUMENT, str(exc))
-        except RuntimeError as exc:  # the loop stopped
-            return error_update(ErrorCode.UNAVAILABLE, str(exc))
-        self._reader_of[rid] = reader
+        with self._claims:  # before the loop can report it: the loop thread routes by this
+            if rid in self._reader_of:
+                return error_update(ErrorCode.INVALID_ARGUMENT, f"request_id: {rid!r} is already in use")
+            self._reader_of[rid] = reader
         if self.tracer is not None and trace_context:
             self._trace_contexts[rid] = context_from_carrier(trace_context)
+        try:
+            self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
+        except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: the loop stopped
+            self._reader_of.pop(rid, None)
+            self._trace_contexts.pop(rid, None)
+            code = ErrorCode.UNAVAILABLE if isinstance(exc, RuntimeError) else ErrorCode.INVALID_ARGUMENT
+            return error_update(code, str(exc))
         return None
+
+    def _on_channel_message(self, conn: Connection, message: tuple) -> None:
+        """A socket caller's submit (refusals answered on its connection) or abort."""
+        kind, *args = message
+        if kind == "submit":
+            rid = args[0]
+            refused = self.submit(*args, reader=conn)
+            if refused is not None:
+                conn.send({"updates": [{"request_id": rid, **refused}]})
+        elif kind == "abort":
+            self.loop.abort(args[0])
+        else:
+            logger.warning("rank 0 channel: caller %s sent an unknown message %r", conn.reader, kind)
+
+    def _on_channel_close(self, conn: Connection) -> None:
+        """A socket caller left: nobody reads its requests' tokens, abort them."""
+        self._abort_requests_of(conn)
 
     async def updates(self, reader: str = REPLICA_READER) -> AsyncIterator[dict[str, Any]]:
         """The updates of every request submitted for `reader`, as one stream (the reader hands
@@ -205,16 +252,10 @@ class RankActor:
                     return
                 if not box.updates:
                     continue
-                batch, box.updates = box.updates, {}
-                finished = False
-                for rid, update in batch.items():
-                    if update["finished"]:
-                        finished = True
-                        self._trace_contexts.pop(rid, None)
-                        self._reader_of.pop(rid, None)
-                item = {"updates": list(batch.values())}
-                if finished:
-                    item["load"] = self.load()
+                item = {"updates": list(box.updates.values())}
+                if box.load is not None:
+                    item["load"] = box.load
+                box.updates, box.load = {}, None
                 yield item
                 self._sent.set()  # Ray has taken the item
         finally:
@@ -224,8 +265,15 @@ class RankActor:
     def _forget_reader(self, reader: str) -> None:
         """A reader left: abort its requests (nobody reads their tokens) and drop its outbox."""
         self._outboxes.pop(reader, None)
-        for rid in [rid for rid, r in self._reader_of.items() if r == reader]:
-            self._reader_of.pop(rid, None)
+        self._abort_requests_of(reader)
+
+    def _abort_requests_of(self, sink: Sink) -> None:
+        """Abort a gone sink's requests; their last updates (the aborts') go nowhere."""
+        with self._claims:  # the loop thread pops finished requests under it: none comes back
+            gone = [rid for rid, to in self._reader_of.items() if to == sink]  # a Connection equals itself only
+            for rid in gone:
+                self._reader_of[rid] = None
+        for rid in gone:
             self.loop.abort(rid)
 
     async def drain(self, timeout_s: float) -> int:
@@ -251,40 +299,60 @@ class RankActor:
         record_step(self.tracer, step, contexts, self.engine_info, self.loop.engine.kv_stats(), self.num_steps)
 
     def _on_updates(self, updates: list[Update]) -> None:
-        """Called by the loop thread once per step: one hand-over to the event loop, then, while
-        the device runs the next (overlapped) step or is this host's CPU, a short wait (the
-        interpreter lock released) until the stream has taken it. Otherwise the event loop would
-        wait for the lock at every step of the hand-over while this thread runs the next step's
-        Python: up to the 5 ms switch interval each time, on every token's way out. A GPU without
-        a step in flight (speculative rounds, prefill) would idle through the wait: none then."""
-        self._sent.clear()
-        self._aio.call_soon_threadsafe(self._collect, updates)
-        if self.loop.engine.host_can_pause:
-            self._sent.wait(HAND_OVER_WAIT_S)
-
-    def _collect(self, updates: list[Update]) -> None:
-        """Add a step's updates to their readers' outboxes, joining each request's tokens with
-        what is waiting there (a finished update is a request's last)."""
-        touched = set()
+        """Called by the loop thread once per step: each sink's updates as one item (with rank
+        0's load when one of them finished a request). Socket callers' items are written here;
+        Ray readers' go to the event loop in one hand-over, then, while the device runs the next
+        (overlapped) step or is this host's CPU, a short wait (the interpreter lock released)
+        until the stream has taken it. Otherwise the event loop would wait for the lock at every
+        step of the hand-over while this thread runs the next step's Python: up to the 5 ms
+        switch interval each time, on every token's way out. A GPU without a step in flight
+        (speculative rounds, prefill) would idle through the wait: none then."""
+        items: dict[Sink, dict[str, Any]] = {}
+        load = None  # rank 0's load, read once a step (when a request finished)
         for update in updates:
-            reader = self._reader_of.get(update.rid)
-            if reader is None:  # its reader left (and aborted it): nobody reads these
+            if update.finished:
+                with self._claims:
+                    sink = self._reader_of.pop(update.rid, None)
+                self._trace_contexts.pop(update.rid, None)
+            else:
+                sink = self._reader_of.get(update.rid)
+            if sink is None:  # its reader left (and aborted it): nobody reads these
                 continue
+            item = items.setdefault(sink, {"updates": []})
+            item["updates"].append({"request_id": update.rid, **update_to_wire(update)})
+            if update.finished:
+                item["load"] = load = load or self.load()
+        for_ray = {}
+        for sink, item in items.items():
+            if isinstance(sink, Connection):
+                sink.send(item)
+            else:
+                for_ray[sink] = item
+        if for_ray:
+            self._sent.clear()
+            self._aio.call_soon_threadsafe(self._collect, for_ray)
+            if self.loop.engine.host_can_pause:
+                self._sent.wait(HAND_OVER_WAIT_S)
+
+    def _collect(self, items: dict[str, dict[str, Any]]) -> None:
+        """Add a step's items to their Ray readers' outboxes, joining each request's tokens with
+        what is waiting there (a finished update is a request's last)."""
+        for reader, item in items.items():
             box = self._outboxes.setdefault(reader, Outbox())
-            wire = {"request_id": update.rid, **update_to_wire(update)}
-            waiting = box.updates.get(update.rid)
-            if waiting is not None:
-                wire["token_ids"] = waiting["token_ids"] + wire["token_ids"]
-            box.updates[update.rid] = wire
-            touched.add(reader)
-        for reader in touched:
-            self._outboxes[reader].ready.set()
+            for wire in item["updates"]:
+                waiting = box.updates.get(wire["request_id"])
+                if waiting is not None:
+                    wire["token_ids"] = waiting["token_ids"] + wire["token_ids"]
+                box.updates[wire["request_id"]] = wire
+            if "load" in item:
+                box.load = item["load"]
+            box.ready.set()
 
     # -- every rank ------------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:
         """Raise if this rank's loop has stopped or a step has run longer than `stall_timeout_s`
-        (a stall: a kernel or collective that never returns); otherwise its step count and the
-        Ray node it runs on."""
+        (a stall: a kernel or collective that never returns); otherwise its step count, the Ray
+        node and process it runs in and the readers connected to its socket."""
         if self.loop is None:
             raise RuntimeError(f"rank {self.rank}: not set up")
         if self.loop.error is not None or not self._thread.is_alive():
@@ -299,6 +367,8 @@ class RankActor:
             "steps": self.loop.steps,
             "draining": self.draining,
             "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "socket_callers": sorted(c.reader for c in self.channel.connections) if self.channel else [],
         }
 
     def kv_check(self) -> dict[str, int]:
@@ -312,6 +382,8 @@ class RankActor:
             self.loop.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.channel is not None:
+            self.channel.close()
         flush_all()
         if dist.is_initialized():
             if self.loop is not None and self.loop.error is None:

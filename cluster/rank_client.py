@@ -4,7 +4,8 @@ one stream, and turn each request's updates into what a caller streams.
 Two callers use it: the replica deployment (for Serve handle callers) and the ingress, which
 reaches every replica's rank 0 directly on the hot path (no Serve handle and no replica actor in
 between: two fewer Ray hops each way). Each has its own `reader` on rank 0, so each stream only
-carries its own requests.
+carries its own requests. The link to rank 0 is its Unix socket when both are on one node
+(`cluster/rank_channel.py`), otherwise Ray (an actor call per request, a streaming generator).
 
 Per request: updates that queued up while the caller was behind go out as one; after the first,
 an update waits for `stream_interval` tokens (or the end); text is detokenized incrementally and
@@ -19,11 +20,12 @@ import contextvars
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
 from cluster.rank_actor import error_update
+from cluster.rank_channel import ChannelClient
 from workers.rank_loop import ErrorCode
 from workers.sampling_params import SamplingParams
 from workers.tokenizer import IncrementalDetokenizer, StopStrings
@@ -36,17 +38,71 @@ def unwrap(exc: BaseException) -> BaseException:
     return getattr(exc, "cause", None) or exc
 
 
+Transport = Literal["socket", "ray"]
+
+
+class RayLink:
+    """Rank 0 through Ray: a submit is an actor call, updates come from the reader's streaming
+    generator."""
+
+    def __init__(self, rank0, reader: str) -> None:
+        self.rank0 = rank0
+        self.reader = reader
+        self._updates = None  # the stream (a Ray streaming generator)
+
+    async def submit(self, rid: str, prompt_ids: list[int], sampling: dict, trace_context) -> dict[str, Any] | None:
+        return await self.rank0.submit.remote(rid, prompt_ids, sampling, trace_context, self.reader)
+
+    def abort(self, rid: str) -> None:
+        """Outside the calling request's Ray task: Ray cancels the calls a cancelled request made,
+        and this one must still arrive."""
+        contextvars.Context().run(self.rank0.abort.remote, rid)
+
+    async def run(self, deliver) -> None:
+        self._updates = stream = self.rank0.updates.options(num_returns="streaming").remote(self.reader)
+        async for ref in stream:
+            deliver(await ref)
+
+    def close(self) -> None:
+        if self._updates is not None:
+            ray.cancel(self._updates)
+
+
+class SocketLink:
+    """Rank 0 over its Unix socket: submits and aborts are written in order, refusals come back
+    as updates."""
+
+    def __init__(self, channel: ChannelClient) -> None:
+        self.channel = channel
+
+    async def submit(self, rid: str, prompt_ids: list[int], sampling: dict, trace_context) -> None:
+        self.channel.send(("submit", rid, prompt_ids, sampling, trace_context))
+
+    def abort(self, rid: str) -> None:
+        self.channel.send(("abort", rid))
+
+    async def run(self, deliver) -> None:
+        await self.channel.run(deliver)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 class RankClient:
-    def __init__(self, rank0, replica: str, reader: str, tokenizer, stream_interval: int) -> None:
+    def __init__(
+        self, rank0, replica: str, reader: str, tokenizer, stream_interval: int, *, transport: Transport
+    ) -> None:
         self.rank0 = rank0
         self.replica = replica
         self.reader = reader
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
+        self.transport = transport
         self.last_load: dict[str, Any] = {}
         self._requests: dict[str, asyncio.Queue] = {}  # request id -> the updates rank 0 sent for it
-        self._stream: asyncio.Task | None = None  # the task reading rank 0's stream
-        self._updates = None  # that stream (a Ray streaming generator)
+        self.link: RayLink | SocketLink | None = None
+        self._reading: asyncio.Task | None = None  # the task reading the link
+        self._opening = asyncio.Lock()
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._requests
@@ -64,11 +120,10 @@ class RankClient:
         trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Run a request on rank 0 and stream its updates (see the module's docstring)."""
-        self._open()
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         stops, emitted, finished, held = StopStrings(stop), 0, False, None
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._requests[rid] = queue
+        self._requests[rid] = queue  # counted (admission, duplicate ids) from now on
         try:
             refused = await self._submit(rid, prompt_ids, sampling, trace_context)
             if refused is not None:
@@ -107,62 +162,81 @@ class RankClient:
                 self.abort(rid)
 
     async def _submit(
-        self, rid: str, prompt_ids: list[int], sampling: SamplingParams, trace_context: dict[str, str] | None
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        trace_context: dict[str, str] | None,
     ) -> dict[str, Any] | None:
-        """Hand the request to rank 0; None, or the update that ends it at once. A submit that
-        failed without rank 0 dying (cancelled, say) may still have queued the request: it is
-        aborted, so that a retry of the same id finds it gone."""
+        """Open the link if needed and hand the request to rank 0; None, or the update that ends
+        it at once. A submit that failed without rank 0 dying (cancelled, say) may still have
+        queued the request: it is aborted, so that a retry of the same id finds it gone."""
         try:
-            return await self.rank0.submit.remote(
-                rid, prompt_ids, dataclasses.asdict(sampling), trace_context, self.reader
-            )
+            link = await self._open()
+            return await link.submit(rid, prompt_ids, dataclasses.asdict(sampling), trace_context)
         except ray.exceptions.RayError as exc:
             if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
                 self.abort(rid)
             return self._lost(rid, exc)
 
     def abort(self, rid: str) -> None:
-        """Abort a request on rank 0, outside the calling request's Ray task: Ray cancels the
-        calls a cancelled request made, and this one must still arrive."""
-        contextvars.Context().run(self.rank0.abort.remote, rid)
+        """Abort a request on rank 0 (a no-op before the link is open: nothing was sent)."""
+        if self.link is not None:
+            self.link.abort(rid)
 
     def _lost(self, rid: str, exc: BaseException) -> dict[str, Any]:
         return error_update(ErrorCode.UNAVAILABLE, f"request {rid!r} failed in replica {self.replica}: {unwrap(exc)!r}")
 
-    def _open(self) -> None:
-        """Read this reader's update stream (from the first request on). The task runs in a
-        context of its own: in an async actor Ray takes the calling task from the context, and a
-        stream opened as a request's child would be cancelled with that request (breaking it for
-        every other request)."""
-        if self._stream is None or self._stream.done():
-            self._stream = asyncio.get_running_loop().create_task(self._read(), context=contextvars.Context())
+    async def _open(self) -> RayLink | SocketLink:
+        """The link to rank 0, opened (and its reading task started) at the first request and
+        again after a break: the socket when rank 0 offers one on this node, Ray otherwise. The
+        task runs in a context of its own: in an async actor Ray takes the calling task from the
+        context, and a stream opened as a request's child would be cancelled with that request
+        (breaking it for every other request)."""
+        async with self._opening:
+            if self._reading is not None and not self._reading.done():
+                return self.link
+            link = await self._connect()
+            self.link = link
+            self._reading = asyncio.get_running_loop().create_task(self._read(link), context=contextvars.Context())
+            return link
+
+    async def _connect(self) -> RayLink | SocketLink:
+        if self.transport == "socket":
+            address = await self.rank0.channel_address.remote()
+            if address is not None and address["node_id"] == ray.get_runtime_context().get_node_id():
+                try:
+                    return SocketLink(await ChannelClient.connect(address["path"], address["secret"], self.reader))
+                except OSError as exc:
+                    logger.warning("replica %s: rank 0's socket refused (%s); streaming through Ray", self.replica, exc)
+        return RayLink(self.rank0, self.reader)
 
     def close(self, why: BaseException) -> None:
-        """Stop reading (rank 0's side of the stream is cancelled too, so that it aborts this
-        reader's requests at once); every request still waiting ends UNAVAILABLE."""
-        if self._stream is not None:
-            self._stream.cancel()
-        if self._updates is not None:
-            ray.cancel(self._updates)
+        """Stop reading (rank 0's side is closed too, so that it aborts this reader's requests at
+        once); every request still waiting ends UNAVAILABLE."""
+        if self._reading is not None:
+            self._reading.cancel()
+        if self.link is not None:
+            self.link.close()
         self._fail_all(why)
 
-    async def _read(self) -> None:
-        """Hand each request its updates from the stream. When the stream breaks (a rank died)
-        or ends, every request waiting here ends with UNAVAILABLE (the next request opens the
-        stream again) and is aborted on rank 0, which may still be running it: a retry of the
-        same id must find it gone."""
-        self._updates = stream = self.rank0.updates.options(num_returns="streaming").remote(self.reader)
+    def _deliver(self, item: dict[str, Any]) -> None:
+        if "load" in item:
+            self.last_load = item["load"]
+        for update in item["updates"]:
+            queue = self._requests.get(update["request_id"])
+            if queue is not None:
+                queue.put_nowait(update)
+
+    async def _read(self, link: RayLink | SocketLink) -> None:
+        """Hand each request its updates from the link. When it breaks (a rank died) or ends,
+        every request waiting here ends with UNAVAILABLE (the next request opens it again) and
+        is aborted on rank 0, which may still be running it: a retry of the same id must find
+        it gone."""
         try:
-            async for ref in stream:
-                item = await ref
-                if "load" in item:
-                    self.last_load = item["load"]
-                for update in item["updates"]:
-                    queue = self._requests.get(update["request_id"])
-                    if queue is not None:
-                        queue.put_nowait(update)
+            await link.run(self._deliver)
             broke: BaseException = RuntimeError("rank 0's update stream ended")
-        except ray.exceptions.RayError as exc:
+        except Exception as exc:  # noqa: BLE001 - a Ray error, a broken socket: every request hears
             broke = exc
         logger.error("replica %s: rank 0's update stream broke: %s", self.replica, unwrap(broke))
         self._fail_all(broke)

@@ -65,7 +65,12 @@ class LLMServer:
         self.info = ray.get([a.setup.remote(addr, port) for a in self.ranks])[0]
         self.limits = PromptLimits.of(self.info["context_length"], self.tokenizer)
         self.client = RankClient(
-            self.ranks[0], self.replica_tag, REPLICA_READER, self.tokenizer, self.args.stream_interval
+            self.ranks[0],
+            self.replica_tag,
+            REPLICA_READER,
+            self.tokenizer,
+            self.args.stream_interval,
+            transport=self.args.rank0_transport,
         )
         logger.info("replica %s: %d rank(s) up: %s", self.replica_tag, len(self.ranks), self.info)
 

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from cluster.rank_actor import rank0_replica
-from cluster.rank_client import RankClient, unwrap
+from cluster.rank_client import RankClient, Transport, unwrap
 from cluster.routing.load_board import BOARD
 from cluster.routing.policies import Policy, RouteRequest
 
@@ -41,6 +41,7 @@ class ReplicaSet:
         stream_interval: int,
         max_ongoing_requests: int,
         max_queued_requests: int,
+        transport: Transport,
     ) -> None:
         self.app_name = app_name
         self.reader = reader
@@ -49,6 +50,7 @@ class ReplicaSet:
         self.stream_interval = stream_interval
         self.max_ongoing_requests = max_ongoing_requests
         self.max_queued_requests = max_queued_requests
+        self.transport = transport
         self.clients: dict[str, RankClient] = {}  # replica -> its rank 0
         self.set_aside: set[str] = set()  # draining or failing: not chosen until a ping says otherwise
         self._freed = asyncio.Event()  # a request ended or a replica joined
@@ -83,7 +85,7 @@ class ReplicaSet:
             else:
                 if client is None:
                     self.clients[replica] = RankClient(
-                        actor, replica, self.reader, self.tokenizer, self.stream_interval
+                        actor, replica, self.reader, self.tokenizer, self.stream_interval, transport=self.transport
                     )
                     logger.info("replica %s joined the ingress's direct path", replica)
                 self.set_aside.discard(replica)

@@ -114,7 +114,7 @@ def step_attributes(
     lengths = [step.accept_lengths[r] for r in verified]
     attrs: dict[str, Any] = {
         "slidespec.forward_mode": mode,
-        "slidespec.forward_modes": [f"{f.model}:{f.mode}" for f in step.forwards],
+        "slidespec.forward_modes": [f"{f.model}:{f.mode}" for f in step.forwards for _ in range(f.steps)],
         "slidespec.batch_size": len(step.request_ids),
         "slidespec.num_tokens": sum(f.num_tokens for f in target),
         "slidespec.attention.backend": engine_info.get("attention_backend", ""),
@@ -175,6 +175,7 @@ def record_step(
                 "slidespec.batch_size": f.batch_size,
                 "slidespec.num_tokens": f.num_tokens,
                 "slidespec.attention.kernel": f.kernel,
+                "slidespec.forward.steps": f.steps,
             },
         ).end(end_time=f.end_ns)
     span.end(end_time=step.end_ns)

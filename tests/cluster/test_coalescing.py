@@ -42,7 +42,15 @@ def _rank_actor() -> RankActor:
     actor = object.__new__(RankActor)
     actor._trace_contexts, actor.tracer, actor.loop, actor.rank = {}, None, _Loop(), 0
     actor._outboxes, actor._reader_of, actor._sent, actor.draining = {}, {}, threading.Event(), False
+    actor._claims, actor.channel, actor._aio = threading.Lock(), None, None
     return actor
+
+
+async def _steps(actor: RankActor, *steps: list[Update]) -> None:
+    """Hand steps' updates over as the loop thread does (routed, then to the event loop)."""
+    actor._aio = asyncio.get_running_loop()
+    for updates in steps:
+        actor._on_updates(updates)
 
 
 def test_the_rank_actor_streams_every_request_in_one_item_per_step_and_joins_what_queued_up():
@@ -54,14 +62,15 @@ def test_the_rank_actor_streams_every_request_in_one_item_per_step_and_joins_wha
         stream = actor.updates()
         first_task = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0)
-        actor._collect([Update("a", [10], False), Update("b", [20], False)])  # one step, two requests
+        await _steps(actor, [Update("a", [10], False), Update("b", [20], False)])  # one step, two requests
         first = await first_task  # sent at once
-        for step in (
+        await _steps(  # the reader is behind: three steps wait
+            actor,
             [Update("a", [11], False), Update("b", [21], False)],
             [Update("a", [12], False), Update("b", [22], True, _output([20, 21, 22]))],
             [Update("a", [13], True, _output([10, 11, 12, 13]))],
-        ):
-            actor._collect(step)  # the reader is behind: three steps wait
+        )
+        await asyncio.sleep(0)
         assert not actor._sent.is_set()  # the first item is out, the stream not yet back for more
         second = await stream.__anext__()
         assert actor._sent.is_set()  # taking the next item says the first went out
@@ -78,6 +87,7 @@ def test_the_rank_actor_streams_every_request_in_one_item_per_step_and_joins_wha
     assert a["token_ids"] == [11, 12, 13] and a["finished"] and a["completion_tokens"] == 4
     assert b["token_ids"] == [21, 22] and b["finished"] and b["finish_reason"] == "length"
     assert second["load"] == {"running": 0}  # an item that finishes a request says the rank's load
+    assert actor._reader_of == {}  # finished requests' ids are free again
 
 
 def test_the_rank_actor_refuses_bad_input_with_an_update():
@@ -90,6 +100,7 @@ def test_the_rank_actor_refuses_bad_input_with_an_update():
     refused = actor.submit("a", [1], {"top_p": 2.0})
     assert refused["finished"] and refused["error"]["code"] == "invalid_argument"
     assert "top_p" in refused["error"]["message"]
+    assert actor._reader_of == {}  # the id is not held by a request that never ran
 
 
 REQUEST_TASK = contextvars.ContextVar("request_task")  # as Ray keeps an async actor's current task
@@ -149,7 +160,7 @@ def _replica(items: asyncio.Queue, stream_interval: int = 1) -> _Replica:
     replica = object.__new__(_Replica)
     replica.replica_tag, replica.tokenizer = "rep", None
     replica.ranks = [_Rank(items)]
-    replica.client = RankClient(replica.ranks[0], "rep", REPLICA_READER, None, stream_interval)
+    replica.client = RankClient(replica.ranks[0], "rep", REPLICA_READER, None, stream_interval, transport="ray")
 
     async def parse(body):
         return body["rid"], [1, 2], SamplingParams(max_new_tokens=4), []
@@ -296,7 +307,7 @@ def test_each_reader_gets_only_its_own_requests_and_a_reader_that_leaves_has_the
         ingress, replica = actor.updates("ingress-x"), actor.updates()
         got_i, got_r = asyncio.ensure_future(ingress.__anext__()), asyncio.ensure_future(replica.__anext__())
         await asyncio.sleep(0)
-        actor._collect([Update("i1", [10], False), Update("r1", [20], False)])
+        await _steps(actor, [Update("i1", [10], False), Update("r1", [20], False)])
         first_i, first_r = await got_i, await got_r
         newer = actor.updates()  # the replica reopens its stream: the older one ends
         newer_first = asyncio.ensure_future(newer.__anext__())
@@ -305,7 +316,7 @@ def test_each_reader_gets_only_its_own_requests_and_a_reader_that_leaves_has_the
             await replica.__anext__()
         assert aborted == []
         await ingress.aclose()  # the ingress went away
-        actor._collect([Update("i1", [11], True, _output([10, 11])), Update("r1", [21], True, _output([20, 21]))])
+        await _steps(actor, [Update("i1", [11], True, _output([10, 11])), Update("r1", [21], True, _output([20, 21]))])
         return first_i, first_r, await newer_first
 
     first_i, first_r, newer_first = asyncio.run(run())
@@ -313,7 +324,7 @@ def test_each_reader_gets_only_its_own_requests_and_a_reader_that_leaves_has_the
     assert [u["request_id"] for u in first_r["updates"]] == ["r1"]
     assert [u["request_id"] for u in newer_first["updates"]] == ["r1"]  # i1's last update is nobody's now
     assert newer_first["updates"][0]["token_ids"] == [21] and newer_first["updates"][0]["finished"]
-    assert aborted == ["i1"] and "ingress-x" not in actor._outboxes
+    assert aborted == ["i1"] and "ingress-x" not in actor._outboxes and actor._reader_of == {}
 
 
 def test_a_draining_rank_refuses_new_requests_and_waits_for_the_running_ones():

@@ -135,3 +135,52 @@ def test_accept_length_by_prefix_cache_hit(models, tmp_path, monkeypatch, varian
     miss, hit = (sum(groups[k]) / len(groups[k]) for k in ("miss", "hit < 256 tokens"))
     assert miss == K + 1
     assert (hit == K + 1) if variant == "fixed" else (hit < K)
+
+
+def test_first_token_splits_each_requests_time_to_first_token(tmp_path):
+    """`slidespec first-token` on real traces: request spans as the front door records them and
+    engine-step spans in their traces, prompts long enough for several prefill chunks. Each
+    request's parts are the gaps between its request span, its first step and its last prefill
+    step (found apart from the decode steps after it), and add up to the TTFT the span records."""
+    from cluster.telemetry import RequestTelemetry
+    from ops.first_token import first_tokens, report
+    from tests.hf_models import make_tiny_model
+
+    target = str(tmp_path / "target")
+    make_tiny_model("gemma3", target)
+    _PROVIDERS.clear()
+    trace_dir = str(tmp_path / "traces")
+    tracer = tracer_for(TracingArgs(exporter="file", file_dir=trace_dir), "ingress")
+    eng = Engine(model=target, page_size=4, chunked_prefill_size=16, max_total_tokens=2048)
+    info, prompts, requests = engine_info(eng), {"a": 37, "b": 5}, {}
+    for rid, n in prompts.items():
+        body = {"request_id": rid, "prompt_token_ids": list(range(3, 3 + n)), "sampling": {"max_new_tokens": 4}}
+        requests[rid] = RequestTelemetry(tracer, None, "tiny", body, {})
+        eng.add_request(body["prompt_token_ids"], SamplingParams(max_new_tokens=4, temperature=0.0), request_id=rid)
+    extend_steps = {rid: 0 for rid in prompts}
+    while eng.has_unfinished():
+        events = eng.step()
+        step = eng.last_step
+        record_step(tracer, step, [None] * len(step.request_ids), info, eng.kv_stats(), 0)
+        if [f.mode for f in step.forwards if f.model == "target"][-1] == "EXTEND":
+            for rid in step.request_ids:
+                extend_steps[rid] += 1
+        for rid, tokens, finished in events:
+            requests[rid].update({"token_ids": tokens, "finished": finished})
+    for t in requests.values():
+        t.end()
+    flush_all()
+    _PROVIDERS.clear()
+    spans = load_spans([trace_dir])
+    found = {e.request_id: e for e in first_tokens(spans)}
+    assert set(found) == set(prompts)
+    for rid, entry in found.items():
+        span = next(s for s in spans if s["attrs"].get("gen_ai.response.id") == rid)
+        assert entry.in_ms >= 0 and entry.prefill_ms > 0 and entry.out_ms >= 0
+        assert abs(entry.ttft_ms - 1e3 * span["attrs"]["gen_ai.server.time_to_first_token"]) < 1e-3
+    steps = sorted((s for s in spans if s["name"] == "engine step"), key=lambda s: s["start"])
+    a_steps = [s for s in steps if "a" in s["attrs"]["slidespec.request_ids"]]
+    a_prefill = [s for s in a_steps if s["attrs"]["slidespec.forward_mode"] == "EXTEND"]
+    assert len(a_prefill) == extend_steps["a"] >= 3  # 37 tokens in chunks of 16
+    assert found["a"].prefill_ms == (a_prefill[-1]["end"] - a_steps[0]["start"]) / 1e6
+    assert "2 requests" in report(list(found.values()))

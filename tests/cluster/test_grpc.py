@@ -77,7 +77,8 @@ def model():
 @pytest.fixture(scope="module")
 def servers(ray_serve, model, tmp_path_factory):
     """{name: (gRPC target, root cert)}: "api" (2 replicas, cache_aware) and "secure" (TLS, token,
-    4 KiB messages, one request at a time and one queued)."""
+    4 KiB messages, one request at a time and one queued; rank 0 reached through Ray, not its
+    socket)."""
     tmp = tmp_path_factory.mktemp("tls")
     cert, key, pem = _self_signed(tmp)
     (tmp / "token").write_text(TOKEN + "\n")
@@ -87,6 +88,7 @@ def servers(ray_serve, model, tmp_path_factory):
             num_replicas=1,
             max_ongoing_requests=1,
             max_queued_requests=1,
+            rank0_transport="ray",
             grpc={
                 "port": 0,
                 "tls_cert_file": cert,
@@ -138,6 +140,15 @@ def _assert_kv_full(timeout: float = 10.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _collect(responses):
@@ -192,6 +203,8 @@ def test_64_concurrent_streams_over_two_replicas(servers):
     assert all(n == 12 for n, _ in results)
     assert len({replica for _, replica in results}) == 2
     _assert_kv_full()
+    pings = [a.ping.remote() for a in _rank0s("api")]
+    assert all(any(r.startswith("ingress-") for r in p["socket_callers"]) for p in ray.get(pings))  # no Ray hop
     assert servers["api"][2].stats.remote().result()["pending_decisions"] == 0  # routing records do not pile up
 
 
@@ -325,19 +338,31 @@ def test_full_queue_is_resource_exhausted(servers):
     )
     assert "ok" in results
     _assert_kv_full()
+    assert [p["socket_callers"] for p in ray.get([a.ping.remote() for a in _rank0s("secure")])] == [[]]
 
 
-def test_retry_on_a_dead_replica_then_unavailable_when_none_is_healthy(servers, api):
-    ingress = servers["api"][2]
-    before = ingress.stats.remote().result()["retried"]
-    *_, last = _collect(api.generate([2, 7, 1, 8], max_new_tokens=2, temperature=0.0, ignore_eos=True))
-    ray.kill(ray.get_actor(f"slidespec-api-{last.replica}-rank0"))
-    served = set()
-    for i in range(4):  # the idle replica that served last is picked again, fails, and is retried elsewhere
+def test_a_dead_replica_fails_its_streams_at_once_the_other_serves_then_unavailable_when_none_is_healthy(api):
+    """Retries before the first token are covered without Ray (`test_gateway_retries.py`); here
+    a stream that has tokens ends UNAVAILABLE as soon as its rank 0 dies (not retried: its
+    client has seen tokens), and new requests go to the replica that lives."""
+    stream = api.generate([2, 7, 1, 8], max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    first = next(stream)
+    dead = ray.get_actor(f"slidespec-api-{first.replica}-rank0")
+    pid = ray.get(dead.ping.remote())["pid"]
+    ray.kill(dead)
+    started, got = time.monotonic(), len(first.token_ids)
+    with pytest.raises(grpc.RpcError) as failed:
+        for r in stream:
+            got += len(r.token_ids)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and first.replica in failed.value.details()
+    assert got < 400 and time.monotonic() - started < 10
+    deadline = time.monotonic() + 30
+    while _alive(pid):  # gone, not dying: a dying rank 0 may still serve its socket
+        assert time.monotonic() < deadline, "the killed rank 0 did not exit"
+        time.sleep(0.01)
+    for i in range(4):
         tokens, _, last = _collect(api.generate([2, 7, 1, 8, i], max_new_tokens=3, temperature=0.0, ignore_eos=True))
-        assert len(tokens) == 3 and last.finished
-        served.add(last.replica)
-    assert ingress.stats.remote().result()["retried"] > before
+        assert len(tokens) == 3 and last.finished and last.replica != first.replica
     stop = threading.Event()
 
     def keep_killing():  # Serve keeps replacing replicas: kill whatever rank comes up

@@ -27,8 +27,8 @@ ARGS = dict(
     model=DEFAULT_MODEL,
     page_size=4,
     chunked_prefill_size=8,
-    max_total_tokens=4096,
-    context_length=512,
+    max_total_tokens=8192,
+    context_length=4096,
     num_replicas=2,
     router={"policy": "round_robin"},
     health_check_period_s=1,
@@ -107,7 +107,7 @@ def test_http_bad_values_are_invalid_before_routing(app):
     _, url = app
     r = requests.post(url, json={"prompt_token_ids": [1, 2], "sampling": {"top_p": 0}}, timeout=5)
     assert r.status_code == 400 and "sampling.top_p" in r.json()["error"]["message"]
-    r = requests.post(url, json={"prompt_token_ids": [1] * 600}, timeout=5)
+    r = requests.post(url, json={"prompt_token_ids": [1] * 4200}, timeout=5)
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
 
 
@@ -195,7 +195,7 @@ def test_load_is_live_and_every_ending_is_counted(app):
     call.cancel()
     # A deadline the handler surely sees start (under load a 0.3 s call can expire before the
     # server runs its handler, and then nothing is left to count), on a call that outlives it.
-    code, _ = _status(lambda: client.generate([9, 9, 7], max_new_tokens=1500, ignore_eos=True, timeout=2.0))
+    code, _ = _status(lambda: client.generate([9, 9, 7], max_new_tokens=4000, ignore_eos=True, timeout=2.0))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     _status(lambda: client.generate([9], temperature=-1.0))
     _wait_idle(client)

@@ -1,7 +1,8 @@
 """A tensor-parallel replica whose two ranks run on two Ray nodes (Ray's multi-node test cluster:
 two raylets on this machine, each with its own CPUs; placement strategy SPREAD). Its greedy
 output equals one in-process engine's; removing the node that holds a rank ends the request in
-flight promptly with UNAVAILABLE, and once a node joins again the replica is back."""
+flight promptly with UNAVAILABLE, and once a node joins again the replica is back. The ingress
+(on the head) streams from rank 0 over its Unix socket only where rank 0 is on the head too."""
 
 import time
 
@@ -42,11 +43,11 @@ def cluster():
     patch.undo()
 
 
-def _rank_nodes() -> dict[int, str]:
-    """Rank -> the node it runs on, asked of the rank actors themselves."""
+def _pings() -> dict[int, dict]:
+    """Rank -> its ping (the node it runs on, its socket's callers), asked of the rank actors."""
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("slidespec-multi-")]
     pings = ray.get([ray.get_actor(a["name"], a["namespace"]).ping.remote() for a in names])
-    return {p["rank"]: p["node_id"] for p in pings}
+    return {p["rank"]: p for p in pings}
 
 
 def test_ranks_on_two_nodes_and_a_node_lost(cluster):
@@ -65,7 +66,7 @@ def test_ranks_on_two_nodes_and_a_node_lost(cluster):
     )
     handle = serve.run(build_app(args), name="multi", route_prefix=None)
     client = GenerationClient(f"127.0.0.1:{handle.ports.remote().result()['grpc']}")
-    nodes = _rank_nodes()
+    nodes = {rank: p["node_id"] for rank, p in _pings().items()}
     assert set(nodes.values()) == {c.head_node.node_id, worker.node_id}, f"ranks on nodes {nodes}: not spread"
 
     greedy = dict(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -74,6 +75,8 @@ def test_ranks_on_two_nodes_and_a_node_lost(cluster):
     )
     got = [t for r in client.generate(PROMPT, **greedy) for t in r.token_ids]
     assert got == want[0].token_ids
+    socket_callers = _pings()[0]["socket_callers"]
+    assert bool(socket_callers) == (nodes[0] == c.head_node.node_id), (nodes, socket_callers)  # else through Ray
 
     stream = client.generate(PROMPT, max_new_tokens=2000, temperature=0.0, ignore_eos=True)
     assert next(stream).token_ids  # in flight

@@ -14,8 +14,8 @@ from cluster.routing.policies import RouteRequest, make_policy
 
 
 def _replica_set(replicas=("a", "b"), ongoing=2, queued=1) -> ReplicaSet:
-    rs = ReplicaSet("app", "ingress-test", None, make_policy("round_robin"), 1, ongoing, queued)
-    rs.clients = {r: RankClient(None, r, "ingress-test", None, 1) for r in replicas}
+    rs = ReplicaSet("app", "ingress-test", None, make_policy("round_robin"), 1, ongoing, queued, "ray")
+    rs.clients = {r: RankClient(None, r, "ingress-test", None, 1, transport="ray") for r in replicas}
     return rs
 
 

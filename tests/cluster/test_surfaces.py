@@ -40,7 +40,7 @@ def app(ray_serve):
         model=DEFAULT_MODEL,
         page_size=16,
         max_total_tokens=4096,
-        context_length=512,
+        context_length=2048,
         speculative=SPEC,
         metrics_port=metrics_port,
         grpc={"port": 0},
@@ -189,16 +189,18 @@ def test_prefix_cache_hits_in_usage_and_metrics_on_both_doors(app):
 def test_http_streams_many_requests_at_once(app):
     """Serve lets a deployment take 5 requests at once unless told otherwise; the ingress must
     pass every HTTP request on as soon as it arrives, not queue the sixth behind the first five:
-    more than five reach the engine together (running, or waiting there for KV: 8 x 500 tokens
-    do not fit this pool). Every stream stays open until the count is read, so a slow start of
-    the later requests cannot hide (or fake) the limit."""
+    more than five reach the engine together (running, or waiting there for KV: 8 x 2,000
+    tokens do not fit this pool, and none finishes while the others arrive). Every stream stays
+    open until the count is read, so a slow start of the later requests cannot hide (or fake)
+    the limit."""
     client, route, _ = app
-    body = {"prompt_token_ids": [5, 6, 7], "sampling": {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True}}
+    body = {"prompt_token_ids": [5, 6, 7], "sampling": {"max_new_tokens": 2000, "temperature": 0.0, "ignore_eos": True}}
     counted = threading.Event()
 
     def first_line_then_hold():
         with requests.post(route, json=body, stream=True, timeout=120) as r:
-            line = json.loads(next(r.iter_lines()))
+            lines = r.iter_lines()  # kept: a dropped line iterator closes the connection (an abort)
+            line = json.loads(next(lines))
             counted.wait(60)
             return line
 
@@ -296,6 +298,7 @@ def test_serve_run_key_value_pairs_with_dotted_keys():
             "speculative.algorithm": "eagle",
             "speculative.draft_model": "tiny-gemma3-eagle",
             "speculative.num_steps": "2",
+            "speculative.token_map": "hot.json",
             "grpc.port": "50077",
             "tp_size": "2",
             "router.policy": "round_robin",
@@ -308,6 +311,7 @@ def test_serve_run_key_value_pairs_with_dotted_keys():
         2,
     )
     assert args.engine_kwargs()["speculative"]["draft_model"] == DRAFT_MODELS["eagle"]
+    assert args.engine_kwargs()["speculative"]["token_map"] == "hot.json"  # checked when the engine starts
     with pytest.raises(ValueError, match="speculative.num_steps"):
         AppArgs.from_flat(
             {
