@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     diag = sub.add_parser("diagnose", help="report accept length over time and find drops in OTLP JSON traces")
     diagnose.add_arguments(diag)
     diag.set_defaults(func=diagnose.run)
+    from ops import first_token
+
+    first = sub.add_parser("first-token", help="split each request's time to first token in OTLP JSON traces")
+    first_token.add_arguments(first)
+    first.set_defaults(func=first_token.run)
     return parser
 
 

@@ -244,14 +244,11 @@ def training_batch(tokens: torch.Tensor, backend, query_offset: int = 0, spec_hi
     from workers.forward_batch import ForwardBatch
 
     b, t = tokens.shape
-    lens = torch.full((b,), t, dtype=torch.int32, device=tokens.device)
     batch = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=b,
         input_ids=tokens.flatten(),
         positions=torch.arange(t, device=tokens.device).repeat(b),
-        q_lens=lens,
-        seq_lens=lens,
         q_lens_cpu=[t] * b,
         seq_lens_cpu=[t] * b,
         out_cache_loc=torch.zeros(0, dtype=torch.int64),

@@ -123,7 +123,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--eager", action="store_true", help="profile without CUDA graphs")
-    parser.add_argument("--speculative", choices=["eagle", "frozen_kv_mtp"], help="a dummy draft (llama3-8b only)")
+    parser.add_argument(
+        "--speculative",
+        choices=["eagle", "eagle3", "frozen_kv_mtp", "eagle+map32k", "frozen_kv_mtp+map32k"],
+        help="a dummy draft (llama3-8b only)",
+    )
     parser.add_argument("--trace", help="also write a Chrome trace per run, named from this prefix")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -331,6 +331,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
             "algorithm": args.speculative_algorithm,
             "draft_model": draft if os.path.isdir(draft) else os.path.join(MODELS_DIR, draft),
             "num_steps": args.speculative_num_steps,
+            **({"token_map": args.speculative_token_map} if args.speculative_token_map else {}),
         }
     return settings
 
@@ -363,6 +364,7 @@ def launch(args: argparse.Namespace) -> dict[str, str]:
         "cpus_per_rank": 0.5,
         "grpc": {"port": 0},
         "stream_interval": args.stream_interval,
+        "rank0_transport": args.rank0_transport,
     }
     handle = serve.run(build_app(app), name="bench", route_prefix="/generate")
     grpc_port = handle.ports.remote().result()["grpc"]
@@ -391,9 +393,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="launched application: tokens per streamed update after the first",
     )
+    p.add_argument(
+        "--rank0-transport",
+        choices=["socket", "ray"],
+        default="socket",
+        help="launched application: how the ingress reaches rank 0 (its Unix socket, or Ray calls and a stream)",
+    )
     p.add_argument("--speculative-algorithm", choices=["standalone", "eagle", "frozen_kv_mtp"])
     p.add_argument("--speculative-draft-model", default="tiny-gemma3-eagle")
     p.add_argument("--speculative-num-steps", type=int, default=4)
+    p.add_argument("--speculative-token-map", help="a file of target token ids the draft proposes from")
     p.add_argument("--dataset-name", choices=["random", "multi-turn"], default="random")
     p.add_argument("--num-prompts", type=int, default=64, help="requests (random) or conversations (multi-turn)")
     p.add_argument("--random-input-len", type=int, default=256)

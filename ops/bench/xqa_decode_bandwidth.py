@@ -6,7 +6,11 @@ Decode is timed as CUDA-graph replays of back-to-back calls, so host dispatch (t
 wrapper, ~30-60 us a call) is not counted; the eager per-call time is reported beside it. The
 copy is timed eagerly (a graph turns it into a copy-engine memcpy node, which is slower than the
 copy kernel); for KV that fits in L2 (batch 1-8 x 4096) the copy runs from cache and the
-fraction understates the decode kernel.
+fraction understates the decode kernel. Back-to-back calls also find the page tables and the
+kernel's semaphores in L2 and overlap each call's start with the previous one's end (XQA
+launches with programmatic dependent launch), which a decode step does not allow: `--flush-mb N`
+puts an N MB copy (a layer's weight reads, say) between the calls and reports the calls' cost
+on top of the copies alone (`decode_ms_cold`).
 Prints one JSON line per configuration and a table; `--out FILE` also writes the JSON lines.
 
     python -m ops.bench.xqa_decode_bandwidth --batch 64 --kv-len 4096 --kv-heads 8 --head-dim 128
@@ -40,18 +44,22 @@ def _time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(times)
 
 
-def _time_graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    """Median device time of one call, from replays of a graph of `calls` back-to-back calls."""
+def _time_graph_ms(fn, calls: int = 20, replays: int = 10, between=None) -> float:
+    """Median device time of one call, from replays of a graph of `calls` back-to-back calls
+    (each followed by `between`, if given)."""
+    steps = [fn] if between is None else [fn, between]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            fn()
+            for step in steps:
+                step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
-            fn()
+            for step in steps:
+                step()
     graph.replay()
     torch.cuda.synchronize()
     return _time_ms(graph.replay, warmup=2, iters=replays) / calls
@@ -74,9 +82,11 @@ def decode_bandwidth(
     page: int,
     window_left: int,
     table_tokens: int | None = None,
+    flush_mb: int = 0,
 ) -> dict:
     """One configuration; `table_tokens` widens the page tables (zero-padded) past the KV, as a
-    captured graph's tables are: the kernel sizes its grid by that width."""
+    captured graph's tables are: the kernel sizes its grid by that width. `flush_mb`: see the
+    module's docstring."""
     pages_per_req = -(-kv_len // page)
     width = max(pages_per_req, -(-(table_tokens or 0) // page))
     num_pages = batch * pages_per_req
@@ -98,6 +108,16 @@ def decode_bandwidth(
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     eager_ms = _time_ms(lambda: flashinfer_hopper.decode(call, workspace))
     ms = _time_graph_ms(lambda: flashinfer_hopper.decode(call, workspace))
+    cold = {}
+    if flush_mb:
+        src = torch.empty(flush_mb << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+
+        def flush() -> None:
+            dst.copy_(src)
+
+        both = _time_graph_ms(lambda: flashinfer_hopper.decode(call, workspace), between=flush)
+        cold = {"flush_mb": flush_mb, "decode_ms_cold": round(both - _time_graph_ms(flush), 4)}
     visible = kv_len if window_left < 0 else min(kv_len, window_left + 1)
     kv_bytes = batch * visible * kv_heads * head_dim * 2 * cache.element_size()
     copy = copy_bandwidth(kv_bytes)
@@ -115,6 +135,7 @@ def decode_bandwidth(
         "decode_GBps": round(kv_bytes / ms / 1e6, 1),
         "copy_GBps": round(copy, 1),
         "fraction_of_copy": round(kv_bytes / ms / 1e6 / copy, 3),
+        **cold,
     }
 
 
@@ -128,10 +149,11 @@ def main() -> None:
     p.add_argument("--page", type=int, nargs="+", default=[64])
     p.add_argument("--window-left", type=int, default=-1)
     p.add_argument("--table-tokens", type=int, nargs="+", default=[0], help="page-table widths (tokens); 0: the KV")
+    p.add_argument("--flush-mb", type=int, default=0, help="a copy of this many MB between the timed calls")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = [
-        decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t)
+        decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t, args.flush_mb)
         for b in args.batch
         for n in args.kv_len
         for pg in args.page
