@@ -29,7 +29,7 @@ from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
 from cluster.protocol import InvalidRequest, merge_responses, request_to_body, update_to_response
-from cluster.telemetry import RequestTelemetry
+from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         except RequestFailed as failed:
             telemetry.end(failed.code, failed.message)
             await context.abort(STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[0], failed.message)
-        except asyncio.CancelledError:
+        except READER_GONE:
             telemetry.end(_cancel_reason(context))
             raise
         except BaseException as exc:

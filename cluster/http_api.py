@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from cluster.auth import DENIED
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.protocol import InvalidRequest, error_json, merge_responses, response_json, update_to_response
-from cluster.telemetry import RequestTelemetry
+from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class HttpApi:
         except RequestFailed as failed:  # the stream has started: its last line says why it ended
             outcome = failed.code
             yield _line(error_json(STATUS[failed.code][0].name, failed.message))
-        except asyncio.CancelledError:
+        except READER_GONE:
             outcome = "cancelled"
             raise
         finally:

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.http_api import BodyTooLarge, read_json
 from cluster.protocol import InvalidRequest
-from cluster.telemetry import RequestTelemetry
+from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
@@ -289,7 +289,7 @@ async def _ended(updates: AsyncIterator[dict[str, Any]], telemetry: RequestTelem
         telemetry.end(failed.code, failed.message)
         outcome = "reported"
         raise
-    except (asyncio.CancelledError, GeneratorExit):
+    except READER_GONE:
         outcome = "cancelled"
         raise
     finally:

@@ -3,6 +3,7 @@ router span, and the latency and speculative-decoding metrics of its responses."
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -16,6 +17,12 @@ from cluster.tracing import carrier_for, context_from_carrier
 
 OPERATION = "text_completion"
 PROVIDER = "slidespec"  # gen_ai.provider.name: the system serving the model
+
+
+# How a request's stream ends when its reader left (a cancelled call, a passed deadline, a closed
+# connection): the server cancels the handler's task, or closes its generator at a `yield` when
+# the cancellation meets a write in progress. Either is the client's doing, never an error.
+READER_GONE = (asyncio.CancelledError, GeneratorExit)
 
 
 class RequestTelemetry:

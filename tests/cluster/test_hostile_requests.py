@@ -180,6 +180,24 @@ def _counts(url: str) -> dict[str, float]:
     return counts
 
 
+def _deadline_passes_mid_stream(client) -> grpc.StatusCode:
+    """A deadline that passes while the server streams: the first token proves the handler runs
+    (a call that expires before the server takes it leaves nothing to count), and a short deadline
+    keeps the server from finishing first (it would count a success while the client, still
+    reading, hears DEADLINE_EXCEEDED). Tried again with a longer deadline when the first token
+    came too late."""
+    for timeout in (0.5, 1.0, 2.0, 4.0):
+        stream = client.generate([9, 9, 7], max_new_tokens=4000, ignore_eos=True, timeout=timeout)
+        try:
+            next(stream)
+        except grpc.RpcError:
+            continue
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+        return info.value.code()
+    pytest.fail("no first token within 4 s")
+
+
 def test_load_is_live_and_every_ending_is_counted(app):
     client, url = app
     before = _counts(url)
@@ -193,10 +211,7 @@ def test_load_is_live_and_every_ending_is_counted(app):
     call = client.generate([9, 9, 8], max_new_tokens=500, temperature=0.0, ignore_eos=True)  # outlives the cancel
     next(call)
     call.cancel()
-    # A deadline the handler surely sees start (under load a 0.3 s call can expire before the
-    # server runs its handler, and then nothing is left to count), on a call that outlives it.
-    code, _ = _status(lambda: client.generate([9, 9, 7], max_new_tokens=4000, ignore_eos=True, timeout=2.0))
-    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _deadline_passes_mid_stream(client) == grpc.StatusCode.DEADLINE_EXCEEDED
     _status(lambda: client.generate([9], temperature=-1.0))
     _wait_idle(client)
     deadline = time.monotonic() + 15
