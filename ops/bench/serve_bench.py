@@ -155,8 +155,10 @@ class GrpcBackend:
         except Exception as exc:  # noqa: BLE001 - grpc.aio.AioRpcError: counted as a failed request
             yield Chunk([], None, f"{type(exc).__name__}: {exc}")
 
-    def close(self) -> None:
-        self.client = None
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
 
 
 class HttpBackend:
@@ -185,6 +187,7 @@ class HttpBackend:
     async def aclose(self) -> None:
         if self.session is not None:
             await self.session.close()
+            self.session = None
 
 
 class OpenAIBackend(HttpBackend):
@@ -415,32 +418,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=0,
+        help="alternate the in-process engine and the stack (--backend) this many rounds; report the stack's cost",
+    )
     p.add_argument("--output-file")
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    settings = engine_settings(args)
-    with open(os.path.join(settings["model"], "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    close: Callable[[], Any] = lambda: None  # noqa: E731
+def make_backend(args: argparse.Namespace, settings: dict[str, Any]):
+    """The backend `--backend` names, launching an application when no running one is given."""
     if args.backend == "engine":
         if args.tp_size > 1:
             raise SystemExit("--tp-size: the in-process engine is one rank; ops.bench.tensor_parallel measures TP")
-        backend = EngineBackend(settings)
-        close = backend.close
-    else:
-        target = f"{args.host}:{args.port}" if args.host else None
-        url = args.base_url
-        if (args.backend == "grpc" and target is None) or (args.backend != "grpc" and url is None):
-            where = launch(args)
-            target, url = target or where["grpc"], url or where["http"]
-        if args.backend == "openai":
-            backend = OpenAIBackend(url if args.base_url else url + "/v1", os.path.basename(settings["model"]))
-        else:
-            backend = GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
+        return EngineBackend(settings)
+    target = f"{args.host}:{args.port}" if args.host else None
+    url = args.base_url
+    if (args.backend == "grpc" and target is None) or (args.backend != "grpc" and url is None):
+        where = launch(args)
+        target, url = target or where["grpc"], url or where["http"]
+    if args.backend == "openai":
+        return OpenAIBackend(url if args.base_url else url + "/v1", os.path.basename(settings["model"]))
+    return GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
+
+
+def measure(backend, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Warm-up requests, then the workload; its metrics."""
 
     async def bench():
         warm = conversations(
@@ -455,22 +460,79 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.seed,
             not args.disable_tqdm,
         )
-        if isinstance(backend, HttpBackend):
+        if not isinstance(backend, EngineBackend):  # its session or channel belongs to this event loop
             await backend.aclose()
         return results
 
+    return metrics(*asyncio.run(bench()))
+
+
+COST_METRICS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms")
+
+
+def stack_cost(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """What the stack adds to the in-process engine, round by round (each round runs both on
+    the same workload back to back) and at the median over rounds: milliseconds added to the
+    latency medians, the relative change of output tokens/s."""
+    cost: dict[str, Any] = {}
+    for name in COST_METRICS:
+        added = [r["stack"][name] - r["engine"][name] for r in rounds]
+        cost[name.replace("_ms", "_added_ms")] = {"rounds": added, "median": statistics.median(added)}
+    change = [r["stack"]["output_throughput"] / r["engine"]["output_throughput"] - 1 for r in rounds]
+    cost["output_throughput_change"] = {"rounds": change, "median": statistics.median(change)}
+    return cost
+
+
+def compare(args: argparse.Namespace, settings: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """The in-process engine and the stack alternated over `--compare-rounds` rounds (the order
+    flips each round), so that drift of the machine falls on both."""
+    engine, stack = EngineBackend(settings), make_backend(args, settings)
+    rounds: list[dict[str, dict[str, Any]]] = []
     try:
-        results, duration = asyncio.run(bench())
+        for i in range(args.compare_rounds):
+            order = [("engine", engine), ("stack", stack)]
+            measured = {name: measure(backend, args, vocab) for name, backend in order[:: 1 if i % 2 == 0 else -1]}
+            logger.info(
+                "round %d: TTFT p50 engine %.2f ms, %s %.2f ms; output tok/s engine %.0f, %s %.0f",
+                i + 1,
+                measured["engine"]["median_ttft_ms"],
+                args.backend,
+                measured["stack"]["median_ttft_ms"],
+                measured["engine"]["output_throughput"],
+                args.backend,
+                measured["stack"]["output_throughput"],
+            )
+            rounds.append(measured)
     finally:
-        close()
+        engine.close()
+    return {"rounds": rounds, "stack_cost": stack_cost(rounds)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    logger.setLevel(logging.INFO)  # the rounds of --compare-rounds as they end
+    settings = engine_settings(args)
+    with open(os.path.join(settings["model"], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
     out = {
         "backend": args.backend,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
         "cpus": os.cpu_count(),
         "settings": {k: v for k, v in vars(args).items() if k != "output_file"},
-        **metrics(results, duration),
     }
+    if args.compare_rounds:
+        if args.backend == "engine":
+            raise SystemExit("--compare-rounds: give the stack's --backend (grpc, http or openai)")
+        out.update(compare(args, settings, vocab))
+    else:
+        backend = make_backend(args, settings)
+        try:
+            out.update(measure(backend, args, vocab))
+        finally:
+            if isinstance(backend, EngineBackend):
+                backend.close()
     emit(out, args.output_file)
     return out
 

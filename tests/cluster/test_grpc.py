@@ -7,6 +7,7 @@ token recover from a dead replica; with none healthy the answer is UNAVAILABLE."
 import asyncio
 import datetime
 import ipaddress
+import statistics
 import threading
 import time
 
@@ -25,6 +26,7 @@ from cluster.app import build_app
 from cluster.client import AsyncGenerationClient, GenerationClient
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from ops import DEFAULT_MODEL
+from ops.bench import serve_bench
 from tests.cluster.conftest import session_logs
 from tests.hf_models import random_prompts
 from workers.engine import Engine, SamplingParams
@@ -206,6 +208,26 @@ def test_64_concurrent_streams_over_two_replicas(servers):
     pings = [a.ping.remote() for a in _rank0s("api")]
     assert all(any(r.startswith("ingress-") for r in p["socket_callers"]) for p in ray.get(pings))  # no Ray hop
     assert servers["api"][2].stats.remote().result()["pending_decisions"] == 0  # routing records do not pile up
+
+
+def test_the_serving_benchmark_alternates_the_engine_and_the_stack(servers):
+    """`serve_bench --compare-rounds`: the same workload on the in-process engine and through a
+    running application, alternated; the stack's cost is each round's difference."""
+    host, port = servers["api"][0].rsplit(":", 1)
+    args = ["--backend", "grpc", "--host", host, "--port", port, "--compare-rounds", "2", "--model", "tiny-gemma3"]
+    args += ["--device", "cpu", "--page-size", "4", "--max-total-tokens", "4096", "--num-prompts", "4"]
+    args += ["--random-input-len", "16", "--random-output-len", "6", "--max-concurrency", "2", "--warmup-requests", "1"]
+    result = serve_bench.main(args + ["--disable-tqdm"])
+    rounds = result["rounds"]
+    assert len(rounds) == 2
+    for measured in rounds:
+        for backend in ("engine", "stack"):
+            assert measured[backend]["completed"] == 4 and measured[backend]["failed"] == 0
+            assert measured[backend]["total_output_tokens"] == 4 * 6
+    added = [r["stack"]["median_ttft_ms"] - r["engine"]["median_ttft_ms"] for r in rounds]
+    assert result["stack_cost"]["median_ttft_added_ms"] == {"rounds": added, "median": statistics.median(added)}
+    change = [r["stack"]["output_throughput"] / r["engine"]["output_throughput"] - 1 for r in rounds]
+    assert result["stack_cost"]["output_throughput_change"]["rounds"] == change
 
 
 def test_stop_string_ends_the_text_before_it(api):
