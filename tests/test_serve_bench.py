@@ -30,3 +30,11 @@ def test_multi_turn_dataset_with_speculation(tmp_path):
     # turn k's prompt: the first prompt, then per earlier turn its answer and the new tokens
     assert result["total_input_tokens"] == 2 * (20 + (20 + 6 + 5) + (20 + 2 * (6 + 5)))
     assert result["mean_accept_length"] >= 1
+
+
+def test_warm_up_matches_the_workloads_concurrency():
+    """A concurrent workload warms up with as many requests as it runs at once (two requests
+    left the stack's batch paths cold: its first c64 round ran 28% below the later ones)."""
+    assert serve_bench.parse_args(["--max-concurrency", "64"]).warmup_requests == 64
+    assert serve_bench.parse_args([]).warmup_requests == 2
+    assert serve_bench.parse_args(["--max-concurrency", "64", "--warmup-requests", "1"]).warmup_requests == 1

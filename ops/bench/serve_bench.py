@@ -415,7 +415,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--multi-turn-new-len", type=int, default=64, help="user tokens each later turn adds")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson)")
     p.add_argument("--max-concurrency", type=int)
-    p.add_argument("--warmup-requests", type=int, default=2)
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        help="requests run before the measured ones (default: the workload's concurrency, at least 2, so that a "
+        "concurrent workload finds every path of the stack warm)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument(
@@ -425,7 +430,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="alternate the in-process engine and the stack (--backend) this many rounds; report the stack's cost",
     )
     p.add_argument("--output-file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.warmup_requests is None:
+        args.warmup_requests = max(2, args.max_concurrency or 0)
+    return args
 
 
 def make_backend(args: argparse.Namespace, settings: dict[str, Any]):
