@@ -2,7 +2,9 @@
 workload asked for, multi-turn prompts grow by the previous answer, and the report carries
 bench_serving's metric names with consistent values."""
 
+import asyncio
 import json
+import time
 
 from ops.bench import serve_bench
 
@@ -38,3 +40,30 @@ def test_warm_up_matches_the_workloads_concurrency():
     assert serve_bench.parse_args(["--max-concurrency", "64"]).warmup_requests == 64
     assert serve_bench.parse_args([]).warmup_requests == 2
     assert serve_bench.parse_args(["--max-concurrency", "64", "--warmup-requests", "1"]).warmup_requests == 1
+
+
+def test_an_abandoned_engine_stream_frees_its_request():
+    """A run interrupted mid-stream (a timeout, Ctrl-C) aborts the engine's request instead of
+    leaving it decoding for a reader that is gone; later runs on the same engine are unaffected."""
+    args = serve_bench.parse_args(["--device", "cpu", "--page-size", "4", "--max-total-tokens", "2048"])
+    backend = serve_bench.EngineBackend(serve_bench.engine_settings(args))
+    try:
+
+        async def read(n: int, output_len: int) -> int:
+            stream, tokens = backend.stream(list(range(3, 40)), output_len), 0
+            async for chunk in stream:
+                tokens += len(chunk.tokens)
+                if tokens >= n:
+                    break
+            await stream.aclose()
+            return tokens
+
+        assert asyncio.run(read(3, 1000)) >= 3
+        deadline = time.monotonic() + 10
+        while (backend.loop.in_flight or backend.engine.has_unfinished()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not backend.engine.has_unfinished() and not backend.queues
+        assert asyncio.run(read(10**6, 5)) == 5  # a new event loop, a whole request
+        backend.engine.check_no_leak()
+    finally:
+        backend.close()

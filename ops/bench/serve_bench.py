@@ -112,12 +112,16 @@ class EngineBackend:
         self.count = 0
 
     def _on_updates(self, updates) -> None:
-        """One hand-over to the event loop per step, as the rank actor does."""
-        self.aio.call_soon_threadsafe(self._deliver, updates)
+        """One hand-over to the event loop per step, as the rank actor does; none once the
+        workload's event loop has ended (an interrupted run's requests are being aborted)."""
+        if not self.aio.is_closed():
+            self.aio.call_soon_threadsafe(self._deliver, updates)
 
     def _deliver(self, updates) -> None:
         for update in updates:
-            self.queues[update.rid].put_nowait(update)
+            queue = self.queues.get(update.rid)
+            if queue is not None:  # else: its reader left and the request was aborted
+                queue.put_nowait(update)
 
     async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
         from workers.sampling_params import SamplingParams
@@ -127,13 +131,17 @@ class EngineBackend:
         self.aio = asyncio.get_running_loop()
         self.queues[rid] = queue
         self.loop.submit(rid, prompt, SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True))
-        while True:
-            update = await queue.get()
-            spec = update.output.spec if update.output is not None else None
-            yield Chunk(update.token_ids, spec.accept_lengths if spec else None, update.error)
-            if update.finished:
-                del self.queues[rid]
-                return
+        finished = False
+        try:
+            while not finished:
+                update = await queue.get()
+                finished = update.finished
+                spec = update.output.spec if update.output is not None else None
+                yield Chunk(update.token_ids, spec.accept_lengths if spec else None, update.error)
+        finally:
+            del self.queues[rid]
+            if not finished:  # the reader left (an interrupted or timed-out run): free the request
+                self.loop.abort(rid)
 
     def close(self) -> None:
         self.loop.stop()
