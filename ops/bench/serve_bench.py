@@ -438,6 +438,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="alternate the in-process engine and the stack (--backend) this many rounds; report the stack's cost",
     )
     p.add_argument("--output-file")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="of this process (info: the in-process engine's start-up, graph capture times)",
+    )
     args = p.parse_args(argv)
     if args.warmup_requests is None:
         args.warmup_requests = max(2, args.max_concurrency or 0)
@@ -526,7 +532,7 @@ def compare(args: argparse.Namespace, settings: dict[str, Any], vocab: int) -> d
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)  # the rounds of --compare-rounds as they end
     settings = engine_settings(args)
     with open(os.path.join(settings["model"], "config.json")) as f:
