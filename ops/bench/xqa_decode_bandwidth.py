@@ -10,7 +10,8 @@ fraction understates the decode kernel. Back-to-back calls also find the page ta
 kernel's semaphores in L2 and overlap each call's start with the previous one's end (XQA
 launches with programmatic dependent launch), which a decode step does not allow: `--flush-mb N`
 puts an N MB copy (a layer's weight reads, say) between the calls and reports the calls' cost
-on top of the copies alone (`decode_ms_cold`).
+on top of the copies alone (`decode_ms_cold`); `--flush-kind linear` makes that a batch-1
+projection over an N MB bf16 weight instead (the cuBLAS kernels a decode step runs around XQA).
 Prints one JSON line per configuration and a table; `--out FILE` also writes the JSON lines.
 
     python -m ops.bench.xqa_decode_bandwidth --batch 64 --kv-len 4096 --kv-heads 8 --head-dim 128
@@ -73,6 +74,19 @@ def copy_bandwidth(nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+def _flush(mb: int, kind: str):
+    """Device work of `mb` MB of reads between two timed calls: a copy, or a batch-1 linear
+    layer over a bf16 weight of that size (what a decode step runs between attention calls)."""
+    if kind == "copy":
+        src = torch.empty(mb << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        return lambda: dst.copy_(src)
+    hidden = 4096
+    weight = torch.randn((mb << 20) // (2 * hidden), hidden, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda")
+    return lambda: torch.nn.functional.linear(x, weight)
+
+
 def decode_bandwidth(
     batch: int,
     kv_len: int,
@@ -83,6 +97,7 @@ def decode_bandwidth(
     window_left: int,
     table_tokens: int | None = None,
     flush_mb: int = 0,
+    flush_kind: str = "copy",
 ) -> dict:
     """One configuration; `table_tokens` widens the page tables (zero-padded) past the KV, as a
     captured graph's tables are: the kernel sizes its grid by that width. `flush_mb`: see the
@@ -110,14 +125,13 @@ def decode_bandwidth(
     ms = _time_graph_ms(lambda: flashinfer_hopper.decode(call, workspace))
     cold = {}
     if flush_mb:
-        src = torch.empty(flush_mb << 20, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-
-        def flush() -> None:
-            dst.copy_(src)
-
+        flush = _flush(flush_mb, flush_kind)
         both = _time_graph_ms(lambda: flashinfer_hopper.decode(call, workspace), between=flush)
-        cold = {"flush_mb": flush_mb, "decode_ms_cold": round(both - _time_graph_ms(flush), 4)}
+        cold = {
+            "flush_mb": flush_mb,
+            "flush_kind": flush_kind,
+            "decode_ms_cold": round(both - _time_graph_ms(flush), 4),
+        }
     visible = kv_len if window_left < 0 else min(kv_len, window_left + 1)
     kv_bytes = batch * visible * kv_heads * head_dim * 2 * cache.element_size()
     copy = copy_bandwidth(kv_bytes)
@@ -149,11 +163,14 @@ def main() -> None:
     p.add_argument("--page", type=int, nargs="+", default=[64])
     p.add_argument("--window-left", type=int, default=-1)
     p.add_argument("--table-tokens", type=int, nargs="+", default=[0], help="page-table widths (tokens); 0: the KV")
-    p.add_argument("--flush-mb", type=int, default=0, help="a copy of this many MB between the timed calls")
+    p.add_argument("--flush-mb", type=int, default=0, help="this many MB of reads between the timed calls")
+    p.add_argument("--flush-kind", choices=["copy", "linear"], default="copy", help="what reads them")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = [
-        decode_bandwidth(b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t, args.flush_mb)
+        decode_bandwidth(
+            b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t, args.flush_mb, args.flush_kind
+        )
         for b in args.batch
         for n in args.kv_len
         for pg in args.page
