@@ -4,6 +4,7 @@ bench_serving's metric names with consistent values."""
 
 import asyncio
 import json
+import logging
 import time
 
 from ops.bench import serve_bench
@@ -42,7 +43,7 @@ def test_warm_up_matches_the_workloads_concurrency():
     assert serve_bench.parse_args(["--max-concurrency", "64", "--warmup-requests", "1"]).warmup_requests == 1
 
 
-def test_an_abandoned_engine_stream_frees_its_request():
+def test_an_abandoned_engine_stream_frees_its_request(caplog):
     """A run interrupted mid-stream (a timeout, Ctrl-C) aborts the engine's request instead of
     leaving it decoding for a reader that is gone; later runs on the same engine are unaffected."""
     args = serve_bench.parse_args(["--device", "cpu", "--page-size", "4", "--max-total-tokens", "2048"])
@@ -63,7 +64,9 @@ def test_an_abandoned_engine_stream_frees_its_request():
         while (backend.loop.in_flight or backend.engine.has_unfinished()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not backend.engine.has_unfinished() and not backend.queues
+        assert backend.loop.steps < 200  # aborted, not run to its 1,000 tokens
         assert asyncio.run(read(10**6, 5)) == 5  # a new event loop, a whole request
         backend.engine.check_no_leak()
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         backend.close()
