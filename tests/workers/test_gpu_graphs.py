@@ -11,6 +11,7 @@ from tests.hf_models import make_tiny_model, random_prompts
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from workers.engine import Engine, SamplingParams
 from workers.memory.kv_write import write_kv_cuda, write_kv_torch
+from workers.models import gemv, ops
 from workers.models.layers import rope_cache
 from workers.models.ops import FLASHINFER_OPS, TORCH_OPS
 
@@ -88,6 +89,34 @@ def test_padded_replay_is_within_bf16_noise(models):
     print(f"padded: {diverged} diverged, largest logit difference {worst:.3g}")
 
 
+@pytest.mark.parametrize("spec", [None, "eagle", "frozen_kv_mtp"])
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_batch_one_replay_gives_the_eager_tokens(models, name, spec):
+    """One request: every projection of a decode step (and of a draft step) is one row, the
+    GEMV's path, in the graph and eagerly."""
+    if spec is not None and name != "gemma3":
+        pytest.skip("the draft heads are built for the gemma3 target")
+    setting = {"algorithm": spec, "draft_model": models[spec], "num_steps": 3} if spec else None
+    eager, _ = _run(models[name], False, 16, setting, prompts=PROMPTS[:1])
+    replayed, replays = _run(models[name], True, 16, setting, prompts=PROMPTS[:1])
+    assert replays > 0
+    compare_bf16_runs(eager, replayed, f"{name} {spec} batch 1")
+    assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_one_row_gemv_decodes_within_bf16_noise_of_cublas(models, name, monkeypatch):
+    """A batch-1 decode with the GEMV against the same decode on cuBLAS: logits within bf16
+    noise until a near-tie."""
+    runs = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(ops, "GEMV_ENABLED", enabled)
+        runs[enabled], replays = _run(models[name], True, 16, prompts=PROMPTS[:1])
+        assert replays > 0
+    diverged, worst = compare_bf16_runs(runs[False], runs[True], f"{name} gemv")
+    print(f"{name} gemv: {diverged} diverged, largest logit difference {worst:.3g}")
+
+
 @pytest.mark.parametrize("algorithm", ["standalone", "eagle", "frozen_kv_mtp"])
 def test_speculative_rounds_replay_graphs(models, algorithm):
     spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": 4}
@@ -132,6 +161,40 @@ def test_fused_rope_matches_the_reference(head_dim, rotary):
 def test_fused_activation_matches_the_reference(act):
     x = torch.randn(29, 2 * 6912, device="cuda").bfloat16()
     assert _rel(FLASHINFER_OPS.act_and_mul(x, act), TORCH_OPS.act_and_mul(x, act)) < 1e-2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "out_features, in_features", [(6144, 4096), (4096, 14336), (16040, 4096), (1152, 1000), (37, 264)]
+)
+def test_gemv_matches_a_float32_reference(out_features, in_features, bias):
+    """Every tile of the table, K a multiple of the tile's width or not, N a multiple of its
+    rows or not; a row sliced from a wider tensor; more rows fall back to cuBLAS."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w = (torch.randn(out_features, in_features, device="cuda", generator=g) * 0.05).bfloat16()
+    b = torch.randn(out_features, device="cuda", generator=g).bfloat16() if bias else None
+    wide = torch.randn(1, in_features + 8, device="cuda", generator=g).bfloat16()
+    x = wide[:, 3 : 3 + in_features]
+    assert gemv.applies(x, w)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
+    assert _rel(FLASHINFER_OPS.linear(x, w, b), ref) < 1e-2
+    rows = torch.randn(3, in_features, device="cuda", generator=g).bfloat16()
+    assert not gemv.applies(rows, w)
+    ref = torch.nn.functional.linear(rows.float(), w.float(), b.float() if bias else None)
+    assert _rel(FLASHINFER_OPS.linear(rows, w, b), ref) < 1e-2
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("intermediate, hidden", [(14336, 4096), (6912, 1152), (100, 264)])
+def test_fused_gate_up_gemv_matches_a_float32_reference(act, intermediate, hidden):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w = (torch.randn(2 * intermediate, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(1, hidden, device="cuda", generator=g).bfloat16()
+    ref = TORCH_OPS.linear_act_and_mul(x.float(), w.float(), None, act)
+    assert _rel(FLASHINFER_OPS.linear_act_and_mul(x, w, None, act), ref) < 1e-2
+    rows = torch.randn(5, hidden, device="cuda", generator=g).bfloat16()
+    ref = TORCH_OPS.linear_act_and_mul(rows.float(), w.float(), None, act)
+    assert _rel(FLASHINFER_OPS.linear_act_and_mul(rows, w, None, act), ref) < 1e-2
 
 
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (64, 256), (16, 64)])

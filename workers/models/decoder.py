@@ -102,8 +102,7 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(ops_for(gate_up).act_and_mul(gate_up, self.act))
+        return self.down_proj(self.gate_up_proj.act_and_mul(x, self.act))
 
 
 class DecoderLayer(nn.Module):

@@ -63,7 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocabulary-parallel output projection; `logits` gathers the full vocabulary."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = ops_for(hidden).linear(hidden, self.weight, None)
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
 
 
@@ -103,7 +103,11 @@ class ColumnParallelLinear(nn.Module):
         return 0 if shard_id is None else int(shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops_for(x).linear(x, self.weight, self.bias)
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """`act(gate) * up` of a merged [gate, up] projection, fused where the device can."""
+        return ops_for(x).linear_act_and_mul(x, self.weight, self.bias, act)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -167,7 +171,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(ops_for(x).linear(x, self.weight, None))
         return out + self.bias if self.bias is not None else out
 
 
@@ -180,7 +184,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = _param((output_size,), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops_for(x).linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

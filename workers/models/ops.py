@@ -6,10 +6,13 @@
 | residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
 | RoPE from a cos/sin cache | torch gather + rotate | `flashinfer.rope.apply_rope_with_cos_sin_cache_inplace` |
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
+| projection (`x W^T + b`) | `F.linear` | one row: Triton GEMV (`gemv.py`); more rows: `F.linear` |
+| gate/up projection + activation | `F.linear`, then the above | one row: fused Triton GEMV; more: as left |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
 runs whenever autograd is on (training reuses the serving model code). The paged KV write is
-the pools' (`workers/memory/kv_write.py`). `ops_for(tensor)` picks the set.
+the pools' (`workers/memory/kv_write.py`). `ops_for(tensor)` picks the set;
+`SLIDESPEC_FUSED_OPS=0` turns every fused kernel off, `SLIDESPEC_GEMV=0` only the GEMV.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 Tensor = torch.Tensor
@@ -38,6 +42,10 @@ class OpSet:
     rope: Callable[[Tensor, Tensor, Tensor | None, Tensor], tuple[Tensor, Tensor | None]]
     # (gate_up [..., 2 * d], activation name) -> act(gate) * up
     act_and_mul: Callable[[Tensor, str], Tensor]
+    # (x, weight [out, in], bias or None) -> x W^T + b
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+    # (x, merged gate/up weight [2 * d, in], bias or None, activation name) -> act(gate) * up
+    linear_act_and_mul: Callable[[Tensor, Tensor, Tensor | None, str], Tensor]
 
 
 # -- torch: the reference ---------------------------------------------------------------------------
@@ -79,7 +87,11 @@ def _act_and_mul(x: Tensor, act: str) -> Tensor:
     return ACT2FN[act](gate) * up
 
 
-TORCH_OPS = OpSet("torch", _rms_norm, _add_rms_norm, _rope, _act_and_mul)
+def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    return _act_and_mul(F.linear(x, weight, bias), act)
+
+
+TORCH_OPS = OpSet("torch", _rms_norm, _add_rms_norm, _rope, _act_and_mul, F.linear, _linear_act_and_mul)
 
 
 # -- CUDA: flashinfer's fused kernels ---------------------------------------------------------------
@@ -128,7 +140,34 @@ def _fi_act_and_mul(x: Tensor, act: str) -> Tensor:
     return getattr(_flashinfer().activation, name)(x.contiguous())
 
 
-FLASHINFER_OPS = OpSet("flashinfer", _fi_rms_norm, _fi_add_rms_norm, _fi_rope, _fi_act_and_mul)
+@functools.cache
+def _gemv():
+    from workers.models import gemv  # Triton ships with CUDA builds of torch only
+
+    return gemv
+
+
+def _cuda_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if GEMV_ENABLED and _gemv().applies(x, weight):
+        return _gemv().gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _cuda_linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
+    if GEMV_ENABLED and bias is None and act in _gemv().ACTIVATIONS and _gemv().applies(x, weight):
+        return _gemv().gemv_act_and_mul(x, weight, act)
+    return _fi_act_and_mul(F.linear(x, weight, bias), act)
+
+
+FLASHINFER_OPS = OpSet(
+    "flashinfer",
+    _fi_rms_norm,
+    _fi_add_rms_norm,
+    _fi_rope,
+    _fi_act_and_mul,
+    _cuda_linear,
+    _cuda_linear_act_and_mul,
+)
 
 OP_SETS = {"cpu": TORCH_OPS, "cuda": FLASHINFER_OPS}
 
@@ -142,3 +181,4 @@ def ops_for(x: Tensor) -> OpSet:
 
 
 FUSED_ENABLED = os.environ.get("SLIDESPEC_FUSED_OPS", "1") != "0"
+GEMV_ENABLED = os.environ.get("SLIDESPEC_GEMV", "1") != "0"

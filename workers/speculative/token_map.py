@@ -17,9 +17,9 @@ import os
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from workers.distributed import TPGroup
+from workers.models.ops import ops_for
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
@@ -55,7 +55,7 @@ class HotTokenHead(nn.Module):
         self.register_buffer("weight", weight[: head.vocab_size][ids.to(weight.device)].clone(), persistent=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return ops_for(hidden).linear(hidden, self.weight, None)
 
 
 def apply_token_map(draft: nn.Module, target: nn.Module, ids: torch.Tensor, tp: TPGroup) -> None:

@@ -1,0 +1,117 @@
+"""One-row projections: cuBLAS (`F.linear`) against the Triton GEMV, on model shapes.
+
+    python -m ops.bench.gemv_bandwidth [--sweep] [--out FILE]
+
+Each shape is timed as a CUDA graph of back-to-back calls over enough copies of the weight
+(at least 1 GiB in all) that no call finds its weight in L2, which is what a decode step does:
+every projection reads its weight once. Reports microseconds a call and the weight-read rate
+(TB/s) of cuBLAS, of the GEMV with the tile `workers/models/gemv.py` chooses and, with
+`--sweep`, of the best tile of a grid (how the table was tuned). `gate_up+act` rows time the
+fused gate/up GEMV against cuBLAS plus flashinfer's activation kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ops.bench.xqa_decode_bandwidth import _time_ms
+from workers.models import gemv
+from workers.models.ops import FLASHINFER_OPS
+
+logger = logging.getLogger(__name__)
+
+# (out_features, in_features) of batch-1 projections; `act` rows are merged gate/up weights
+SHAPES = {
+    "llama3-8b/qkv": (6144, 4096),
+    "llama3-8b/o": (4096, 4096),
+    "llama3-8b/gate_up+act": (28672, 4096),
+    "llama3-8b/down": (4096, 14336),
+    "llama3-8b/lm_head": (128256, 4096),
+    "gemma3-1b/qkv": (1536, 1152),
+    "gemma3-1b/o": (1152, 1024),
+    "gemma3-1b/gate_up+act": (13824, 1152),
+    "gemma3-1b/down": (1152, 6912),
+}
+SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4))]
+
+
+def graph_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
+    """Median device time of one call, from replays of a graph of all the calls in a row."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return _time_ms(graph.replay, warmup=2, iters=replays) * 1e3 / len(calls)
+
+
+def measure(name: str, out_features: int, in_features: int, sweep: bool) -> dict:
+    fused = name.endswith("+act")
+    nbytes = out_features * in_features * 2
+    copies = min(64, max(2, (1 << 30) // nbytes + 1))
+    weights = [
+        torch.randn(out_features, in_features, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)
+    ]
+    x = torch.randn(1, in_features, dtype=torch.bfloat16, device="cuda")
+    if fused:
+        ours = [lambda w=w: FLASHINFER_OPS.linear_act_and_mul(x, w, None, "silu") for w in weights]
+        theirs = [lambda w=w: FLASHINFER_OPS.act_and_mul(F.linear(x, w), "silu") for w in weights]
+    else:
+        ours = [lambda w=w: FLASHINFER_OPS.linear(x, w, None) for w in weights]
+        theirs = [lambda w=w: F.linear(x, w) for w in weights]
+    row = {"shape": name, "out_features": out_features, "in_features": in_features}
+    for label, calls in (("cublas", theirs), ("gemv", ours)):
+        us = graph_us(calls)
+        row[f"{label}_us"] = round(us, 2)
+        row[f"{label}_TBps"] = round(nbytes / us / 1e6, 3)
+    row["tile"] = list(gemv.tile_for(out_features, in_features).__dict__.values())
+    if sweep and not fused:
+        timed = [(graph_us([lambda w=w, t=t: _with_tile(x, w, t) for w in weights], replays=5), t) for t in SWEEP]
+        best = min(timed, key=lambda pair: pair[0])
+        row["best_us"], row["best_tile"] = round(best[0], 2), list(best[1].__dict__.values())
+    return row
+
+
+def _with_tile(x: torch.Tensor, w: torch.Tensor, tile: gemv.Tile) -> torch.Tensor:
+    saved = gemv.TILES
+    gemv.TILES = ((0, 0, tile),)
+    try:
+        return gemv.gemv(x, w)
+    finally:
+        gemv.TILES = saved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", action="store_true", help="also time every tile of a grid")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = [measure(name, n, k, args.sweep) for name, (n, k) in SHAPES.items()]
+    header = f"{'shape':24} {'cuBLAS us':>10} {'TB/s':>6} {'GEMV us':>8} {'TB/s':>6} {'ratio':>6}"
+    logger.info(header)
+    for r in rows:
+        ratio = r["cublas_us"] / r["gemv_us"]
+        logger.info(
+            f"{r['shape']:24} {r['cublas_us']:10.2f} {r['cublas_TBps']:6.2f} {r['gemv_us']:8.2f} "
+            f"{r['gemv_TBps']:6.2f} {ratio:6.2f}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
