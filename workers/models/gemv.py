@@ -44,21 +44,16 @@ def tile_for(out_features: int, in_features: int) -> Tile:
 
 
 @triton.jit
-def _dot_rows(x_ptr, w_ptr, rows, row_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """float32 dot products of weight rows `rows` with x, one lane of partial sums per column."""
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k0 + cols)
-        else:
-            in_k = (k0 + cols) < K
-            w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k0 + cols, mask=in_k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
+def _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K: tl.constexpr):
+    """One K tile: the weight rows' products with x, float32 (masked past N and K)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + k0 + cols)
+    else:
+        in_k = (k0 + cols) < K
+        w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + k0 + cols, mask=in_k, other=0.0)
+    return w.to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -76,7 +71,12 @@ def _gemv_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    y = _dot_rows(x_ptr, w_ptr, rows, row_ok, K, BLOCK_N, BLOCK_K, EVEN_K)
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -86,11 +86,19 @@ def _gemv_kernel(
 def _gemv_act_mul_kernel(
     x_ptr, w_ptr, y_ptr, N, K, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
 ):
-    """y[j] = act(W[j] . x) * (W[N + j] . x): gate rows first, up rows after them."""
+    """y[j] = act(W[j] . x) * (W[N + j] . x): gate rows first, up rows after them; both tiles
+    are read in the same iteration, so a program keeps two streams of loads in flight."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    gate = _dot_rows(x_ptr, w_ptr, rows, row_ok, K, BLOCK_N, BLOCK_K, EVEN_K)
-    up = _dot_rows(x_ptr, w_ptr, rows + N, row_ok, K, BLOCK_N, BLOCK_K, EVEN_K)
+    cols = tl.arange(0, BLOCK_K)
+    gate_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    up_ptrs = gate_ptrs + N.to(tl.int64) * K
+    gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        gate_acc += _tile(gate_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+        up_acc += _tile(up_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+    gate, up = tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1)
     if ACT == 0:  # SiLU
         act = gate * tl.sigmoid(gate)
     else:  # GELU, tanh approximation: tanh(u) = 2 sigmoid(2u) - 1
@@ -138,15 +146,15 @@ def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.T
     """`act(gate) * up` of one row, from a merged `[gate; up]` weight (`act` in ACTIVATIONS)."""
     n, k = weight.shape[0] // 2, weight.shape[1]
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    t = tile_for(2 * n, k)
-    _gemv_act_mul_kernel[(triton.cdiv(n, t.rows),)](
+    t = tile_for(2 * n, k)  # a program reads t.rows rows: half of them gate rows, half up rows
+    _gemv_act_mul_kernel[(triton.cdiv(n, max(1, t.rows // 2)),)](
         x,
         weight,
         y,
         n,
         k,
         ACT=ACTIVATIONS[act],
-        BLOCK_N=t.rows,
+        BLOCK_N=max(1, t.rows // 2),
         BLOCK_K=t.cols,
         EVEN_K=k % t.cols == 0,
         num_warps=t.warps,
