@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -226,6 +227,11 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[l
 
 
 def engine_for(path: str, graphs: bool, max_batch: int = 64, **kw) -> Engine:
+    """An engine of a dummy-weight shape. Engines hold reference cycles: their device memory
+    comes back only after a collection, so one runs first (callers drop the engine they freed
+    before asking for the next one)."""
+    gc.collect()
+    torch.cuda.empty_cache()
     return Engine(
         model=path,
         device="cuda",
@@ -272,6 +278,7 @@ def decode_part(root: str, limits: dict, shapes: list[str], modes: list[str]) ->
                 )
             out[f"{name}/weight_bytes"] = wb
             free(engine)
+            del engine
     return out
 
 
@@ -370,6 +377,7 @@ def spec_part(root: str) -> dict:
     run_batch(plain, prompts, 8)  # warm-up: first replays, lazy library state
     out["spec/plain"] = {**run_batch(plain, prompts, NEW), "syncs_per_step": syncs_per_step(plain, prompts)}
     free(plain)
+    del plain
     for algorithm, spec in draft_specs(root).items():
         engine = engine_for(target, True, max_batch=8, speculative=spec)
         run_batch(engine, prompts, 8)
@@ -378,6 +386,7 @@ def spec_part(root: str) -> dict:
         r["round_over_plain_step"] = r["ms_per_step"] / out["spec/plain"]["ms_per_step"]
         out[f"spec/{algorithm}"] = r
         free(engine)
+        del engine
     return out
 
 

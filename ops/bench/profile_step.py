@@ -165,6 +165,7 @@ def main() -> None:
                     g["before"],
                 )
         free(engine)
+        del engine
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -31,7 +31,7 @@ class Tile:
 # with ops/bench/gemv_bandwidth.py over Llama-3-8B and Gemma-3-1B projections.
 TILES: tuple[tuple[int, int, Tile], ...] = (
     (8192, 0, Tile(16, 256, 4, 4)),  # wide: gate/up, LM heads
-    (0, 8192, Tile(4, 512, 8, 2)),  # long rows: down projections
+    (0, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
     (6144, 0, Tile(8, 512, 4, 4)),  # fused QKV
     (0, 0, Tile(4, 512, 4, 4)),  # square: O projections
 )
