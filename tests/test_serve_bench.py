@@ -43,6 +43,37 @@ def test_warm_up_matches_the_workloads_concurrency():
     assert serve_bench.parse_args(["--max-concurrency", "64", "--warmup-requests", "1"]).warmup_requests == 1
 
 
+def test_compare_rounds_draw_new_prompts_each_round(monkeypatch):
+    """Both sides of a round run the same prompts; no round repeats an earlier one's (they would
+    be prefix-cache hits in both engines)."""
+    prompts: list[tuple[str, list[int]]] = []
+
+    def fake_measure(backend, args, vocab):
+        prompts.append((backend, serve_bench.conversations(args, vocab)[0][0][0]))
+        return {"median_ttft_ms": 1.0, "median_tpot_ms": 1.0, "median_itl_ms": 1.0, "output_throughput": 1.0}
+
+    class FakeEngineBackend:
+        def __init__(self, settings):
+            pass
+
+        def __str__(self):
+            return "engine"
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(serve_bench, "measure", fake_measure)
+    monkeypatch.setattr(serve_bench, "EngineBackend", FakeEngineBackend)
+    monkeypatch.setattr(serve_bench, "make_backend", lambda args, settings: "stack")
+    args = serve_bench.parse_args(["--backend", "grpc", "--compare-rounds", "3", "--num-prompts", "4"])
+    result = serve_bench.compare(args, {}, 1000)
+    assert len(result["rounds"]) == 3 and len(prompts) == 6
+    by_round = [prompts[i : i + 2] for i in range(0, 6, 2)]
+    assert all(str(a) != str(b) and pa == pb for (a, pa), (b, pb) in by_round)  # both sides, one set
+    firsts = [pa for (_, pa), _ in by_round]
+    assert len({tuple(p) for p in firsts}) == 3
+
+
 def test_an_abandoned_engine_stream_frees_its_request(caplog):
     """A run interrupted mid-stream (a timeout, Ctrl-C) aborts the engine's request instead of
     leaving it decoding for a reader that is gone; later runs on the same engine are unaffected."""

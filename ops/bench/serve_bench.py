@@ -507,13 +507,17 @@ def stack_cost(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 def compare(args: argparse.Namespace, settings: dict[str, Any], vocab: int) -> dict[str, Any]:
     """The in-process engine and the stack alternated over `--compare-rounds` rounds (the order
-    flips each round), so that drift of the machine falls on both."""
+    flips each round), so that drift of the machine falls on both. Each round draws its own
+    prompts (`--seed` plus the round), the same for both sides: with one set for every round,
+    the later rounds found their prompts in both engines' prefix caches and measured another
+    workload than the first (on the CPU, round 1's TTFT was six times the later rounds')."""
     engine, stack = EngineBackend(settings), make_backend(args, settings)
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         for i in range(args.compare_rounds):
             order = [("engine", engine), ("stack", stack)]
-            measured = {name: measure(backend, args, vocab) for name, backend in order[:: 1 if i % 2 == 0 else -1]}
+            workload = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+            measured = {name: measure(backend, workload, vocab) for name, backend in order[:: 1 if i % 2 == 0 else -1]}
             logger.info(
                 "round %d: TTFT p50 engine %.2f ms, %s %.2f ms; output tok/s engine %.0f, %s %.0f",
                 i + 1,
