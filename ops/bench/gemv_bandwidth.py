@@ -13,15 +13,15 @@ fused gate/up GEMV against cuBLAS plus flashinfer's activation kernel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ops.bench.xqa_decode_bandwidth import _time_ms
+from ops.bench.xqa_decode_bandwidth import graph_ms
 from workers.models import gemv
 from workers.models.ops import FLASHINFER_OPS
 
@@ -42,21 +42,6 @@ SHAPES = {
 SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4))]
 
 
-def graph_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Median device time of one call, from replays of a graph of all the calls in a row."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return _time_ms(graph.replay, warmup=2, iters=replays) * 1e3 / len(calls)
-
-
 def measure(name: str, out_features: int, in_features: int, sweep: bool) -> dict:
     fused = name.endswith("+act")
     nbytes = out_features * in_features * 2
@@ -73,24 +58,18 @@ def measure(name: str, out_features: int, in_features: int, sweep: bool) -> dict
         theirs = [lambda w=w: F.linear(x, w) for w in weights]
     row = {"shape": name, "out_features": out_features, "in_features": in_features}
     for label, calls in (("cublas", theirs), ("gemv", ours)):
-        us = graph_us(calls)
+        us = graph_ms(calls) * 1e3 / len(calls)
         row[f"{label}_us"] = round(us, 2)
         row[f"{label}_TBps"] = round(nbytes / us / 1e6, 3)
-    row["tile"] = list(gemv.tile_for(out_features, in_features).__dict__.values())
+    row["tile"] = dataclasses.astuple(gemv.tile_for(out_features, in_features))
     if sweep and not fused:
-        timed = [(graph_us([lambda w=w, t=t: _with_tile(x, w, t) for w in weights], replays=5), t) for t in SWEEP]
+        timed = [
+            (graph_ms([lambda w=w, t=t: gemv.gemv(x, w, tile=t) for w in weights], replays=5) * 1e3 / copies, t)
+            for t in SWEEP
+        ]
         best = min(timed, key=lambda pair: pair[0])
-        row["best_us"], row["best_tile"] = round(best[0], 2), list(best[1].__dict__.values())
+        row["best_us"], row["best_tile"] = round(best[0], 2), dataclasses.astuple(best[1])
     return row
-
-
-def _with_tile(x: torch.Tensor, w: torch.Tensor, tile: gemv.Tile) -> torch.Tensor:
-    saved = gemv.TILES
-    gemv.TILES = ((0, 0, tile),)
-    try:
-        return gemv.gemv(x, w)
-    finally:
-        gemv.TILES = saved
 
 
 def main() -> None:

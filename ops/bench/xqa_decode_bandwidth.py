@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +30,7 @@ from attention.kernels import DecodeCall, flashinfer_hopper
 from attention.trtllm_mha import WORKSPACE_BYTES
 
 
-def _time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
     """Median wall time of one eager call (host dispatch included)."""
     for _ in range(warmup):
         fn()
@@ -45,32 +46,33 @@ def _time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     return statistics.median(times)
 
 
-def _time_graph_ms(fn, calls: int = 20, replays: int = 10, between=None) -> float:
-    """Median device time of one call, from replays of a graph of `calls` back-to-back calls
-    (each followed by `between`, if given)."""
-    steps = [fn] if between is None else [fn, between]
+def graph_ms(steps: list[Callable[[], object]], replays: int = 10) -> float:
+    """Median device time of one replay of a CUDA graph of `steps` run in a row (run once on a
+    side stream first: compilation, lazy state), so host dispatch is not counted."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            for step in steps:
-                step()
+        for step in steps:
+            step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            for step in steps:
-                step()
-    graph.replay()
-    torch.cuda.synchronize()
-    return _time_ms(graph.replay, warmup=2, iters=replays) / calls
+        for step in steps:
+            step()
+    return time_ms(graph.replay, warmup=2, iters=replays)
+
+
+def _time_graph_ms(fn: Callable[[], object], calls: int = 20, between: Callable[[], object] | None = None) -> float:
+    """Median device time of one call, from a graph of `calls` back-to-back calls (each
+    followed by `between`, if given)."""
+    return graph_ms(([fn] if between is None else [fn, between]) * calls) / calls
 
 
 def copy_bandwidth(nbytes: int) -> float:
     """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src))
+    ms = time_ms(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e6
 
 
@@ -121,7 +123,7 @@ def decode_bandwidth(
     )
     call.check()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    eager_ms = _time_ms(lambda: flashinfer_hopper.decode(call, workspace))
+    eager_ms = time_ms(lambda: flashinfer_hopper.decode(call, workspace))
     ms = _time_graph_ms(lambda: flashinfer_hopper.decode(call, workspace))
     cold = {}
     if flush_mb:

@@ -107,12 +107,24 @@ def test_batch_one_replay_gives_the_eager_tokens(models, name, spec):
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_one_row_gemv_decodes_within_bf16_noise_of_cublas(models, name, monkeypatch):
     """A batch-1 decode with the GEMV against the same decode on cuBLAS: logits within bf16
-    noise until a near-tie."""
+    noise until a near-tie. The GEMV must have run (eagerly, and while the graphs were captured)."""
+    from workers.models import gemv  # Triton: CUDA builds of torch only
+
+    calls = {"gemv": 0, "gemv_act_and_mul": 0}
+    for kernel in calls:
+        launch = getattr(gemv, kernel)
+
+        def counted(*args, _launch=launch, _kernel=kernel, **kwargs):
+            calls[_kernel] += 1
+            return _launch(*args, **kwargs)
+
+        monkeypatch.setattr(gemv, kernel, counted)
     runs = {}
     for enabled in (False, True):
         monkeypatch.setattr(ops, "GEMV_ENABLED", enabled)
         runs[enabled], replays = _run(models[name], True, 16, prompts=PROMPTS[:1])
         assert replays > 0
+        assert (min(calls.values()) > 0) == enabled, calls
     diverged, worst = compare_bf16_runs(runs[False], runs[True], f"{name} gemv")
     print(f"{name} gemv: {diverged} diverged, largest logit difference {worst:.3g}")
 

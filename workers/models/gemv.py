@@ -120,11 +120,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` for one row (`applies(x, weight)`), shaped like F.linear's."""
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tile | None = None
+) -> torch.Tensor:
+    """`x @ weight.T + bias` for one row (`applies(x, weight)`), shaped like F.linear's; `tile`
+    overrides the table's (the benchmark's sweep)."""
     n, k = weight.shape
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    t = tile_for(n, k)
+    t = tile or tile_for(n, k)
     _gemv_kernel[(triton.cdiv(n, t.rows),)](
         x,
         weight,
@@ -146,15 +149,16 @@ def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.T
     """`act(gate) * up` of one row, from a merged `[gate; up]` weight (`act` in ACTIVATIONS)."""
     n, k = weight.shape[0] // 2, weight.shape[1]
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    t = tile_for(2 * n, k)  # a program reads t.rows rows: half of them gate rows, half up rows
-    _gemv_act_mul_kernel[(triton.cdiv(n, max(1, t.rows // 2)),)](
+    t = tile_for(2 * n, k)
+    rows = max(1, t.rows // 2)  # a program reads t.rows weight rows: half gate rows, half up rows
+    _gemv_act_mul_kernel[(triton.cdiv(n, rows),)](
         x,
         weight,
         y,
         n,
         k,
         ACT=ACTIVATIONS[act],
-        BLOCK_N=max(1, t.rows // 2),
+        BLOCK_N=rows,
         BLOCK_K=t.cols,
         EVEN_K=k % t.cols == 0,
         num_warps=t.warps,
