@@ -1,13 +1,14 @@
-"""One-row projections: cuBLAS (`F.linear`) against the Triton GEMV, on model shapes.
+"""Few-row projections: cuBLAS (`F.linear`) against the Triton GEMV, on model shapes.
 
-    python -m ops.bench.gemv_bandwidth [--sweep] [--out FILE]
+    python -m ops.bench.gemv_bandwidth [--rows 1,5] [--sweep] [--out FILE]
 
 Each shape is timed as a CUDA graph of back-to-back calls over enough copies of the weight
 (at least 1 GiB in all) that no call finds its weight in L2, which is what a decode step does:
 every projection reads its weight once. Reports microseconds a call and the weight-read rate
 (TB/s) of cuBLAS, of the GEMV with the tile `workers/models/gemv.py` chooses and, with
-`--sweep`, of the best tile of a grid (how the table was tuned). `gate_up+act` rows time the
-fused gate/up GEMV against cuBLAS plus flashinfer's activation kernel.
+`--sweep`, of the best tile of a grid (how the tables were tuned), for each count of input rows
+(1: a batch-1 decode step; 5: a batch-1 verify of four draft tokens). `gate_up+act` rows time
+the fused gate/up GEMV against cuBLAS plus flashinfer's activation kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from ops.bench.xqa_decode_bandwidth import graph_ms
 from workers.models import gemv
@@ -40,32 +42,49 @@ SHAPES = {
     "gemma3-1b/down": (1152, 6912),
 }
 SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4))]
+ROW_SWEEP = [gemv.Tile(*t) for t in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5))]
 
 
-def measure(name: str, out_features: int, in_features: int, sweep: bool) -> dict:
+def compiles(call) -> bool:
+    """Whether a tile builds on this device (a deep pipeline of wide tiles outgrows shared memory)."""
+    try:
+        call()
+    except triton.runtime.errors.OutOfResources as e:
+        logger.info("skipped: %s", e)
+        return False
+    return True
+
+
+def measure(name: str, out_features: int, in_features: int, rows: int, sweep: bool) -> dict:
     fused = name.endswith("+act")
     nbytes = out_features * in_features * 2
     copies = min(64, max(2, (1 << 30) // nbytes + 1))
     weights = [
         torch.randn(out_features, in_features, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)
     ]
-    x = torch.randn(1, in_features, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
     if fused:
         ours = [lambda w=w: FLASHINFER_OPS.linear_act_and_mul(x, w, None, "silu") for w in weights]
         theirs = [lambda w=w: FLASHINFER_OPS.act_and_mul(F.linear(x, w), "silu") for w in weights]
     else:
         ours = [lambda w=w: FLASHINFER_OPS.linear(x, w, None) for w in weights]
         theirs = [lambda w=w: F.linear(x, w) for w in weights]
-    row = {"shape": name, "out_features": out_features, "in_features": in_features}
+    row = {"shape": name, "rows": rows, "out_features": out_features, "in_features": in_features}
     for label, calls in (("cublas", theirs), ("gemv", ours)):
         us = graph_ms(calls) * 1e3 / len(calls)
         row[f"{label}_us"] = round(us, 2)
         row[f"{label}_TBps"] = round(nbytes / us / 1e6, 3)
-    row["tile"] = dataclasses.astuple(gemv.tile_for(out_features, in_features))
-    if sweep and not fused:
+    tile = gemv.tile_for(out_features, in_features, rows)
+    row["tile"] = dataclasses.astuple(tile) if tile else "cuBLAS"
+    if sweep:
+
+        def call(w: torch.Tensor, t: gemv.Tile) -> torch.Tensor:
+            return gemv.gemv_act_and_mul(x, w, "silu", tile=t) if fused else gemv.gemv(x, w, tile=t)
+
         timed = [
-            (graph_ms([lambda w=w, t=t: gemv.gemv(x, w, tile=t) for w in weights], replays=5) * 1e3 / copies, t)
-            for t in SWEEP
+            (graph_ms([lambda w=w, t=t: call(w, t) for w in weights], replays=5) * 1e3 / copies, t)
+            for t in (SWEEP if rows == 1 else ROW_SWEEP)
+            if compiles(lambda t=t: call(weights[0], t))
         ]
         best = min(timed, key=lambda pair: pair[0])
         row["best_us"], row["best_tile"] = round(best[0], 2), dataclasses.astuple(best[1])
@@ -74,18 +93,24 @@ def measure(name: str, out_features: int, in_features: int, sweep: bool) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1", help="input rows to time, comma-separated (1 to gemv.MAX_ROWS)")
     p.add_argument("--sweep", action="store_true", help="also time every tile of a grid")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = [measure(name, n, k, args.sweep) for name, (n, k) in SHAPES.items()]
-    header = f"{'shape':24} {'cuBLAS us':>10} {'TB/s':>6} {'GEMV us':>8} {'TB/s':>6} {'ratio':>6}"
+    rows = [
+        measure(name, n, k, m, args.sweep)
+        for m in (int(r) for r in args.rows.split(","))
+        for name, (n, k) in SHAPES.items()
+    ]
+    header = f"{'shape':24} {'rows':>4} {'cuBLAS us':>10} {'TB/s':>6} {'GEMV us':>8} {'TB/s':>6} {'ratio':>6}"
     logger.info(header)
     for r in rows:
         ratio = r["cublas_us"] / r["gemv_us"]
         logger.info(
-            f"{r['shape']:24} {r['cublas_us']:10.2f} {r['cublas_TBps']:6.2f} {r['gemv_us']:8.2f} "
+            f"{r['shape']:24} {r['rows']:4} {r['cublas_us']:10.2f} {r['cublas_TBps']:6.2f} {r['gemv_us']:8.2f} "
             f"{r['gemv_TBps']:6.2f} {ratio:6.2f}"
+            + (f"  best {r['best_us']} us {r['best_tile']}" if "best_us" in r else "")
         )
     if args.out:
         with open(args.out, "w") as f:

@@ -104,29 +104,34 @@ def test_batch_one_replay_gives_the_eager_tokens(models, name, spec):
     assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_one_row_gemv_decodes_within_bf16_noise_of_cublas(models, name, monkeypatch):
+@pytest.mark.parametrize("name, spec", [("llama", None), ("gemma3", None), ("gemma3", "eagle")])
+def test_gemv_decodes_within_bf16_noise_of_cublas(models, name, spec, monkeypatch):
     """A batch-1 decode with the GEMV against the same decode on cuBLAS: logits within bf16
-    noise until a near-tie. The GEMV must have run (eagerly, and while the graphs were captured)."""
+    noise until a near-tie. The GEMV must have run (eagerly, and while the graphs were captured):
+    on one row, and with a draft on the verify forward's several rows too."""
     from workers.models import gemv  # Triton: CUDA builds of torch only
 
-    calls = {"gemv": 0, "gemv_act_and_mul": 0}
-    for kernel in calls:
+    rows: dict[str, set[int]] = {"gemv": set(), "gemv_act_and_mul": set()}
+    for kernel in rows:
         launch = getattr(gemv, kernel)
 
-        def counted(*args, _launch=launch, _kernel=kernel, **kwargs):
-            calls[_kernel] += 1
-            return _launch(*args, **kwargs)
+        def counted(x, *args, _launch=launch, _kernel=kernel, **kwargs):
+            rows[_kernel].add(x.numel() // x.shape[-1])
+            return _launch(x, *args, **kwargs)
 
         monkeypatch.setattr(gemv, kernel, counted)
+    setting = {"algorithm": spec, "draft_model": models[spec], "num_steps": 3} if spec else None
     runs = {}
     for enabled in (False, True):
         monkeypatch.setattr(ops, "GEMV_ENABLED", enabled)
-        runs[enabled], replays = _run(models[name], True, 16, prompts=PROMPTS[:1])
+        runs[enabled], replays = _run(models[name], True, 16, setting, prompts=PROMPTS[:1])
         assert replays > 0
-        assert (min(calls.values()) > 0) == enabled, calls
-    diverged, worst = compare_bf16_runs(runs[False], runs[True], f"{name} gemv")
-    print(f"{name} gemv: {diverged} diverged, largest logit difference {worst:.3g}")
+        assert all(rows.values()) == enabled, rows
+    assert all(1 in seen for seen in rows.values()), rows
+    if spec:  # the verify forward: the three draft tokens and one more
+        assert all(4 in seen for seen in rows.values()), rows
+    diverged, worst = compare_bf16_runs(runs[False], runs[True], f"{name} {spec} gemv")
+    print(f"{name} {spec} gemv: {diverged} diverged, largest logit difference {worst:.3g}")
 
 
 @pytest.mark.parametrize("algorithm", ["standalone", "eagle", "frozen_kv_mtp"])
@@ -177,25 +182,25 @@ def test_fused_activation_matches_the_reference(act):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
-    "out_features, in_features", [(6144, 4096), (4096, 14336), (16040, 4096), (1152, 1000), (37, 264)]
+    "out_features, in_features",
+    [(6144, 4096), (4096, 14336), (16040, 4096), (16400, 1000), (65600, 264), (4096, 4096), (1152, 1000), (37, 264)],
 )
 def test_gemv_matches_a_float32_reference(out_features, in_features, bias):
-    """Every tile of the table, K a multiple of the tile's width or not, N a multiple of its
-    rows or not; a row sliced from a wider tensor; more rows fall back to cuBLAS."""
+    """Every tile of both tables, K a multiple of the tile's width or not, N a multiple of its
+    rows or not; rows sliced from a wider tensor; one to MAX_ROWS rows take the GEMV where the
+    table gives a tile, the rest cuBLAS."""
     from workers.models import gemv  # Triton: CUDA builds of torch only
 
     g = torch.Generator(device="cuda").manual_seed(2)
     w = (torch.randn(out_features, in_features, device="cuda", generator=g) * 0.05).bfloat16()
     b = torch.randn(out_features, device="cuda", generator=g).bfloat16() if bias else None
-    wide = torch.randn(1, in_features + 8, device="cuda", generator=g).bfloat16()
-    x = wide[:, 3 : 3 + in_features]
-    assert gemv.applies(x, w)
-    ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
-    assert _rel(FLASHINFER_OPS.linear(x, w, b), ref) < 1e-2
-    rows = torch.randn(3, in_features, device="cuda", generator=g).bfloat16()
-    assert not gemv.applies(rows, w)
-    ref = torch.nn.functional.linear(rows.float(), w.float(), b.float() if bias else None)
-    assert _rel(FLASHINFER_OPS.linear(rows, w, b), ref) < 1e-2
+    for rows in (1, 2, 5, gemv.MAX_ROWS, gemv.MAX_ROWS + 1):
+        wide = torch.randn(rows, in_features + 8, device="cuda", generator=g).bfloat16()
+        x = wide[:, 3 : 3 + in_features]
+        tiled = rows <= gemv.MAX_ROWS and gemv.tile_for(out_features, in_features, rows) is not None
+        assert gemv.applies(x, w) == tiled
+        ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
+        assert _rel(FLASHINFER_OPS.linear(x, w, b), ref) < 1e-2, rows
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
@@ -203,12 +208,10 @@ def test_gemv_matches_a_float32_reference(out_features, in_features, bias):
 def test_fused_gate_up_gemv_matches_a_float32_reference(act, intermediate, hidden):
     g = torch.Generator(device="cuda").manual_seed(3)
     w = (torch.randn(2 * intermediate, hidden, device="cuda", generator=g) * 0.05).bfloat16()
-    x = torch.randn(1, hidden, device="cuda", generator=g).bfloat16()
-    ref = TORCH_OPS.linear_act_and_mul(x.float(), w.float(), None, act)
-    assert _rel(FLASHINFER_OPS.linear_act_and_mul(x, w, None, act), ref) < 1e-2
-    rows = torch.randn(5, hidden, device="cuda", generator=g).bfloat16()
-    ref = TORCH_OPS.linear_act_and_mul(rows.float(), w.float(), None, act)
-    assert _rel(FLASHINFER_OPS.linear_act_and_mul(rows, w, None, act), ref) < 1e-2
+    for rows in (1, 5, 8, 9):
+        x = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+        ref = TORCH_OPS.linear_act_and_mul(x.float(), w.float(), None, act)
+        assert _rel(FLASHINFER_OPS.linear_act_and_mul(x, w, None, act), ref) < 1e-2, rows
 
 
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (64, 256), (16, 64)])

@@ -1,4 +1,4 @@
-"""One-row projections on CUDA: a Triton GEMV, and one fused with the gated activation.
+"""Few-row projections on CUDA: a Triton GEMV, and one fused with the gated activation.
 
 A batch-1 decode step is a stream of weight reads. cuBLAS's kernels for a single row read the
 weights of an 8B model's QKV and O projections at 60-77% of the device's copy rate and add
@@ -6,8 +6,11 @@ split-K reduce kernels; this kernel reads them 10-29% faster (`ops/bench/gemv_ba
 measures both on the model shapes), and the fused variant writes `act(gate) * up` straight from the
 merged gate/up weight, so the MLP's activation kernel and its round trip through memory go.
 Each program owns `rows` output features and walks K in `cols`-wide tiles, accumulating in
-float32. Only one row (`x` of shape `[1, K]`) takes this path; wider inputs are matrix
-multiplications and stay on cuBLAS.
+float32. One row (a batch-1 decode or draft step) is a dot product per output feature; two to
+`MAX_ROWS` rows (a batch-1 verify forward: the draft's tokens and one more) go through `tl.dot`
+on a 16-row tile of x, so the weight is still read once, where cuBLAS's few-row kernels read it
+at the one-row rate and add split-K reduces. Wider inputs are matrix multiplications and stay on
+cuBLAS.
 """
 
 from __future__ import annotations
@@ -36,11 +39,27 @@ TILES: tuple[tuple[int, int, Tile], ...] = (
     (0, 0, Tile(4, 512, 4, 4)),  # square: O projections
 )
 
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the fused kernel's `ACT` codes
+# The same for 2 to MAX_ROWS rows (`rows` is the tl.dot tile's N: at least 16); None: cuBLAS,
+# which reads long rows (down projections) faster than this kernel without a split over K.
+ROW_TILES: tuple[tuple[int, int, Tile | None], ...] = (
+    (0, 6144, None),  # long rows: down projections
+    (65536, 0, Tile(64, 128, 4, 4)),  # LM heads
+    (16384, 0, Tile(64, 64, 4, 3)),  # wide gate/up
+    (8192, 0, Tile(64, 128, 4, 4)),  # gate/up
+    (6144, 0, Tile(64, 256, 4, 4)),  # fused QKV
+    (0, 4096, Tile(32, 256, 4, 5)),  # O projections
+    (0, 0, Tile(32, 128, 4, 5)),  # small projections
+)
+MAX_ROWS = 8
+DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the fused kernels' `ACT` codes
 
 
-def tile_for(out_features: int, in_features: int) -> Tile:
-    return next(t for n, k, t in TILES if out_features >= n and in_features >= k)
+def tile_for(out_features: int, in_features: int, rows: int = 1) -> Tile | None:
+    """The table's tile for a weight of this shape and `rows` input rows (None: cuBLAS)."""
+    table = TILES if rows == 1 else ROW_TILES
+    return next(t for n, k, t in table if out_features >= n and in_features >= k)
 
 
 @triton.jit
@@ -83,6 +102,15 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _act(gate, ACT: tl.constexpr):
+    if ACT == 0:  # SiLU
+        return gate * tl.sigmoid(gate)
+    # GELU, tanh approximation: tanh(u) = 2 sigmoid(2u) - 1
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    return gate * tl.sigmoid(2.0 * inner)
+
+
+@triton.jit
 def _gemv_act_mul_kernel(
     x_ptr, w_ptr, y_ptr, N, K, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
 ):
@@ -99,69 +127,135 @@ def _gemv_act_mul_kernel(
         gate_acc += _tile(gate_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
         up_acc += _tile(up_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
     gate, up = tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1)
-    if ACT == 0:  # SiLU
-        act = gate * tl.sigmoid(gate)
-    else:  # GELU, tanh approximation: tanh(u) = 2 sigmoid(2u) - 1
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate * tl.sigmoid(2.0 * inner)
-    tl.store(y_ptr + rows, (act * up).to(y_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(y_ptr + rows, (_act(gate, ACT) * up).to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _dot_tile(w_ptrs, x_tile, k0, cols, row_ok, K, acc, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        w = tl.load(
+            w_ptrs + k0, mask=row_ok[:, None] & ((k0 + cols) < K)[None, :], other=0.0, eviction_policy="evict_first"
+        )
+    return tl.dot(x_tile, tl.trans(w), acc)
+
+
+@triton.jit
+def _rows_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # -1: a plain projection; else gate rows [0, N) and up rows [N, 2N) -> act(gate) * up
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """y[m, j] for every row m < M of x and the program's BLOCK_N output features: x's rows
+    padded to BLOCK_M (masked loads), the weight tile read once for all of them."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    cols = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + ms[:, None] * stride_xm + cols[None, :]
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + cols) < K)[None, :], other=0.0)
+        acc = _dot_tile(w_ptrs, x, k0, cols, row_ok, K, acc, EVEN_K)
+        if ACT >= 0:
+            up_acc = _dot_tile(w_ptrs + N.to(tl.int64) * K, x, k0, cols, row_ok, K, up_acc, EVEN_K)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT >= 0:
+        acc = _act(acc, ACT) * up_acc
+    tl.store(
+        y_ptr + ms[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :]
+    )
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row against a contiguous half-precision weight of the same dtype."""
+    """One to MAX_ROWS rows of unit stride along K against a contiguous half-precision weight of
+    the same dtype, of a shape the tables give a tile."""
     return (
         x.is_cuda
-        and x.numel() == x.shape[-1]
+        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
         and x.shape[-1] == weight.shape[1]
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.is_contiguous()
         and x.stride(-1) == 1
+        and tile_for(weight.shape[0], weight.shape[1], x.numel() // x.shape[-1]) is not None
     )
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None, tile: Tile | None):
+    """Both kernels, both variants: `n` output features of x's rows (`act`: from the merged
+    `[gate; up]` weight, gate rows first); a tile's `rows` counts the weight rows a program reads."""
+    k = weight.shape[1]
+    n = weight.shape[0] // 2 if act else weight.shape[0]
+    m = x.numel() // k
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    t = tile or tile_for(weight.shape[0], k, m)
+    common = dict(BLOCK_K=t.cols, EVEN_K=k % t.cols == 0, num_warps=t.warps, num_stages=t.stages)
+    if m > 1:
+        block_n = max(DOT_ROWS, t.rows // 2) if act else t.rows
+        x2 = x.reshape(m, k)
+        _rows_kernel[(triton.cdiv(n, block_n),)](
+            x2,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            HAS_BIAS=bias is not None,
+            ACT=ACTIVATIONS[act] if act else -1,
+            BLOCK_M=DOT_ROWS,
+            BLOCK_N=block_n,
+            **common,
+        )
+    elif act:
+        block_n = max(1, t.rows // 2)
+        _gemv_act_mul_kernel[(triton.cdiv(n, block_n),)](
+            x, weight, y, n, k, ACT=ACTIVATIONS[act], BLOCK_N=block_n, **common
+        )
+    else:
+        _gemv_kernel[(triton.cdiv(n, t.rows),)](
+            x,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            n,
+            k,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=t.rows,
+            **common,
+        )
+    return y
 
 
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: Tile | None = None
 ) -> torch.Tensor:
-    """`x @ weight.T + bias` for one row (`applies(x, weight)`), shaped like F.linear's; `tile`
-    overrides the table's (the benchmark's sweep)."""
-    n, k = weight.shape
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    t = tile or tile_for(n, k)
-    _gemv_kernel[(triton.cdiv(n, t.rows),)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        n,
-        k,
-        HAS_BIAS=bias is not None,
-        BLOCK_N=t.rows,
-        BLOCK_K=t.cols,
-        EVEN_K=k % t.cols == 0,
-        num_warps=t.warps,
-        num_stages=t.stages,
-    )
-    return y
+    """`x @ weight.T + bias` for one to MAX_ROWS rows (`applies(x, weight)`), shaped like
+    F.linear's; `tile` overrides the table's (the benchmark's sweep)."""
+    return _launch(x, weight, bias, None, tile)
 
 
-def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.Tensor:
-    """`act(gate) * up` of one row, from a merged `[gate; up]` weight (`act` in ACTIVATIONS)."""
-    n, k = weight.shape[0] // 2, weight.shape[1]
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    t = tile_for(2 * n, k)
-    rows = max(1, t.rows // 2)  # a program reads t.rows weight rows: half gate rows, half up rows
-    _gemv_act_mul_kernel[(triton.cdiv(n, rows),)](
-        x,
-        weight,
-        y,
-        n,
-        k,
-        ACT=ACTIVATIONS[act],
-        BLOCK_N=rows,
-        BLOCK_K=t.cols,
-        EVEN_K=k % t.cols == 0,
-        num_warps=t.warps,
-        num_stages=t.stages,
-    )
-    return y
+def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str, tile: Tile | None = None) -> torch.Tensor:
+    """`act(gate) * up` from a merged `[gate; up]` weight (`act` in ACTIVATIONS), as `gemv`."""
+    return _launch(x, weight, None, act, tile)

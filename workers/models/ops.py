@@ -6,8 +6,8 @@
 | residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
 | RoPE from a cos/sin cache | torch gather + rotate | `flashinfer.rope.apply_rope_with_cos_sin_cache_inplace` |
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
-| projection (`x W^T + b`) | `F.linear` | one row: Triton GEMV (`gemv.py`); more rows: `F.linear` |
-| gate/up projection + activation | `F.linear`, then the above | one row: fused Triton GEMV; more: as left |
+| projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
+| gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
 runs whenever autograd is on (training reuses the serving model code). The paged KV write is
