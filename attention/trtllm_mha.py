@@ -176,14 +176,15 @@ class TRTLLMMHABackend(AttentionBackend):
         return buf
 
     def advance_decode(self, batch: AttentionBatch, by: torch.Tensor | int = 1) -> None:
-        """Move single-token decode metadata on, on the device: the next step of a chain of draft
-        steps inside one graph (`by` 1), or rows whose KV is `by[i]` longer than the host knew.
+        """Move decode metadata on, on the device: the next step of a chain of single-token draft
+        steps inside one graph (`by` 1), or rows whose KV is `by[i]` longer than the host knew
+        (a chain's or a verify's, launched before the host read the round that decided it).
         A forward writing KV reads that many more keys and writes at `batch.out_cache_loc`;
         read-only queries sit `batch.query_offset` past the KV end (the caller moved the batch
-        on first). Page tables were built to reach the chain's end."""
+        on first). Page tables were built to reach that far."""
         md = self._md
-        if md is None or md.kernel != "decode" or md.q_len_per_req != 1:
-            raise KernelContractError("advance_decode: only single-token decode metadata moves on")
+        if md is None or md.kernel != "decode" or (md.q_len_per_req != 1 and not isinstance(by, torch.Tensor)):
+            raise KernelContractError("advance_decode: decode metadata moves on by a step for single tokens only")
         if isinstance(by, torch.Tensor):  # per row: the KV grew by as much (read-only queries too)
             md.seq_lens.add_(by.to(torch.int32))
             md.cu_seq_lens_kv[1:].add_(by.cumsum(0).to(torch.int32))

@@ -15,6 +15,10 @@ request->token table, the backend's lengths), and feeds each step's argmax (thro
 vocabulary's token map) and hidden state to the next. The host prepares the chain's first step
 only, with page tables that already reach its last; its slots are allocated beforehand.
 
+Verify graphs move too, once, before their forward: a verify launched before the host has read
+the round before it (`SpecWorker`) starts each request as many positions further on as that
+round accepted, known only on the device (`run(..., ahead=)`); launched normally, it moves by 0.
+
 A batch is padded to the next captured size. Padded rows use the request->token table's
 padding row, whose slots are the allocator's scratch pages: they read and write KV only there,
 at slots every kernel contract allows, and their logits are dropped. Nothing in a captured
@@ -72,7 +76,7 @@ class _Family:
     logits: torch.Tensor | None = None  # [max rows, vocab] float32
     hidden: torch.Tensor | None = None  # [max rows, hidden handed on]
     drafts: torch.Tensor | None = None  # chains: [max batch, steps] int64, each step's token
-    ahead: torch.Tensor | None = None  # chains: [max batch] positions each row starts further on
+    ahead: torch.Tensor | None = None  # chains, verifies: [max batch] positions each row starts further on
     graphs: dict[tuple[int, int], object] = dataclasses.field(default_factory=dict)  # (batch size, width)
 
 
@@ -130,6 +134,7 @@ class CudaGraphRunner:
         family = _Family(pool, inputs, spec_hidden)
         if chain:
             family.drafts = torch.zeros(self.max_batch_size, chain, dtype=torch.int64, device=self.device)
+        if chain or mode == ForwardMode.TARGET_VERIFY:
             family.ahead = torch.zeros(self.max_batch_size, dtype=torch.int64, device=self.device)
         self.families[key] = family
         start = time.perf_counter()
@@ -184,6 +189,8 @@ class CudaGraphRunner:
         draft steps, each moving the batch one token on first (no host sync anywhere); a chain
         keeps its tokens and its first step's hidden state (a draft state to go on from)."""
         if not key.chain:
+            if family.ahead is not None:  # a verify: rows further on than the host built them
+                self._move(key, batch, family.ahead[: batch.batch_size])
             return self.runner.run_model(batch)
         token_map = getattr(self.runner.model, "draft_to_target", None)
         self._move(key, batch, family.ahead[: batch.batch_size])  # rows further on than the host built them
@@ -205,14 +212,15 @@ class CudaGraphRunner:
         return logits, hidden
 
     def _move(self, key: GraphKey, batch: ForwardBatch, by: torch.Tensor | int) -> None:
-        """Move a chain's batch on, on the device: one position (the next step), or each row by
-        its own count (rows whose requests hold that many more tokens than the host knew: their
-        KV ends further on too)."""
-        batch.positions.add_(by)
+        """Move a batch on, on the device: a chain's one position (the next step), or each row
+        (all its `q_len` queries) by its own count (rows whose requests hold that many more
+        tokens than the host knew: their KV ends further on too)."""
+        per_row = batch.positions.view(-1, key.q_len)
+        per_row.add_(by[:, None] if isinstance(by, torch.Tensor) else by)
         if key.query_offset and not isinstance(by, torch.Tensor):  # one more position past the KV end
             batch.query_offset += by
-        if not key.query_offset:  # the draft positions' slots
-            batch.out_cache_loc.copy_(batch.req_to_token[batch.req_pool_indices, batch.positions])
+        if not key.query_offset:  # the moved positions' slots
+            batch.out_cache_loc.copy_(batch.req_to_token[batch.req_pool_indices[:, None], per_row].view(-1))
         self.runner.backend.advance_decode(batch, by)
 
     # -- per step ------------------------------------------------------------------------------
@@ -226,10 +234,15 @@ class CudaGraphRunner:
             and len(batch.host.logits_indices) == batch.batch_size * q
         )
 
-    def run(self, batch: ForwardBatch, pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, batch: ForwardBatch, pool: KVPool, ahead: torch.Tensor | None = None, most: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits of every query row, hidden states handed on) of `batch`; the logits are a
-        view valid until this runner's next replay."""
-        key, family, graph, static = self._stage(batch, pool, 0)
+        view valid until this runner's next replay. `ahead` (a verify's; device, `[B]`, at most
+        `most`): each row starts that many positions further on, as in `run_chain`."""
+        key, family, graph, static = self._stage(batch, pool, 0, most)
+        if family.ahead is not None:
+            self._set_ahead(family, batch.batch_size, ahead)
         rows = batch.batch_size * key.q_len
         if self.emulate:
             logits, hidden = self._forward(key, family, static)
@@ -245,9 +258,7 @@ class CudaGraphRunner:
         starts that many positions further on, its KV that much longer (known only on the
         device when the chain is launched)."""
         key, family, graph, static = self._stage(batch, pool, steps, most)
-        family.ahead.zero_()
-        if ahead is not None:
-            family.ahead[: batch.batch_size].copy_(ahead)
+        self._set_ahead(family, batch.batch_size, ahead)
         if self.emulate:
             self._forward(key, family, static)
         else:
@@ -255,15 +266,22 @@ class CudaGraphRunner:
         b = batch.batch_size
         return family.drafts[:b].clone(), family.hidden[:b].clone()
 
+    @staticmethod
+    def _set_ahead(family: _Family, batch_size: int, ahead: torch.Tensor | None) -> None:
+        """Each row's move (padded rows: none)."""
+        family.ahead.zero_()
+        if ahead is not None:
+            family.ahead[:batch_size].copy_(ahead)
+
     def _stage(
-        self, batch: ForwardBatch, pool: KVPool, chain: int, ahead: int = 0
+        self, batch: ForwardBatch, pool: KVPool, chain: int, most: int = 0
     ) -> tuple[GraphKey, _Family, object, ForwardBatch]:
         """Write `batch` (padded) and its metadata into the static buffers of its graph; page
-        tables reach `ahead` more positions for chains that start further on."""
+        tables reach `most` more positions for batches that start further on."""
         key = self._key(batch, pool, chain)
         family = self.families[key]
         bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
-        reach = _reach(key) + ahead
+        reach = _reach(key) + most
         width = self.runner.backend.table_width(cdiv(max(batch.seq_lens_cpu) + reach, self.allocator.page_size))
         static = self._prepare(key, family, bs, self._padding(key, bs, batch.batch_size, batch), width, reach)
         if batch.ids_on_device:

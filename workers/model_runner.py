@@ -104,6 +104,17 @@ class ModelRunner:
         return ForwardOutput(logits, hidden)
 
     @torch.inference_mode()
+    def forward_ahead(self, batch: ForwardBatch, ahead: torch.Tensor, most: int) -> ForwardOutput | None:
+        """`batch` with each row `ahead[i]` (device, at most `most`) positions further on than
+        the host built it, in one graph replay; None when no graph was captured for it."""
+        if self.graphs is None or not self.graphs.can_run(batch, self.pool):
+            return None
+        pool, start = self._begin(batch, None)
+        logits, hidden = self.graphs.run(batch, pool, ahead, most)
+        self._record(batch, start, 1)
+        return ForwardOutput(logits, hidden)
+
+    @torch.inference_mode()
     def forward_chain(
         self,
         batch: ForwardBatch,

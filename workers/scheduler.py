@@ -201,11 +201,11 @@ class Scheduler:
         of, pos = expand_ranges(starts, ends)
         return torch.from_numpy(self.req_to_token.host[np.asarray(rows, dtype=np.int64)[of], pos].astype(np.int64))
 
-    def trim(self, req: Request) -> None:
-        """Give back slots held past the request's tokens (rejected drafts); the pending
-        token's slot stays."""
-        if self.allocator.allocated_len(req.row) > req.num_tokens:
-            self.allocator.truncate(req.row, req.num_tokens)
+    def trim(self, req: Request, keep: int = 0) -> None:
+        """Give back slots held past the request's tokens (rejected drafts) and `keep` more
+        positions (a verify in flight writes them); the pending token's slot stays."""
+        if self.allocator.allocated_len(req.row) > req.num_tokens + keep:
+            self.allocator.truncate(req.row, req.num_tokens + keep)
 
     def process(self, batch: ScheduledBatch, tokens: list[int]) -> list[tuple[Request, list[int]]]:
         """Commit a forward's KV and sampled tokens; returns (request, new tokens) pairs."""

@@ -84,7 +84,7 @@ def test_chained_draft_steps_propose_the_eager_drafts(models, variant):
     """Under replay, drafts 2..k of a greedy round come from one chain graph (the batch moved on
     on the device between steps), mostly launched by the round before, ahead of its read, from
     accepted counts the host had not seen (frozen-KV drafts: steps 1..k, standing in for the
-    catch-up). Every round's drafts,
+    catch-up), and often the round's verify too. Every round's drafts,
     accepted or not, equal the eager engine's step-by-step drafts: a rejected first draft would
     hide a wrong second one from the token comparison above."""
     engines = [_engine(models, variant, 4, graphs) for graphs in (False, "emulate")]
@@ -104,6 +104,7 @@ def test_chained_draft_steps_propose_the_eager_drafts(models, variant):
         chain_replays += sum(f.steps > 1 for f in engines[1].last_step.forwards)
     assert rounds > 5 and not engines[1].has_unfinished()
     assert chain_replays >= rounds and engines[1].spec.rounds_drafted_ahead > rounds // 2
+    assert engines[1].spec.rounds_verified_ahead > rounds // 4  # the rest: no pages free for the furthest outcome
     for eng in engines:
         eng.check_no_leak()
 

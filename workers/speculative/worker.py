@@ -20,8 +20,13 @@ the accepted counts computed on the device, so the device runs it while the host
 proposes the next round's first drafts on the device too, and under CUDA graphs the next round's
 drafts 2..k follow it there (`_draft_ahead`): a chain that starts each request `accepted[i]`
 positions on. Its KV writes start at the first draft position the catch-up has not made valid,
-inside the window the next catch-up rewrites. Sampled rounds draw each draft on the
-host, since rejection sampling needs every draft's distribution.
+inside the window the next catch-up rewrites. Then the next round's verify follows them
+(`_verify_ahead`), moved on the device the same way, so the device has a whole round queued
+while the host commits this one and never waits for the host's next launch; the next round
+starts from its results, and the round's trim keeps the slots it writes. Anything the host
+learns at the read that changes the batch (a request finished or failed) discards both.
+Sampled rounds draw each draft on the host, since rejection sampling needs every draft's
+distribution.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from attention import ForwardMode
 from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
-from workers.model_runner import ModelRunner
+from workers.model_runner import ForwardOutput, ModelRunner
 from workers.overlap import InFlight
 from workers.request import Request
 from workers.sampler import draw_each, sampling_probs
@@ -46,12 +51,27 @@ from workers.speculative.stats import SpecStats
 
 
 @dataclasses.dataclass
+class _Verified:
+    """The next round's verify, launched before this round's read."""
+
+    drafts: torch.Tensor  # [B, k] the drafts it verifies
+    best: torch.Tensor  # [B, k + 1] the target's choices
+    hidden: torch.Tensor  # its hidden states, k + 1 rows a request
+
+
+@dataclasses.dataclass
 class _Ahead:
-    """Drafts 2..k of the next round, launched before this round's read."""
+    """Drafts 2..k of the next round, launched before this round's read, and perhaps its
+    verify."""
 
     reqs: list[Request]
     drafts: torch.Tensor  # [B, k - 1], on the device
     num_tokens: list[int] | None = None  # each request's length once this round has committed
+    verified: _Verified | None = None
+
+    def serves(self, reqs: list[Request]) -> bool:
+        """Launched for a round of exactly these requests at their current lengths."""
+        return self.reqs == reqs and self.num_tokens == [r.num_tokens for r in reqs]
 
 
 class SpecWorker:
@@ -64,6 +84,7 @@ class SpecWorker:
         self.last_drafts: dict[str, list[int]] = {}
         self._ahead: _Ahead | None = None
         self.rounds_drafted_ahead = 0  # rounds whose drafts 2..k the previous round launched
+        self.rounds_verified_ahead = 0  # rounds whose verify the previous round launched
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -82,13 +103,80 @@ class SpecWorker:
         alone (`Scheduler.fail`) and leaves the round. When every request is greedy, drafts
         stay on the device until verification, and the round reads the device once."""
         k = self.num_steps
-        if all(r.sampling.greedy for r in reqs):
-            reqs, drafts, draft_probs = self._draft_on_device(reqs)
+        ahead, self._ahead = self._ahead, None
+        ahead = ahead if ahead is not None and ahead.serves(reqs) else None
+        logits = None  # the verify's, where the host may read them
+        if ahead is not None and ahead.verified is not None:  # verified already: straight to acceptance
+            self.rounds_drafted_ahead += 1
+            self.rounds_verified_ahead += 1
+            drafts, best, hidden = ahead.verified.drafts, ahead.verified.best, ahead.verified.hidden
+            draft_probs = [[None] * k for _ in reqs]
         else:
-            reqs, drafts, draft_probs = self._draft_sampled(reqs)
-        if not reqs:
-            return []
+            if all(r.sampling.greedy for r in reqs):
+                reqs, drafts, draft_probs = self._draft_on_device(reqs, ahead)
+            else:
+                reqs, drafts, draft_probs = self._draft_sampled(reqs)
+            if not reqs:
+                return []
+            out = self._verify(reqs, drafts)
+            logits, hidden = out.logits, out.hidden
+            best = logits.argmax(dim=-1).view(len(reqs), k + 1)
 
+        starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
+        on_device = isinstance(drafts, torch.Tensor)
+        early = False  # the draft's catch-up launched before the read
+        if on_device:  # the round's one device-to-host copy: drafts and the target's choices
+            flight = InFlight.of(reqs, torch.cat([drafts, best], dim=1))
+            accepted = (drafts == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+            if self.drafter.fixed_window:  # the draft catches up, and drafts the next round, meanwhile
+                self.drafter.catch_up_verified(reqs, starts, accepted, k + 1, hidden, tokens=best.flatten())
+            self._ahead = self._draft_ahead(reqs, accepted, best, hidden)
+            early = self.drafter.fixed_window or self._ahead is not None  # a frozen-KV chain ahead is its catch-up
+            if self._ahead is not None:
+                self._ahead.verified = self._verify_ahead(reqs, accepted, best, self._ahead.drafts)
+            both = flight.read()
+            drafts, best = [row[:k] for row in both], [row[k:] for row in both]
+        else:  # one device sync for every greedy request
+            best = best.tolist()
+
+        events, live = [], []
+        self.last_accept_lengths = {}
+        self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
+        for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
+            rows = None if logits is None else logits[i * (k + 1) : (i + 1) * (k + 1)]
+            try:
+                new = self._accept(req, start, d, dp, rows, best[i])
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self.scheduler.fail(req, exc)
+                continue
+            events.append((req, new))
+            if not req.finished:
+                live.append((i, req, start, len(new) - 1))
+        if self._ahead is not None and len(live) < len(reqs):  # good for a round of exactly these requests
+            self._ahead = None
+        if live:
+            _, live_reqs, live_starts, accepted = map(list, zip(*live))
+            if early:
+                self.drafter.settle_verified(live_reqs, live_starts, accepted)
+            else:
+                if len(live) < len(reqs):
+                    hidden = torch.cat([hidden[i * (k + 1) : (i + 1) * (k + 1)] for i, _, _, _ in live])
+                self.drafter.catch_up_verified(live_reqs, live_starts, accepted, k + 1, hidden)
+            if self._ahead is not None and any(r.finished for r in reqs):  # (a failed proposal ends one)
+                self._ahead = None
+            # rejected drafts' slots, written by the catch-up's padding rows; those the next
+            # round's verify writes stay while it is in flight
+            keep = k if self._ahead is not None and self._ahead.verified is not None else 0
+            for req in live_reqs:
+                if not req.finished:
+                    self.scheduler.trim(req, keep)
+        if self._ahead is not None:
+            self._ahead.num_tokens = [r.num_tokens for r in reqs]
+        return events
+
+    def _verify(self, reqs: list[Request], drafts: torch.Tensor | list[list[int]]) -> ForwardOutput:
+        """The target over each request's pending token and its drafts (on the device or the host)."""
+        k = self.num_steps
         starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
         on_device = isinstance(drafts, torch.Tensor)
         batch = ForwardBatch.build(
@@ -105,50 +193,42 @@ class SpecWorker:
         if on_device:
             pending = batch.input_ids.view(len(reqs), k + 1)[:, :1]
             batch.use_device_ids(torch.cat([pending, drafts], dim=1).flatten())
-        out = self.target.forward(batch)
-        best = out.logits.argmax(dim=-1).view(len(reqs), k + 1)
-        early = False  # the draft's catch-up launched before the read
-        if on_device:  # the round's one device-to-host copy: drafts and the target's choices
-            flight = InFlight.of(reqs, torch.cat([drafts, best], dim=1))
-            accepted = (drafts == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
-            if self.drafter.fixed_window:  # the draft catches up, and drafts the next round, meanwhile
-                self.drafter.catch_up_verified(reqs, starts, accepted, k + 1, out.hidden, tokens=best.flatten())
-            self._ahead = self._draft_ahead(reqs, accepted, best, out.hidden)
-            early = self.drafter.fixed_window or self._ahead is not None  # a frozen-KV chain ahead is its catch-up
-            both = flight.read()
-            drafts, best = [row[:k] for row in both], [row[k:] for row in both]
-        else:  # one device sync for every greedy request
-            best = best.tolist()
+        return self.target.forward(batch)
 
-        events, live = [], []
-        self.last_accept_lengths = {}
-        self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
-        for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
-            try:
-                new = self._accept(req, start, d, dp, out.logits[i * (k + 1) : (i + 1) * (k + 1)], best[i])
-            except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self.scheduler.fail(req, exc)
-                continue
-            events.append((req, new))
-            if not req.finished:
-                live.append((i, req, start, len(new) - 1))
-        if live:
-            _, live_reqs, live_starts, accepted = map(list, zip(*live))
-            if early:
-                self.drafter.settle_verified(live_reqs, live_starts, accepted)
-            else:
-                hidden = out.hidden
-                if len(live) < len(reqs):
-                    hidden = torch.cat([out.hidden[i * (k + 1) : (i + 1) * (k + 1)] for i, _, _, _ in live])
-                self.drafter.catch_up_verified(live_reqs, live_starts, accepted, k + 1, hidden)
-            for req in live_reqs:
-                if not req.finished:  # (a failed proposal ends the request)
-                    self.scheduler.trim(req)  # rejected drafts' slots, written by the catch-up's padding rows
-        if self._ahead is not None:  # good for a next round of exactly these requests
-            self._ahead.num_tokens = [r.num_tokens for r in reqs]
-            if len(live) < len(reqs) or any(r.finished for r in reqs):
-                self._ahead = None
-        return events
+    def _verify_ahead(
+        self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, drafts_ahead: torch.Tensor
+    ) -> _Verified | None:
+        """The next round's verify, launched before this round's read, after the drafts it
+        checks: each request's bonus token `best[i, accepted[i]]`, the catch-up's first draft
+        and drafts 2..k, all on the device; staged as if nothing were accepted and moved on by
+        `accepted` on the device. None (the next round verifies) without a graph for it, when a
+        request may read its logits, or without room for the furthest outcome."""
+        k = self.num_steps
+        if any(r.sampling.return_logits for r in reqs):
+            return None
+        firsts = [r.num_tokens for r in reqs]  # the next pending token's position, nothing accepted
+        ends = [f + 2 * k + 1 for f in firsts]  # the furthest outcome: k accepted, k + 1 positions on
+        room = self.scheduler.lookahead
+        if any(e > r.max_len + room for r, e in zip(reqs, ends)) or not self.scheduler.allocator.can_extend(
+            {r.row: e for r, e in zip(reqs, ends)}
+        ):
+            return None
+        batch = ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY,
+            rows=[r.row for r in reqs],
+            prefix_lens=firsts,
+            input_ids=[[PADDING_TOKEN] * (k + 1)] * len(reqs),
+            out_cache_loc=self.scheduler.slots(reqs, firsts, [f + k + 1 for f in firsts], ends),
+            req_to_token=self.scheduler.req_to_token,
+            logits_rows=range(len(reqs) * (k + 1)),
+        )
+        bonus = best.gather(1, accepted[:, None])
+        drafts = torch.cat([torch.stack([r.spec.next_token for r in reqs])[:, None], drafts_ahead], dim=1)
+        batch.use_device_ids(torch.cat([bonus, drafts], dim=1).flatten())
+        out = self.target.forward_ahead(batch, accepted, k)
+        if out is None:
+            return None
+        return _Verified(drafts, out.logits.argmax(dim=-1).view(len(reqs), k + 1), out.hidden)
 
     def _draft_ahead(
         self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, hidden: torch.Tensor
@@ -159,8 +239,11 @@ class SpecWorker:
         drafts = self.drafter.draft_ahead(reqs, accepted, best, hidden)
         return None if drafts is None else _Ahead(reqs, drafts)
 
-    def _draft_on_device(self, reqs: list[Request]) -> tuple[list[Request], torch.Tensor, list[list[None]]]:
-        """Greedy drafts 1..k as a device tensor `[B, k]`: each step's argmax feeds the next."""
+    def _draft_on_device(
+        self, reqs: list[Request], ahead: _Ahead | None
+    ) -> tuple[list[Request], torch.Tensor, list[list[None]]]:
+        """Greedy drafts 1..k as a device tensor `[B, k]`: each step's argmax feeds the next
+        (drafts 2..k: `ahead`'s, when the round before launched them for these requests)."""
         first = [r.spec.next_token for r in reqs]
         if all(isinstance(t, torch.Tensor) for t in first):
             tokens = torch.stack(first)
@@ -168,8 +251,7 @@ class SpecWorker:
             tokens = upload(np.array([int(t) for t in first], dtype=np.int64), reqs[0].spec.next_hidden.device)
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
         no_probs = [[None] * self.num_steps for _ in reqs]
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.reqs == reqs and ahead.num_tokens == [r.num_tokens for r in reqs]:
+        if ahead is not None:
             self.rounds_drafted_ahead += 1
             return reqs, torch.cat([tokens[:, None], ahead.drafts], dim=1), no_probs
         if self.num_steps > 1:
@@ -216,10 +298,12 @@ class SpecWorker:
         start: int,
         drafts: list[int],
         draft_probs: list[torch.Tensor | None],
-        logits: torch.Tensor,
+        logits: torch.Tensor | None,
         best: list[int],
     ) -> list[int]:
-        """Verify one request's drafts, commit the accepted tokens and the bonus; its new tokens."""
+        """Verify one request's drafts, commit the accepted tokens and the bonus; its new tokens
+        (`logits`: the verify's rows, None where a round verified ahead of the host, which only
+        greedy requests that return no logits do)."""
         k = self.num_steps
         if req.sampling.greedy:
             accepted, bonus = verify_greedy(best, drafts)
