@@ -378,13 +378,18 @@ def spec_part(root: str) -> dict:
     out["spec/plain"] = {**run_batch(plain, prompts, NEW), "syncs_per_step": syncs_per_step(plain, prompts)}
     free(plain)
     del plain
-    for algorithm, spec in draft_specs(root).items():
+    specs = draft_specs(root)
+    for name, spec, verify_ahead in [(n, s, True) for n, s in specs.items()] + [
+        ("eagle3 (no verify ahead)", specs["eagle3"], False)
+    ]:
         engine = engine_for(target, True, max_batch=8, speculative=spec)
+        engine.spec.verify_ahead = verify_ahead
         run_batch(engine, prompts, 8)
         r = run_batch(engine, prompts, NEW)
         r["syncs_per_step"] = syncs_per_step(engine, prompts)
         r["round_over_plain_step"] = r["ms_per_step"] / out["spec/plain"]["ms_per_step"]
-        out[f"spec/{algorithm}"] = r
+        r["rounds_verified_ahead"] = engine.spec.rounds_verified_ahead
+        out[f"spec/{name}"] = r
         free(engine)
         del engine
     return out

@@ -85,6 +85,7 @@ class SpecWorker:
         self._ahead: _Ahead | None = None
         self.rounds_drafted_ahead = 0  # rounds whose drafts 2..k the previous round launched
         self.rounds_verified_ahead = 0  # rounds whose verify the previous round launched
+        self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -204,7 +205,7 @@ class SpecWorker:
         `accepted` on the device. None (the next round verifies) without a graph for it, when a
         request may read its logits, or without room for the furthest outcome."""
         k = self.num_steps
-        if any(r.sampling.return_logits for r in reqs):
+        if not self.verify_ahead or any(r.sampling.return_logits for r in reqs):
             return None
         firsts = [r.num_tokens for r in reqs]  # the next pending token's position, nothing accepted
         ends = [f + 2 * k + 1 for f in firsts]  # the furthest outcome: k accepted, k + 1 positions on
