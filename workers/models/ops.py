@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | RMSNorm (Llama, Gemma) | torch, float32 math | `flashinfer.norm.rmsnorm` / `gemma_rmsnorm` |
 | residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
-| RoPE from a cos/sin cache | torch gather + rotate | `flashinfer.rope.apply_rope_with_cos_sin_cache_inplace` |
+| RoPE from a cos/sin cache | torch gather + rotate | Triton (`rope.py`): strided q, k in, contiguous out |
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import os
 from collections.abc import Callable
 
@@ -37,8 +38,8 @@ class OpSet:
     # (x, residual, weight, eps, gemma) -> (rms_norm(residual + x), residual + x); may reuse x's
     # and residual's storage
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool], tuple[Tensor, Tensor]]
-    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot]) -> (q, k), rotated
-    # in place where the device can
+    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot]) -> (q, k) rotated;
+    # q and k may be strided views of a fused projection, which stays as it was
     rope: Callable[[Tensor, Tensor, Tensor | None, Tensor], tuple[Tensor, Tensor | None]]
     # (gate_up [..., 2 * d], activation name) -> act(gate) * up
     act_and_mul: Callable[[Tensor, str], Tensor]
@@ -119,15 +120,10 @@ def _fi_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, ge
     return x, residual
 
 
-def _fi_rope(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor | None]:
-    if k is None:  # read-only queries (frozen-KV draft layers): the kernel rotates q and k together
-        return _rope(positions, q, k, cos_sin_cache)
-    t, head_dim = q.shape[0], q.shape[-1]
-    # Rows must be contiguous: on strided views (q and k split from a fused projection) the
-    # kernel rotated the wrong elements, measured against Hugging Face on an H200.
-    qf, kf = q.reshape(t, -1).contiguous(), k.reshape(t, -1).contiguous()
-    _flashinfer().rope.apply_rope_with_cos_sin_cache_inplace(positions, qf, kf, head_dim, cos_sin_cache, is_neox=True)
-    return qf.view(q.shape), kf.view(k.shape)
+def _cuda_rope(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor | None]:
+    if q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1):
+        q, k = q.contiguous(), None if k is None else k.contiguous()
+    return _triton("rope").rope(positions, q, k, cos_sin_cache)
 
 
 FLASHINFER_ACTS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}
@@ -141,21 +137,21 @@ def _fi_act_and_mul(x: Tensor, act: str) -> Tensor:
 
 
 @functools.cache
-def _gemv():
-    from workers.models import gemv  # Triton ships with CUDA builds of torch only
-
-    return gemv
+def _triton(name: str):
+    """A module of Triton kernels (`gemv`, `rope`); Triton ships with CUDA builds of torch only."""
+    return importlib.import_module(f"workers.models.{name}")
 
 
 def _cuda_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    if GEMV_ENABLED and _gemv().applies(x, weight):
-        return _gemv().gemv(x, weight, bias)
+    if GEMV_ENABLED and _triton("gemv").applies(x, weight):
+        return _triton("gemv").gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _cuda_linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
-    if GEMV_ENABLED and bias is None and act in _gemv().ACTIVATIONS and _gemv().applies(x, weight):
-        return _gemv().gemv_act_and_mul(x, weight, act)
+    gemv = _triton("gemv")
+    if GEMV_ENABLED and bias is None and act in gemv.ACTIVATIONS and gemv.applies(x, weight):
+        return gemv.gemv_act_and_mul(x, weight, act)
     return _fi_act_and_mul(F.linear(x, weight, bias), act)
 
 
@@ -163,7 +159,7 @@ FLASHINFER_OPS = OpSet(
     "flashinfer",
     _fi_rms_norm,
     _fi_add_rms_norm,
-    _fi_rope,
+    _cuda_rope,
     _fi_act_and_mul,
     _cuda_linear,
     _cuda_linear_act_and_mul,

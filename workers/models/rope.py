@@ -1,0 +1,96 @@
+"""Rotary position embedding on CUDA: one Triton kernel for the queries and keys of a layer.
+
+q and k arrive as strided views of the fused QKV projection's output. flashinfer's in-place
+kernel needs contiguous rows (on strided views it rotated the wrong elements), so calling it
+cost two copies a layer, three kernels in all; this kernel reads the views as they are and
+writes contiguous rotated q and k in one launch. Neox style (the two halves of the rotary
+dimensions rotate together), features past `rotary_dim` pass through, float32 arithmetic from
+the float32 cos/sin cache, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out,
+    k_out,
+    pos_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    q_heads,
+    k_heads,
+    HEAD_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    """Program (t, h): head h of token t, a query head for h < q_heads, else a key head."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if h < q_heads:
+        src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
+        dst = q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM
+    else:
+        src = k_ptr + t.to(tl.int64) * stride_kt + (h - q_heads) * stride_kh
+        dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
+    half: tl.constexpr = ROTARY // 2
+    i = tl.arange(0, BLOCK_HALF)
+    in_half = i < half
+    row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * ROTARY
+    cos = tl.load(row + i, mask=in_half, other=0.0)
+    sin = tl.load(row + half + i, mask=in_half, other=0.0)
+    x1 = tl.load(src + i, mask=in_half, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + i, mask=in_half, other=0.0).to(tl.float32)
+    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=in_half)
+    tl.store(dst + half + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=in_half)
+    if ROTARY < HEAD_DIM:
+        j = tl.arange(0, BLOCK_DIM)
+        passes = (j >= ROTARY) & (j < HEAD_DIM)
+        tl.store(dst + j, tl.load(src + j, mask=passes), mask=passes)
+
+
+def rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotated copies of q `[T, Hq, D]` and k `[T, Hk, D]` (or None), contiguous; each may be a
+    view with any token and head strides and unit stride along D. `cos_sin_cache`: float32
+    `[max_positions, rotary_dim]`, cos then sin."""
+    tokens, q_heads, head_dim = q.shape
+    k_heads = 0 if k is None else k.shape[1]
+    q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    k_out = None if k is None else torch.empty(tokens, k_heads, head_dim, dtype=k.dtype, device=k.device)
+    if tokens == 0:
+        return q_out, k_out
+    if q.stride(2) != 1 or (k is not None and k.stride(2) != 1):
+        raise ValueError("rope: q and k need unit stride along the head dimension")
+    rotary = cos_sin_cache.shape[-1]
+    kk = q if k is None else k  # no key heads: never read
+    _rope_kernel[(tokens, q_heads + k_heads)](
+        q,
+        kk,
+        q_out,
+        q_out if k_out is None else k_out,
+        positions,
+        cos_sin_cache.float(),
+        q.stride(0),
+        q.stride(1),
+        kk.stride(0),
+        kk.stride(1),
+        q_heads,
+        k_heads,
+        HEAD_DIM=head_dim,
+        ROTARY=rotary,
+        BLOCK_HALF=triton.next_power_of_2(rotary // 2),
+        BLOCK_DIM=triton.next_power_of_2(head_dim),
+    )
+    return q_out, k_out
