@@ -369,27 +369,32 @@ def draft_specs(root: str) -> dict[str, dict]:
     return specs
 
 
-def spec_part(root: str) -> dict:
+def spec_part(root: str, batch: int, drafts: list[str] | None) -> dict:
+    """Rounds against plain steps at `batch` requests; `drafts`: a subset of `draft_specs`'
+    names (default all); EAGLE-3 also runs with the verify ahead off, for comparison."""
     target = write_config(root, "llama3-8b", SHAPES["llama3-8b"])
     out = {}
-    prompts = random_prompts(SHAPES["llama3-8b"]["vocab_size"], 1, PROMPT)
-    plain = engine_for(target, True, max_batch=8)
+    prompts = random_prompts(SHAPES["llama3-8b"]["vocab_size"], batch, PROMPT)
+    at = "" if batch == 1 else f" b{batch}"
+    plain = engine_for(target, True, max_batch=max(8, batch))
     run_batch(plain, prompts, 8)  # warm-up: first replays, lazy library state
-    out["spec/plain"] = {**run_batch(plain, prompts, NEW), "syncs_per_step": syncs_per_step(plain, prompts)}
+    plain_r = {**run_batch(plain, prompts, NEW), "syncs_per_step": syncs_per_step(plain, prompts)}
+    out[f"spec/plain{at}"] = plain_r
     free(plain)
     del plain
-    specs = draft_specs(root)
-    for name, spec, verify_ahead in [(n, s, True) for n, s in specs.items()] + [
-        ("eagle3 (no verify ahead)", specs["eagle3"], False)
-    ]:
-        engine = engine_for(target, True, max_batch=8, speculative=spec)
+    specs = {name: spec for name, spec in draft_specs(root).items() if drafts is None or name in drafts}
+    runs = [(name, spec, True) for name, spec in specs.items()]
+    if "eagle3" in specs:
+        runs.append(("eagle3 (no verify ahead)", specs["eagle3"], False))
+    for name, spec, verify_ahead in runs:
+        engine = engine_for(target, True, max_batch=max(8, batch), speculative=spec)
         engine.spec.verify_ahead = verify_ahead
         run_batch(engine, prompts, 8)
         r = run_batch(engine, prompts, NEW)
         r["syncs_per_step"] = syncs_per_step(engine, prompts)
-        r["round_over_plain_step"] = r["ms_per_step"] / out["spec/plain"]["ms_per_step"]
+        r["round_over_plain_step"] = r["ms_per_step"] / plain_r["ms_per_step"]
         r["rounds_verified_ahead"] = engine.spec.rounds_verified_ahead
-        out[f"spec/{name}"] = r
+        out[f"spec/{name}{at}"] = r
         free(engine)
         del engine
     return out
@@ -470,6 +475,8 @@ def main() -> None:
     parser.add_argument("--parts", default="ceilings,decode,hf,prefill,spec,tiny")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--modes", default="graphs,eager", help="decode with CUDA graphs, eagerly, or both")
+    parser.add_argument("--spec-batch", type=int, default=1, help="requests a speculative round serves")
+    parser.add_argument("--spec-drafts", default=None, help="the spec part's drafts, comma-separated (default all)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parts, shapes = args.parts.split(","), args.shapes.split(",")
@@ -480,7 +487,7 @@ def main() -> None:
         "decode": lambda: decode_part(root, results["ceilings"], shapes, args.modes.split(",")),
         "hf": lambda: hf_part(root, [s for s in shapes if s != "gemma3-12b"]),
         "prefill": lambda: prefill_part(root, results["ceilings"]),
-        "spec": lambda: spec_part(root),
+        "spec": lambda: spec_part(root, args.spec_batch, args.spec_drafts and args.spec_drafts.split(",")),
         "tiny": tiny_part,
     }
     for part in parts:
