@@ -51,7 +51,7 @@ class ForwardMetadata:
     pool: KVPool
     kernel: str  # from ROUTING; a layer may still fall back to "context" (see _route)
     q_len_per_req: int  # uniform query length (decode kernel), 0 when ragged
-    seq_lens: torch.Tensor  # [B] int32, KV lengths including the new tokens
+    seq_lens: torch.Tensor  # [B x rows_per_req] int32, KV lengths including the new tokens
     max_seq_len: int
     cu_seq_lens_q: torch.Tensor  # [B+1] int32
     cu_seq_lens_kv: torch.Tensor  # [B+1] int32
@@ -62,6 +62,7 @@ class ForwardMetadata:
     swa_out_loc: torch.Tensor | None  # [T] SWA-pool write slots, translated once
     mask: torch.Tensor | None  # packed chain mask for verify on kernels that need it
     query_offset: int  # read-only queries this far past the KV end (frozen-KV drafts)
+    rows_per_req: int = 1  # a flat verify's: one decode row a query (lengths and tables per row)
 
 
 class TRTLLMMHABackend(AttentionBackend):
@@ -114,7 +115,7 @@ class TRTLLMMHABackend(AttentionBackend):
         entries of the table region and its SWA table right after), so a replay writes it with
         one host-to-device copy."""
         dev = self.device
-        b = max_batch_size
+        b = max(max_batch_size, max_tokens)  # rows: a flat verify has one a query
         self._layout = {"seq_lens": 0, "cu_seq_lens_q": b, "cu_seq_lens_kv": 2 * b + 1, "tables": 3 * b + 2}
         self._max_pages = max_pages_per_req
         self._static = {
@@ -183,9 +184,12 @@ class TRTLLMMHABackend(AttentionBackend):
         read-only queries sit `batch.query_offset` past the KV end (the caller moved the batch
         on first). Page tables were built to reach that far."""
         md = self._md
-        if md is None or md.kernel != "decode" or (md.q_len_per_req != 1 and not isinstance(by, torch.Tensor)):
+        single = md is not None and md.q_len_per_req * md.rows_per_req == 1
+        if md is None or md.kernel != "decode" or not (single or isinstance(by, torch.Tensor)):
             raise KernelContractError("advance_decode: decode metadata moves on by a step for single tokens only")
-        if isinstance(by, torch.Tensor):  # per row: the KV grew by as much (read-only queries too)
+        if isinstance(by, torch.Tensor):  # per request: the KV grew by as much (read-only queries too)
+            if md.rows_per_req > 1:
+                by = by.repeat_interleave(md.rows_per_req)
             md.seq_lens.add_(by.to(torch.int32))
             md.cu_seq_lens_kv[1:].add_(by.cumsum(0).to(torch.int32))
         elif md.query_offset:
@@ -222,8 +226,12 @@ class TRTLLMMHABackend(AttentionBackend):
         p = pool.page_size
         max_seq_len = max(seq_lens, default=0)
         pages_per_req = width or self.table_width(cdiv(max(max_seq_len + reach, 1), p))
-        host = self._host_tables(batch, pool, pages_per_req, reach)
+        flat = kernel == "decode" and q_len_per_req > 1 and batch.batch_size <= self.kernels.flat_verify_batch
+        rows_per_req = q_len_per_req if flat else 1
+        host = self._host_tables(batch, pool, pages_per_req, reach, rows_per_req)
         dev = place(host) if place else dict(zip(host, _upload_int32(list(host.values()), self.device)))
+        if flat:
+            q_len_per_req, q_lens = 1, [1]
         mask = None
         if kernel == "decode" and q_len_per_req > 1 and self.kernels.needs_chain_mask:
             args = (batch.batch_size, q_len_per_req)
@@ -244,23 +252,32 @@ class TRTLLMMHABackend(AttentionBackend):
             swa_out_loc=dev.get("swa_out_loc"),
             mask=mask,
             query_offset=batch.query_offset,
+            rows_per_req=rows_per_req,
         )
 
     @staticmethod
-    def _host_tables(batch: AttentionBatch, pool: KVPool, pages: int, reach: int = 0) -> dict[str, np.ndarray]:
+    def _host_tables(
+        batch: AttentionBatch, pool: KVPool, pages: int, reach: int = 0, rows_per_req: int = 1
+    ) -> dict[str, np.ndarray]:
         """Lengths, page tables `[B, pages]` and SWA write slots on the host. A page table holds
         each request's slot at the start of every page (allocation is page aligned, so slot //
-        page_size is the page); columns past a request's length (plus `reach`) are 0."""
-        p = pool.page_size
+        page_size is the page); columns past a request's length (plus `reach`) are 0. A flat
+        verify (`rows_per_req` queries a request) has a row for each query, its KV ending there."""
+        p, r = pool.page_size, rows_per_req
         table = batch.req_to_token_host
         seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
+        req_rows = batch.host.req_pool_indices
+        q_lens = batch.q_lens_cpu
+        if r > 1:
+            seq_lens = np.repeat(seq_lens, r) - (r - 1) + np.tile(np.arange(r), len(seq_lens))
+            req_rows, q_lens = np.repeat(req_rows, r), np.ones(len(seq_lens), dtype=np.int64)
         cols = np.arange(pages)
-        first_slots = table[batch.host.req_pool_indices[:, None], np.minimum(cols * p, table.shape[1] - 1)[None, :]]
+        first_slots = table[req_rows[:, None], np.minimum(cols * p, table.shape[1] - 1)[None, :]]
         used = cols[None, :] < ((seq_lens + reach + p - 1) // p)[:, None]
         zero = np.zeros(1, dtype=np.int64)
         out = {
             "seq_lens": seq_lens,
-            "cu_seq_lens_q": np.concatenate([zero, np.cumsum(batch.q_lens_cpu, dtype=np.int64)]),
+            "cu_seq_lens_q": np.concatenate([zero, np.cumsum(q_lens, dtype=np.int64)]),
             "cu_seq_lens_kv": np.concatenate([zero, np.cumsum(seq_lens)]),
             "full_page_table": np.where(used, first_slots // p, 0),
         }

@@ -130,13 +130,15 @@ def test_resolve_at_use_after_pool_swap(variant, monkeypatch):
     _expect(variant, check)
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_kernel_only_for_uniform_verify(variant, monkeypatch):
+def test_decode_kernel_only_for_uniform_verify(variant, flat, monkeypatch):
     """TARGET_VERIFY and DRAFT_EXTEND_V2 with one query length per request (the drafter pads its
-    catch-up to the verified window) run the decode kernel and match the reference; a ragged
-    batch in a decode-routed mode is refused before any kernel runs. Upstream routed a ragged
-    draft extend (accepted lengths) to the decode kernel: an illegal memory access on the GPU.
-    The mistake put back: the refusal gone, the ragged batch reaches the decode kernel."""
+    catch-up to the verified window) run the decode kernel and match the reference, with the
+    chain mask or flat (a decode row a query); a ragged batch in a decode-routed mode is refused
+    before any kernel runs. Upstream routed a ragged draft extend (accepted lengths) to the
+    decode kernel: an illegal memory access on the GPU. The mistake put back: the refusal gone,
+    the ragged batch reaches the decode kernel."""
     sc, rows = _busy_scenario(headroom=24)  # verify and draft extend grow every request by up to 8
     if variant == "upstream_mistake":
         monkeypatch.setattr(trtllm_mha, "uniform_query_len", lambda mode, kernel, q_lens: max(q_lens))
@@ -151,6 +153,7 @@ def test_decode_kernel_only_for_uniform_verify(variant, monkeypatch):
                 **{
                     **backend.kernels.__dict__,
                     kind: (lambda f, k: lambda call, ws: used.append(k) or f(call, ws))(fn, kind),
+                    "flat_verify_batch": 8 if flat else 0,
                 }
             ),
         )
@@ -170,6 +173,7 @@ def test_decode_kernel_only_for_uniform_verify(variant, monkeypatch):
             batch, qkv, outs = run(mode, [4] * 8)
             _close(outs, sc.reference(sc.hybrid_pool, batch, qkv))
             assert set(used) == {"decode"}, f"{mode.name} ran {used}"
+            assert backend._md.seq_lens.numel() == 8 * (4 if flat else 1)
         with pytest.raises(KernelContractError, match="DRAFT_EXTEND_V2: the decode kernel needs one query length"):
             run(ForwardMode.DRAFT_EXTEND_V2, [1, 3, 2, 4, 1, 1, 2, 3])
         assert not used, f"a ragged batch reached {used}"

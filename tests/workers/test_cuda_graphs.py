@@ -5,6 +5,8 @@ decoding and every speculative algorithm, on a busy hybrid SWA pool; padded rows
 the scratch pages; a graph is replayed only for the pool it was captured with; every pool is
 back at its free count. (On a GPU, tests/workers/test_gpu_engine.py replays real graphs.)"""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -200,13 +202,14 @@ def test_metadata_from_the_host_tables_equals_the_device_copies(models):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("variant", ["plain", "standalone-swa"])
-def test_replay_metadata_in_the_static_buffers_equals_the_eager_metadata(models, variant):
+@pytest.mark.parametrize("variant, flat", [("plain", False), ("standalone-swa", False), ("standalone-swa", True)])
+def test_replay_metadata_in_the_static_buffers_equals_the_eager_metadata(models, variant, flat):
     """A replay stages its metadata into one static int32 buffer (lengths, then both page tables
     packed for this batch's size and width) in one copy; every field reads back as the eager
-    forward's (verify with its mask included)."""
+    forward's (verify with its mask included, or flat: a row a query, no mask)."""
     eng = _busy_engine(models, variant)
     backend, pool = eng.runner.backend, eng.runner.pool
+    backend.kernels = dataclasses.replace(backend.kernels, flat_verify_batch=8 if flat else 0)
     reqs = [r for r in eng.scheduler.running if r.prefilled]
     q = 4 if variant != "plain" else 1
     mode = ForwardMode.TARGET_VERIFY if q > 1 else ForwardMode.DECODE
@@ -224,7 +227,8 @@ def test_replay_metadata_in_the_static_buffers_equals_the_eager_metadata(models,
     fields = ["seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv", "full_page_table", "swa_page_table", "swa_out_loc", "mask"]
     backend.init_forward_metadata(batch, pool)
     eager = {name: getattr(backend._md, name) for name in fields}
-    assert eager["swa_page_table"] is not None and (eager["mask"] is not None) == (q > 1)
+    assert eager["swa_page_table"] is not None and (eager["mask"] is not None) == (q > 1 and not flat)
+    assert eager["seq_lens"].numel() == len(reqs) * (q if flat else 1)
     for _ in range(2):  # a second replay of the same shape writes everything again
         backend.init_forward_metadata_replay(batch, pool)
         for name in fields:
