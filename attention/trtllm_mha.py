@@ -226,7 +226,13 @@ class TRTLLMMHABackend(AttentionBackend):
         p = pool.page_size
         max_seq_len = max(seq_lens, default=0)
         pages_per_req = width or self.table_width(cdiv(max(max_seq_len + reach, 1), p))
-        flat = kernel == "decode" and q_len_per_req > 1 and batch.batch_size <= self.kernels.flat_verify_batch
+        ks = self.kernels
+        flat = (
+            kernel == "decode"
+            and q_len_per_req > 1
+            and batch.batch_size <= ks.flat_verify_batch
+            and pages_per_req * p <= ks.flat_verify_kv
+        )
         rows_per_req = q_len_per_req if flat else 1
         host = self._host_tables(batch, pool, pages_per_req, reach, rows_per_req)
         dev = place(host) if place else dict(zip(host, _upload_int32(list(host.values()), self.device)))

@@ -24,15 +24,20 @@ class KernelSet:
     decode_softcap: bool  # the decode kernel applies logit soft-capping
     context_softcap: bool
     needs_chain_mask: bool  # verify (q_len_per_req > 1) passes XQA's packed mask
-    # Verify-shaped batches (several queries a request) of at most this many requests run the
-    # decode kernel with one row a query instead, each row's KV ending at its query: causal by
-    # lengths, no mask (XQA's multi-query mode costs three single-query calls at small batches).
+    # Verify-shaped batches (several queries a request) of at most `flat_verify_batch` requests
+    # whose page tables span at most `flat_verify_kv` tokens run the decode kernel with one row a
+    # query instead, each row's KV ending at its query: causal by lengths, no mask. XQA's
+    # multi-query mode is the slower one there; with more requests or longer KV, the faster.
     flat_verify_batch: int
+    flat_verify_kv: int
     page_sizes: tuple[int, ...] | None  # None: any page size
     self_checking: bool  # the kernel checks its own contract on every call (the CPU reference)
 
 
-FLAT_VERIFY_BATCH = 8  # XQA on an H200 (ops/bench results); the CPU reference follows it, so CI runs that path
+# (requests, KV tokens) of XQA on an H200, where one row a query beat the multi-query mode for
+# Llama-3-8B and Gemma-3 heads (ops/bench/results/2026-11-24-h200-session13.md); the CPU
+# reference follows it, so CI runs the layout the GPU does.
+FLAT_VERIFY = (1, 1024)
 
 
 def _reference(kind: str) -> Callable:
@@ -50,7 +55,8 @@ KERNEL_SETS = {
         decode_softcap=False,
         context_softcap=True,
         needs_chain_mask=True,
-        flat_verify_batch=FLAT_VERIFY_BATCH,
+        flat_verify_batch=FLAT_VERIFY[0],
+        flat_verify_kv=FLAT_VERIFY[1],
         page_sizes=None,
         self_checking=True,
     ),
@@ -63,7 +69,8 @@ KERNEL_SETS = {
         decode_softcap=False,
         context_softcap=True,
         needs_chain_mask=True,
-        flat_verify_batch=FLAT_VERIFY_BATCH,
+        flat_verify_batch=FLAT_VERIFY[0],
+        flat_verify_kv=FLAT_VERIFY[1],
         page_sizes=(16, 32, 64, 128),
         self_checking=False,
     ),
@@ -77,6 +84,7 @@ KERNEL_SETS = {
         context_softcap=False,
         needs_chain_mask=False,
         flat_verify_batch=0,
+        flat_verify_kv=0,
         page_sizes=(16, 32, 64),
         self_checking=False,
     ),

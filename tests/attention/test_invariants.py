@@ -154,6 +154,7 @@ def test_decode_kernel_only_for_uniform_verify(variant, flat, monkeypatch):
                     **backend.kernels.__dict__,
                     kind: (lambda f, k: lambda call, ws: used.append(k) or f(call, ws))(fn, kind),
                     "flat_verify_batch": 8 if flat else 0,
+                    "flat_verify_kv": 1 << 20,
                 }
             ),
         )

@@ -209,7 +209,7 @@ def test_replay_metadata_in_the_static_buffers_equals_the_eager_metadata(models,
     forward's (verify with its mask included, or flat: a row a query, no mask)."""
     eng = _busy_engine(models, variant)
     backend, pool = eng.runner.backend, eng.runner.pool
-    backend.kernels = dataclasses.replace(backend.kernels, flat_verify_batch=8 if flat else 0)
+    backend.kernels = dataclasses.replace(backend.kernels, flat_verify_batch=8 if flat else 0, flat_verify_kv=1 << 20)
     reqs = [r for r in eng.scheduler.running if r.prefilled]
     q = 4 if variant != "plain" else 1
     mode = ForwardMode.TARGET_VERIFY if q > 1 else ForwardMode.DECODE
