@@ -1,0 +1,85 @@
+"""Verify attention on XQA: the multi-query mode (q_len queries a request, chain mask) against
+the flat layout (one decode row a query, each row's KV ending at its query), per head shape,
+batch and KV length. What `attention/kernels`' `FLAT_VERIFY` bounds were chosen from.
+
+    python -m ops.bench.verify_attention [--out FILE]
+
+Each figure is one call's device time from a CUDA graph of 32 back-to-back calls (KV hot in
+L2, as for the short contexts where the choice matters); `rel_diff` compares the two outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+
+import torch
+
+from attention.kernels import DecodeCall, chain_mask, flashinfer_hopper
+from attention.trtllm_mha import WORKSPACE_BYTES
+from ops.bench.xqa_decode_bandwidth import graph_ms
+
+logger = logging.getLogger(__name__)
+
+HEADS = {"llama3-8b": (8, 128, 4), "gemma3": (1, 256, 4)}  # KV heads, head dim, queries per KV head
+PAGE, Q_LEN, CALLS = 16, 5, 32
+
+
+def layouts(batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int) -> tuple[DecodeCall, DecodeCall]:
+    """The same verify as a multi-query call and as a flat one."""
+    pages = -(-kv_len // PAGE)
+    width = (1024 if kv_len <= 1024 else 4096) // PAGE
+    cache = torch.randn(batch * pages + 1, 2, kv_heads, PAGE, head_dim, dtype=torch.bfloat16, device="cuda")
+    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+    tables[:, :pages] = (torch.randperm(batch * pages, device="cuda") + 1).to(torch.int32).view(batch, pages)
+    common = dict(
+        query=torch.randn(batch * Q_LEN, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"),
+        kv_cache=cache,
+        bmm1_scale=head_dim**-0.5,
+        window_left=-1,
+        sinks=None,
+        where="bench",
+        max_seq_len=width * PAGE,
+    )
+    multi = DecodeCall(
+        **common,
+        block_tables=tables,
+        seq_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"),
+        q_len_per_req=Q_LEN,
+        mask=chain_mask(batch, Q_LEN, torch.device("cuda")),
+    )
+    rows = torch.arange(batch, device="cuda").repeat_interleave(Q_LEN)
+    ends = (kv_len - Q_LEN + 1 + torch.arange(Q_LEN, device="cuda")).repeat(batch).to(torch.int32)
+    flat = DecodeCall(**common, block_tables=tables[rows].contiguous(), seq_lens=ends)
+    return multi, flat
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    results = {}
+    for (name, shape), batch, kv_len in itertools.product(HEADS.items(), (1, 8, 64), (260, 2000)):
+        multi, flat = layouts(batch, kv_len, *shape)
+        a, b = flashinfer_hopper.decode(multi, workspace), flashinfer_hopper.decode(flat, workspace)
+        us = {
+            label: graph_ms([lambda c=call: flashinfer_hopper.decode(c, workspace)] * CALLS) * 1e3 / CALLS
+            for label, call in (("multi_query", multi), ("flat", flat))
+        }
+        key = f"{name} b{batch} kv{kv_len}"
+        results[key] = {**us, "rel_diff": ((a.float() - b.float()).norm() / a.float().norm()).item()}
+        logger.info(
+            f"{key:24} multi-query {us['multi_query']:6.1f} us  flat {us['flat']:6.1f} us  "
+            f"flat faster {us['multi_query'] / us['flat']:.2f}x"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
