@@ -53,12 +53,12 @@ class ForwardMetadata:
     q_len_per_req: int  # uniform query length (decode kernel), 0 when ragged
     seq_lens: torch.Tensor  # [B x rows_per_req] int32, KV lengths including the new tokens
     max_seq_len: int
-    cu_seq_lens_q: torch.Tensor  # [B+1] int32
-    cu_seq_lens_kv: torch.Tensor  # [B+1] int32
+    cu_seq_lens_q: torch.Tensor  # [B x rows_per_req + 1] int32
+    cu_seq_lens_kv: torch.Tensor  # [B x rows_per_req + 1] int32
     max_q_len: int
     out_cache_loc: torch.Tensor  # [T] full-pool write slots
-    full_page_table: torch.Tensor  # [B, M] int32
-    swa_page_table: torch.Tensor | None  # [B, M] int32, full pages translated through full_to_swa
+    full_page_table: torch.Tensor  # [B x rows_per_req, M] int32
+    swa_page_table: torch.Tensor | None  # the same shape, full pages translated through full_to_swa
     swa_out_loc: torch.Tensor | None  # [T] SWA-pool write slots, translated once
     mask: torch.Tensor | None  # packed chain mask for verify on kernels that need it
     query_offset: int  # read-only queries this far past the KV end (frozen-KV drafts)
