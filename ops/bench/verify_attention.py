@@ -27,15 +27,17 @@ HEADS = {"llama3-8b": (8, 128, 4), "gemma3": (1, 256, 4)}  # KV heads, head dim,
 PAGE, Q_LEN, CALLS = 16, 5, 32
 
 
-def layouts(batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int) -> tuple[DecodeCall, DecodeCall]:
+def layouts(
+    batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int, device: str = "cuda"
+) -> tuple[DecodeCall, DecodeCall]:
     """The same verify as a multi-query call and as a flat one."""
     pages = -(-kv_len // PAGE)
     width = (1024 if kv_len <= 1024 else 4096) // PAGE
-    cache = torch.randn(batch * pages + 1, 2, kv_heads, PAGE, head_dim, dtype=torch.bfloat16, device="cuda")
-    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
-    tables[:, :pages] = (torch.randperm(batch * pages, device="cuda") + 1).to(torch.int32).view(batch, pages)
+    cache = torch.randn(batch * pages + 1, 2, kv_heads, PAGE, head_dim, dtype=torch.bfloat16, device=device)
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
+    tables[:, :pages] = (torch.randperm(batch * pages, device=device) + 1).to(torch.int32).view(batch, pages)
     common = dict(
-        query=torch.randn(batch * Q_LEN, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"),
+        query=torch.randn(batch * Q_LEN, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device),
         kv_cache=cache,
         bmm1_scale=head_dim**-0.5,
         window_left=-1,
@@ -46,12 +48,12 @@ def layouts(batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int) -
     multi = DecodeCall(
         **common,
         block_tables=tables,
-        seq_lens=torch.full((batch,), kv_len, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((batch,), kv_len, dtype=torch.int32, device=device),
         q_len_per_req=Q_LEN,
-        mask=chain_mask(batch, Q_LEN, torch.device("cuda")),
+        mask=chain_mask(batch, Q_LEN, torch.device(device)),
     )
-    rows = torch.arange(batch, device="cuda").repeat_interleave(Q_LEN)
-    ends = (kv_len - Q_LEN + 1 + torch.arange(Q_LEN, device="cuda")).repeat(batch).to(torch.int32)
+    rows = torch.arange(batch, device=device).repeat_interleave(Q_LEN)
+    ends = (kv_len - Q_LEN + 1 + torch.arange(Q_LEN, device=device)).repeat(batch).to(torch.int32)
     flat = DecodeCall(**common, block_tables=tables[rows].contiguous(), seq_lens=ends)
     return multi, flat
 
