@@ -71,6 +71,10 @@ class ServingMetrics:
             "request_time_per_output_token_seconds", "A request's time per output token after the first"
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.queue = histogram(
+            "request_queue_time_seconds", "Time from arrival at a replica's engine to admission (KV reserved)"
+        )
+        self.prefill = histogram("request_prefill_time_seconds", "Time from admission to the first generated token")
         self.num_drafts = counter("spec_decode_num_drafts", "Draft chains verified")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
@@ -102,6 +106,9 @@ class ServingMetrics:
         self.cache_queries.labels(self.model).inc(update.get("prompt_tokens", 0))
         self.cache_hits.labels(self.model).inc(update.get("cached_tokens", 0))
         self.e2e.labels(self.model).observe(e2e_s)
+        for histogram, phase in ((self.queue, "queue_s"), (self.prefill, "prefill_s")):
+            if update.get(phase) is not None:
+                histogram.labels(self.model).observe(update[phase])
         if completion > 1:
             self.tpot.labels(self.model).observe(decode_s / (completion - 1))
         spec = update.get("spec")

@@ -75,7 +75,11 @@ def update_to_wire(update: Update) -> dict[str, Any]:
     if update.output is not None:
         o = update.output
         out.update(
-            finish_reason=o.finish_reason, prompt_tokens=len(o.prompt_token_ids), completion_tokens=len(o.token_ids)
+            finish_reason=o.finish_reason,
+            prompt_tokens=len(o.prompt_token_ids),
+            completion_tokens=len(o.token_ids),
+            queue_s=o.queue_s,
+            prefill_s=o.prefill_s,
         )
         if o.spec is not None:
             out["spec"] = {

@@ -57,6 +57,8 @@ class RequestOutput:
     spec: SpecStats | None = None  # speculative decoding record (accept lengths, per position)
     error: str | None = None  # why the request failed, when finish_reason is "error"
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    queue_s: float | None = None  # seconds from arrival at the engine to admission (KV reserved)
+    prefill_s: float | None = None  # seconds from admission to the first generated token
 
 
 class Engine:
@@ -396,6 +398,7 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         req = self._requests[request_id]
+        queue, prefill = req.phase_seconds()
         return RequestOutput(
             request_id=req.rid,
             prompt_token_ids=req.prompt_ids,
@@ -406,6 +409,8 @@ class Engine:
             spec=req.spec.stats.copy() if req.spec is not None else None,
             error=req.error,
             cached_tokens=req.cached_tokens,
+            queue_s=queue,
+            prefill_s=prefill,
         )
 
     def release(self, request_id: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,16 @@ class Request:
     error: str | None = None  # why the request failed (finish reason ERROR)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     cache_match: Any = None  # the prefix cache's match it holds locked while it runs
+    # time.monotonic() when it reached the engine, was admitted (KV reserved), got its first token
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token_at: float | None = None
+
+    def phase_seconds(self) -> tuple[float | None, float | None]:
+        """(waiting for admission, admission to the first token): None for a phase not reached."""
+        queue = None if self.admitted is None else self.admitted - self.arrived
+        prefill = None if self.admitted is None or self.first_token_at is None else self.first_token_at - self.admitted
+        return queue, prefill
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -121,6 +122,7 @@ class Scheduler:
             self._needs[req.rid] = need
             self._reserved.full_pages += need.full_pages
             self._reserved.swa_pages += need.swa_pages
+            req.admitted = time.monotonic()
             self.running.append(req)
 
     def _start_on(self, req: Request, match) -> None:
@@ -221,6 +223,8 @@ class Scheduler:
         """Record that the target's KV covers `kv_len` positions and append `tokens` up to the
         first that finishes the request (which then gives back everything it holds)."""
         req.kv_len = kv_len
+        if tokens and not req.output_ids:
+            req.first_token_at = time.monotonic()
         emitted = []
         for token in tokens:
             req.output_ids.append(token)

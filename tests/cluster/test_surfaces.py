@@ -89,6 +89,8 @@ def test_metric_names_and_types_are_the_same_everywhere(app):
         "slidespec_e2e_request_latency_seconds",
         "slidespec_request_time_per_output_token_seconds",
         "slidespec_inter_token_latency_seconds",
+        "slidespec_request_queue_time_seconds",
+        "slidespec_request_prefill_time_seconds",
     ):
         assert families.get(name) == "histogram", name
     assert not [s for s in first[1] if s.endswith("_created")]

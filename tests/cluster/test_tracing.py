@@ -148,6 +148,8 @@ def test_metrics_count_drafts_and_latency(app, ray_serve):
     assert any(k.startswith("slidespec_spec_accept_length{") and v == K + 1 for k, v in values.items())
     assert any(k.startswith("slidespec_time_to_first_token_seconds_count") and v >= 3 for k, v in values.items())
     assert any(k.startswith("slidespec_e2e_request_latency_seconds_count") and v >= 3 for k, v in values.items())
+    for phase in ("queue", "prefill"):
+        assert any(k.startswith(f"slidespec_request_{phase}_time_seconds_count") and v >= 3 for k, v in values.items())
     assert any(k.startswith("slidespec_request_time_per_output_token_seconds_count") for k in values)
     assert any(k.startswith("slidespec_generation_tokens_total") and v >= 27 for k, v in values.items())
     assert any(k.startswith("slidespec_prompt_tokens_total") and v >= 12 for k, v in values.items())

@@ -1,5 +1,5 @@
-"""Engine behaviour: bad input, KV accounting, admission control, stop conditions, streaming,
-text prompts and weight formats."""
+"""Engine behaviour: bad input, KV accounting, admission control, phase timings, stop
+conditions, streaming, text prompts and weight formats."""
 
 import json
 import os
@@ -126,6 +126,19 @@ def test_requests_wait_when_kv_is_short(gemma3_dir):
     assert saw_waiting, "the tight pool should have made some requests wait"
     assert [tight.output(f"req-{i}").token_ids for i in range(len(prompts))] == expected
     tight.check_no_leak()
+
+
+def test_outputs_time_the_wait_for_admission_and_the_prefill(gemma3_dir):
+    """One request runs at a time: the second waits in the queue until the first finished,
+    which was after the first's prefill, so its queue time is at least that prefill time."""
+    eng = Engine(model=gemma3_dir, page_size=4, max_total_tokens=2048, max_running_requests=1)
+    first, second = [eng.add_request(p, GREEDY) for p in random_prompts([20, 9], seed=4)]
+    while eng.has_unfinished():
+        eng.step()
+    a, b = eng.output(first), eng.output(second)
+    assert all(t is not None and t >= 0 for t in (a.queue_s, a.prefill_s, b.queue_s, b.prefill_s))
+    assert b.queue_s >= a.prefill_s
+    eng.check_no_leak()
 
 
 def test_request_larger_than_pool_is_rejected(gemma3_dir):
