@@ -23,6 +23,8 @@ def test_random_dataset_on_the_engine(tmp_path):
     assert result["mean_ttft_ms"] < result["mean_e2e_latency_ms"]
     assert result["output_throughput"] == result["total_output_tokens"] / result["duration"]
     assert result["concurrency"] <= 3 + 1e-6 and result["mean_accept_length"] is None
+    # the engine's view of where each first token's time went
+    assert result["server_mean_queue_ms"] >= 0 and result["server_mean_prefill_ms"] > 0
 
 
 def test_multi_turn_dataset_with_speculation(tmp_path):
@@ -48,7 +50,7 @@ def test_compare_rounds_draw_new_prompts_each_round(monkeypatch):
     be prefix-cache hits in both engines)."""
     prompts: list[tuple[str, list[int]]] = []
 
-    def fake_measure(backend, args, vocab):
+    def fake_measure(backend, args, vocab, metrics_url=None):
         prompts.append((backend, serve_bench.conversations(args, vocab)[0][0][0]))
         return {"median_ttft_ms": 1.0, "median_tpot_ms": 1.0, "median_itl_ms": 1.0, "output_throughput": 1.0}
 
@@ -64,7 +66,7 @@ def test_compare_rounds_draw_new_prompts_each_round(monkeypatch):
 
     monkeypatch.setattr(serve_bench, "measure", fake_measure)
     monkeypatch.setattr(serve_bench, "EngineBackend", FakeEngineBackend)
-    monkeypatch.setattr(serve_bench, "make_backend", lambda args, settings: "stack")
+    monkeypatch.setattr(serve_bench, "make_backend", lambda args, settings: ("stack", None))
     args = serve_bench.parse_args(["--backend", "grpc", "--compare-rounds", "3", "--num-prompts", "4"])
     result = serve_bench.compare(args, {}, 1000)
     assert len(result["rounds"]) == 3 and len(prompts) == 6

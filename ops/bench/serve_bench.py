@@ -94,6 +94,26 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[tuple[list[
 
 # -- backends: each streams one request's chunks -----------------------------------------------------
 Stream = Callable[[list[int], int], AsyncIterator[Chunk]]
+PHASES = ("queue", "prefill")  # a request's time waiting for admission, and from there to its first token
+
+
+def scrape_phase_totals(metrics_url: str) -> dict[str, list[float]]:
+    """Seconds summed and requests counted, per phase, from a running stack's Prometheus
+    histograms (`slidespec_request_{queue,prefill}_time_seconds`, every replica)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {phase: [0.0, 0] for phase in PHASES}
+    text = requests.get(metrics_url, timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for phase in PHASES:
+            if family.name == f"slidespec_request_{phase}_time_seconds":
+                for sample in family.samples:
+                    if sample.name.endswith("_sum"):
+                        totals[phase][0] += sample.value
+                    elif sample.name.endswith("_count"):
+                        totals[phase][1] += sample.value
+    return totals
 
 
 class EngineBackend:
@@ -110,6 +130,10 @@ class EngineBackend:
         self.thread = threading.Thread(target=self.loop.run, daemon=True)
         self.thread.start()
         self.count = 0
+        self.phases = {phase: [0.0, 0] for phase in PHASES}  # seconds summed, requests
+
+    def phase_totals(self) -> dict[str, list[float]]:
+        return {phase: list(total) for phase, total in self.phases.items()}
 
     def _on_updates(self, updates) -> None:
         """One hand-over to the event loop per step, as the rank actor does; none once the
@@ -119,6 +143,12 @@ class EngineBackend:
 
     def _deliver(self, updates) -> None:
         for update in updates:
+            if update.output is not None:
+                for phase, total in self.phases.items():
+                    seconds = getattr(update.output, f"{phase}_s")
+                    if seconds is not None:
+                        total[0] += seconds
+                        total[1] += 1
             queue = self.queues.get(update.rid)
             if queue is not None:  # else: its reader left and the request was aborted
                 queue.put_nowait(update)
@@ -390,6 +420,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--base-url", help="a running HTTP route (http://127.0.0.1:8000/generate) or OpenAI base (.../generate/v1)"
     )
+    p.add_argument(
+        "--metrics-url",
+        help="a running stack's Prometheus route (http://127.0.0.1:8000/generate/metrics), for the server's "
+        "queue and prefill times; a launched application's is known",
+    )
     p.add_argument("--model", default="tiny-gemma3", help="a shipped model name or a model directory")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -451,30 +486,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_backend(args: argparse.Namespace, settings: dict[str, Any]):
-    """The backend `--backend` names, launching an application when no running one is given."""
+    """The backend `--backend` names, launching an application when no running one is given,
+    and where its metrics are (`--metrics-url`, or the launched application's)."""
     if args.backend == "engine":
         if args.tp_size > 1:
             raise SystemExit("--tp-size: the in-process engine is one rank; ops.bench.tensor_parallel measures TP")
-        return EngineBackend(settings)
+        return EngineBackend(settings), None
     target = f"{args.host}:{args.port}" if args.host else None
-    url = args.base_url
+    url, metrics_url = args.base_url, args.metrics_url
     if (args.backend == "grpc" and target is None) or (args.backend != "grpc" and url is None):
         where = launch(args)
         target, url = target or where["grpc"], url or where["http"]
+        metrics_url = metrics_url or where["http"] + "/metrics"
     if args.backend == "openai":
-        return OpenAIBackend(url if args.base_url else url + "/v1", os.path.basename(settings["model"]))
-    return GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
+        backend = OpenAIBackend(url if args.base_url else url + "/v1", os.path.basename(settings["model"]))
+    else:
+        backend = GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
+    return backend, metrics_url
 
 
-def measure(backend, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """Warm-up requests, then the workload; its metrics."""
+def measure(backend, args: argparse.Namespace, vocab: int, metrics_url: str | None = None) -> dict[str, Any]:
+    """Warm-up requests, then the workload; its metrics, and the engine's mean time per phase
+    (`server_mean_queue_ms`, `server_mean_prefill_ms`) where it can be read: the in-process
+    engine's outputs, or a stack's metrics at `metrics_url`."""
 
     async def bench():
         warm = conversations(
             argparse.Namespace(**{**vars(args), "num_prompts": args.warmup_requests, "seed": -1}), vocab
         )
         await run_workload(backend.stream, warm, float("inf"), args.max_concurrency, args.seed, False)
-        results = await run_workload(
+        before = phase_totals()
+        results, duration = await run_workload(
             backend.stream,
             conversations(args, vocab),
             args.request_rate,
@@ -482,11 +524,23 @@ def measure(backend, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
             args.seed,
             not args.disable_tqdm,
         )
+        after = phase_totals()
         if not isinstance(backend, EngineBackend):  # its session or channel belongs to this event loop
             await backend.aclose()
-        return results
+        return results, duration, before, after
 
-    return metrics(*asyncio.run(bench()))
+    def phase_totals() -> dict[str, list[float]] | None:
+        if isinstance(backend, EngineBackend):
+            return backend.phase_totals()
+        return scrape_phase_totals(metrics_url) if metrics_url else None
+
+    results, duration, before, after = asyncio.run(bench())
+    out = metrics(results, duration)
+    if before is not None:  # the server's view: where the first token's time went
+        for phase in PHASES:
+            seconds, count = (after[phase][i] - before[phase][i] for i in range(2))
+            out[f"server_mean_{phase}_ms"] = seconds / count * 1e3 if count else None
+    return out
 
 
 COST_METRICS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms")
@@ -505,28 +559,40 @@ def stack_cost(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     return cost
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def compare(args: argparse.Namespace, settings: dict[str, Any], vocab: int) -> dict[str, Any]:
     """The in-process engine and the stack alternated over `--compare-rounds` rounds (the order
     flips each round), so that drift of the machine falls on both. Each round draws its own
     prompts (`--seed` plus the round), the same for both sides: with one set for every round,
     the later rounds found their prompts in both engines' prefix caches and measured another
     workload than the first (on the CPU, round 1's TTFT was six times the later rounds')."""
-    engine, stack = EngineBackend(settings), make_backend(args, settings)
+    engine, (stack, metrics_url) = EngineBackend(settings), make_backend(args, settings)
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         for i in range(args.compare_rounds):
             order = [("engine", engine), ("stack", stack)]
             workload = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
-            measured = {name: measure(backend, workload, vocab) for name, backend in order[:: 1 if i % 2 == 0 else -1]}
+            measured = {
+                name: measure(backend, workload, vocab, metrics_url if name == "stack" else None)
+                for name, backend in order[:: 1 if i % 2 == 0 else -1]
+            }
+            engine_r, stack_r = measured["engine"], measured["stack"]
             logger.info(
-                "round %d: TTFT p50 engine %.2f ms, %s %.2f ms; output tok/s engine %.0f, %s %.0f",
+                "round %d: TTFT p50 engine %.2f ms, %s %.2f ms; output tok/s engine %.0f, %s %.0f; "
+                "server queue / prefill means, ms: engine %s / %s, %s %s / %s",
                 i + 1,
-                measured["engine"]["median_ttft_ms"],
+                engine_r["median_ttft_ms"],
                 args.backend,
-                measured["stack"]["median_ttft_ms"],
-                measured["engine"]["output_throughput"],
+                stack_r["median_ttft_ms"],
+                engine_r["output_throughput"],
                 args.backend,
-                measured["stack"]["output_throughput"],
+                stack_r["output_throughput"],
+                *(_ms(engine_r.get(f"server_mean_{phase}_ms")) for phase in PHASES),
+                args.backend,
+                *(_ms(stack_r.get(f"server_mean_{phase}_ms")) for phase in PHASES),
             )
             rounds.append(measured)
     finally:
@@ -553,9 +619,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit("--compare-rounds: give the stack's --backend (grpc, http or openai)")
         out.update(compare(args, settings, vocab))
     else:
-        backend = make_backend(args, settings)
+        backend, metrics_url = make_backend(args, settings)
         try:
-            out.update(measure(backend, args, vocab))
+            out.update(measure(backend, args, vocab, metrics_url))
         finally:
             if isinstance(backend, EngineBackend):
                 backend.close()

@@ -210,11 +210,13 @@ def test_64_concurrent_streams_over_two_replicas(servers):
     assert servers["api"][2].stats.remote().result()["pending_decisions"] == 0  # routing records do not pile up
 
 
-def test_the_serving_benchmark_alternates_the_engine_and_the_stack(servers):
+def test_the_serving_benchmark_alternates_the_engine_and_the_stack(servers, ray_serve):
     """`serve_bench --compare-rounds`: the same workload on the in-process engine and through a
-    running application, alternated; the stack's cost is each round's difference."""
+    running application, alternated; the stack's cost is each round's difference. Both sides
+    report the engine's mean queue and prefill times (the stack's from its metrics)."""
     host, port = servers["api"][0].rsplit(":", 1)
     args = ["--backend", "grpc", "--host", host, "--port", port, "--compare-rounds", "2", "--model", "tiny-gemma3"]
+    args += ["--metrics-url", f"{ray_serve}/api/metrics"]
     args += ["--device", "cpu", "--page-size", "4", "--max-total-tokens", "4096", "--num-prompts", "4"]
     args += ["--random-input-len", "16", "--random-output-len", "6", "--max-concurrency", "2", "--warmup-requests", "1"]
     result = serve_bench.main(args + ["--disable-tqdm"])
@@ -224,6 +226,7 @@ def test_the_serving_benchmark_alternates_the_engine_and_the_stack(servers):
         for backend in ("engine", "stack"):
             assert measured[backend]["completed"] == 4 and measured[backend]["failed"] == 0
             assert measured[backend]["total_output_tokens"] == 4 * 6
+            assert all(measured[backend][f"server_mean_{phase}_ms"] >= 0 for phase in ("queue", "prefill"))
     added = [r["stack"]["median_ttft_ms"] - r["engine"]["median_ttft_ms"] for r in rounds]
     assert result["stack_cost"]["median_ttft_added_ms"] == {"rounds": added, "median": statistics.median(added)}
     change = [r["stack"]["output_throughput"] / r["engine"]["output_throughput"] - 1 for r in rounds]
