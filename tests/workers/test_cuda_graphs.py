@@ -82,6 +82,34 @@ def test_replay_gives_the_eager_tokens(models, variant, page_size):
 
 
 @pytest.mark.parametrize("variant", [v for v, spec in SPECS.items() if spec is not None])
+def test_one_request_verifies_flat_and_ahead_as_eager(models, variant):
+    """One request: its verify runs flat (a decode row a query, short KV) and, after the first
+    round, launched ahead under replay; tokens and accept lengths equal the eager engine's, and
+    the tokens the greedy decode's without speculation (lossless)."""
+    prompt = PROMPTS[:1]
+    plain = _engine(models, "plain", 4, False).generate(prompt_token_ids=prompt, sampling=GREEDY)
+    ref = _engine(models, variant, 4, False).generate(prompt_token_ids=prompt, sampling=GREEDY)
+    assert [r.token_ids for r in ref] == [p.token_ids for p in plain]
+    eng = _engine(models, variant, 4, "emulate")
+    backend, layouts = eng.runner.backend, []
+    build = backend._build_metadata
+
+    def recorded(batch, *args, **kwargs):
+        md = build(batch, *args, **kwargs)
+        if md.mode == ForwardMode.TARGET_VERIFY:
+            layouts.append(md.rows_per_req)
+        return md
+
+    backend._build_metadata = recorded
+    outs = eng.generate(prompt_token_ids=prompt, sampling=GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [o.spec.accept_lengths for o in outs] == [r.spec.accept_lengths for r in ref]
+    assert layouts and set(layouts) == {4}  # every verify flat: 3 drafts and the pending token
+    assert eng.spec.rounds_verified_ahead > 0
+    eng.check_no_leak()
+
+
+@pytest.mark.parametrize("variant", [v for v, spec in SPECS.items() if spec is not None])
 def test_chained_draft_steps_propose_the_eager_drafts(models, variant):
     """Under replay, drafts 2..k of a greedy round come from one chain graph (the batch moved on
     on the device between steps), mostly launched by the round before, ahead of its read, from
