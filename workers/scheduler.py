@@ -203,6 +203,15 @@ class Scheduler:
         of, pos = expand_ranges(starts, ends)
         return torch.from_numpy(self.req_to_token.host[np.asarray(rows, dtype=np.int64)[of], pos].astype(np.int64))
 
+    def has_room_ahead(self, reqs: list[Request], ends: list[int]) -> bool:
+        """Whether each request could hold slots up to `ends[i]` positions within its KV
+        reservation, with the pages free now (work launched a round ahead borrows them for the
+        furthest outcome; the round's trim gives back what it did not need)."""
+        room = self.lookahead
+        return all(e <= r.max_len + room for r, e in zip(reqs, ends)) and self.allocator.can_extend(
+            {r.row: e for r, e in zip(reqs, ends)}
+        )
+
     def trim(self, req: Request, keep: int = 0) -> None:
         """Give back slots held past the request's tokens (rejected drafts) and `keep` more
         positions (a verify in flight writes them); the pending token's slot stays."""

@@ -19,7 +19,7 @@ import torch
 
 from attention.kernels import DecodeCall, chain_mask, flashinfer_hopper
 from attention.trtllm_mha import WORKSPACE_BYTES
-from ops.bench.xqa_decode_bandwidth import graph_ms
+from ops.bench.xqa_decode_bandwidth import graph_ms, paged_kv
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +31,8 @@ def layouts(
     batch: int, kv_len: int, kv_heads: int, head_dim: int, group: int, device: str = "cuda"
 ) -> tuple[DecodeCall, DecodeCall]:
     """The same verify as a multi-query call and as a flat one."""
-    pages = -(-kv_len // PAGE)
     width = (1024 if kv_len <= 1024 else 4096) // PAGE
-    cache = torch.randn(batch * pages + 1, 2, kv_heads, PAGE, head_dim, dtype=torch.bfloat16, device=device)
-    tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
-    tables[:, :pages] = (torch.randperm(batch * pages, device=device) + 1).to(torch.int32).view(batch, pages)
+    cache, tables = paged_kv(batch, kv_len, kv_heads, head_dim, PAGE, width, device)
     common = dict(
         query=torch.randn(batch * Q_LEN, kv_heads * group, head_dim, dtype=torch.bfloat16, device=device),
         kv_cache=cache,

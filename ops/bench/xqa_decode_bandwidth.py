@@ -89,6 +89,18 @@ def _flush(mb: int, kind: str):
     return lambda: torch.nn.functional.linear(x, weight)
 
 
+def paged_kv(
+    batch: int, kv_len: int, kv_heads: int, head_dim: int, page: int, width: int, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random bf16 paged cache (HND, page 0 unused) holding `kv_len` tokens a request on
+    pages in random order, and its page tables zero-padded to `width` pages."""
+    pages = -(-kv_len // page)
+    cache = torch.randn(batch * pages + 1, 2, kv_heads, page, head_dim, dtype=torch.bfloat16, device=device)
+    tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
+    tables[:, :pages] = (torch.randperm(batch * pages, device=device) + 1).to(torch.int32).view(batch, pages)
+    return cache, tables
+
+
 def decode_bandwidth(
     batch: int,
     kv_len: int,
@@ -106,10 +118,7 @@ def decode_bandwidth(
     module's docstring."""
     pages_per_req = -(-kv_len // page)
     width = max(pages_per_req, -(-(table_tokens or 0) // page))
-    num_pages = batch * pages_per_req
-    cache = torch.randn(num_pages + 1, 2, kv_heads, page, head_dim, dtype=torch.bfloat16, device="cuda")
-    tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
-    tables[:, :pages_per_req] = (torch.randperm(num_pages, device="cuda") + 1).to(torch.int32).view(batch, -1)
+    cache, tables = paged_kv(batch, kv_len, kv_heads, head_dim, page, width)
     call = DecodeCall(
         query=torch.randn(batch, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"),
         kv_cache=cache,

@@ -16,6 +16,7 @@ cuBLAS.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -56,6 +57,7 @@ DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the fused kernels' `ACT` codes
 
 
+@functools.cache  # asked by `applies` and again at launch, for every projection call
 def tile_for(out_features: int, in_features: int, rows: int = 1) -> Tile | None:
     """The table's tile for a weight of this shape and `rows` input rows (None: cuBLAS)."""
     table = TILES if rows == 1 else ROW_TILES

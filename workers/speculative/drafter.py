@@ -203,9 +203,7 @@ class Drafter:
         within its KV reservation and the pools have the pages free now (the round's trim
         gives them back)."""
         k = best.shape[1] - 1  # the target's choices: k + 1 a request
-        ends = {r.row: r.num_tokens + 2 * k - self.shift for r in reqs}
-        room = self.scheduler.lookahead
-        if any(ends[r.row] > r.max_len + room for r in reqs) or not self.scheduler.allocator.can_extend(ends):
+        if not self.scheduler.has_room_ahead(reqs, [r.num_tokens + 2 * k - self.shift for r in reqs]):
             return None
         tokens = torch.stack([r.spec.next_token for r in reqs])
         hidden = torch.stack([r.spec.next_hidden for r in reqs])

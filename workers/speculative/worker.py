@@ -175,21 +175,31 @@ class SpecWorker:
             self._ahead.num_tokens = [r.num_tokens for r in reqs]
         return events
 
+    def _verify_batch(
+        self, reqs: list[Request], starts: list[int], input_ids: list[list[int]], allocate_to: list[int] | None = None
+    ) -> ForwardBatch:
+        """A verify of k + 1 positions from each request's `starts` (slots allocated up to
+        `allocate_to`, by default those positions)."""
+        k = self.num_steps
+        return ForwardBatch.build(
+            ForwardMode.TARGET_VERIFY,
+            rows=[r.row for r in reqs],
+            prefix_lens=starts,
+            input_ids=input_ids,
+            out_cache_loc=self.scheduler.slots(reqs, starts, [s + k + 1 for s in starts], allocate_to),
+            req_to_token=self.scheduler.req_to_token,
+            logits_rows=range(len(reqs) * (k + 1)),
+        )
+
     def _verify(self, reqs: list[Request], drafts: torch.Tensor | list[list[int]]) -> ForwardOutput:
         """The target over each request's pending token and its drafts (on the device or the host)."""
         k = self.num_steps
         starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
         on_device = isinstance(drafts, torch.Tensor)
-        batch = ForwardBatch.build(
-            ForwardMode.TARGET_VERIFY,
-            rows=[r.row for r in reqs],
-            prefix_lens=starts,
-            input_ids=[
-                r.tokens(s, s + 1) + ([PADDING_TOKEN] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)
-            ],
-            out_cache_loc=self.scheduler.slots(reqs, starts, [s + k + 1 for s in starts]),
-            req_to_token=self.scheduler.req_to_token,
-            logits_rows=range(len(reqs) * (k + 1)),
+        batch = self._verify_batch(
+            reqs,
+            starts,
+            [r.tokens(s, s + 1) + ([PADDING_TOKEN] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)],
         )
         if on_device:
             pending = batch.input_ids.view(len(reqs), k + 1)[:, :1]
@@ -209,20 +219,9 @@ class SpecWorker:
             return None
         firsts = [r.num_tokens for r in reqs]  # the next pending token's position, nothing accepted
         ends = [f + 2 * k + 1 for f in firsts]  # the furthest outcome: k accepted, k + 1 positions on
-        room = self.scheduler.lookahead
-        if any(e > r.max_len + room for r, e in zip(reqs, ends)) or not self.scheduler.allocator.can_extend(
-            {r.row: e for r, e in zip(reqs, ends)}
-        ):
+        if not self.scheduler.has_room_ahead(reqs, ends):
             return None
-        batch = ForwardBatch.build(
-            ForwardMode.TARGET_VERIFY,
-            rows=[r.row for r in reqs],
-            prefix_lens=firsts,
-            input_ids=[[PADDING_TOKEN] * (k + 1)] * len(reqs),
-            out_cache_loc=self.scheduler.slots(reqs, firsts, [f + k + 1 for f in firsts], ends),
-            req_to_token=self.scheduler.req_to_token,
-            logits_rows=range(len(reqs) * (k + 1)),
-        )
+        batch = self._verify_batch(reqs, firsts, [[PADDING_TOKEN] * (k + 1)] * len(reqs), ends)
         bonus = best.gather(1, accepted[:, None])
         drafts = torch.cat([torch.stack([r.spec.next_token for r in reqs])[:, None], drafts_ahead], dim=1)
         batch.use_device_ids(torch.cat([bonus, drafts], dim=1).flatten())
