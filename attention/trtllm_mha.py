@@ -358,7 +358,7 @@ class TRTLLMMHABackend(AttentionBackend):
         )
         if route == "decode":
             call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=md.q_len_per_req, mask=md.mask)
-            run = self.kernels.decode
+            _, run = self.kernels.decode_kernel(call.batch_size, md.q_len_per_req)
         else:
             call = ContextCall(
                 **common,
@@ -375,9 +375,15 @@ class TRTLLMMHABackend(AttentionBackend):
 
     # -- introspection ---------------------------------------------------------------------------
     def kernel_name(self, mode: ForwardMode) -> str | None:
-        """The kernel this device runs for a forward mode (recorded in traces)."""
+        """The kernel this device runs for a forward mode (recorded in traces): for the decode
+        route, the one the last forward of that mode ran (it depends on the batch's shape)."""
         route = ROUTING[mode]
-        return None if route is None else getattr(self.kernels, f"{route}_name")
+        if route is None:
+            return None
+        md = self._md
+        if route == "decode" and md is not None and md.mode == mode:
+            return self.kernels.decode_kernel(md.seq_lens.shape[0], md.q_len_per_req)[0]
+        return getattr(self.kernels, f"{route}_name")
 
 
 def uniform_query_len(mode: ForwardMode, kernel: str | None, q_lens: list[int]) -> int:

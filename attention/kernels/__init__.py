@@ -32,12 +32,34 @@ class KernelSet:
     flat_verify_kv: int
     page_sizes: tuple[int, ...] | None  # None: any page size
     self_checking: bool  # the kernel checks its own contract on every call (the CPU reference)
+    # Decode calls of one query a row (decode, flat verify) and at most this many rows run the
+    # split-KV Triton kernel instead of `decode` (0: never).
+    split_decode_rows: int = 0
+
+    def decode_kernel(self, rows: int, q_len_per_req: int) -> tuple[str, Callable]:
+        """(name, function) of the kernel a decode-routed call of this shape runs: a function of
+        shapes only, so eager mode and every captured graph agree."""
+        if q_len_per_req == 1 and rows <= self.split_decode_rows:
+            return SPLIT_DECODE, _split_decode
+        return self.decode_name, self.decode
 
 
 # (requests, KV tokens) of XQA on an H200, where one row a query beat the multi-query mode for
 # Llama-3-8B and Gemma-3 heads (ops/bench/results/2026-11-24-h200-session13.md); the CPU
 # reference follows it, so CI runs the layout the GPU does.
 FLAT_VERIFY = (1, 1024)
+
+# Rows up to which the split-KV kernel runs one-query decode on Hopper: it beat XQA's bf16
+# kernel at every measured shape (1-64 rows, 256-2,048 tokens; Llama-3-8B and Gemma-3 heads),
+# most where XQA leaves SMs idle (one request, few KV heads of 256 dims: 3.4x).
+SPLIT_DECODE = "split_kv"
+SPLIT_DECODE_ROWS = 256
+
+
+def _split_decode(call: DecodeCall, workspace: torch.Tensor | None) -> torch.Tensor:
+    from attention.kernels import split_decode  # Triton ships with CUDA builds of torch only
+
+    return split_decode.decode(call)
 
 
 def _reference(kind: str) -> Callable:
@@ -73,6 +95,7 @@ KERNEL_SETS = {
         flat_verify_kv=FLAT_VERIFY[1],
         page_sizes=(16, 32, 64, 128),
         self_checking=False,
+        split_decode_rows=SPLIT_DECODE_ROWS,
     ),
     "sm100": KernelSet(
         "sm100",

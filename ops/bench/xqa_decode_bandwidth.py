@@ -1,4 +1,5 @@
-"""XQA batch-decode bandwidth against a device-to-device copy, measured in the same run.
+"""Decode attention bandwidth (XQA, and the split-KV Triton kernel) against a device-to-device
+copy, measured in the same run.
 
 Bytes counted for decode: every K and V element of every request read once (queries, outputs
 and page tables are < 0.1% and left out). Bytes counted for the copy: read plus written.
@@ -15,6 +16,9 @@ projection over an N MB bf16 weight instead (the cuBLAS kernels a decode step ru
 Prints one JSON line per configuration and a table; `--out FILE` also writes the JSON lines.
 
     python -m ops.bench.xqa_decode_bandwidth --batch 64 --kv-len 4096 --kv-heads 8 --head-dim 128
+
+`--kernels xqa split` times both kernels on the same calls (`split`:
+`attention/kernels/split_decode.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ import torch
 
 from attention.kernels import DecodeCall, flashinfer_hopper
 from attention.trtllm_mha import WORKSPACE_BYTES
+
+
+def _kernel(name: str) -> Callable[[DecodeCall, torch.Tensor], torch.Tensor]:
+    if name == "xqa":
+        return flashinfer_hopper.decode
+    from attention.kernels import split_decode
+
+    return lambda call, workspace: split_decode.decode(call)
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
@@ -112,6 +124,7 @@ def decode_bandwidth(
     table_tokens: int | None = None,
     flush_mb: int = 0,
     flush_kind: str = "copy",
+    kernel: str = "xqa",
 ) -> dict:
     """One configuration; `table_tokens` widens the page tables (zero-padded) past the KV, as a
     captured graph's tables are: the kernel sizes its grid by that width. `flush_mb`: see the
@@ -132,12 +145,13 @@ def decode_bandwidth(
     )
     call.check()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    eager_ms = time_ms(lambda: flashinfer_hopper.decode(call, workspace))
-    ms = _time_graph_ms(lambda: flashinfer_hopper.decode(call, workspace))
+    run = _kernel(kernel)
+    eager_ms = time_ms(lambda: run(call, workspace))
+    ms = _time_graph_ms(lambda: run(call, workspace))
     cold = {}
     if flush_mb:
         flush = _flush(flush_mb, flush_kind)
-        both = _time_graph_ms(lambda: flashinfer_hopper.decode(call, workspace), between=flush)
+        both = _time_graph_ms(lambda: run(call, workspace), between=flush)
         cold = {
             "flush_mb": flush_mb,
             "flush_kind": flush_kind,
@@ -147,6 +161,7 @@ def decode_bandwidth(
     kv_bytes = batch * visible * kv_heads * head_dim * 2 * cache.element_size()
     copy = copy_bandwidth(kv_bytes)
     return {
+        "kernel": kernel,
         "batch": batch,
         "kv_len": kv_len,
         "kv_heads": kv_heads,
@@ -176,12 +191,14 @@ def main() -> None:
     p.add_argument("--table-tokens", type=int, nargs="+", default=[0], help="page-table widths (tokens); 0: the KV")
     p.add_argument("--flush-mb", type=int, default=0, help="this many MB of reads between the timed calls")
     p.add_argument("--flush-kind", choices=["copy", "linear"], default="copy", help="what reads them")
+    p.add_argument("--kernels", nargs="+", choices=["xqa", "split"], default=["xqa"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
     rows = [
         decode_bandwidth(
-            b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t, args.flush_mb, args.flush_kind
+            b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t, args.flush_mb, args.flush_kind, k
         )
+        for k in args.kernels
         for b in args.batch
         for n in args.kv_len
         for pg in args.page
@@ -193,6 +210,7 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     header = (
+        ("kernel", 6),
         ("batch", 5),
         ("kv_len", 6),
         ("page", 4),
@@ -205,7 +223,7 @@ def main() -> None:
     print(" ".join(f"{name:>{width}}" for name, width in header) + f" {'frac':>5}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['table_tokens']:>6} "
+            f"{r['kernel']:>6} {r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['table_tokens']:>6} "
             f"{r['decode_ms']:>8.3f} {r['decode_ms_eager']:>8.3f} "
             f"{r['decode_GBps']:>11.0f} {r['copy_GBps']:>9.0f} {r['fraction_of_copy']:>5.2f}"
         )

@@ -35,6 +35,11 @@ def test_routing_table():
         "DRAFT_EXTEND_V2": "decode",
     }
     assert (KERNEL_SETS["sm90"].decode_name, KERNEL_SETS["sm90"].context_name) == ("xqa", "fmha_v2")
+    # Hopper: one query a row runs the split-KV kernel up to its row bound, verify runs XQA
+    sm90 = KERNEL_SETS["sm90"]
+    assert sm90.decode_kernel(1, 1)[0] == sm90.decode_kernel(sm90.split_decode_rows, 1)[0] == "split_kv"
+    assert sm90.decode_kernel(sm90.split_decode_rows + 1, 1)[0] == sm90.decode_kernel(1, 5)[0] == "xqa"
+    assert KERNEL_SETS["cpu"].decode_kernel(1, 1)[0] == "reference_decode"
     backend = TRTLLMMHABackend(CPU)
     assert backend.kernel_name(ForwardMode.TARGET_VERIFY) == "reference_decode"
     assert backend.kernel_name(ForwardMode.DRAFT_EXTEND_V2) == "reference_decode"

@@ -1,0 +1,202 @@
+"""Split-KV decode attention (flash-decoding) in Triton, for decode calls that leave most of the
+GPU idle under XQA.
+
+XQA's bf16 kernel gives one CTA a 256-token tile of one KV head, so a batch-1 decode over a
+few KV heads runs on a handful of SMs and is bound by one CTA's load latency (Gemma-3-1B: one
+KV head of 256 dims, ~30 us a layer). Here every (row, KV head) is split into `splits` slices
+of its visible keys, each slice handled by its own program, and a second kernel merges the
+slices' partial softmax results (log-sum-exp weighted, attention sinks in the denominator).
+
+It reads exactly a `DecodeCall`'s tensors: paged HND cache `[pages, 2, Hkv, page, D]`, page
+tables, KV lengths (the query is the last position), `window_left` and sinks; one query a row
+(decode and flat verify). The grid depends only on shapes, so a captured graph replays it for
+any lengths up to its table's width.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.kernels.calls import DecodeCall, cdiv
+
+TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
+
+
+@triton.jit
+def _slices_kernel(
+    q_ptr,
+    kv_ptr,
+    tables_ptr,
+    lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    window_left,
+    stride_q_row,
+    stride_q_head,
+    stride_page,
+    stride_kv,
+    stride_head,
+    stride_table,
+    num_heads,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + row)
+    start = 0
+    if window_left >= 0:
+        start = tl.maximum(seq_len - 1 - window_left, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    heads = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    q_head = kv_head * GROUP + heads
+    q = tl.load(
+        q_ptr + row * stride_q_row + q_head[:, None] * stride_q_head + dims[None, :],
+        mask=heads[:, None] < GROUP,
+        other=0.0,
+    )
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    head_base = kv_ptr + kv_head * stride_head
+    for block in range(lo, hi, BLOCK_N):
+        tokens = block + tl.arange(0, BLOCK_N)
+        valid = tokens < hi
+        pages = tl.load(tables_ptr + row * stride_table + tokens // PAGE, mask=valid, other=0)
+        offs = pages.to(tl.int64)[:, None] * stride_page + ((tokens % PAGE) * HEAD_DIM)[:, None] + dims[None, :]
+        k = tl.load(head_base + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(head_base + stride_kv + offs, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    has = denom > 0
+    out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
+    slot = (row * num_heads + q_head) * SPLITS + split
+    keep = heads < GROUP
+    tl.store(part_lse_ptr + slot, lse, mask=keep)
+    tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=keep[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    sinks_ptr,
+    out_ptr,
+    stride_o_row,
+    stride_o_head,
+    num_heads,
+    HAS_SINKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = pid // num_heads
+    head = pid % num_heads
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(part_lse_ptr + pid * SPLITS + splits, mask=splits < SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp(lse - top)
+    parts = tl.load(
+        part_out_ptr + (pid * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=(splits < SPLITS)[:, None],
+        other=0.0,
+    )
+    total = tl.sum(weights, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
+    out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_o_row + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def num_splits(rows: int, kv_heads: int, table_tokens: int, block_n: int) -> int:
+    """Slices a (row, KV head) gets: enough programs to cover the device, never more than the
+    table holds blocks. A function of shapes only (graphs capture it)."""
+    return max(1, min(cdiv(TARGET_PROGRAMS, rows * kv_heads), cdiv(table_tokens, block_n)))
+
+
+def block_tokens(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
+    """Attention of one query a row; returns `[rows, H, D]` in the query's dtype. `splits`
+    overrides the slice count (tests)."""
+    q, cache, tables = call.query, call.kv_cache, call.block_tables
+    rows, num_heads, head_dim = q.shape
+    kv_heads, page = cache.shape[2], cache.shape[3]
+    if call.q_len_per_req != 1 or q.stride(2) != 1 or cache.stride(3) != head_dim or cache.stride(4) != 1:
+        raise ValueError(
+            f"{call.where}: split decode takes one query a row and dense heads, got q_len_per_req "
+            f"{call.q_len_per_req}, query strides {q.stride()}, cache strides {cache.stride()}"
+        )
+    group = num_heads // kv_heads
+    block_n = block_tokens(head_dim)
+    splits = splits or num_splits(rows, kv_heads, tables.shape[1] * page, block_n)
+    part_out = torch.empty(rows * num_heads * splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(rows * num_heads * splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _slices_kernel[(rows, kv_heads, splits)](
+        q,
+        cache,
+        tables,
+        call.seq_lens,
+        part_out,
+        part_lse,
+        call.bmm1_scale,
+        call.window_left,
+        q.stride(0),
+        q.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        tables.stride(0),
+        num_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        num_warps=4,
+    )
+    sinks = call.sinks
+    _merge_kernel[(rows * num_heads,)](
+        part_out,
+        part_lse,
+        sinks if sinks is not None else part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        HAS_SINKS=sinks is not None,
+        HEAD_DIM=head_dim,
+        SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        num_warps=4,
+    )
+    return out
