@@ -40,6 +40,11 @@ SHAPES = {
     "gemma3-1b/o": (1152, 1024),
     "gemma3-1b/gate_up+act": (13824, 1152),
     "gemma3-1b/down": (1152, 6912),
+    "gemma3-12b/qkv": (8192, 3840),
+    "gemma3-12b/o": (3840, 4096),
+    "gemma3-12b/gate_up+act": (30720, 3840),
+    "gemma3-12b/down": (3840, 15360),
+    "gemma3-12b/lm_head": (262144, 3840),
 }
 SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4))]
 ROW_SWEEP = [gemv.Tile(*t) for t in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5))]
@@ -95,6 +100,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1", help="input rows to time, comma-separated (1 to gemv.MAX_ROWS)")
     p.add_argument("--sweep", action="store_true", help="also time every tile of a grid")
+    p.add_argument("--shapes", default="", help="only shapes whose names start with one of these, comma-separated")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -102,6 +108,7 @@ def main() -> None:
         measure(name, n, k, m, args.sweep)
         for m in (int(r) for r in args.rows.split(","))
         for name, (n, k) in SHAPES.items()
+        if name.startswith(tuple(args.shapes.split(",")))
     ]
     header = f"{'shape':24} {'rows':>4} {'cuBLAS us':>10} {'TB/s':>6} {'GEMV us':>8} {'TB/s':>6} {'ratio':>6}"
     logger.info(header)

@@ -161,17 +161,44 @@ def test_fused_norms_match_the_reference(gemma):
     assert _rel(r, ref_r) < 1e-2 and _rel(y, ref_y) < 1e-2
 
 
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("hidden", [1152, 3840, 1000])
+def test_sandwich_norm_matches_the_reference(gemma, hidden):
+    """norm(residual + norm(x, before)) in one kernel, against the torch ops; rows of a wider
+    tensor (a strided view) and zero rows."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(37, hidden + 8, device="cuda", generator=g).bfloat16()[:, :hidden]
+    res = torch.randn(37, hidden, device="cuda", generator=g).bfloat16()
+    w, before = ((torch.randn(hidden, device="cuda", generator=g) * 0.1 + (0 if gemma else 1)).bfloat16() for _ in "ab")
+    ref_y, ref_r = TORCH_OPS.add_rms_norm(x, res, w, 1e-6, gemma, before)
+    y, r = FLASHINFER_OPS.add_rms_norm(x, res.clone(), w, 1e-6, gemma, before)
+    assert _rel(r, ref_r) < 1e-2 and _rel(y, ref_y) < 1e-2
+    empty = FLASHINFER_OPS.add_rms_norm(x[:0], res[:0].clone(), w, 1e-6, gemma, before)
+    assert empty[0].shape == (0, hidden)
+
+
+@pytest.mark.parametrize("norms", [None, "llama", "gemma"])
 @pytest.mark.parametrize("head_dim, rotary", [(128, 128), (256, 256), (128, 64)])
-def test_fused_rope_matches_the_reference(head_dim, rotary):
+def test_fused_rope_matches_the_reference(head_dim, rotary, norms):
+    """RoPE on strided q/k views, with the per-head q/k norms folded in or not; queries alone
+    (a frozen-KV draft's layer)."""
     g = torch.Generator(device="cuda").manual_seed(1)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary, 2, device="cuda").float() / rotary))
     cache = rope_cache(inv_freq, 1.0, 4096)
     positions = torch.randint(0, 4096, (53,), device="cuda", generator=g)
     qkv = torch.randn(53, 12, head_dim, device="cuda", generator=g).bfloat16()
     q, k = qkv[:, :8], qkv[:, 8:10]  # strided views, as split from a fused projection
-    ref_q, ref_k = TORCH_OPS.rope(positions, q.clone(), k.clone(), cache)
-    out_q, out_k = FLASHINFER_OPS.rope(positions, q.clone(), k.clone(), cache)
+    qk_norms = None
+    if norms:
+        shift = 0 if norms == "gemma" else 1
+        wq, wk = ((torch.randn(head_dim, device="cuda", generator=g) * 0.1 + shift).bfloat16() for _ in "qk")
+        qk_norms = (wq, wk, 1e-6, norms == "gemma")
+    ref_q, ref_k = TORCH_OPS.rope(positions, q.clone(), k.clone(), cache, qk_norms)
+    out_q, out_k = FLASHINFER_OPS.rope(positions, q.clone(), k.clone(), cache, qk_norms)
     assert _rel(out_q, ref_q) < 1e-2 and _rel(out_k, ref_k) < 1e-2
+    q_norms = None if qk_norms is None else (qk_norms[0], None, *qk_norms[2:])
+    only_q, none = FLASHINFER_OPS.rope(positions, q, None, cache, q_norms)
+    assert none is None and _rel(only_q, TORCH_OPS.rope(positions, q, None, cache, q_norms)[0]) < 1e-2
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])

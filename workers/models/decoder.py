@@ -26,7 +26,7 @@ from workers.models.layers import (
     VocabParallelEmbedding,
     rope_cache,
 )
-from workers.models.ops import ops_for
+from workers.models.ops import QKNorms, ops_for
 
 # Checkpoint tensors that are stacked into one fused parameter: (fused, checkpoint, shard id).
 STACKED_PARAMS = (
@@ -80,18 +80,21 @@ class SelfAttention(nn.Module):
         positions, cache = rope.positions, rope.caches[self.rope_key]
         if self.qkv_proj is None:
             q = self.q_proj(hidden).reshape(-1, a.num_heads, a.head_dim)
-            if hasattr(self, "q_norm"):
-                q = self.q_norm(q)
-            q, _ = ops_for(q).rope(positions, q, None, cache)
+            q, _ = ops_for(q).rope(positions, q, None, cache, self._norms())
             return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops_for(q).rope(positions, q, k, cache)
+        q, k = ops_for(q).rope(positions, q, k, cache, self._norms())
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
         return self.o_proj(out)
+
+    def _norms(self) -> QKNorms | None:
+        """The per-head q/k norms RoPE applies first (qk-norm models), or None."""
+        if not hasattr(self, "q_norm"):
+            return None
+        k_norm = getattr(self, "k_norm", None)
+        return self.q_norm.weight, None if k_norm is None else k_norm.weight, self.q_norm.eps, self.q_norm.gemma
 
 
 class MLP(nn.Module):
@@ -110,8 +113,11 @@ class DecoderLayer(nn.Module):
     before attention (EAGLE-1's first layer).
 
     Layers pass the residual stream beside their output, so that each residual add is fused
-    into the norm that follows it: `layer(x, residual) -> (out, residual)`, where the stream
-    after the layer is `out + residual` (`residual` is None before the first layer)."""
+    into the norm that follows it: `layer(x, residual, before) -> (out, residual)`, where the
+    stream after the layer is `output_norm(out) + residual` (`out + residual` without an output
+    norm; `residual` is None before the first layer). A Gemma layer's last norm (after its MLP)
+    is such an output norm: the next layer's input norm applies it (`before`), one kernel for
+    norm, add and norm (`run_layers`)."""
 
     def __init__(
         self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False, input_norm: bool = True
@@ -124,25 +130,57 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if input_norm else None
         # Llama: the norm before the MLP. Gemma: the norm after attention (sandwich).
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.output_norm: RMSNorm | None = None
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+            self.output_norm = self.post_feedforward_layernorm
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, batch: ForwardBatch
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
+        batch: ForwardBatch,
+        before: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_layernorm is not None:
-            hidden, residual = self.input_layernorm.add(hidden, residual)
-        elif residual is not None:
-            hidden = residual = hidden + residual
+            hidden, residual = self.input_layernorm.add(hidden, residual, before)
         else:
-            residual = hidden
+            hidden = residual = stream(hidden, residual, before)
         attn = self.self_attn(hidden, rope, batch)
         if self.gemma:
-            hidden, residual = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(attn), residual)
-            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
-        hidden, residual = self.post_attention_layernorm.add(attn, residual)
+            hidden, residual = self.pre_feedforward_layernorm.add(attn, residual, self.post_attention_layernorm)
+        else:
+            hidden, residual = self.post_attention_layernorm.add(attn, residual)
         return self.mlp(hidden), residual
+
+
+def stream(hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None) -> torch.Tensor:
+    """The residual stream after a layer: `norm(hidden) + residual` (no norm: `hidden`; no
+    residual yet: the first layer's input)."""
+    hidden = norm(hidden) if norm is not None else hidden
+    return hidden if residual is None else hidden + residual
+
+
+def run_layers(
+    layers: Iterable[DecoderLayer],
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    rope: RopeInputs,
+    batch: ForwardBatch,
+    capture: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, RMSNorm | None, dict[int, torch.Tensor]]:
+    """Layers in order over the residual stream: (out, residual, output norm, captured streams),
+    where the stream after the last layer is `stream(out, residual, output norm)` and the
+    captured ones are the streams after the layers numbered in `capture`."""
+    before, captured = None, {}
+    for i, layer in enumerate(layers):
+        hidden, residual = layer(hidden, residual, rope, batch, before)
+        before = layer.output_norm
+        if i in capture:
+            captured[i] = stream(hidden, residual, before)
+    return hidden, residual, before, captured
 
 
 @dataclasses.dataclass
@@ -191,16 +229,11 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final-norm hidden states, captured layer outputs concatenated or None)."""
-        hidden = self.embed(input_ids)
-        rope = self.rotary(positions)
-        residual = None
-        outputs = {}
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, rope, batch)
-            if i in self.capture_layers:
-                outputs[i] = hidden + residual
-        captured = torch.cat([outputs[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
-        return self.norm.add(hidden, residual)[0], captured
+        hidden, residual, before, captured = run_layers(
+            self.layers, self.embed(input_ids), None, self.rotary(positions), batch, self.capture_layers
+        )
+        outputs = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if captured else None
+        return self.norm.add(hidden, residual, before)[0], outputs
 
 
 class CausalLM(nn.Module):

@@ -31,7 +31,16 @@ from attention import AttentionLayer
 from workers.distributed import TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.models.config import ModelConfig, model_config_from_hf
-from workers.models.decoder import MLP, CausalLM, DecoderLayer, RotaryTables, SelfAttention, load_weights
+from workers.models.decoder import (
+    MLP,
+    CausalLM,
+    DecoderLayer,
+    RotaryTables,
+    SelfAttention,
+    load_weights,
+    run_layers,
+    stream,
+)
 from workers.models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
 
 EAGLE_ARCHITECTURES = {
@@ -145,10 +154,10 @@ class EagleHead(nn.Module):
         rope = self.rotary(batch.positions)
         hidden = batch.spec_hidden.to(embeds.dtype)
         if self.version == 1:
-            hidden, residual = self.fc(torch.cat([embeds, hidden], dim=-1)), None
-            for layer in self.layers:
-                hidden, residual = layer(hidden, residual, rope, batch)
-            hidden = hidden + residual
+            hidden, residual, before, _ = run_layers(
+                self.layers, self.fc(torch.cat([embeds, hidden], dim=-1)), None, rope, batch
+            )
+            hidden = stream(hidden, residual, before)
             return hidden, hidden
         if hidden.shape[-1] != self.cfg.hidden_size:  # target layers' outputs; draft steps pass their own
             hidden = self.fc(hidden)

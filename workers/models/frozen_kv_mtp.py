@@ -27,7 +27,7 @@ from attention import AttentionLayer
 from workers.distributed import TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.models.config import ModelConfig
-from workers.models.decoder import STACKED_PARAMS, CausalLM, DecoderLayer, RotaryTables, load_weights
+from workers.models.decoder import STACKED_PARAMS, CausalLM, DecoderLayer, RotaryTables, load_weights, run_layers
 from workers.models.layers import ReplicatedLinear, RMSNorm
 
 ARCHITECTURE = "FrozenKVMTPForCausalLM"
@@ -90,11 +90,8 @@ class FrozenKVMTPHead(nn.Module):
                 dim=-1,
             )
         )
-        rope = self.rotary(batch.positions)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope, batch)
-        hidden = self.norm.add(hidden, residual)[0]
+        hidden, residual, before, _ = run_layers(self.layers, hidden, None, self.rotary(batch.positions), batch)
+        hidden = self.norm.add(hidden, residual, before)[0]
         return hidden, hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -204,11 +204,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops_for(x).rms_norm(x, self.weight, self.eps, self.gemma)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x); the first layer starts the residual stream."""
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor | None, before: RMSNorm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x'), residual + x') with x' = before(x) (x without `before`: the norm
+        a sub-layer's output still needs, fused in); the first layer starts the residual stream."""
         if residual is None:
+            x = before(x) if before is not None else x
             return self(x), x
-        return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
+        w_before = None if before is None else before.weight
+        return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma, w_before)
 
 
 def rope_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> torch.Tensor:

@@ -4,7 +4,8 @@
 | --- | --- | --- |
 | RMSNorm (Llama, Gemma) | torch, float32 math | `flashinfer.norm.rmsnorm` / `gemma_rmsnorm` |
 | residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
-| RoPE from a cos/sin cache | torch gather + rotate | Triton (`rope.py`): strided q, k in, contiguous out |
+| RMSNorm, residual add + RMSNorm (Gemma's sandwich) | torch | Triton (`sandwich_norm.py`) |
+| RoPE from a cos/sin cache (q/k norms first) | torch gather + rotate | Triton (`rope.py`): strided in, contiguous out |
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 Tensor = torch.Tensor
+QKNorms = tuple[Tensor, Tensor | None, float, bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +37,13 @@ class OpSet:
     name: str
     # (x, weight, eps, gemma) -> normalised x; Gemma scales by (1 + weight)
     rms_norm: Callable[[Tensor, Tensor, float, bool], Tensor]
-    # (x, residual, weight, eps, gemma) -> (rms_norm(residual + x), residual + x); may reuse x's
-    # and residual's storage
-    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool], tuple[Tensor, Tensor]]
-    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot]) -> (q, k) rotated;
-    # q and k may be strided views of a fused projection, which stays as it was
-    rope: Callable[[Tensor, Tensor, Tensor | None, Tensor], tuple[Tensor, Tensor | None]]
+    # (x, residual, weight, eps, gemma, before) -> (rms_norm(residual + x'), residual + x') where
+    # x' = rms_norm(x, before) (x itself when before is None); may reuse x's and residual's storage
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None], tuple[Tensor, Tensor]]
+    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms) -> (q, k)
+    # rotated, each head RMS-normalised first when norms = (q weight, k weight, eps, gemma); q and
+    # k may be strided views of a fused projection, which stays as it was
+    rope: Callable[[Tensor, Tensor, Tensor | None, Tensor, QKNorms | None], tuple[Tensor, Tensor | None]]
     # (gate_up [..., 2 * d], activation name) -> act(gate) * up
     act_and_mul: Callable[[Tensor, str], Tensor]
     # (x, weight [out, in], bias or None) -> x W^T + b
@@ -60,12 +63,22 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def _add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> tuple[Tensor, Tensor]:
+def _add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool, before: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    if before is not None:
+        x = _rms_norm(x, before, eps, gemma)
     residual = residual + x
     return _rms_norm(residual, weight, eps, gemma), residual
 
 
-def _rope(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor | None]:
+def _rope(
+    positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, norms: QKNorms | None = None
+) -> tuple[Tensor, Tensor | None]:
+    if norms is not None:
+        q_weight, k_weight, eps, gemma = norms
+        q = _rms_norm(q, q_weight, eps, gemma)
+        k = None if k is None else _rms_norm(k, k_weight, eps, gemma)
     half = cos_sin_cache.shape[-1] // 2
     rows = cos_sin_cache[positions]
     cos = torch.cat([rows[:, :half], rows[:, :half]], dim=-1).to(q.dtype)
@@ -113,17 +126,23 @@ def _fi_rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
     return out.view(shape)
 
 
-def _fi_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool) -> tuple[Tensor, Tensor]:
+def _fi_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool, before: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    if before is not None:
+        return _triton("sandwich_norm").norm_add_norm(x, residual, before, weight, eps, gemma)
     norm = _flashinfer().norm
     x = x.contiguous()
     (norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm)(x, residual, weight, eps)
     return x, residual
 
 
-def _cuda_rope(positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor | None]:
+def _cuda_rope(
+    positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, norms: QKNorms | None = None
+) -> tuple[Tensor, Tensor | None]:
     if q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1):
         q, k = q.contiguous(), None if k is None else k.contiguous()
-    return _triton("rope").rope(positions, q, k, cos_sin_cache)
+    return _triton("rope").rope(positions, q, k, cos_sin_cache, norms)
 
 
 FLASHINFER_ACTS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}
@@ -138,7 +157,8 @@ def _fi_act_and_mul(x: Tensor, act: str) -> Tensor:
 
 @functools.cache
 def _triton(name: str):
-    """A module of Triton kernels (`gemv`, `rope`); Triton ships with CUDA builds of torch only."""
+    """A module of Triton kernels (`gemv`, `rope`, `sandwich_norm`); Triton ships with CUDA
+    builds of torch only."""
     return importlib.import_module(f"workers.models.{name}")
 
 

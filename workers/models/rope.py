@@ -1,11 +1,13 @@
-"""Rotary position embedding on CUDA: one Triton kernel for the queries and keys of a layer.
+"""Rotary position embedding on CUDA: one Triton kernel for the queries and keys of a layer,
+with the per-head RMSNorm of models that normalise q and k (Gemma 3, Qwen 3) folded in.
 
 q and k arrive as strided views of the fused QKV projection's output. flashinfer's in-place
 kernel needs contiguous rows (on strided views it rotated the wrong elements), so calling it
 cost two copies a layer, three kernels in all; this kernel reads the views as they are and
-writes contiguous rotated q and k in one launch. Neox style (the two halves of the rotary
-dimensions rotate together), features past `rotary_dim` pass through, float32 arithmetic from
-the float32 cos/sin cache, rounded once.
+writes contiguous rotated q and k in one launch (with the norms: one kernel where there were
+three). Neox style (the two halves of the rotary dimensions rotate together), features past
+`rotary_dim` pass through, float32 arithmetic from the float32 cos/sin cache. A normalised head
+is rounded to the model's dtype before it rotates, as the separate norm's output was.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ def _rope_kernel(
     stride_kh,
     q_heads,
     k_heads,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
+    NORM: tl.constexpr,  # 0: none; 1: RMSNorm scaled by w (Qwen 3); 2: by 1 + w (Gemma 3)
 ):
     """Program (t, h): head h of token t, a query head for h < q_heads, else a key head."""
     t = tl.program_id(0)
@@ -40,31 +46,54 @@ def _rope_kernel(
     if h < q_heads:
         src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
         dst = q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM
+        norm_w = q_norm_ptr
     else:
         src = k_ptr + t.to(tl.int64) * stride_kt + (h - q_heads) * stride_kh
         dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
+        norm_w = k_norm_ptr
     half: tl.constexpr = ROTARY // 2
     i = tl.arange(0, BLOCK_HALF)
     in_half = i < half
+    j = tl.arange(0, BLOCK_DIM)
+    passes = (j >= ROTARY) & (j < HEAD_DIM)
     row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * ROTARY
     cos = tl.load(row + i, mask=in_half, other=0.0)
     sin = tl.load(row + half + i, mask=in_half, other=0.0)
     x1 = tl.load(src + i, mask=in_half, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + i, mask=in_half, other=0.0).to(tl.float32)
+    xp = tl.load(src + j, mask=passes, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2) + tl.sum(xp * xp)) / HEAD_DIM + eps)
+        x1 = _scaled(x1 * rstd, tl.load(norm_w + i, mask=in_half, other=0.0), NORM, dst.dtype.element_ty)
+        x2 = _scaled(x2 * rstd, tl.load(norm_w + half + i, mask=in_half, other=0.0), NORM, dst.dtype.element_ty)
+        xp = _scaled(xp * rstd, tl.load(norm_w + j, mask=passes, other=0.0), NORM, dst.dtype.element_ty)
     tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=in_half)
     tl.store(dst + half + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=in_half)
     if ROTARY < HEAD_DIM:
-        j = tl.arange(0, BLOCK_DIM)
-        passes = (j >= ROTARY) & (j < HEAD_DIM)
-        tl.store(dst + j, tl.load(src + j, mask=passes), mask=passes)
+        tl.store(dst + j, xp.to(dst.dtype.element_ty), mask=passes)
+
+
+@triton.jit
+def _scaled(h, w, NORM: tl.constexpr, dtype: tl.constexpr):
+    """A normalised float32 head times its weight, rounded to the model's dtype as Hugging
+    Face's norms round: Gemma scales in float32 by 1 + w, then casts; Llama-style norms cast,
+    then scale by w."""
+    if NORM == 2:
+        return (h * (1.0 + w.to(tl.float32))).to(dtype).to(tl.float32)
+    return (h.to(dtype) * w.to(dtype)).to(tl.float32)
 
 
 def rope(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos_sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor | None, float, bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated copies of q `[T, Hq, D]` and k `[T, Hk, D]` (or None), contiguous; each may be a
     view with any token and head strides and unit stride along D. `cos_sin_cache`: float32
-    `[max_positions, rotary_dim]`, cos then sin."""
+    `[max_positions, rotary_dim]`, cos then sin. `norms`: (q weight, k weight, eps, gemma) of
+    per-head RMSNorms applied first."""
     tokens, q_heads, head_dim = q.shape
     k_heads = 0 if k is None else k.shape[1]
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -75,6 +104,7 @@ def rope(
         raise ValueError("rope: q and k need unit stride along the head dimension")
     rotary = cos_sin_cache.shape[-1]
     kk = q if k is None else k  # no key heads: never read
+    q_w, k_w, eps, gemma = norms or (q, None, 0.0, False)  # no norms: weights never read
     _rope_kernel[(tokens, q_heads + k_heads)](
         q,
         kk,
@@ -88,9 +118,13 @@ def rope(
         kk.stride(1),
         q_heads,
         k_heads,
+        q_w,
+        q_w if k_w is None else k_w,
+        eps,
         HEAD_DIM=head_dim,
         ROTARY=rotary,
         BLOCK_HALF=triton.next_power_of_2(rotary // 2),
         BLOCK_DIM=triton.next_power_of_2(head_dim),
+        NORM=0 if norms is None else 2 if gemma else 1,
     )
     return q_out, k_out

@@ -1,0 +1,80 @@
+"""Gemma's sandwich norms on CUDA: the norm after a sub-layer, the residual add and the norm
+before the next sub-layer, in one Triton kernel.
+
+A Gemma layer normalises each sub-layer's output before adding it to the residual stream, and
+the stream again before the next sub-layer: `norm_b(residual + norm_a(x))`. As flashinfer's
+kernels that is an RMSNorm and a fused add + RMSNorm, two launches and a round trip of
+`norm_a(x)` through memory, twice a layer (after attention; after the MLP into the next
+layer's input norm). One program a token row: float32 statistics, `norm_a(x)` rounded to the
+model's dtype and added to the residual in that dtype, as Hugging Face's modules compute it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm(x, w, mask, eps, size, GEMMA: tl.constexpr, dtype: tl.constexpr):
+    """RMSNorm of a float32 row, rounded to `dtype` the way the model's norm rounds."""
+    rstd = tl.rsqrt(tl.sum(tl.where(mask, x * x, 0.0)) / size + eps)
+    if GEMMA:
+        return (x * rstd * (1.0 + w.to(tl.float32))).to(dtype)
+    return (x * rstd).to(dtype) * w.to(dtype)
+
+
+@triton.jit
+def _norm_add_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_before_ptr,
+    w_ptr,
+    out_ptr,
+    size,
+    eps,
+    stride_x,
+    stride_res,
+    GEMMA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    before = _norm(x, tl.load(w_before_ptr + cols, mask=mask, other=0.0), mask, eps, size, GEMMA, dtype)
+    res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0) + before
+    tl.store(res_ptr + row * stride_res + cols, res, mask=mask)
+    out = _norm(res.to(tl.float32), tl.load(w_ptr + cols, mask=mask, other=0.0), mask, eps, size, GEMMA, dtype)
+    tl.store(out_ptr + row * size + cols, out, mask=mask)
+
+
+def norm_add_norm(
+    x: torch.Tensor, residual: torch.Tensor, before: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + rms_norm(x, before), weight), residual + rms_norm(x, before)) over
+    the last dimension; the residual is updated in place and returned."""
+    size = x.shape[-1]
+    x2, res2 = x.reshape(-1, size), residual.view(-1, size)
+    if x2.stride(-1) != 1 or res2.stride(-1) != 1:
+        raise ValueError("norm_add_norm: rows need unit stride")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(size)
+        _norm_add_norm_kernel[(x2.shape[0],)](
+            x2,
+            res2,
+            before,
+            weight,
+            out,
+            size,
+            eps,
+            x2.stride(0),
+            res2.stride(0),
+            GEMMA=gemma,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
+    return out, residual
