@@ -67,6 +67,12 @@ class AttentionBackend(abc.ABC):
     def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
         """Prepare this forward's metadata from the batch and the pool its layers use."""
 
+    def kv_destination(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(paged cache, write slots) where this forward's new K and V of `layer` go, for a
+        caller that writes them itself (the fused RoPE kernel) and then calls `forward` with
+        k, v None; the slots are checked as `forward` checks them. None: pass k, v to `forward`."""
+        return None
+
     @abc.abstractmethod
     def forward(
         self,

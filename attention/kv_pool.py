@@ -48,3 +48,7 @@ class KVPool(Protocol):
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write `k`, `v` (`[n, num_kv_heads, head_dim]`) at `locs`, given in the layer's own
         index space."""
+
+    def write_slots(self, layer_id: int, locs: torch.Tensor) -> torch.Tensor:
+        """The slots of `kv_cache(layer_id)` that `set_kv(layer_id, locs, ...)` writes: for a
+        caller that writes K and V itself (the fused RoPE kernel)."""

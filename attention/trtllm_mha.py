@@ -313,6 +313,25 @@ class TRTLLMMHABackend(AttentionBackend):
             return "context"
         return md.kernel
 
+    def _where(self, md: ForwardMetadata, layer: AttentionLayer, is_swa: bool) -> str:
+        route = self._route(md, layer)
+        return f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)"
+
+    def _write_slots(self, md: ForwardMetadata, kv_cache: torch.Tensor, is_swa: bool, where: str) -> torch.Tensor:
+        locs = md.swa_out_loc if is_swa else md.out_cache_loc
+        if self.check_writes:
+            check_write(locs, kv_cache, where)
+        return locs
+
+    def kv_destination(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        md = self._md
+        if md is None or md.kernel is None:
+            return None
+        is_swa = md.pool.is_swa_layer(layer.layer_id)
+        kv_cache = md.pool.kv_cache(layer.layer_id)
+        locs = self._write_slots(md, kv_cache, is_swa, self._where(md, layer, is_swa))
+        return kv_cache, md.pool.write_slots(layer.layer_id, locs)
+
     def forward(
         self,
         layer: AttentionLayer,
@@ -334,15 +353,12 @@ class TRTLLMMHABackend(AttentionBackend):
             )
         route = self._route(md, layer)
         window_left = self._window_left(md, layer)
-        where = f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)"
+        where = self._where(md, layer, is_swa)
         kv_cache = pool.kv_cache(layer.layer_id)
         if k is not None:
-            locs = md.swa_out_loc if is_swa else md.out_cache_loc
-            if self.check_writes:
-                check_write(locs, kv_cache, where)
             pool.set_kv(
                 layer.layer_id,
-                locs,
+                self._write_slots(md, kv_cache, is_swa, where),
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
             )

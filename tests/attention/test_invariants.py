@@ -71,6 +71,9 @@ class _AllocatorDecides:
     def set_kv(self, layer_id, locs, k, v):
         self._pool.set_kv(layer_id, locs, k, v)
 
+    def write_slots(self, layer_id, locs):
+        return self._pool.write_slots(layer_id, locs)
+
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pool_decides_not_allocator(variant, monkeypatch):

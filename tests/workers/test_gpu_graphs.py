@@ -201,6 +201,31 @@ def test_fused_rope_matches_the_reference(head_dim, rotary, norms):
     assert none is None and _rel(only_q, TORCH_OPS.rope(positions, q, None, cache, q_norms)[0]) < 1e-2
 
 
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_fused_rope_writes_kv_like_the_reference(page, gemma):
+    """RoPE (with q/k norms on Gemma) writing the rotated keys and the values into a paged cache
+    at scattered slots, against the torch ops' rotate-then-write: same queries, same cache."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    head_dim, tokens, q_heads, k_heads = 256 if gemma else 128, 41, 8, 2
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    cache = rope_cache(inv_freq, 1.0, 4096)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda", generator=g)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim, device="cuda", generator=g).bfloat16()
+    q, k, v = qkv.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1)
+    q, k = q.reshape(tokens, q_heads, head_dim), k.reshape(tokens, k_heads, head_dim)
+    norms = None
+    if gemma:
+        norms = (*((torch.randn(head_dim, device="cuda", generator=g) * 0.1).bfloat16() for _ in "qk"), 1e-6, True)
+    slots = torch.randperm(8 * page, device="cuda", generator=g)[:tokens] + page
+    ref_cache, out_cache = (torch.zeros(9, 2, k_heads, page, head_dim, device="cuda").bfloat16() for _ in "ro")
+    ref_q, _ = TORCH_OPS.rope(positions, q, k, cache, norms, (ref_cache, slots, v))
+    out_q, out_k = FLASHINFER_OPS.rope(positions, q, k, cache, norms, (out_cache, slots, v))
+    assert out_k is None and _rel(out_q, ref_q) < 1e-2 and _rel(out_cache, ref_cache) < 1e-2
+    assert torch.equal(out_cache[:, 1], ref_cache[:, 1])  # values are copied, not computed
+    assert not out_cache[0].any()  # padding page 0 untouched
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_fused_activation_matches_the_reference(act):
     x = torch.randn(29, 2 * 6912, device="cuda").bfloat16()

@@ -140,6 +140,9 @@ class _UpstreamReadsByAllocator(_AllocatorDecides):
     def set_kv(self, layer_id, locs, k, v):
         self._pool.set_kv(layer_id, self._out_cache_loc, k, v)
 
+    def write_slots(self, layer_id, locs):
+        return self._out_cache_loc
+
 
 def _canary_run(m, backend: str, monkeypatch=None):
     """A copy of the target drafts on a full-only pool on the target's SWA allocator, while

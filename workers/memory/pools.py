@@ -61,6 +61,10 @@ class MHAPool:
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._write(self.kv_cache(layer_id), locs, k, v)
 
+    def write_slots(self, layer_id: int, locs: torch.Tensor) -> torch.Tensor:
+        self._slot(layer_id)
+        return locs
+
     def _slot(self, layer_id: int) -> int:
         try:
             return self._index[layer_id]
@@ -115,6 +119,9 @@ class HybridSWAPool:
 
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._pool(layer_id).set_kv(layer_id, locs, k, v)
+
+    def write_slots(self, layer_id: int, locs: torch.Tensor) -> torch.Tensor:
+        return self._pool(layer_id).write_slots(layer_id, locs)
 
 
 def build_pool(

@@ -85,7 +85,11 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
-        q, k = ops_for(q).rope(positions, q, k, cache, self._norms())
+        # K and V straight into the paged cache where the backend names the slots
+        dest = batch.attn_backend.kv_destination(a)
+        q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), None if dest is None else (*dest, v))
+        if dest is not None:
+            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
         return self.o_proj(out)
 

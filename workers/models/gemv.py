@@ -32,9 +32,11 @@ class Tile:
 
 
 # First match on (out_features >= rows_at_least, in_features >= cols_at_least), tuned on an H200
-# with ops/bench/gemv_bandwidth.py over Llama-3-8B and Gemma-3-1B projections.
+# with ops/bench/gemv_bandwidth.py over Llama-3-8B and Gemma-3-1B/12B projections.
 TILES: tuple[tuple[int, int, Tile], ...] = (
-    (8192, 0, Tile(16, 256, 4, 4)),  # wide: gate/up, LM heads
+    (65536, 0, Tile(16, 256, 4, 4)),  # LM heads
+    (30720, 0, Tile(8, 256, 4, 4)),  # widest gate/up (Gemma-3-12B: 1.22x the tile below)
+    (8192, 0, Tile(16, 256, 4, 4)),  # wide: gate/up
     (0, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
     (6144, 0, Tile(8, 512, 4, 4)),  # fused QKV
     (0, 0, Tile(4, 512, 4, 4)),  # square: O projections

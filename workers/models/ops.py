@@ -5,14 +5,16 @@
 | RMSNorm (Llama, Gemma) | torch, float32 math | `flashinfer.norm.rmsnorm` / `gemma_rmsnorm` |
 | residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
 | RMSNorm, residual add + RMSNorm (Gemma's sandwich) | torch | Triton (`sandwich_norm.py`) |
-| RoPE from a cos/sin cache (q/k norms first) | torch gather + rotate | Triton (`rope.py`): strided in, contiguous out |
+| RoPE from a cos/sin cache (q/k norms first; K and V into the cache) | torch | Triton (`rope.py`) |
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
-runs whenever autograd is on (training reuses the serving model code). The paged KV write is
-the pools' (`workers/memory/kv_write.py`). `ops_for(tensor)` picks the set;
+runs whenever autograd is on (training reuses the serving model code). A layer's new K and V
+go to the paged cache from the RoPE op where the attention backend names their slots
+(`kv_destination`), else through the pool's writer (`workers/memory/kv_write.py`), whose
+reference the torch RoPE op uses too. `ops_for(tensor)` picks the set;
 `SLIDESPEC_FUSED_OPS=0` turns every fused kernel off, `SLIDESPEC_GEMV=0` only the GEMV.
 """
 
@@ -28,8 +30,11 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from workers.memory.kv_write import write_kv_torch
+
 Tensor = torch.Tensor
 QKNorms = tuple[Tensor, Tensor | None, float, bool]
+KVDest = tuple[Tensor, Tensor, Tensor]  # (paged cache [pages, 2, Hk, page, D], write slots [T], v [T, Hk * D])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +45,11 @@ class OpSet:
     # (x, residual, weight, eps, gemma, before) -> (rms_norm(residual + x'), residual + x') where
     # x' = rms_norm(x, before) (x itself when before is None); may reuse x's and residual's storage
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None], tuple[Tensor, Tensor]]
-    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms) -> (q, k)
-    # rotated, each head RMS-normalised first when norms = (q weight, k weight, eps, gemma); q and
-    # k may be strided views of a fused projection, which stays as it was
-    rope: Callable[[Tensor, Tensor, Tensor | None, Tensor, QKNorms | None], tuple[Tensor, Tensor | None]]
+    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms, kv) ->
+    # (q, k) rotated, each head RMS-normalised first when norms = (q weight, k weight, eps, gemma);
+    # with kv = (cache, slots, v) the rotated keys and v go to the paged cache at the slots and k
+    # comes back None; q, k and v may be strided views of a fused projection, which stays as it was
+    rope: Callable[[Tensor, Tensor, Tensor | None, Tensor, QKNorms | None, KVDest | None], tuple[Tensor, Tensor | None]]
     # (gate_up [..., 2 * d], activation name) -> act(gate) * up
     act_and_mul: Callable[[Tensor, str], Tensor]
     # (x, weight [out, in], bias or None) -> x W^T + b
@@ -73,7 +79,12 @@ def _add_rms_norm(
 
 
 def _rope(
-    positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, norms: QKNorms | None = None
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor | None,
+    cos_sin_cache: Tensor,
+    norms: QKNorms | None = None,
+    kv: KVDest | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     if norms is not None:
         q_weight, k_weight, eps, gemma = norms
@@ -83,7 +94,12 @@ def _rope(
     rows = cos_sin_cache[positions]
     cos = torch.cat([rows[:, :half], rows[:, :half]], dim=-1).to(q.dtype)
     sin = torch.cat([rows[:, half:], rows[:, half:]], dim=-1).to(q.dtype)
-    return apply_rope(q, cos, sin), (apply_rope(k, cos, sin) if k is not None else None)
+    q, k = apply_rope(q, cos, sin), (apply_rope(k, cos, sin) if k is not None else None)
+    if kv is None:
+        return q, k
+    cache, locs, v = kv
+    write_kv_torch(cache, locs, k, v.view(k.shape))
+    return q, None
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -138,11 +154,16 @@ def _fi_add_rms_norm(
 
 
 def _cuda_rope(
-    positions: Tensor, q: Tensor, k: Tensor | None, cos_sin_cache: Tensor, norms: QKNorms | None = None
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor | None,
+    cos_sin_cache: Tensor,
+    norms: QKNorms | None = None,
+    kv: KVDest | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     if q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1):
         q, k = q.contiguous(), None if k is None else k.contiguous()
-    return _triton("rope").rope(positions, q, k, cos_sin_cache, norms)
+    return _triton("rope").rope(positions, q, k, cos_sin_cache, norms, kv)
 
 
 FLASHINFER_ACTS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}

@@ -34,27 +34,43 @@ def _rope_kernel(
     q_norm_ptr,
     k_norm_ptr,
     eps,
+    v_ptr,
+    stride_vt,
+    stride_vh,
+    locs_ptr,
+    page_size,
+    stride_page,
+    stride_kv,
+    stride_head,
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     NORM: tl.constexpr,  # 0: none; 1: RMSNorm scaled by w (Qwen 3); 2: by 1 + w (Gemma 3)
+    WRITE_KV: tl.constexpr,  # keys go to the paged cache at k_out (with v), not to a [T, Hk, D] tensor
 ):
     """Program (t, h): head h of token t, a query head for h < q_heads, else a key head."""
     t = tl.program_id(0)
     h = tl.program_id(1)
+    j = tl.arange(0, BLOCK_DIM)
     if h < q_heads:
         src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
         dst = q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM
         norm_w = q_norm_ptr
     else:
         src = k_ptr + t.to(tl.int64) * stride_kt + (h - q_heads) * stride_kh
-        dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
+        if WRITE_KV:
+            loc = tl.load(locs_ptr + t).to(tl.int64)
+            dst = k_out + (loc // page_size) * stride_page + (h - q_heads) * stride_head + (loc % page_size) * HEAD_DIM
+            v_src = v_ptr + t.to(tl.int64) * stride_vt + (h - q_heads) * stride_vh
+            in_head = j < HEAD_DIM
+            tl.store(dst + stride_kv + j, tl.load(v_src + j, mask=in_head).to(dst.dtype.element_ty), mask=in_head)
+        else:
+            dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
         norm_w = k_norm_ptr
     half: tl.constexpr = ROTARY // 2
     i = tl.arange(0, BLOCK_HALF)
     in_half = i < half
-    j = tl.arange(0, BLOCK_DIM)
     passes = (j >= ROTARY) & (j < HEAD_DIM)
     row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * ROTARY
     cos = tl.load(row + i, mask=in_half, other=0.0)
@@ -89,15 +105,17 @@ def rope(
     k: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor | None, float, bool] | None = None,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated copies of q `[T, Hq, D]` and k `[T, Hk, D]` (or None), contiguous; each may be a
     view with any token and head strides and unit stride along D. `cos_sin_cache`: float32
     `[max_positions, rotary_dim]`, cos then sin. `norms`: (q weight, k weight, eps, gemma) of
-    per-head RMSNorms applied first."""
+    per-head RMSNorms applied first. `kv`: (paged cache `[pages, 2, Hk, page, D]`, slots, v):
+    the rotated keys and v are written to the cache at the slots instead (k comes back None)."""
     tokens, q_heads, head_dim = q.shape
     k_heads = 0 if k is None else k.shape[1]
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
-    k_out = None if k is None else torch.empty(tokens, k_heads, head_dim, dtype=k.dtype, device=k.device)
+    k_out = None if k is None or kv else torch.empty(tokens, k_heads, head_dim, dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
     if q.stride(2) != 1 or (k is not None and k.stride(2) != 1):
@@ -105,11 +123,15 @@ def rope(
     rotary = cos_sin_cache.shape[-1]
     kk = q if k is None else k  # no key heads: never read
     q_w, k_w, eps, gemma = norms or (q, None, 0.0, False)  # no norms: weights never read
+    kv_cache, locs, v = kv or (q_out if k_out is None else k_out, positions, q)  # no cache: never written
+    if kv and (v.stride(-1) != 1 or kv_cache.stride(3) != head_dim or kv_cache.stride(4) != 1):
+        raise ValueError("rope: v and the cache's heads need unit stride along the head dimension")
+    v2 = v.view(tokens, k_heads, head_dim) if kv else v
     _rope_kernel[(tokens, q_heads + k_heads)](
         q,
         kk,
         q_out,
-        q_out if k_out is None else k_out,
+        kv_cache,
         positions,
         cos_sin_cache.float(),
         q.stride(0),
@@ -121,10 +143,19 @@ def rope(
         q_w,
         q_w if k_w is None else k_w,
         eps,
+        v2,
+        v2.stride(0),
+        v2.stride(1),
+        locs,
+        kv_cache.shape[3] if kv else 1,
+        kv_cache.stride(0),
+        kv_cache.stride(1) if kv else 0,
+        kv_cache.stride(2) if kv else 0,
         HEAD_DIM=head_dim,
         ROTARY=rotary,
         BLOCK_HALF=triton.next_power_of_2(rotary // 2),
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         NORM=0 if norms is None else 2 if gemma else 1,
+        WRITE_KV=kv is not None,
     )
     return q_out, k_out
