@@ -235,7 +235,18 @@ def test_fused_activation_matches_the_reference(act):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(
     "out_features, in_features",
-    [(6144, 4096), (4096, 14336), (16040, 4096), (16400, 1000), (65600, 264), (4096, 4096), (1152, 1000), (37, 264)],
+    [
+        (6144, 4096),
+        (4096, 14336),
+        (16040, 4096),
+        (16400, 1000),
+        (65600, 264),
+        (30760, 1000),
+        (8200, 3840),
+        (4096, 4096),
+        (1152, 1000),
+        (37, 264),
+    ],
 )
 def test_gemv_matches_a_float32_reference(out_features, in_features, bias):
     """Every tile of both tables, K a multiple of the tile's width or not, N a multiple of its
@@ -256,7 +267,7 @@ def test_gemv_matches_a_float32_reference(out_features, in_features, bias):
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-@pytest.mark.parametrize("intermediate, hidden", [(14336, 4096), (6912, 1152), (100, 264)])
+@pytest.mark.parametrize("intermediate, hidden", [(15360, 3840), (14336, 4096), (6912, 1152), (100, 264)])
 def test_fused_gate_up_gemv_matches_a_float32_reference(act, intermediate, hidden):
     g = torch.Generator(device="cuda").manual_seed(3)
     w = (torch.randn(2 * intermediate, hidden, device="cuda", generator=g) * 0.05).bfloat16()

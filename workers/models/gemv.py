@@ -36,7 +36,8 @@ class Tile:
 TILES: tuple[tuple[int, int, Tile], ...] = (
     (65536, 0, Tile(16, 256, 4, 4)),  # LM heads
     (30720, 0, Tile(8, 256, 4, 4)),  # widest gate/up (Gemma-3-12B: 1.22x the tile below)
-    (8192, 0, Tile(16, 256, 4, 4)),  # wide: gate/up
+    (13824, 0, Tile(16, 256, 4, 4)),  # wide: gate/up
+    (8192, 0, Tile(8, 256, 8, 2)),  # wide fused QKV (Gemma-3-12B)
     (0, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
     (6144, 0, Tile(8, 512, 4, 4)),  # fused QKV
     (0, 0, Tile(4, 512, 4, 4)),  # square: O projections
