@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.calls import DecodeCall, cdiv
+from attention.kernels.launch import pdl_options, pdl_start
 
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
 
@@ -47,7 +48,9 @@ def _slices_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -108,7 +111,9 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     row = pid // num_heads
     head = pid % num_heads
@@ -183,6 +188,7 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
         BLOCK_N=block_n,
         SPLITS=splits,
         num_warps=4,
+        **pdl_options(),
     )
     sinks = call.sinks
     _merge_kernel[(rows * num_heads,)](
@@ -198,5 +204,6 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
         SPLITS=splits,
         SPLITS_PAD=triton.next_power_of_2(splits),
         num_warps=4,
+        **pdl_options(),
     )
     return out

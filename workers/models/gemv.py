@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.launch import pdl_options, pdl_start
+
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
@@ -92,7 +94,9 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -117,10 +121,20 @@ def _act(gate, ACT: tl.constexpr):
 
 @triton.jit
 def _gemv_act_mul_kernel(
-    x_ptr, w_ptr, y_ptr, N, K, ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    K,
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[j] = act(W[j] . x) * (W[N + j] . x): gate rows first, up rows after them; both tiles
     are read in the same iteration, so a program keeps two streams of loads in flight."""
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -162,9 +176,11 @@ def _rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[m, j] for every row m < M of x and the program's BLOCK_N output features: x's rows
     padded to BLOCK_M (masked loads), the weight tile read once for all of them."""
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ms = tl.arange(0, BLOCK_M)
@@ -214,7 +230,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
     m = x.numel() // k
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     t = tile or tile_for(weight.shape[0], k, m)
-    common = dict(BLOCK_K=t.cols, EVEN_K=k % t.cols == 0, num_warps=t.warps, num_stages=t.stages)
+    common = dict(BLOCK_K=t.cols, EVEN_K=k % t.cols == 0, num_warps=t.warps, num_stages=t.stages, **pdl_options())
     if m > 1:
         block_n = max(DOT_ROWS, t.rows // 2) if act else t.rows
         x2 = x.reshape(m, k)

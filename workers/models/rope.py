@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.launch import pdl_options, pdl_start
+
 
 @triton.jit
 def _rope_kernel(
@@ -48,8 +50,10 @@ def _rope_kernel(
     BLOCK_DIM: tl.constexpr,
     NORM: tl.constexpr,  # 0: none; 1: RMSNorm scaled by w (Qwen 3); 2: by 1 + w (Gemma 3)
     WRITE_KV: tl.constexpr,  # keys go to the paged cache at k_out (with v), not to a [T, Hk, D] tensor
+    PDL: tl.constexpr,
 ):
     """Program (t, h): head h of token t, a query head for h < q_heads, else a key head."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.arange(0, BLOCK_DIM)
@@ -157,5 +161,6 @@ def rope(
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         NORM=0 if norms is None else 2 if gemma else 1,
         WRITE_KV=kv is not None,
+        **pdl_options(),
     )
     return q_out, k_out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.launch import pdl_options, pdl_start
+
 
 @triton.jit
 def _norm(x, w, mask, eps, size, GEMMA: tl.constexpr, dtype: tl.constexpr):
@@ -38,7 +40,9 @@ def _norm_add_norm_kernel(
     stride_res,
     GEMMA: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -76,5 +80,6 @@ def norm_add_norm(
             GEMMA=gemma,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
+            **pdl_options(),
         )
     return out, residual

@@ -1,0 +1,61 @@
+"""Programmatic dependent launch (PDL) for this project's Triton kernels, Hopper and later.
+
+Inside a decode step's CUDA graph each small kernel waits for the one before it to drain and
+then pays its own launch and ramp-up: about a microsecond a boundary, hundreds of boundaries a
+step. Launched with PDL, a kernel's programs are scheduled while the kernel before it is still
+running and wait (`gdc_wait`) only before reading what it wrote; each kernel lets its
+successor launch as soon as its own programs have all started (`gdc_launch_dependents`).
+Every kernel launched this way calls `gdc_wait` before its first read of a predecessor's
+output, so a chain of them stays ordered. flashinfer's kernels and XQA launch this way too.
+
+`SLIDESPEC_PDL=0` turns it off; without Triton's grid-dependency control it is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _SUPPORTED = hasattr(CUDAOptions, "launch_pdl")
+except ImportError:  # a Triton without grid-dependency control: PDL stays off
+    _SUPPORTED = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A PDL-launched kernel's first statement: wait for the kernel before (its writes become
+    visible), then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.cache
+def pdl_enabled() -> bool:
+    return (
+        _SUPPORTED
+        and os.environ.get("SLIDESPEC_PDL", "1") != "0"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability()[0] >= 9
+    )
+
+
+def pdl_options() -> dict:
+    """Launch keywords for a kernel taking a `PDL` constexpr that it passes to `pdl_start`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {"PDL": False}
