@@ -317,10 +317,14 @@ class TRTLLMMHABackend(AttentionBackend):
         route = self._route(md, layer)
         return f"{md.mode.name} layer {layer.layer_id} ({'swa' if is_swa else 'full'} pool, {route} kernel)"
 
-    def _write_slots(self, md: ForwardMetadata, kv_cache: torch.Tensor, is_swa: bool, where: str) -> torch.Tensor:
+    def _write_slots(
+        self, md: ForwardMetadata, layer: AttentionLayer, kv_cache: torch.Tensor, is_swa: bool
+    ) -> torch.Tensor:
+        """The layer's write slots in its pool's index space, checked when checks are on (the
+        message is built only then: this runs for every layer of every forward)."""
         locs = md.swa_out_loc if is_swa else md.out_cache_loc
         if self.check_writes:
-            check_write(locs, kv_cache, where)
+            check_write(locs, kv_cache, self._where(md, layer, is_swa))
         return locs
 
     def kv_destination(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -329,7 +333,7 @@ class TRTLLMMHABackend(AttentionBackend):
             return None
         is_swa = md.pool.is_swa_layer(layer.layer_id)
         kv_cache = md.pool.kv_cache(layer.layer_id)
-        locs = self._write_slots(md, kv_cache, is_swa, self._where(md, layer, is_swa))
+        locs = self._write_slots(md, layer, kv_cache, is_swa)
         return kv_cache, md.pool.write_slots(layer.layer_id, locs)
 
     def forward(
@@ -358,7 +362,7 @@ class TRTLLMMHABackend(AttentionBackend):
         if k is not None:
             pool.set_kv(
                 layer.layer_id,
-                self._write_slots(md, kv_cache, is_swa, where),
+                self._write_slots(md, layer, kv_cache, is_swa),
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
             )

@@ -246,6 +246,27 @@ def test_reading_padding_page_inside_window_is_a_contract_violation():
     call.check()
 
 
+def test_kv_destination_names_the_pools_write_slots_and_checks_them():
+    """The slots a caller writing K and V itself gets are the ones `forward` writes (SWA layers:
+    translated into the SWA pool), in the layer's own buffer; a slot in padding page 0 is refused
+    before anything is written."""
+    sc = Scenario()
+    rows = [sc.add_request(n) for n in (13, 9, 21)]
+    batch = sc.batch(ForwardMode.DECODE, rows, [1, 1, 1])
+    pool, backend = sc.hybrid_pool, TRTLLMMHABackend(CPU)
+    backend.init_forward_metadata(batch, pool)
+    for layer in sc.layers:
+        cache, slots = backend.kv_destination(layer)
+        swa = pool.is_swa_layer(layer.layer_id)
+        expected = pool.translate_full_to_swa(batch.out_cache_loc) if swa else batch.out_cache_loc
+        assert cache is pool.kv_cache(layer.layer_id) and torch.equal(slots, expected)
+    batch.out_cache_loc[0] = 1  # inside padding page 0 of the full pool
+    before = pool.kv_cache(1).clone()
+    with pytest.raises(KernelContractError, match="DECODE layer 1 .*write slots"):
+        backend.kv_destination(sc.layers[1])
+    assert torch.equal(pool.kv_cache(1), before)
+
+
 def test_start_up_rejects_unsupported_combinations():
     layer = AttentionLayer(0, 4, 2, 8, 1.0, sliding_window=None, logit_softcap=30.0)
     with pytest.raises(ValueError, match="page_size"):

@@ -116,6 +116,8 @@ def rope(
     `[max_positions, rotary_dim]`, cos then sin. `norms`: (q weight, k weight, eps, gemma) of
     per-head RMSNorms applied first. `kv`: (paged cache `[pages, 2, Hk, page, D]`, slots, v):
     the rotated keys and v are written to the cache at the slots instead (k comes back None)."""
+    if kv is not None and k is None:
+        raise ValueError("rope: a KV destination needs the keys to write")
     tokens, q_heads, head_dim = q.shape
     k_heads = 0 if k is None else k.shape[1]
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
