@@ -4,8 +4,9 @@ GPU idle under XQA.
 XQA's bf16 kernel gives one CTA a 256-token tile of one KV head, so a batch-1 decode over a
 few KV heads runs on a handful of SMs and is bound by one CTA's load latency (Gemma-3-1B: one
 KV head of 256 dims, ~30 us a layer). Here every (row, KV head) is split into `splits` slices
-of its visible keys, each slice handled by its own program, and a second kernel merges the
-slices' partial softmax results (log-sum-exp weighted, attention sinks in the denominator).
+of its visible keys, each slice handled by its own program, and the program that finishes a
+(row, KV head) last merges its slices' partial softmax results (log-sum-exp weighted, attention
+sinks in the denominator; `arrival.py`): one kernel a call.
 
 It reads exactly a `DecodeCall`'s tensors: paged HND cache `[pages, 2, Hkv, page, D]`, page
 tables, KV lengths (the query is the last position), `window_left` and sinks; one query a row
@@ -19,10 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.calls import DecodeCall, cdiv
 from attention.kernels.launch import pdl_options, pdl_start
 
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
+MERGE_CHUNK = tl.constexpr(16)  # slices the merge reads at a time
 
 
 @triton.jit
@@ -33,15 +36,22 @@ def _slices_kernel(
     lens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    counter_ptr,
+    sinks_ptr,
+    out_ptr,
     scale,
     window_left,
     stride_q_row,
     stride_q_head,
+    stride_o_row,
+    stride_o_head,
     stride_page,
     stride_kv,
     stride_head,
     stride_table,
     num_heads,
+    kv_heads,
+    HAS_SINKS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -96,46 +106,66 @@ def _slices_kernel(
     keep = heads < GROUP
     tl.store(part_lse_ptr + slot, lse, mask=keep)
     tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=keep[:, None])
+    if last_arrival(counter_ptr + row * kv_heads + kv_head, SPLITS):
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            _merge_head(
+                part_out_ptr,
+                part_lse_ptr,
+                (row * num_heads + head) * SPLITS,
+                sinks_ptr + head,
+                out_ptr + row * stride_o_row + head * stride_o_head,
+                HAS_SINKS,
+                HEAD_DIM,
+                SPLITS,
+            )
 
 
 @triton.jit
-def _merge_kernel(
+def _merge_head(
     part_out_ptr,
     part_lse_ptr,
-    sinks_ptr,
+    first_slot,
+    sink_ptr,
     out_ptr,
-    stride_o_row,
-    stride_o_head,
-    num_heads,
     HAS_SINKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
-    pid = tl.program_id(0)
-    row = pid // num_heads
-    head = pid % num_heads
-    splits = tl.arange(0, SPLITS_PAD)
+    """One query head's output from its slices' partials (read past L1: other SMs wrote them)."""
     dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(part_lse_ptr + pid * SPLITS + splits, mask=splits < SPLITS, other=float("-inf"))
-    top = tl.max(lse, 0)
+    chunk = tl.arange(0, MERGE_CHUNK)
+    top = tl.full([MERGE_CHUNK], float("-inf"), tl.float32)
+    for c in range(0, SPLITS, MERGE_CHUNK):
+        lse = tl.load(
+            part_lse_ptr + first_slot + c + chunk, mask=c + chunk < SPLITS, other=float("-inf"), cache_modifier=".cg"
+        )
+        top = tl.maximum(top, lse)
+    top = tl.max(top, 0)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head)
+        sink = tl.load(sink_ptr)
         top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
-    weights = tl.exp(lse - top)
-    parts = tl.load(
-        part_out_ptr + (pid * SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=(splits < SPLITS)[:, None],
-        other=0.0,
-    )
-    total = tl.sum(weights, 0)
+    total = tl.zeros([MERGE_CHUNK], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for c in range(0, SPLITS, MERGE_CHUNK):
+        inside = c + chunk < SPLITS
+        weights = tl.exp(
+            tl.load(part_lse_ptr + first_slot + c + chunk, mask=inside, other=float("-inf"), cache_modifier=".cg") - top
+        )
+        parts = tl.load(
+            part_out_ptr + (first_slot + c + chunk)[:, None] * HEAD_DIM + dims[None, :],
+            mask=inside[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        total += weights
+        acc += tl.sum(weights[:, None] * parts, 0)
+    denom = tl.sum(total, 0)
     if HAS_SINKS:
-        total += tl.exp(sink - top)
-    out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_o_row + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty))
+        denom += tl.exp(sink - top)
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def num_splits(rows: int, kv_heads: int, table_tokens: int, block_n: int) -> int:
@@ -165,6 +195,7 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
     part_out = torch.empty(rows * num_heads * splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows * num_heads * splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    sinks = call.sinks
     _slices_kernel[(rows, kv_heads, splits)](
         q,
         cache,
@@ -172,37 +203,28 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
         call.seq_lens,
         part_out,
         part_lse,
+        counters(q.device, rows * kv_heads),
+        sinks if sinks is not None else part_lse,
+        out,
         call.bmm1_scale,
         call.window_left,
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         cache.stride(0),
         cache.stride(1),
         cache.stride(2),
         tables.stride(0),
         num_heads,
+        kv_heads,
+        HAS_SINKS=sinks is not None,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         PAGE=page,
         BLOCK_N=block_n,
         SPLITS=splits,
-        num_warps=4,
-        **pdl_options(),
-    )
-    sinks = call.sinks
-    _merge_kernel[(rows * num_heads,)](
-        part_out,
-        part_lse,
-        sinks if sinks is not None else part_lse,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_heads,
-        HAS_SINKS=sinks is not None,
-        HEAD_DIM=head_dim,
-        SPLITS=splits,
-        SPLITS_PAD=triton.next_power_of_2(splits),
         num_warps=4,
         **pdl_options(),
     )

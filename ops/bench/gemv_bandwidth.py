@@ -40,6 +40,7 @@ SHAPES = {
     "gemma3-1b/o": (1152, 1024),
     "gemma3-1b/gate_up+act": (13824, 1152),
     "gemma3-1b/down": (1152, 6912),
+    "gemma3-1b/lm_head": (262144, 1152),
     "gemma3-12b/qkv": (8192, 3840),
     "gemma3-12b/o": (3840, 4096),
     "gemma3-12b/gate_up+act": (30720, 3840),
@@ -47,6 +48,8 @@ SHAPES = {
     "gemma3-12b/lm_head": (262144, 3840),
 }
 SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4))]
+# one row, no activation: K shared between programs
+SPLIT_SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8), (128, 256), (4, 8), (3, 4), (2, 3, 4, 6))]
 ROW_SWEEP = [gemv.Tile(*t) for t in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5))]
 
 
@@ -88,7 +91,7 @@ def measure(name: str, out_features: int, in_features: int, rows: int, sweep: bo
 
         timed = [
             (graph_ms([lambda w=w, t=t: call(w, t) for w in weights], replays=5) * 1e3 / copies, t)
-            for t in (SWEEP if rows == 1 else ROW_SWEEP)
+            for t in (ROW_SWEEP if rows > 1 else SWEEP if fused else SWEEP + SPLIT_SWEEP)
             if compiles(lambda t=t: call(weights[0], t))
         ]
         best = min(timed, key=lambda pair: pair[0])

@@ -86,8 +86,9 @@ def test_xqa_decode_and_verify(workspace, combo, verify, window_left):
 @pytest.mark.parametrize("combo", range(len(COMBOS)))
 def test_split_decode(workspace, combo, window_left):
     """One query a row over tables as wide as a captured graph's, rows of 1 token to past the
-    window; the split count the kernel picks for this shape, and a single split."""
-    from attention.kernels import split_decode
+    window; the split count the kernel picks for this shape, a single split and more slices
+    than the merge reads at a time; the counters of the in-kernel merge are back at zero."""
+    from attention.kernels import arrival, split_decode
 
     page, head_dim, group = COMBOS[combo]
     lens = [1, *KV_LENS]
@@ -108,11 +109,12 @@ def test_split_decode(workspace, combo, window_left):
     )
     call.check()
     ref = reference.decode(_as_float32(call))
-    for splits in (None, 1):
+    for splits in (None, 1, 40):
         out = split_decode.decode(call, splits)
         err = _rel_err(out, ref)
         print(f"split page={page} d={head_dim} group={group} window={window_left} splits={splits}: {err:.2e}")
         assert err <= 1e-2
+    assert int(arrival.counters(call.query.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])

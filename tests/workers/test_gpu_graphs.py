@@ -245,6 +245,8 @@ def test_fused_activation_matches_the_reference(act):
         (8200, 3840),
         (4096, 4096),
         (1152, 1000),
+        (1152, 6912),
+        (1000, 6500),
         (37, 264),
     ],
 )
@@ -264,6 +266,25 @@ def test_gemv_matches_a_float32_reference(out_features, in_features, bias):
         assert gemv.applies(x, w) == tiled
         ref = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None)
         assert _rel(FLASHINFER_OPS.linear(x, w, b), ref) < 1e-2, rows
+
+
+@pytest.mark.parametrize("splits", [2, 3, 4, 6])
+def test_split_k_gemv_matches_a_float32_reference_and_leaves_its_counters_at_zero(splits):
+    """The last program of each row block adds the others' partial sums: every split count,
+    K a multiple of the tile's width or not, N a multiple of its rows or not, called again with
+    the counters the first call left (the kernel resets them)."""
+    from attention.kernels import arrival
+    from workers.models import gemv
+
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    for n, k in ((1152, 6912), (1001, 5000)):
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).bfloat16()
+        b = torch.randn(n, device="cuda", generator=g).bfloat16()
+        x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+        ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        for _ in range(3):
+            assert _rel(gemv.gemv(x, w, b, tile=gemv.Tile(4, 256, 4, 3, splits=splits)), ref) < 1e-2
+    assert int(arrival.counters(x.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])

@@ -6,11 +6,13 @@ split-K reduce kernels; this kernel reads them 10-29% faster (`ops/bench/gemv_ba
 measures both on the model shapes), and the fused variant writes `act(gate) * up` straight from the
 merged gate/up weight, so the MLP's activation kernel and its round trip through memory go.
 Each program owns `rows` output features and walks K in `cols`-wide tiles, accumulating in
-float32. One row (a batch-1 decode or draft step) is a dot product per output feature; two to
-`MAX_ROWS` rows (a batch-1 verify forward: the draft's tokens and one more) go through `tl.dot`
-on a 16-row tile of x, so the weight is still read once, where cuBLAS's few-row kernels read it
-at the one-row rate and add split-K reduces. Wider inputs are matrix multiplications and stay on
-cuBLAS.
+float32; a tile with `splits` shares each row block's K between that many programs, the last to
+finish adding up their partial sums (a projection with few outputs and long rows, Gemma-3-1B's
+down projection, otherwise leaves most of the device idle). One row (a batch-1 decode or draft
+step) is a dot product per output feature; two to `MAX_ROWS` rows (a batch-1 verify forward: the
+draft's tokens and one more) go through `tl.dot` on a 16-row tile of x, so the weight is still
+read once, where cuBLAS's few-row kernels read it at the one-row rate and add split-K reduces.
+Wider inputs are matrix multiplications and stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
 
 
@@ -31,6 +34,7 @@ class Tile:
     cols: int  # K elements it reads a row per iteration
     warps: int
     stages: int
+    splits: int = 1  # programs sharing a row block's K (one input row, no activation)
 
 
 # First match on (out_features >= rows_at_least, in_features >= cols_at_least), tuned on an H200
@@ -38,9 +42,11 @@ class Tile:
 TILES: tuple[tuple[int, int, Tile], ...] = (
     (65536, 0, Tile(16, 256, 4, 4)),  # LM heads
     (30720, 0, Tile(8, 256, 4, 4)),  # widest gate/up (Gemma-3-12B: 1.22x the tile below)
-    (13824, 0, Tile(16, 256, 4, 4)),  # wide: gate/up
+    (20480, 0, Tile(16, 256, 4, 4)),  # wide: gate/up (Llama-3-8B)
+    (13824, 0, Tile(16, 128, 8, 4)),  # gate/up (Gemma-3-1B: 1.17x the tile above)
     (8192, 0, Tile(8, 256, 8, 2)),  # wide fused QKV (Gemma-3-12B)
-    (0, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
+    (2048, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
+    (0, 6144, Tile(8, 256, 4, 4, splits=6)),  # few long rows: Gemma-3-1B down (1.31x unsplit)
     (6144, 0, Tile(8, 512, 4, 4)),  # fused QKV
     (0, 0, Tile(4, 512, 4, 4)),  # square: O projections
 )
@@ -88,23 +94,47 @@ def _gemv_kernel(
     w_ptr,
     b_ptr,
     y_ptr,
+    part_ptr,
+    counter_ptr,
     N,
     K,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    K_SPLIT: tl.constexpr,  # K elements a split reads: a multiple of BLOCK_K
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block = tl.program_id(0)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = tl.program_id(1) * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
     y = tl.sum(acc, axis=1)
+    if SPLITS == 1:
+        _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+    else:
+        tl.store(part_ptr + tl.program_id(1) * N + rows, y, mask=row_ok)
+        if last_arrival(counter_ptr + block, SPLITS):
+            splits = tl.arange(0, SPLITS_PAD)
+            parts = tl.load(
+                part_ptr + splits[:, None] * N + rows[None, :],
+                mask=(splits < SPLITS)[:, None] & row_ok[None, :],
+                other=0.0,
+                cache_modifier=".cg",  # written by other SMs
+            )
+            _store(tl.sum(parts, axis=0), b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+
+
+@triton.jit
+def _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -255,15 +285,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             x, weight, y, n, k, ACT=ACTIVATIONS[act], BLOCK_N=block_n, **common
         )
     else:
-        _gemv_kernel[(triton.cdiv(n, t.rows),)](
+        blocks = triton.cdiv(n, t.rows)
+        k_split = triton.cdiv(triton.cdiv(k, t.cols), t.splits) * t.cols
+        part = torch.empty(t.splits, n, dtype=torch.float32, device=x.device) if t.splits > 1 else y
+        _gemv_kernel[(blocks, t.splits)](
             x,
             weight,
             bias if bias is not None else weight,
             y,
+            part,
+            counters(x.device, blocks),
             n,
             k,
             HAS_BIAS=bias is not None,
             BLOCK_N=t.rows,
+            SPLITS=t.splits,
+            SPLITS_PAD=triton.next_power_of_2(t.splits),
+            K_SPLIT=k_split,
             **common,
         )
     return y
