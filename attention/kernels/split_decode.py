@@ -25,7 +25,7 @@ from attention.kernels.calls import DecodeCall, cdiv
 from attention.kernels.launch import pdl_options, pdl_start
 
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
-MERGE_CHUNK = tl.constexpr(16)  # slices the merge reads at a time
+MERGE_ELEMENTS = 16384  # partial-output floats the merge loads at a time (all slices of small calls)
 
 
 @triton.jit
@@ -54,10 +54,12 @@ def _slices_kernel(
     HAS_SINKS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -107,65 +109,77 @@ def _slices_kernel(
     tl.store(part_lse_ptr + slot, lse, mask=keep)
     tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=keep[:, None])
     if last_arrival(counter_ptr + row * kv_heads + kv_head, SPLITS):
-        for g in range(GROUP):
-            head = kv_head * GROUP + g
-            _merge_head(
-                part_out_ptr,
-                part_lse_ptr,
-                (row * num_heads + head) * SPLITS,
-                sinks_ptr + head,
-                out_ptr + row * stride_o_row + head * stride_o_head,
-                HAS_SINKS,
-                HEAD_DIM,
-                SPLITS,
-            )
+        first = kv_head * GROUP
+        _merge_group(
+            part_out_ptr,
+            part_lse_ptr,
+            (row * num_heads + first) * SPLITS,
+            sinks_ptr + first,
+            out_ptr + row * stride_o_row + first * stride_o_head,
+            stride_o_head,
+            HAS_SINKS,
+            GROUP,
+            GROUP_P2,
+            HEAD_DIM,
+            SPLITS,
+            MERGE_CHUNK,
+        )
 
 
 @triton.jit
-def _merge_head(
+def _merge_group(
     part_out_ptr,
     part_lse_ptr,
     first_slot,
-    sink_ptr,
+    sinks_ptr,
     out_ptr,
+    stride_o_head,
     HAS_SINKS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """One query head's output from its slices' partials (read past L1: other SMs wrote them)."""
+    """The group's query heads from their slices' partials, `CHUNK` slices of every head a
+    load, rescaled online (the partials are read past L1: other SMs wrote them)."""
+    heads = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, HEAD_DIM)
-    chunk = tl.arange(0, MERGE_CHUNK)
-    top = tl.full([MERGE_CHUNK], float("-inf"), tl.float32)
-    for c in range(0, SPLITS, MERGE_CHUNK):
-        lse = tl.load(
-            part_lse_ptr + first_slot + c + chunk, mask=c + chunk < SPLITS, other=float("-inf"), cache_modifier=".cg"
-        )
-        top = tl.maximum(top, lse)
-    top = tl.max(top, 0)
-    if HAS_SINKS:
-        sink = tl.load(sink_ptr)
-        top = tl.maximum(top, sink)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([MERGE_CHUNK], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for c in range(0, SPLITS, MERGE_CHUNK):
-        inside = c + chunk < SPLITS
-        weights = tl.exp(
-            tl.load(part_lse_ptr + first_slot + c + chunk, mask=inside, other=float("-inf"), cache_modifier=".cg") - top
-        )
+    chunk = tl.arange(0, CHUNK)
+    head_ok = heads < GROUP
+    top = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for c in range(0, SPLITS, CHUNK):
+        slots = first_slot + heads[:, None] * SPLITS + c + chunk[None, :]
+        ok = head_ok[:, None] & (c + chunk < SPLITS)[None, :]
+        lse = tl.load(part_lse_ptr + slots, mask=ok, other=float("-inf"), cache_modifier=".cg")
         parts = tl.load(
-            part_out_ptr + (first_slot + c + chunk)[:, None] * HEAD_DIM + dims[None, :],
-            mask=inside[:, None],
+            part_out_ptr + slots[:, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=ok[:, :, None],
             other=0.0,
             cache_modifier=".cg",
         )
-        total += weights
-        acc += tl.sum(weights[:, None] * parts, 0)
-    denom = tl.sum(total, 0)
+        new_top = tl.maximum(top, tl.max(lse, 1))
+        base = tl.where(new_top == float("-inf"), 0.0, new_top)
+        weights = tl.exp(lse - base[:, None])
+        rescale = tl.exp(top - base)
+        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * parts, 1)
+        total = total * rescale + tl.sum(weights, 1)
+        top = new_top
     if HAS_SINKS:
-        denom += tl.exp(sink - top)
-    out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + dims, out.to(out_ptr.dtype.element_ty))
+        sink = tl.load(sinks_ptr + heads, mask=head_ok, other=float("-inf"))
+        new_top = tl.maximum(top, sink)
+        base = tl.where(new_top == float("-inf"), 0.0, new_top)
+        rescale = tl.exp(top - base)
+        acc = acc * rescale[:, None]
+        total = total * rescale + tl.exp(sink - base)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + heads[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None],
+    )
 
 
 def num_splits(rows: int, kv_heads: int, table_tokens: int, block_n: int) -> int:
@@ -221,10 +235,14 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
         HAS_SINKS=sinks is not None,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=head_dim,
         PAGE=page,
         BLOCK_N=block_n,
         SPLITS=splits,
+        MERGE_CHUNK=min(
+            triton.next_power_of_2(splits), max(1, MERGE_ELEMENTS // (triton.next_power_of_2(group) * head_dim))
+        ),
         num_warps=4,
         **pdl_options(),
     )
