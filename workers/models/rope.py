@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.launch import pdl_options, pdl_start
+from workers.models.sandwich_norm import scaled
 
 
 @triton.jit
@@ -84,23 +85,17 @@ def _rope_kernel(
     xp = tl.load(src + j, mask=passes, other=0.0).to(tl.float32)
     if NORM:
         rstd = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2) + tl.sum(xp * xp)) / HEAD_DIM + eps)
-        x1 = _scaled(x1 * rstd, tl.load(norm_w + i, mask=in_half, other=0.0), NORM, dst.dtype.element_ty)
-        x2 = _scaled(x2 * rstd, tl.load(norm_w + half + i, mask=in_half, other=0.0), NORM, dst.dtype.element_ty)
-        xp = _scaled(xp * rstd, tl.load(norm_w + j, mask=passes, other=0.0), NORM, dst.dtype.element_ty)
+        dtype = dst.dtype.element_ty
+        w1 = tl.load(norm_w + i, mask=in_half, other=0.0)
+        w2 = tl.load(norm_w + half + i, mask=in_half, other=0.0)
+        wp = tl.load(norm_w + j, mask=passes, other=0.0)
+        x1 = scaled(x1 * rstd, w1, NORM == 2, dtype).to(tl.float32)
+        x2 = scaled(x2 * rstd, w2, NORM == 2, dtype).to(tl.float32)
+        xp = scaled(xp * rstd, wp, NORM == 2, dtype).to(tl.float32)
     tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=in_half)
     tl.store(dst + half + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=in_half)
     if ROTARY < HEAD_DIM:
         tl.store(dst + j, xp.to(dst.dtype.element_ty), mask=passes)
-
-
-@triton.jit
-def _scaled(h, w, NORM: tl.constexpr, dtype: tl.constexpr):
-    """A normalised float32 head times its weight, rounded to the model's dtype as Hugging
-    Face's norms round: Gemma scales in float32 by 1 + w, then casts; Llama-style norms cast,
-    then scale by w."""
-    if NORM == 2:
-        return (h * (1.0 + w.to(tl.float32))).to(dtype).to(tl.float32)
-    return (h.to(dtype) * w.to(dtype)).to(tl.float32)
 
 
 def rope(

@@ -19,12 +19,20 @@ from attention.kernels.launch import pdl_options, pdl_start
 
 
 @triton.jit
+def scaled(h, w, GEMMA: tl.constexpr, dtype: tl.constexpr):
+    """A normalised float32 row times its norm weight, rounded to the model's dtype as Hugging
+    Face's norms round: Gemma scales in float32 by 1 + w, then casts; Llama-style norms cast,
+    then scale by w (the RoPE kernel's q/k norms use it too)."""
+    if GEMMA:
+        return (h * (1.0 + w.to(tl.float32))).to(dtype)
+    return h.to(dtype) * w.to(dtype)
+
+
+@triton.jit
 def _norm(x, w, mask, eps, size, GEMMA: tl.constexpr, dtype: tl.constexpr):
     """RMSNorm of a float32 row, rounded to `dtype` the way the model's norm rounds."""
     rstd = tl.rsqrt(tl.sum(tl.where(mask, x * x, 0.0)) / size + eps)
-    if GEMMA:
-        return (x * rstd * (1.0 + w.to(tl.float32))).to(dtype)
-    return (x * rstd).to(dtype) * w.to(dtype)
+    return scaled(x * rstd, w, GEMMA, dtype)
 
 
 @triton.jit
