@@ -36,20 +36,21 @@ except ImportError:  # a Triton without grid-dependency control: PDL stays off
         pass
 
 
-# Let the successor launch as soon as every program has started (1) or when this kernel
-# completes (0, the default: the launch still overlaps the kernel's drain). On an H200 the early
-# trigger made Gemma-3-1B slower (1.24 -> 1.49 ms a batch-1 step, 1.9 -> 3.8 ms at 64: waiting
-# programs hold SM slots), the completion trigger faster (1.20 ms; Gemma-3-12B 6.63 -> 6.53).
-EARLY_TRIGGER = tl.constexpr(int(os.environ.get("SLIDESPEC_PDL_EARLY", "0")))
+# A kernel of at most this many programs lets its successor launch as soon as each of its programs
+# has waited (they all run at once: the successor's programs take free slots and wait there); a
+# larger grid lets it launch at completion, since waiting programs would hold the slots its
+# later waves need (an early trigger on every kernel made Gemma-3-1B 1.24 -> 1.49 ms a batch-1
+# step on an H200).
+EARLY_PROGRAMS = int(os.environ.get("SLIDESPEC_PDL_EARLY", "0"))
 
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
-    """A PDL-launched kernel's first statement: wait for the kernel before (its writes become
-    visible), then (early trigger) let the next one launch."""
+    """A PDL-launched kernel's first read of a predecessor's output comes after this: wait for
+    the kernel before (its writes become visible), then (`PDL` 2) let the next one launch."""
     if PDL:
         gdc_wait()
-        if EARLY_TRIGGER:
+        if PDL == 2:
             gdc_launch_dependents()
 
 
@@ -63,6 +64,9 @@ def pdl_enabled() -> bool:
     )
 
 
-def pdl_options() -> dict:
-    """Launch keywords for a kernel taking a `PDL` constexpr that it passes to `pdl_start`."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {"PDL": False}
+def pdl_options(programs: int) -> dict:
+    """Launch keywords for a kernel of `programs` programs taking a `PDL` constexpr that it
+    passes to `pdl_start` (0: off; 1: successor launched at completion; 2: early)."""
+    if not pdl_enabled():
+        return {"PDL": 0}
+    return {"PDL": 2 if programs <= EARLY_PROGRAMS else 1, "launch_pdl": True}

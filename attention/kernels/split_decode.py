@@ -244,6 +244,6 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
             triton.next_power_of_2(splits), max(1, MERGE_ELEMENTS // (triton.next_power_of_2(group) * head_dim))
         ),
         num_warps=4,
-        **pdl_options(),
+        **pdl_options(rows * kv_heads * splits),
     )
     return out

@@ -260,11 +260,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
     m = x.numel() // k
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     t = tile or tile_for(weight.shape[0], k, m)
-    common = dict(BLOCK_K=t.cols, EVEN_K=k % t.cols == 0, num_warps=t.warps, num_stages=t.stages, **pdl_options())
+    common = dict(BLOCK_K=t.cols, EVEN_K=k % t.cols == 0, num_warps=t.warps, num_stages=t.stages)
     if m > 1:
         block_n = max(DOT_ROWS, t.rows // 2) if act else t.rows
         x2 = x.reshape(m, k)
-        _rows_kernel[(triton.cdiv(n, block_n),)](
+        grid = (triton.cdiv(n, block_n),)
+        _rows_kernel[grid](
             x2,
             weight,
             bias if bias is not None else weight,
@@ -278,11 +279,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             BLOCK_M=DOT_ROWS,
             BLOCK_N=block_n,
             **common,
+            **pdl_options(grid[0]),
         )
     elif act:
         block_n = max(1, t.rows // 2)
-        _gemv_act_mul_kernel[(triton.cdiv(n, block_n),)](
-            x, weight, y, n, k, ACT=ACTIVATIONS[act], BLOCK_N=block_n, **common
+        grid = (triton.cdiv(n, block_n),)
+        _gemv_act_mul_kernel[grid](
+            x, weight, y, n, k, ACT=ACTIVATIONS[act], BLOCK_N=block_n, **common, **pdl_options(grid[0])
         )
     else:
         blocks = triton.cdiv(n, t.rows)
@@ -303,6 +306,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             SPLITS_PAD=triton.next_power_of_2(t.splits),
             K_SPLIT=k_split,
             **common,
+            **pdl_options(blocks * t.splits),
         )
     return y
 

@@ -158,6 +158,6 @@ def rope(
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         NORM=0 if norms is None else 2 if gemma else 1,
         WRITE_KV=kv is not None,
-        **pdl_options(),
+        **pdl_options(tokens * (q_heads + k_heads)),
     )
     return q_out, k_out

@@ -88,6 +88,6 @@ def norm_add_norm(
             GEMMA=gemma,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
-            **pdl_options(),
+            **pdl_options(x2.shape[0]),
         )
     return out, residual
