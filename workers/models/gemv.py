@@ -297,7 +297,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             bias if bias is not None else weight,
             y,
             part,
-            counters(x.device, blocks),
+            counters(x.device, blocks) if t.splits > 1 else y,
             n,
             k,
             HAS_BIAS=bias is not None,
