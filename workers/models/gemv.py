@@ -66,8 +66,6 @@ ROW_TILES: tuple[tuple[int, int, Tile | None], ...] = (
 MAX_ROWS = 8
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 
-PREFETCH_BYTES = 16384  # weight a program taking the norm asks L2 for before computing it
-
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the fused kernels' `ACT` codes
 
 
@@ -125,24 +123,6 @@ def _norm_statistics(
 
 
 @triton.jit
-def _prefetch(w_ptr, rows, row_ok, K, k_lo, PREFETCH_K: tl.constexpr):
-    """Ask L2 for the program's weight rows from k_lo on, PREFETCH_K elements of each (a request
-    per 128-byte line of a 2-byte dtype), before the norm's statistics: the weight streams in
-    while they are computed instead of after (the rows are read from L2 right after)."""
-    offs = k_lo + tl.arange(0, PREFETCH_K // 64) * 64
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + offs[None, :]
-    ok = row_ok[:, None] & (offs < K)[None, :]
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;",
-        "=r,l",
-        [tl.where(ok, ptrs, w_ptr)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _x_tile(x_ptr, res_ptr, wb_ptr, wn_ptr, offs, mask, rstd_b, rstd, NORM: tl.constexpr, GEMMA: tl.constexpr):
     """A tile of the projection's input: x, or (NORM) norm(residual + x'), rounded as the model's
     norms round."""
@@ -177,7 +157,6 @@ def _gemv_kernel(
     NORM: tl.constexpr,  # 0: x is the input; 1: norm(residual + x); 2: norm(residual + norm_b(x))
     GEMMA: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -186,13 +165,12 @@ def _gemv_kernel(
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    k_lo = tl.program_id(1) * K_SPLIT
     rstd_b, rstd = 1.0, 1.0
     if NORM:
-        _prefetch(w_ptr, rows, row_ok, K, k_lo, PREFETCH_K)
         first = (block == 0) & (tl.program_id(1) == 0)
         rstd_b, rstd = _norm_statistics(x_ptr, res_ptr, wb_ptr, res_out_ptr, K, eps, first, NORM, GEMMA, NORM_BLOCK)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_lo = tl.program_id(1) * K_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         in_k = k0 + cols < K
         x = _x_tile(x_ptr, res_ptr, wb_ptr, wn_ptr, k0 + cols, in_k, rstd_b, rstd, NORM, GEMMA)
@@ -248,7 +226,6 @@ def _gemv_act_mul_kernel(
     NORM: tl.constexpr,
     GEMMA: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y[j] = act(W[j] . x) * (W[N + j] . x): gate rows first, up rows after them; both tiles
@@ -261,8 +238,6 @@ def _gemv_act_mul_kernel(
     up_ptrs = gate_ptrs + N.to(tl.int64) * K
     rstd_b, rstd = 1.0, 1.0
     if NORM:
-        _prefetch(w_ptr, rows, row_ok, K, 0, PREFETCH_K)
-        _prefetch(w_ptr + N.to(tl.int64) * K, rows, row_ok, K, 0, PREFETCH_K)
         first = tl.program_id(0) == 0
         rstd_b, rstd = _norm_statistics(x_ptr, res_ptr, wb_ptr, res_out_ptr, K, eps, first, NORM, GEMMA, NORM_BLOCK)
     gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -422,7 +397,6 @@ def _launch(
         NORM=0 if norm is None else 1 if norm.before is None else 2,
         GEMMA=norm is not None and norm.gemma,
         NORM_BLOCK=16 if norm is None else min(2048, triton.next_power_of_2(k)),
-        PREFETCH_K=min(triton.next_power_of_2(k), max(64, PREFETCH_BYTES // (t.rows * x.element_size()))),
     )
     if act:
         block_n = max(1, t.rows // 2)
