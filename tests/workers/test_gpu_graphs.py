@@ -108,11 +108,10 @@ def test_batch_one_replay_gives_the_eager_tokens(models, name, spec):
 def test_gemv_decodes_within_bf16_noise_of_cublas(models, name, spec, monkeypatch):
     """A batch-1 decode with the GEMV against the same decode on cuBLAS: logits within bf16
     noise until a near-tie. The GEMV must have run (eagerly, and while the graphs were captured):
-    on one row, taking the norms before the projections that follow them, and with a draft on
-    the verify forward's several rows too."""
+    on one row, and with a draft on the verify forward's several rows too."""
     from workers.models import gemv  # Triton: CUDA builds of torch only
 
-    rows: dict[str, set[int]] = {"gemv": set(), "gemv_act_and_mul": set(), "norm_gemv": set()}
+    rows: dict[str, set[int]] = {"gemv": set(), "gemv_act_and_mul": set()}
     for kernel in rows:
         launch = getattr(gemv, kernel)
 
@@ -127,10 +126,10 @@ def test_gemv_decodes_within_bf16_noise_of_cublas(models, name, spec, monkeypatc
         monkeypatch.setattr(ops, "GEMV_ENABLED", enabled)
         runs[enabled], replays = _run(models[name], True, 16, setting, prompts=PROMPTS[:1])
         assert replays > 0
-        assert any(rows.values()) == enabled, rows
-    assert 1 in rows["gemv"] and 1 in rows["norm_gemv"], rows
+        assert all(rows.values()) == enabled, rows
+    assert all(1 in seen for seen in rows.values()), rows
     if spec:  # the verify forward: the three draft tokens and one more
-        assert 4 in rows["gemv"] and 4 in rows["gemv_act_and_mul"], rows
+        assert all(4 in seen for seen in rows.values()), rows
     diverged, worst = compare_bf16_runs(runs[False], runs[True], f"{name} {spec} gemv")
     print(f"{name} {spec} gemv: {diverged} diverged, largest logit difference {worst:.3g}")
 
@@ -286,44 +285,6 @@ def test_split_k_gemv_matches_a_float32_reference_and_leaves_its_counters_at_zer
         for _ in range(3):
             assert _rel(gemv.gemv(x, w, b, tile=gemv.Tile(4, 256, 4, 3, splits=splits)), ref) < 1e-2
     assert int(arrival.counters(x.device, 1).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("gemma, sandwich", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize(
-    "out_features, in_features, act",
-    [
-        (1536, 1152, None),
-        (2 * 6912, 1152, "gelu_pytorch_tanh"),
-        (8192, 3840, None),
-        (2 * 14336, 4096, "silu"),
-        (100, 2500, None),
-    ],
-)
-def test_gemv_taking_the_norm_matches_the_reference(gemma, sandwich, out_features, in_features, act):
-    """A one-row projection of norm(residual + before(x)) computing the norm itself (statistics
-    over one chunk or several), against the torch ops' norm, then projection in float32; the new
-    residual stream as the reference's; the old one untouched; several rows take the unfused path."""
-    from workers.models import gemv
-
-    g = torch.Generator(device="cuda").manual_seed(4)
-    k = in_features
-    w = (torch.randn(out_features, k, device="cuda", generator=g) * 0.05).bfloat16()
-    bias = None if act else torch.randn(out_features, device="cuda", generator=g).bfloat16()
-    norm_w, before = ((torch.randn(k, device="cuda", generator=g) * 0.1 + (0 if gemma else 1)).bfloat16() for _ in "ab")
-    before = before if sandwich else None
-    for rows in (1, 3):
-        x, res = (torch.randn(rows, k, device="cuda", generator=g).bfloat16() for _ in "xr")
-        kept = res.clone()
-        assert gemv.takes_norm(x, res, w) == (rows == 1)
-        h, ref_res = TORCH_OPS.add_rms_norm(x, res, norm_w, 1e-6, gemma, before)
-        if act:
-            ref = TORCH_OPS.linear_act_and_mul(h.float(), w.float(), None, act)
-        else:
-            ref = torch.nn.functional.linear(h.float(), w.float(), bias.float())
-        y, new_res = FLASHINFER_OPS.add_rms_norm_linear(x, res, norm_w, 1e-6, gemma, before, w, bias, act)
-        assert _rel(y, ref) < 1e-2 and _rel(new_res, ref_res) < 1e-3, rows
-        if rows == 1:
-            assert torch.equal(res, kept)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])

@@ -75,23 +75,14 @@ class SelfAttention(nn.Module):
             logit_softcap=cfg.attn_logit_softcap,
         )
 
-    @property
-    def in_proj(self) -> ColumnParallelLinear:
-        """The projection reading the layer's input: q, k and v fused, or q alone."""
-        return self.q_proj if self.qkv_proj is None else self.qkv_proj
-
     def forward(self, hidden: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
-        return self.attend(self.in_proj(hidden), rope, batch)
-
-    def attend(self, projected: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
-        """The layer after `in_proj`: RoPE, the KV write, attention and the output projection."""
         a = self.attn
         positions, cache = rope.positions, rope.caches[self.rope_key]
         if self.qkv_proj is None:
-            q = projected.reshape(-1, a.num_heads, a.head_dim)
+            q = self.q_proj(hidden).reshape(-1, a.num_heads, a.head_dim)
             q, _ = ops_for(q).rope(positions, q, None, cache, self._norms())
             return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
-        q, k, v = self.qkv_proj.split(projected)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
         # K and V straight into the paged cache where the backend names the slots
@@ -119,14 +110,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj.act_and_mul(x, self.act))
-
-    def after_norm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, before: RMSNorm | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the MLP of norm.add(x, residual, before)'s output, the new residual stream), the norm
-        handed to the gate/up projection (`RMSNorm.add_project`)."""
-        act, residual = norm.add_project(x, residual, before, self.gate_up_proj, self.act)
-        return self.down_proj(act), residual
 
 
 class DecoderLayer(nn.Module):
@@ -165,16 +148,16 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         before: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn_in = self.self_attn.in_proj
         if self.input_layernorm is not None:
-            projected, residual = self.input_layernorm.add_project(hidden, residual, before, attn_in)
+            hidden, residual = self.input_layernorm.add(hidden, residual, before)
         else:
-            residual = stream(hidden, residual, before)
-            projected = attn_in(residual)
-        attn = self.self_attn.attend(projected, rope, batch)
+            hidden = residual = stream(hidden, residual, before)
+        attn = self.self_attn(hidden, rope, batch)
         if self.gemma:
-            return self.mlp.after_norm(self.pre_feedforward_layernorm, attn, residual, self.post_attention_layernorm)
-        return self.mlp.after_norm(self.post_attention_layernorm, attn, residual, None)
+            hidden, residual = self.pre_feedforward_layernorm.add(attn, residual, self.post_attention_layernorm)
+        else:
+            hidden, residual = self.post_attention_layernorm.add(attn, residual)
+        return self.mlp(hidden), residual
 
 
 def stream(hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None) -> torch.Tensor:

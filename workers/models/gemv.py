@@ -26,7 +26,6 @@ import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
-from workers.models.sandwich_norm import scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,59 +76,16 @@ def tile_for(out_features: int, in_features: int, rows: int = 1) -> Tile | None:
 
 
 @triton.jit
-def _tile(w_ptrs, x, k0, row_ok, in_k, EVEN_K: tl.constexpr):
-    """One K tile: the weight rows' products with x's tile, float32 (masked past N and K)."""
+def _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K: tl.constexpr):
+    """One K tile: the weight rows' products with x, float32 (masked past N and K)."""
     if EVEN_K:
         w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + k0 + cols)
     else:
+        in_k = (k0 + cols) < K
         w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + k0 + cols, mask=in_k, other=0.0)
     return w.to(tl.float32) * x.to(tl.float32)[None, :]
-
-
-@triton.jit
-def _added(x_ptr, res_ptr, wb_ptr, offs, mask, rstd_b, NORM: tl.constexpr, GEMMA: tl.constexpr):
-    """The residual stream after a sub-layer, in the model's dtype: residual + x, or (NORM 2, a
-    sandwich) residual + norm_before(x)."""
-    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if NORM == 2:
-        wb = tl.load(wb_ptr + offs, mask=mask, other=0.0)
-        h = scaled(h.to(tl.float32) * rstd_b, wb, GEMMA, x_ptr.dtype.element_ty)
-    return tl.load(res_ptr + offs, mask=mask, other=0.0) + h
-
-
-@triton.jit
-def _norm_statistics(
-    x_ptr, res_ptr, wb_ptr, res_out_ptr, K, eps, store, NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr
-):
-    """(1 / rms of x for the norm before the add, 1 / rms of the new residual stream), read from
-    the whole row by every program; the program told to `store` writes the new stream."""
-    cols = tl.arange(0, BLOCK)
-    rstd_b = 1.0
-    if NORM == 2:
-        sq = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            h = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            sq += h * h
-        rstd_b = tl.rsqrt(tl.sum(sq) / K + eps)
-    sq = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + cols < K
-        r = _added(x_ptr, res_ptr, wb_ptr, k0 + cols, mask, rstd_b, NORM, GEMMA)
-        if store:
-            tl.store(res_out_ptr + k0 + cols, r, mask=mask)
-        r = r.to(tl.float32)
-        sq += r * r
-    return rstd_b, tl.rsqrt(tl.sum(sq) / K + eps)
-
-
-@triton.jit
-def _x_tile(x_ptr, res_ptr, wb_ptr, wn_ptr, offs, mask, rstd_b, rstd, NORM: tl.constexpr, GEMMA: tl.constexpr):
-    """A tile of the projection's input: x, or (NORM) norm(residual + x'), rounded as the model's
-    norms round."""
-    if NORM == 0:
-        return tl.load(x_ptr + offs, mask=mask, other=0.0)
-    r = _added(x_ptr, res_ptr, wb_ptr, offs, mask, rstd_b, NORM, GEMMA).to(tl.float32)
-    return scaled(r * rstd, tl.load(wn_ptr + offs, mask=mask, other=0.0), GEMMA, x_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -140,13 +96,8 @@ def _gemv_kernel(
     y_ptr,
     part_ptr,
     counter_ptr,
-    res_ptr,
-    wb_ptr,
-    wn_ptr,
-    res_out_ptr,
     N,
     K,
-    eps,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -154,9 +105,6 @@ def _gemv_kernel(
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     K_SPLIT: tl.constexpr,  # K elements a split reads: a multiple of BLOCK_K
-    NORM: tl.constexpr,  # 0: x is the input; 1: norm(residual + x); 2: norm(residual + norm_b(x))
-    GEMMA: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -165,16 +113,10 @@ def _gemv_kernel(
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    rstd_b, rstd = 1.0, 1.0
-    if NORM:
-        first = (block == 0) & (tl.program_id(1) == 0)
-        rstd_b, rstd = _norm_statistics(x_ptr, res_ptr, wb_ptr, res_out_ptr, K, eps, first, NORM, GEMMA, NORM_BLOCK)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_lo = tl.program_id(1) * K_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-        in_k = k0 + cols < K
-        x = _x_tile(x_ptr, res_ptr, wb_ptr, wn_ptr, k0 + cols, in_k, rstd_b, rstd, NORM, GEMMA)
-        acc += _tile(w_ptrs, x, k0, row_ok, in_k, EVEN_K)
+        acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
     y = tl.sum(acc, axis=1)
     if SPLITS == 1:
         _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
@@ -212,20 +154,12 @@ def _gemv_act_mul_kernel(
     x_ptr,
     w_ptr,
     y_ptr,
-    res_ptr,
-    wb_ptr,
-    wn_ptr,
-    res_out_ptr,
     N,
     K,
-    eps,
     ACT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    NORM: tl.constexpr,
-    GEMMA: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y[j] = act(W[j] . x) * (W[N + j] . x): gate rows first, up rows after them; both tiles
@@ -236,17 +170,11 @@ def _gemv_act_mul_kernel(
     cols = tl.arange(0, BLOCK_K)
     gate_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
     up_ptrs = gate_ptrs + N.to(tl.int64) * K
-    rstd_b, rstd = 1.0, 1.0
-    if NORM:
-        first = tl.program_id(0) == 0
-        rstd_b, rstd = _norm_statistics(x_ptr, res_ptr, wb_ptr, res_out_ptr, K, eps, first, NORM, GEMMA, NORM_BLOCK)
     gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        in_k = k0 + cols < K
-        x = _x_tile(x_ptr, res_ptr, wb_ptr, wn_ptr, k0 + cols, in_k, rstd_b, rstd, NORM, GEMMA)
-        gate_acc += _tile(gate_ptrs, x, k0, row_ok, in_k, EVEN_K)
-        up_acc += _tile(up_ptrs, x, k0, row_ok, in_k, EVEN_K)
+        gate_acc += _tile(gate_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+        up_acc += _tile(up_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
     gate, up = tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1)
     tl.store(y_ptr + rows, (_act(gate, ACT) * up).to(y_ptr.dtype.element_ty), mask=row_ok)
 
@@ -324,42 +252,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def takes_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row (`applies`) whose norm the GEMV can compute itself: x and a residual of its shape
-    and dtype, both contiguous."""
-    return (
-        x.numel() == x.shape[-1]
-        and applies(x, weight)
-        and x.is_contiguous()
-        and residual.is_contiguous()
-        and residual.shape == x.shape
-        and residual.dtype == x.dtype
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Norm:
-    """The projection's input still to be computed: norm(residual + before(x)) (no `before`:
-    residual + x), as `add_rms_norm` in `workers/models/ops.py` computes it."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    gemma: bool
-    before: torch.Tensor | None = None
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    act: str | None,
-    tile: Tile | None,
-    norm: Norm | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None, tile: Tile | None):
     """Both kernels, both variants: `n` output features of x's rows (`act`: from the merged
-    `[gate; up]` weight, gate rows first), and with `norm` (one row) the new residual stream;
-    a tile's `rows` counts the weight rows a program reads."""
+    `[gate; up]` weight, gate rows first); a tile's `rows` counts the weight rows a program reads."""
     k = weight.shape[1]
     n = weight.shape[0] // 2 if act else weight.shape[0]
     m = x.numel() // k
@@ -386,58 +281,34 @@ def _launch(
             **common,
             **pdl_options(grid[0]),
         )
-        return y, None
-    if norm is None:
-        residual, norm_ptrs, eps = None, (x, x, x, x), 1.0
-    else:
-        residual = torch.empty_like(norm.residual)
-        before = x if norm.before is None else norm.before
-        norm_ptrs, eps = (norm.residual, before, norm.weight, residual), norm.eps
-    common.update(
-        NORM=0 if norm is None else 1 if norm.before is None else 2,
-        GEMMA=norm is not None and norm.gemma,
-        NORM_BLOCK=16 if norm is None else min(2048, triton.next_power_of_2(k)),
-    )
-    if act:
+    elif act:
         block_n = max(1, t.rows // 2)
         grid = (triton.cdiv(n, block_n),)
         _gemv_act_mul_kernel[grid](
+            x, weight, y, n, k, ACT=ACTIVATIONS[act], BLOCK_N=block_n, **common, **pdl_options(grid[0])
+        )
+    else:
+        blocks = triton.cdiv(n, t.rows)
+        k_split = triton.cdiv(triton.cdiv(k, t.cols), t.splits) * t.cols
+        part = torch.empty(t.splits, n, dtype=torch.float32, device=x.device) if t.splits > 1 else y
+        _gemv_kernel[(blocks, t.splits)](
             x,
             weight,
+            bias if bias is not None else weight,
             y,
-            *norm_ptrs,
+            part,
+            counters(x.device, blocks) if t.splits > 1 else y,
             n,
             k,
-            eps,
-            ACT=ACTIVATIONS[act],
-            BLOCK_N=block_n,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=t.rows,
+            SPLITS=t.splits,
+            SPLITS_PAD=triton.next_power_of_2(t.splits),
+            K_SPLIT=k_split,
             **common,
-            **pdl_options(grid[0]),
+            **pdl_options(blocks * t.splits),
         )
-        return y, residual
-    blocks = triton.cdiv(n, t.rows)
-    k_split = triton.cdiv(triton.cdiv(k, t.cols), t.splits) * t.cols
-    part = torch.empty(t.splits, n, dtype=torch.float32, device=x.device) if t.splits > 1 else y
-    _gemv_kernel[(blocks, t.splits)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        part,
-        counters(x.device, blocks) if t.splits > 1 else y,
-        *norm_ptrs,
-        n,
-        k,
-        eps,
-        HAS_BIAS=bias is not None,
-        BLOCK_N=t.rows,
-        SPLITS=t.splits,
-        SPLITS_PAD=triton.next_power_of_2(t.splits),
-        K_SPLIT=k_split,
-        **common,
-        **pdl_options(blocks * t.splits),
-    )
-    return y, residual
+    return y
 
 
 def gemv(
@@ -445,25 +316,9 @@ def gemv(
 ) -> torch.Tensor:
     """`x @ weight.T + bias` for one to MAX_ROWS rows (`applies(x, weight)`), shaped like
     F.linear's; `tile` overrides the table's (the benchmark's sweep)."""
-    return _launch(x, weight, bias, None, tile)[0]
+    return _launch(x, weight, bias, None, tile)
 
 
 def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str, tile: Tile | None = None) -> torch.Tensor:
     """`act(gate) * up` from a merged `[gate; up]` weight (`act` in ACTIVATIONS), as `gemv`."""
-    return _launch(x, weight, None, act, tile)[0]
-
-
-def norm_gemv(
-    x: torch.Tensor,
-    norm: Norm,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    act: str | None = None,
-    tile: Tile | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`gemv` or `gemv_act_and_mul` of the normalised residual stream, the new stream) for one
-    row (`takes_norm`): every program computes the norm's statistics from the whole row and
-    normalises the tiles it reads, so the norm's kernel and its round trip through memory go;
-    the first program writes the new residual stream (a new tensor: the others still read the
-    old one)."""
-    return _launch(x, weight, bias, act, tile, norm)
+    return _launch(x, weight, None, act, tile)

@@ -109,10 +109,6 @@ class ColumnParallelLinear(nn.Module):
         """`act(gate) * up` of a merged [gate, up] projection, fused where the device can."""
         return ops_for(x).linear_act_and_mul(x, self.weight, self.bias, act)
 
-    def project(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """`forward`, or with `act` `act_and_mul`."""
-        return self.act_and_mul(x, act) if act else self(x)
-
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads. With fewer KV heads than ranks, KV heads are
@@ -218,24 +214,6 @@ class RMSNorm(nn.Module):
             return self(x), x
         w_before = None if before is None else before.weight
         return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma, w_before)
-
-    def add_project(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        before: RMSNorm | None,
-        proj: ColumnParallelLinear,
-        act: str | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(proj.project(h, act), residual) for (h, residual) = `add(x, residual, before)`: one
-        op, so that a one-row input on CUDA has the projection's GEMV compute the norm itself."""
-        if residual is None:
-            h, residual = self.add(x, None, before)
-            return proj.project(h, act), residual
-        w_before = None if before is None else before.weight
-        return ops_for(x).add_rms_norm_linear(
-            x, residual, self.weight, self.eps, self.gemma, w_before, proj.weight, proj.bias, act
-        )
 
 
 def rope_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> torch.Tensor:

@@ -9,7 +9,6 @@
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
-| add + RMSNorm, then a projection | the above in turn | one row: the GEMV normalises its input; more: as left |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
 runs whenever autograd is on (training reuses the serving model code). A layer's new K and V
@@ -57,11 +56,6 @@ class OpSet:
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
     # (x, merged gate/up weight [2 * d, in], bias or None, activation name) -> act(gate) * up
     linear_act_and_mul: Callable[[Tensor, Tensor, Tensor | None, str], Tensor]
-    # (x, residual, weight, eps, gemma, before, projection weight, bias, activation or None) ->
-    # (projection of add_rms_norm's first result (`act`: act(gate) * up), its second)
-    add_rms_norm_linear: Callable[
-        [Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor, Tensor | None, str | None], tuple[Tensor, Tensor]
-    ]
 
 
 # -- torch: the reference ---------------------------------------------------------------------------
@@ -127,26 +121,7 @@ def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str
     return _act_and_mul(F.linear(x, weight, bias), act)
 
 
-def _norm_then_linear(add_rms_norm: Callable, linear: Callable, linear_act_and_mul: Callable) -> Callable:
-    """add_rms_norm_linear as a norm, then a projection, of one op set."""
-
-    def run(x, residual, weight, eps, gemma, before, proj, bias, act):
-        h, residual = add_rms_norm(x, residual, weight, eps, gemma, before)
-        return (linear_act_and_mul(h, proj, bias, act) if act else linear(h, proj, bias)), residual
-
-    return run
-
-
-TORCH_OPS = OpSet(
-    "torch",
-    _rms_norm,
-    _add_rms_norm,
-    _rope,
-    _act_and_mul,
-    F.linear,
-    _linear_act_and_mul,
-    _norm_then_linear(_add_rms_norm, F.linear, _linear_act_and_mul),
-)
+TORCH_OPS = OpSet("torch", _rms_norm, _add_rms_norm, _rope, _act_and_mul, F.linear, _linear_act_and_mul)
 
 
 # -- CUDA: flashinfer's fused kernels ---------------------------------------------------------------
@@ -221,30 +196,6 @@ def _cuda_linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act
     return _fi_act_and_mul(F.linear(x, weight, bias), act)
 
 
-_cuda_norm_then_linear = _norm_then_linear(_fi_add_rms_norm, _cuda_linear, _cuda_linear_act_and_mul)
-
-
-def _cuda_add_rms_norm_linear(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor,
-    eps: float,
-    gemma: bool,
-    before: Tensor | None,
-    proj: Tensor,
-    bias: Tensor | None,
-    act: str | None,
-) -> tuple[Tensor, Tensor]:
-    gemv = _triton("gemv")
-    if (
-        GEMV_ENABLED
-        and (act is None or (bias is None and act in gemv.ACTIVATIONS))
-        and gemv.takes_norm(x, residual, proj)
-    ):
-        return gemv.norm_gemv(x, gemv.Norm(residual, weight, eps, gemma, before), proj, bias, act)
-    return _cuda_norm_then_linear(x, residual, weight, eps, gemma, before, proj, bias, act)
-
-
 FLASHINFER_OPS = OpSet(
     "flashinfer",
     _fi_rms_norm,
@@ -253,7 +204,6 @@ FLASHINFER_OPS = OpSet(
     _fi_act_and_mul,
     _cuda_linear,
     _cuda_linear_act_and_mul,
-    _cuda_add_rms_norm_linear,
 )
 
 OP_SETS = {"cpu": TORCH_OPS, "cuda": FLASHINFER_OPS}
