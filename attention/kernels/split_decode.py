@@ -70,7 +70,8 @@ def _slices_kernel(
     start = 0
     if window_left >= 0:
         start = tl.maximum(seq_len - 1 - window_left, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - start, SPLITS), BLOCK_N), 1) * BLOCK_N
+    active = tl.cdiv(seq_len - start, per_split)  # slices holding keys: the merge reads these only
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -105,15 +106,17 @@ def _slices_kernel(
     out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
     lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
     slot = (row * num_heads + q_head) * SPLITS + split
-    keep = heads < GROUP
-    tl.store(part_lse_ptr + slot, lse, mask=keep)
-    tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=keep[:, None])
+    if split < active:  # an empty slice has no partial to store (the merge skips it)
+        keep = heads < GROUP
+        tl.store(part_lse_ptr + slot, lse, mask=keep)
+        tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=keep[:, None])
     if last_arrival(counter_ptr + row * kv_heads + kv_head, SPLITS):
         first = kv_head * GROUP
         _merge_group(
             part_out_ptr,
             part_lse_ptr,
             (row * num_heads + first) * SPLITS,
+            active,
             sinks_ptr + first,
             out_ptr + row * stride_o_row + first * stride_o_head,
             stride_o_head,
@@ -131,6 +134,7 @@ def _merge_group(
     part_out_ptr,
     part_lse_ptr,
     first_slot,
+    active,
     sinks_ptr,
     out_ptr,
     stride_o_head,
@@ -141,8 +145,9 @@ def _merge_group(
     SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """The group's query heads from their slices' partials, `CHUNK` slices of every head a
-    load, rescaled online (the partials are read past L1: other SMs wrote them)."""
+    """The group's query heads from the partials of their `active` slices (those holding keys:
+    a graph's grid has slices for its table's width, a short request fills a few), `CHUNK`
+    slices of every head a load, rescaled online (read past L1: other SMs wrote them)."""
     heads = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, HEAD_DIM)
     chunk = tl.arange(0, CHUNK)
@@ -150,9 +155,9 @@ def _merge_group(
     top = tl.full([GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-    for c in range(0, SPLITS, CHUNK):
+    for c in range(0, active, CHUNK):
         slots = first_slot + heads[:, None] * SPLITS + c + chunk[None, :]
-        ok = head_ok[:, None] & (c + chunk < SPLITS)[None, :]
+        ok = head_ok[:, None] & (c + chunk < active)[None, :]
         lse = tl.load(part_lse_ptr + slots, mask=ok, other=float("-inf"), cache_modifier=".cg")
         parts = tl.load(
             part_out_ptr + slots[:, :, None] * HEAD_DIM + dims[None, None, :],

@@ -262,6 +262,7 @@ def decode_part(root: str, limits: dict, shapes: list[str], modes: list[str]) ->
         for graphs in [mode == "graphs" for mode in modes]:
             engine = engine_for(path, graphs)
             wb, kvb = weight_bytes(engine), kv_bytes_per_token(engine)
+            run_batch(engine, random_prompts(engine.cfg.vocab_size, 1, 16), 4)  # warm-up, as the other parts
             for batch in BATCHES:
                 r = run_batch(engine, random_prompts(engine.cfg.vocab_size, batch, PROMPT), NEW)
                 read = wb + batch * kvb * (PROMPT + NEW // 2)
