@@ -6,7 +6,8 @@ few KV heads runs on a handful of SMs and is bound by one CTA's load latency (Ge
 KV head of 256 dims, ~30 us a layer). Here every (row, KV head) is split into `splits` slices
 of its visible keys, each slice handled by its own program, and the program that finishes a
 (row, KV head) last merges its slices' partial softmax results (log-sum-exp weighted, attention
-sinks in the denominator; `arrival.py`): one kernel a call.
+sinks in the denominator; `arrival.py`): one kernel a call. Slices past a row's keys (a graph's
+grid is sized for its table's width) store nothing and take no part in the merge.
 
 It reads exactly a `DecodeCall`'s tensors: paged HND cache `[pages, 2, Hkv, page, D]`, page
 tables, KV lengths (the query is the last position), `window_left` and sinks; one query a row
@@ -71,7 +72,10 @@ def _slices_kernel(
     if window_left >= 0:
         start = tl.maximum(seq_len - 1 - window_left, 0)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - start, SPLITS), BLOCK_N), 1) * BLOCK_N
-    active = tl.cdiv(seq_len - start, per_split)  # slices holding keys: the merge reads these only
+    # slices holding keys (one when none does): only these store partials and take tickets, the
+    # last of them merging; a graph's grid has slices for its table's width, a short request
+    # fills a few of them
+    active = tl.maximum(tl.cdiv(seq_len - start, per_split), 1)
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -106,27 +110,27 @@ def _slices_kernel(
     out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
     lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
     slot = (row * num_heads + q_head) * SPLITS + split
-    if split < active:  # an empty slice has no partial to store (the merge skips it)
+    if split < active:
         keep = heads < GROUP
         tl.store(part_lse_ptr + slot, lse, mask=keep)
         tl.store(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :], out, mask=keep[:, None])
-    if last_arrival(counter_ptr + row * kv_heads + kv_head, SPLITS):
-        first = kv_head * GROUP
-        _merge_group(
-            part_out_ptr,
-            part_lse_ptr,
-            (row * num_heads + first) * SPLITS,
-            active,
-            sinks_ptr + first,
-            out_ptr + row * stride_o_row + first * stride_o_head,
-            stride_o_head,
-            HAS_SINKS,
-            GROUP,
-            GROUP_P2,
-            HEAD_DIM,
-            SPLITS,
-            MERGE_CHUNK,
-        )
+        if last_arrival(counter_ptr + row * kv_heads + kv_head, active):
+            first = kv_head * GROUP
+            _merge_group(
+                part_out_ptr,
+                part_lse_ptr,
+                (row * num_heads + first) * SPLITS,
+                active,
+                sinks_ptr + first,
+                out_ptr + row * stride_o_row + first * stride_o_head,
+                stride_o_head,
+                HAS_SINKS,
+                GROUP,
+                GROUP_P2,
+                HEAD_DIM,
+                SPLITS,
+                MERGE_CHUNK,
+            )
 
 
 @triton.jit
@@ -145,9 +149,8 @@ def _merge_group(
     SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """The group's query heads from the partials of their `active` slices (those holding keys:
-    a graph's grid has slices for its table's width, a short request fills a few), `CHUNK`
-    slices of every head a load, rescaled online (read past L1: other SMs wrote them)."""
+    """The group's query heads from the partials of their `active` slices, `CHUNK` slices of
+    every head a load, rescaled online (read past L1: other SMs wrote them)."""
     heads = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, HEAD_DIM)
     chunk = tl.arange(0, CHUNK)
