@@ -1,0 +1,64 @@
+"""Steady decode steps of a model shape: the reading for before/after comparisons of a change.
+
+    python -m ops.bench.decode_step --shape gemma3-1b --batch 1 --max-batch 64 --tag after
+
+One engine (dummy weights, CUDA graphs, the decode table's engine of `--max-batch` requests);
+`--repeats` times: `--batch` requests of a 128-token prompt, 10 warm-up steps, then `--steps`
+timed decode steps. Prints one JSON line of ms a step per repeat. Lent machines differ by up to
+20% and drift within minutes, so compare revisions in alternating processes on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from ops.bench.decode_throughput import PROMPT, SHAPES, engine_for, random_prompts, write_config
+from workers.engine import Engine, SamplingParams
+
+WARMUP_STEPS = 10
+
+
+def steady_ms(engine: Engine, batch: int, steps: int, seed: int = 0) -> float:
+    """Milliseconds a decode step over `steps` steps of `batch` running requests."""
+    sampling = SamplingParams(max_new_tokens=steps + 2 * WARMUP_STEPS, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, sampling) for p in random_prompts(engine.cfg.vocab_size, batch, PROMPT, seed)]
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    for rid in rids:
+        engine.release(rid)
+    return 1e3 * elapsed / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--max-batch", type=int, default=64, help="the engine's max_running_requests")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    engine = engine_for(write_config(tempfile.mkdtemp(), args.shape, SHAPES[args.shape]), True, args.max_batch)
+    ms = [steady_ms(engine, args.batch, args.steps) for _ in range(args.repeats)]
+    print(
+        json.dumps(
+            {"shape": args.shape, "batch": args.batch, "max_batch": args.max_batch, "ms_per_step": ms, "tag": args.tag}
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
