@@ -23,22 +23,32 @@ from workers.engine import Engine, SamplingParams
 WARMUP_STEPS = 10
 
 
+def timed_steps(engine: Engine, steps: int) -> float:
+    """Seconds `steps` engine steps take, the device drained before and after."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def finish(engine: Engine, rids: list[str]) -> None:
+    """Run the requests to their end and release them (the pools back at their free counts)."""
+    while engine.has_unfinished():
+        engine.step()
+    for rid in rids:
+        engine.release(rid)
+
+
 def steady_ms(engine: Engine, batch: int, steps: int, seed: int = 0) -> float:
     """Milliseconds a decode step over `steps` steps of `batch` running requests."""
     sampling = SamplingParams(max_new_tokens=steps + 2 * WARMUP_STEPS, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, sampling) for p in random_prompts(engine.cfg.vocab_size, batch, PROMPT, seed)]
     for _ in range(WARMUP_STEPS):
         engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
-    for rid in rids:
-        engine.release(rid)
+    elapsed = timed_steps(engine, steps)
+    finish(engine, rids)
     return 1e3 * elapsed / steps
 
 

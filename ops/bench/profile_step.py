@@ -21,6 +21,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ops.bench.decode_step import finish, timed_steps
 from ops.bench.decode_throughput import (
     NEW,
     PROMPT,
@@ -74,22 +75,14 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
     for _ in range(8):
         engine.step()
     sites = sync_sites(engine, 4)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    plain = time.perf_counter() - start
+    plain = timed_steps(engine, steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
-    for r in rids:
-        engine.release(r)
+    finish(engine, rids)
     if trace:
         prof.export_chrome_trace(trace)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
