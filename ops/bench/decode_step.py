@@ -1,17 +1,26 @@
 """Steady decode steps of a model shape: the reading for before/after comparisons of a change.
 
     python -m ops.bench.decode_step --shape gemma3-1b --batch 1 --max-batch 64 --tag after
+    python -m ops.bench.decode_step --shape gemma3-1b --against ../before --pairs 3
 
 One engine (dummy weights, CUDA graphs, the decode table's engine of `--max-batch` requests);
 `--repeats` times: `--batch` requests of a 128-token prompt, 10 warm-up steps, then `--steps`
-timed decode steps. Prints one JSON line of ms a step per repeat. Lent machines differ by up to
-20% and drift within minutes, so compare revisions in alternating processes on one machine.
+timed decode steps. Prints one JSON line of ms a step per repeat. Machines differ by up to 20%
+and drift within minutes, so compare revisions in alternating processes on one machine:
+`--against DIR` runs `--pairs` pairs of processes, this tree's and one with DIR first on the
+path (another revision's `workers` and `attention`, e.g. `git archive REV workers attention |
+tar x -C DIR`; `ops` comes from this tree), printing each line as it comes and the ratio of
+the medians last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -60,7 +69,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--against", help="another checkout to alternate with, process by process")
+    parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
+    if args.against:
+        compare(args)
+        return
     engine = engine_for(write_config(tempfile.mkdtemp(), args.shape, SHAPES[args.shape]), True, args.max_batch)
     ms = [steady_ms(engine, args.batch, args.steps) for _ in range(args.repeats)]
     print(
@@ -68,6 +82,24 @@ def main() -> None:
             {"shape": args.shape, "batch": args.batch, "max_batch": args.max_batch, "ms_per_step": ms, "tag": args.tag}
         )
     )
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Alternate processes of this tree and of `args.against`; the ratio of their medians."""
+    flags = ["--shape", args.shape, "--batch", str(args.batch), "--max-batch", str(args.max_batch)]
+    flags += ["--steps", str(args.steps), "--repeats", str(args.repeats)]
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    trees = {"this": here, "against": os.path.abspath(args.against)}
+    readings: dict[str, list[float]] = {tag: [] for tag in trees}
+    for _ in range(args.pairs):
+        for tag, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, here, os.environ.get("PYTHONPATH", "")]))
+            cmd = [sys.executable, "-m", "ops.bench.decode_step", *flags, "--tag", tag]
+            line = subprocess.run(cmd, env=env, cwd=here, check=True, capture_output=True, text=True).stdout
+            print(line.strip(), flush=True)
+            readings[tag] += json.loads(line.splitlines()[-1])["ms_per_step"]
+    medians = {tag: statistics.median(ms) for tag, ms in readings.items()}
+    print(json.dumps({"median_ms": medians, "this_over_against": medians["this"] / medians["against"]}))
 
 
 if __name__ == "__main__":
