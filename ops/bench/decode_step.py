@@ -84,6 +84,15 @@ def main() -> None:
     )
 
 
+def tree_process(tree: str, here: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a process that imports `tree`'s packages before `here`'s.
+
+    `-P`: `python -m` would otherwise put the working directory (`here`) ahead of PYTHONPATH.
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, here, os.environ.get("PYTHONPATH", "")]))
+    return [sys.executable, "-P", "-m", "ops.bench.decode_step", *argv], env
+
+
 def compare(args: argparse.Namespace) -> None:
     """Alternate processes of this tree and of `args.against`; the ratio of their medians."""
     flags = ["--shape", args.shape, "--batch", str(args.batch), "--max-batch", str(args.max_batch)]
@@ -93,8 +102,7 @@ def compare(args: argparse.Namespace) -> None:
     readings: dict[str, list[float]] = {tag: [] for tag in trees}
     for _ in range(args.pairs):
         for tag, tree in trees.items():
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, here, os.environ.get("PYTHONPATH", "")]))
-            cmd = [sys.executable, "-m", "ops.bench.decode_step", *flags, "--tag", tag]
+            cmd, env = tree_process(tree, here, [*flags, "--tag", tag])
             line = subprocess.run(cmd, env=env, cwd=here, check=True, capture_output=True, text=True).stdout
             print(line.strip(), flush=True)
             readings[tag] += json.loads(line.splitlines()[-1])["ms_per_step"]

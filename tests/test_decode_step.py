@@ -1,0 +1,22 @@
+"""decode_step's --against: the other revision's processes really import that revision."""
+
+import os
+import subprocess
+
+from ops.bench.decode_step import tree_process
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_other_tree_shadows_this_one(tmp_path):
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "__init__.py").write_text("import sys\nprint('other tree')\nsys.exit(3)\n")
+    cmd, env = tree_process(str(tmp_path), HERE, ["--help"])
+    done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (3, "other tree"), done.stderr[-2000:]
+
+
+def test_this_tree_runs_its_own_packages():
+    cmd, env = tree_process(HERE, HERE, ["--help"])
+    done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "--against" in done.stdout, done.stderr[-2000:]
