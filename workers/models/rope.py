@@ -58,6 +58,7 @@ def _rope_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.arange(0, BLOCK_DIM)
+    pos = tl.load(pos_ptr + t).to(tl.int64)  # first: the cos/sin loads wait for it
     if h < q_heads:
         src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
         dst = q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM
@@ -77,18 +78,19 @@ def _rope_kernel(
     i = tl.arange(0, BLOCK_HALF)
     in_half = i < half
     passes = (j >= ROTARY) & (j < HEAD_DIM)
-    row = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * ROTARY
+    row = cache_ptr + pos * ROTARY
     cos = tl.load(row + i, mask=in_half, other=0.0)
     sin = tl.load(row + half + i, mask=in_half, other=0.0)
     x1 = tl.load(src + i, mask=in_half, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + i, mask=in_half, other=0.0).to(tl.float32)
     xp = tl.load(src + j, mask=passes, other=0.0).to(tl.float32)
     if NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2) + tl.sum(xp * xp)) / HEAD_DIM + eps)
-        dtype = dst.dtype.element_ty
+        # the weights' loads go out with the head's, before the statistics wait for them
         w1 = tl.load(norm_w + i, mask=in_half, other=0.0)
         w2 = tl.load(norm_w + half + i, mask=in_half, other=0.0)
         wp = tl.load(norm_w + j, mask=passes, other=0.0)
+        rstd = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2) + tl.sum(xp * xp)) / HEAD_DIM + eps)
+        dtype = dst.dtype.element_ty
         x1 = scaled(x1 * rstd, w1, NORM == 2, dtype).to(tl.float32)
         x2 = scaled(x2 * rstd, w2, NORM == 2, dtype).to(tl.float32)
         xp = scaled(xp * rstd, wp, NORM == 2, dtype).to(tl.float32)

@@ -55,12 +55,14 @@ def _norm_add_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < size
     dtype = out_ptr.dtype.element_ty
+    # every load first: the statistics wait for one round trip to memory, not three
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    before = _norm(x, tl.load(w_before_ptr + cols, mask=mask, other=0.0), mask, eps, size, GEMMA, dtype)
-    res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0) + before
+    w_before = tl.load(w_before_ptr + cols, mask=mask, other=0.0)
+    res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    res += _norm(x, w_before, mask, eps, size, GEMMA, dtype)
     tl.store(res_ptr + row * stride_res + cols, res, mask=mask)
-    out = _norm(res.to(tl.float32), tl.load(w_ptr + cols, mask=mask, other=0.0), mask, eps, size, GEMMA, dtype)
-    tl.store(out_ptr + row * size + cols, out, mask=mask)
+    tl.store(out_ptr + row * size + cols, _norm(res.to(tl.float32), w, mask, eps, size, GEMMA, dtype), mask=mask)
 
 
 def norm_add_norm(
