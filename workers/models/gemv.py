@@ -12,13 +12,11 @@ down projection, otherwise leaves most of the device idle). One row (a batch-1 d
 step) is a dot product per output feature; two to `MAX_ROWS` rows (a batch-1 verify forward: the
 draft's tokens and one more) go through `tl.dot` on a 16-row tile of x, so the weight is still
 read once, where cuBLAS's few-row kernels read it at the one-row rate and add split-K reduces.
-Wider inputs are matrix multiplications and stay on cuBLAS.
+Wider inputs are matrix multiplications and stay on cuBLAS. Tiles by weight shape are data in
+`gemv_tiles.py`.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import torch
 import triton
@@ -26,53 +24,11 @@ import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
+from workers.models.gemv_tiles import MAX_ROWS, Tile, tile_for
 
-
-@dataclasses.dataclass(frozen=True)
-class Tile:
-    rows: int  # output features a program computes
-    cols: int  # K elements it reads a row per iteration
-    warps: int
-    stages: int
-    splits: int = 1  # programs sharing a row block's K (one input row, no activation)
-
-
-# First match on (out_features >= rows_at_least, in_features >= cols_at_least), tuned on an H200
-# with ops/bench/gemv_bandwidth.py over Llama-3-8B and Gemma-3-1B/12B projections.
-TILES: tuple[tuple[int, int, Tile], ...] = (
-    (65536, 0, Tile(16, 256, 4, 4)),  # LM heads
-    (30720, 0, Tile(8, 256, 4, 4)),  # widest gate/up (Gemma-3-12B: 1.22x the tile below)
-    (20480, 0, Tile(16, 256, 4, 4)),  # wide: gate/up (Llama-3-8B)
-    (13824, 0, Tile(16, 128, 8, 4)),  # gate/up (Gemma-3-1B: 1.17x the tile above)
-    (8192, 0, Tile(8, 256, 8, 2)),  # wide fused QKV (Gemma-3-12B)
-    (2048, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
-    (0, 6144, Tile(8, 256, 4, 4, splits=6)),  # few long rows: Gemma-3-1B down (1.31x unsplit)
-    (6144, 0, Tile(8, 512, 4, 4)),  # fused QKV
-    (0, 0, Tile(4, 512, 4, 4)),  # square: O projections
-)
-
-# The same for 2 to MAX_ROWS rows (`rows` is the tl.dot tile's N: at least 16); None: cuBLAS,
-# which reads long rows (down projections) faster than this kernel without a split over K.
-ROW_TILES: tuple[tuple[int, int, Tile | None], ...] = (
-    (0, 6144, None),  # long rows: down projections
-    (65536, 0, Tile(64, 128, 4, 4)),  # LM heads
-    (16384, 0, Tile(64, 64, 4, 3)),  # wide gate/up
-    (8192, 0, Tile(64, 128, 4, 4)),  # gate/up
-    (6144, 0, Tile(64, 256, 4, 4)),  # fused QKV
-    (0, 4096, Tile(32, 256, 4, 5)),  # O projections
-    (0, 0, Tile(32, 128, 4, 5)),  # small projections
-)
-MAX_ROWS = 8
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the fused kernels' `ACT` codes
-
-
-@functools.cache  # asked by `applies` and again at launch, for every projection call
-def tile_for(out_features: int, in_features: int, rows: int = 1) -> Tile | None:
-    """The table's tile for a weight of this shape and `rows` input rows (None: cuBLAS)."""
-    table = TILES if rows == 1 else ROW_TILES
-    return next(t for n, k, t in table if out_features >= n and in_features >= k)
 
 
 @triton.jit

@@ -1,0 +1,32 @@
+"""The one-row GEMV's tile choice and its SLIDESPEC_GEMV_TILES overrides (no GPU needed)."""
+
+import pytest
+
+from workers.models import gemv_tiles
+from workers.models.gemv_tiles import Tile
+
+
+def test_overrides_are_read_by_exact_weight_shape():
+    got = gemv_tiles._overrides(" 1152x6912=8,256,4,4,3 ; 1536X1152=8,256,4,4;")
+    assert got == {(1152, 6912): Tile(8, 256, 4, 4, splits=3), (1536, 1152): Tile(8, 256, 4, 4)}
+
+
+@pytest.mark.parametrize(
+    "text", ["1152x6912", "1152x6912=8,256", "1152=8,256,4,4", "axb=8,256,4,4", "1152x6912=6,256,4,4", "1x2=8,256,4,0"]
+)
+def test_a_malformed_override_names_itself(text):
+    with pytest.raises(ValueError, match="SLIDESPEC_GEMV_TILES"):
+        gemv_tiles._overrides(text)
+
+
+def test_an_override_wins_for_its_shape_and_one_row_only(monkeypatch):
+    table = gemv_tiles.tile_for(1152, 6912)
+    assert table == Tile(8, 256, 4, 4, splits=6)  # the table's: Gemma-3-1B's down projection
+    monkeypatch.setattr(gemv_tiles, "OVERRIDES", {(1152, 6912): Tile(16, 128, 4, 2, splits=3)})
+    gemv_tiles.tile_for.cache_clear()
+    try:
+        assert gemv_tiles.tile_for(1152, 6912) == Tile(16, 128, 4, 2, splits=3)
+        assert gemv_tiles.tile_for(1152, 6912, rows=2) is None  # few rows: the row table (cuBLAS here)
+        assert gemv_tiles.tile_for(1152, 1024) == Tile(4, 512, 4, 4)  # other shapes: the table
+    finally:
+        gemv_tiles.tile_for.cache_clear()

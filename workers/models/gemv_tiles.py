@@ -1,0 +1,83 @@
+"""The one-row GEMV's tiles by weight shape, as data (`gemv.py` runs them): Triton-free, so the
+choice and its overrides are testable anywhere.
+
+`SLIDESPEC_GEMV_TILES` overrides the one-row tile of exact weight shapes, for tuning inside a
+captured decode step (where a kernel's launch overlaps the one before and isolated timings
+mislead): `OUTxIN=rows,cols,warps,stages[,splits]`, several separated by `;`, e.g.
+`1152x6912=8,256,4,4,3` for Gemma-3-1B's down projection with three splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    rows: int  # output features a program computes
+    cols: int  # K elements it reads a row per iteration
+    warps: int
+    stages: int
+    splits: int = 1  # programs sharing a row block's K (one input row, no activation)
+
+
+# First match on (out_features >= rows_at_least, in_features >= cols_at_least), tuned on an H200
+# with ops/bench/gemv_bandwidth.py over Llama-3-8B and Gemma-3-1B/12B projections.
+TILES: tuple[tuple[int, int, Tile], ...] = (
+    (65536, 0, Tile(16, 256, 4, 4)),  # LM heads
+    (30720, 0, Tile(8, 256, 4, 4)),  # widest gate/up (Gemma-3-12B: 1.22x the tile below)
+    (20480, 0, Tile(16, 256, 4, 4)),  # wide: gate/up (Llama-3-8B)
+    (13824, 0, Tile(16, 128, 8, 4)),  # gate/up (Gemma-3-1B: 1.17x the tile above)
+    (8192, 0, Tile(8, 256, 8, 2)),  # wide fused QKV (Gemma-3-12B)
+    (2048, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
+    (0, 6144, Tile(8, 256, 4, 4, splits=6)),  # few long rows: Gemma-3-1B down (1.31x unsplit)
+    (6144, 0, Tile(8, 512, 4, 4)),  # fused QKV
+    (0, 0, Tile(4, 512, 4, 4)),  # square: O projections
+)
+
+# The same for 2 to MAX_ROWS rows (`rows` is the tl.dot tile's N: at least 16); None: cuBLAS,
+# which reads long rows (down projections) faster than this kernel without a split over K.
+ROW_TILES: tuple[tuple[int, int, Tile | None], ...] = (
+    (0, 6144, None),  # long rows: down projections
+    (65536, 0, Tile(64, 128, 4, 4)),  # LM heads
+    (16384, 0, Tile(64, 64, 4, 3)),  # wide gate/up
+    (8192, 0, Tile(64, 128, 4, 4)),  # gate/up
+    (6144, 0, Tile(64, 256, 4, 4)),  # fused QKV
+    (0, 4096, Tile(32, 256, 4, 5)),  # O projections
+    (0, 0, Tile(32, 128, 4, 5)),  # small projections
+)
+MAX_ROWS = 8
+
+
+def _overrides(text: str) -> dict[tuple[int, int], Tile]:
+    """`SLIDESPEC_GEMV_TILES`'s tiles by (out_features, in_features)."""
+    tiles = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        try:
+            shape, fields = item.split("=")
+            out_features, in_features = (int(v) for v in shape.lower().split("x"))
+            tile = Tile(*(int(v) for v in fields.split(",")))
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"SLIDESPEC_GEMV_TILES: cannot read {item!r}; want OUTxIN=rows,cols,warps,stages[,splits]"
+            ) from e
+        powers = (tile.rows, tile.cols, tile.warps)
+        if any(v < 1 or v & (v - 1) for v in powers) or tile.stages < 1 or tile.splits < 1:
+            raise ValueError(f"SLIDESPEC_GEMV_TILES: {item!r}: rows, cols and warps must be powers of two, all >= 1")
+        tiles[(out_features, in_features)] = tile
+    return tiles
+
+
+OVERRIDES = _overrides(os.environ.get("SLIDESPEC_GEMV_TILES", ""))
+
+
+@functools.cache  # asked by `applies` and again at launch, for every projection call
+def tile_for(out_features: int, in_features: int, rows: int = 1) -> Tile | None:
+    """The table's tile for a weight of this shape and `rows` input rows (None: cuBLAS); an
+    override first for one row."""
+    if rows == 1 and (out_features, in_features) in OVERRIDES:
+        return OVERRIDES[(out_features, in_features)]
+    table = TILES if rows == 1 else ROW_TILES
+    return next(t for n, k, t in table if out_features >= n and in_features >= k)
