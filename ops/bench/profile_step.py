@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import tempfile
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -80,11 +79,7 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
     sites = sync_sites(engine, 4)
     plain = timed_steps(engine, steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        wall = timed_steps(engine, steps)
     finish(engine, rids)
     if trace:
         prof.export_chrome_trace(trace)
