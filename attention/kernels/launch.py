@@ -8,6 +8,10 @@ Every kernel launched this way calls `gdc_wait` before its first read of a prede
 output, so a chain of them stays ordered. flashinfer's kernels and XQA launch this way too.
 
 `SLIDESPEC_PDL=0` turns it off; without Triton's grid-dependency control it is off.
+
+A kernel launched early may also read, before its wait, what no kernel writes: the one-row
+GEMV loads a small row block's whole weights there (`gemv.py`), so they arrive while the kernel
+before still runs. `SLIDESPEC_PRELOAD=0` keeps every load after the wait.
 """
 
 from __future__ import annotations
@@ -63,6 +67,11 @@ def pdl_enabled() -> bool:
         and torch.cuda.is_available()
         and torch.cuda.get_device_capability()[0] >= 9
     )
+
+
+def preloads() -> bool:
+    """Whether kernels read their weights before the wait (without PDL nothing overlaps)."""
+    return pdl_enabled() and os.environ.get("SLIDESPEC_PRELOAD", "1") != "0"
 
 
 def pdl_options(programs: int) -> dict:

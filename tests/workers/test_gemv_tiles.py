@@ -30,3 +30,20 @@ def test_an_override_wins_for_its_shape_and_one_row_only(monkeypatch):
         assert gemv_tiles.tile_for(1152, 1024) == Tile(4, 512, 4, 4)  # other shapes: the table
     finally:
         gemv_tiles.tile_for.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "shape, width",
+    [
+        ((1536, 1152), 2048),
+        ((1152, 1024), 1024),
+        ((37, 264), 512),
+        ((6144, 4096), 0),
+        ((4096, 4096), 0),
+        ((1152, 6912), 0),
+    ],
+)
+def test_small_row_blocks_are_read_whole_and_the_rest_stream(shape, width):
+    """Gemma-3-1B's QKV and O (and tiny models') fit a program's registers; an 8B model's
+    projections and a split down projection do not."""
+    assert gemv_tiles.preload_width(gemv_tiles.tile_for(*shape), shape[1]) == width

@@ -13,7 +13,9 @@ step) is a dot product per output feature; two to `MAX_ROWS` rows (a batch-1 ver
 draft's tokens and one more) go through `tl.dot` on a 16-row tile of x, so the weight is still
 read once, where cuBLAS's few-row kernels read it at the one-row rate and add split-K reduces.
 Wider inputs are matrix multiplications and stay on cuBLAS. Tiles by weight shape are data in
-`gemv_tiles.py`.
+`gemv_tiles.py`. A one-row program whose whole row block fits its registers (Gemma-3-1B's QKV
+and O projections) loads it before the PDL wait (`launch.py`): the weights arrive while the
+kernel before still runs, and only x is read after it (about 2% of that model's batch-1 step).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import triton
 import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
-from attention.kernels.launch import pdl_options, pdl_start
-from workers.models.gemv_tiles import MAX_ROWS, Tile, tile_for
+from attention.kernels.launch import pdl_options, pdl_start, preloads
+from workers.models.gemv_tiles import MAX_ROWS, Tile, preload_width, tile_for
 
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 
@@ -61,19 +63,28 @@ def _gemv_kernel(
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     K_SPLIT: tl.constexpr,  # K elements a split reads: a multiple of BLOCK_K
+    PRELOAD_K: tl.constexpr,  # 0, or the whole row block's width (`preload_width`)
     PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
     block = tl.program_id(0)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    cols = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_lo = tl.program_id(1) * K_SPLIT
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-        acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
-    y = tl.sum(acc, axis=1)
+    if PRELOAD_K > 0:  # the weights before the wait (no kernel writes them), x after it
+        ks = tl.arange(0, PRELOAD_K)
+        in_k = ks < K
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=row_ok[:, None] & in_k[None, :])
+        pdl_start(PDL)
+        x = tl.load(x_ptr + ks, mask=in_k, other=0.0)
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    else:
+        pdl_start(PDL)
+        cols = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        k_lo = tl.program_id(1) * K_SPLIT
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+        y = tl.sum(acc, axis=1)
     if SPLITS == 1:
         _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
     else:
@@ -261,6 +272,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             SPLITS=t.splits,
             SPLITS_PAD=triton.next_power_of_2(t.splits),
             K_SPLIT=k_split,
+            PRELOAD_K=preload_width(t, k) if preloads() else 0,
             **common,
             **pdl_options(blocks * t.splits),
         )

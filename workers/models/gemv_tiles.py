@@ -49,6 +49,9 @@ ROW_TILES: tuple[tuple[int, int, Tile | None], ...] = (
     (0, 0, Tile(32, 128, 4, 5)),  # small projections
 )
 MAX_ROWS = 8
+# weight elements one thread may hold when a program reads its whole row block before the PDL
+# wait; larger blocks stream after it
+PRELOAD_ELEMENTS = 64
 
 
 def _overrides(text: str) -> dict[tuple[int, int], Tile]:
@@ -81,3 +84,12 @@ def tile_for(out_features: int, in_features: int, rows: int = 1) -> Tile | None:
         return OVERRIDES[(out_features, in_features)]
     table = TILES if rows == 1 else ROW_TILES
     return next(t for n, k, t in table if out_features >= n and in_features >= k)
+
+
+def preload_width(tile: Tile, in_features: int) -> int:
+    """K rounded up to a power of two when a one-row program of `tile` can hold its whole row
+    block in registers (no split), loaded before the PDL wait: Gemma-3-1B's QKV and O
+    projections, not an 8B model's; else 0 (the K loop after the wait)."""
+    width = 1 << (in_features - 1).bit_length()
+    fits = tile.splits == 1 and tile.rows * width <= PRELOAD_ELEMENTS * 32 * tile.warps
+    return width if fits else 0
