@@ -72,7 +72,8 @@ def _gemv_kernel(
     if PRELOAD_K > 0:  # the weights before the wait (no kernel writes them), x after it
         ks = tl.arange(0, PRELOAD_K)
         in_k = ks < K
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=row_ok[:, None] & in_k[None, :])
+        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+        w = tl.load(w_ptrs, mask=row_ok[:, None] & in_k[None, :], other=0.0)  # zeros past K: x's are too
         pdl_start(PDL)
         x = tl.load(x_ptr + ks, mask=in_k, other=0.0)
         y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
