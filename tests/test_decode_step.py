@@ -20,3 +20,31 @@ def test_this_tree_runs_its_own_packages():
     cmd, env = tree_process(HERE, HERE, ["--help"])
     done = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "--against" in done.stdout, done.stderr[-2000:]
+
+
+def test_starved_counts_the_steps_that_found_the_device_idle(monkeypatch):
+    """A step counts when the event recorded after the step before has completed by the time
+    the host comes back (the device ran out of work); the first step has no step before it."""
+    import torch
+
+    from ops.bench import decode_step
+
+    answers = iter([True, False, True, True])  # steps 2..5: idle, busy, idle, idle
+
+    class Event:
+        def record(self):
+            pass
+
+        def query(self):
+            return next(answers)
+
+    class Engine:
+        steps = 0
+
+        def step(self):
+            Engine.steps += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    timed = decode_step.timed_steps(Engine(), 5)
+    assert Engine.steps == 5 and timed.starved == 3 / 4 and timed.seconds >= 0

@@ -5,7 +5,9 @@
 
 One engine (dummy weights, CUDA graphs, the decode table's engine of `--max-batch` requests);
 `--repeats` times: `--batch` requests of a 128-token prompt, 10 warm-up steps, then `--steps`
-timed decode steps. Prints one JSON line of ms a step per repeat. Machines differ by up to 20%
+timed decode steps. Prints one JSON line of ms a step per repeat, and per repeat the share of
+steps that found the device idle when the host came back for them (`starved`: near 0 when the
+device sets the pace, near 1 when the host does). Machines differ by up to 20%
 and drift within minutes, so compare revisions in alternating processes on one machine:
 `--against DIR` runs `--pairs` pairs of processes, this tree's and one with DIR first on the
 path (another revision's `workers` and `attention`, e.g. `git archive REV workers attention |
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -32,14 +35,26 @@ from workers.engine import Engine, SamplingParams
 WARMUP_STEPS = 10
 
 
-def timed_steps(engine: Engine, steps: int) -> float:
-    """Seconds `steps` engine steps take, the device drained before and after."""
+class Timed(NamedTuple):
+    seconds: float
+    starved: float  # share of steps the host began with the device already out of work
+
+
+def timed_steps(engine: Engine, steps: int) -> Timed:
+    """Seconds `steps` engine steps take, the device drained before and after; and how often the
+    device had finished everything queued before the host came back for the next step (then
+    the host, not the device, set the pace of that step). An event recorded after each step
+    covers what it queued; querying it costs no synchronisation."""
     torch.cuda.synchronize()
+    queued = torch.cuda.Event()
+    starved = 0
     start = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps):
+        starved += i > 0 and queued.query()
         engine.step()
+        queued.record()
     torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return Timed(time.perf_counter() - start, starved / max(1, steps - 1))
 
 
 def finish(engine: Engine, rids: list[str]) -> None:
@@ -50,15 +65,16 @@ def finish(engine: Engine, rids: list[str]) -> None:
         engine.release(rid)
 
 
-def steady_ms(engine: Engine, batch: int, steps: int, seed: int = 0) -> float:
-    """Milliseconds a decode step over `steps` steps of `batch` running requests."""
+def steady_ms(engine: Engine, batch: int, steps: int, seed: int = 0) -> tuple[float, float]:
+    """Milliseconds a decode step over `steps` steps of `batch` running requests, and the share
+    of them the device waited for the host."""
     sampling = SamplingParams(max_new_tokens=steps + 2 * WARMUP_STEPS, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, sampling) for p in random_prompts(engine.cfg.vocab_size, batch, PROMPT, seed)]
     for _ in range(WARMUP_STEPS):
         engine.step()
-    elapsed = timed_steps(engine, steps)
+    timed = timed_steps(engine, steps)
     finish(engine, rids)
-    return 1e3 * elapsed / steps
+    return 1e3 * timed.seconds / steps, timed.starved
 
 
 def main() -> None:
@@ -76,12 +92,10 @@ def main() -> None:
         compare(args)
         return
     engine = engine_for(write_config(tempfile.mkdtemp(), args.shape, SHAPES[args.shape]), True, args.max_batch)
-    ms = [steady_ms(engine, args.batch, args.steps) for _ in range(args.repeats)]
-    print(
-        json.dumps(
-            {"shape": args.shape, "batch": args.batch, "max_batch": args.max_batch, "ms_per_step": ms, "tag": args.tag}
-        )
-    )
+    runs = [steady_ms(engine, args.batch, args.steps) for _ in range(args.repeats)]
+    line = {"shape": args.shape, "batch": args.batch, "max_batch": args.max_batch}
+    line.update(ms_per_step=[ms for ms, _ in runs], starved=[share for _, share in runs], tag=args.tag)
+    print(json.dumps(line))
 
 
 def tree_process(tree: str, here: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:

@@ -79,7 +79,7 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
     sites = sync_sites(engine, 4)
     plain = timed_steps(engine, steps)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None) as prof:
-        wall = timed_steps(engine, steps)
+        wall = timed_steps(engine, steps).seconds
     finish(engine, rids)
     if trace:
         prof.export_chrome_trace(trace)
@@ -97,7 +97,8 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
         if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
     )
     return {
-        "wall_ms_per_step": 1e3 * plain / steps,  # without the profiler
+        "wall_ms_per_step": 1e3 * plain.seconds / steps,  # without the profiler
+        "starved": plain.starved,  # steps that found the device idle (decode_step.timed_steps)
         "profiled_wall_ms_per_step": 1e3 * wall / steps,
         "gpu_busy_ms_per_step": sum(added) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
