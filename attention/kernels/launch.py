@@ -69,9 +69,12 @@ def pdl_enabled() -> bool:
     )
 
 
+PRELOAD = os.environ.get("SLIDESPEC_PRELOAD", "1") != "0"
+
+
 def preloads() -> bool:
     """Whether kernels read their weights before the wait (without PDL nothing overlaps)."""
-    return pdl_enabled() and os.environ.get("SLIDESPEC_PRELOAD", "1") != "0"
+    return PRELOAD and pdl_enabled()
 
 
 def pdl_options(programs: int) -> dict:
