@@ -177,6 +177,27 @@ def test_sandwich_norm_matches_the_reference(gemma, hidden):
     assert empty[0].shape == (0, hidden)
 
 
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("shape", [(1536, 1152), (37, 264), (6144, 4096)])
+def test_qkv_projection_of_its_norm_matches_the_reference(gemma, shape):
+    """The QKV projection with the norm before it inside (one row of a small projection: one
+    kernel; other rows and shapes: the norm kernel, then the projection), against the torch ops;
+    the input residual stays as it was where the fused kernel writes a new one."""
+    out_features, hidden = shape
+    g = torch.Generator(device="cuda").manual_seed(4)
+    w = (torch.randn(out_features, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    norm, before = (
+        (torch.randn(hidden, device="cuda", generator=g) * 0.1 + (0 if gemma else 1)).bfloat16() for _ in "nb"
+    )
+    for rows in (1, 3):
+        for w_before in (before, None):
+            x = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+            res = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+            ref_y, ref_r = TORCH_OPS.add_rms_norm_linear(x, res.clone(), norm, 1e-6, gemma, w_before, w, None)
+            y, r = FLASHINFER_OPS.add_rms_norm_linear(x.clone(), res.clone(), norm, 1e-6, gemma, w_before, w, None)
+            assert _rel(r, ref_r) < 1e-2 and _rel(y, ref_y) < 1e-2, (rows, w_before is None)
+
+
 @pytest.mark.parametrize("norms", [None, "llama", "gemma"])
 @pytest.mark.parametrize("head_dim, rotary", [(128, 128), (256, 256), (128, 64)])
 def test_fused_rope_matches_the_reference(head_dim, rotary, norms):

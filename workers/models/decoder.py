@@ -77,12 +77,30 @@ class SelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
         a = self.attn
-        positions, cache = rope.positions, rope.caches[self.rope_key]
         if self.qkv_proj is None:
             q = self.q_proj(hidden).reshape(-1, a.num_heads, a.head_dim)
-            q, _ = ops_for(q).rope(positions, q, None, cache, self._norms())
+            q, _ = ops_for(q).rope(rope.positions, q, None, rope.caches[self.rope_key], self._norms())
             return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        return self._attend(self.qkv_proj(hidden), rope, batch)
+
+    def after_norm(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        before: RMSNorm | None,
+        rope: RopeInputs,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(norm.add(hidden, residual, before)[0])` and the residual stream, the norm
+        inside the QKV projection where the device fuses it (fused QKV only)."""
+        qkv, residual = self.qkv_proj.after_norm(hidden, residual, norm, before)
+        return self._attend(qkv, rope, batch), residual
+
+    def _attend(self, qkv: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
+        a = self.attn
+        positions, cache = rope.positions, rope.caches[self.rope_key]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
         # K and V straight into the paged cache where the backend names the slots
@@ -148,11 +166,14 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         before: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.input_layernorm is not None:
-            hidden, residual = self.input_layernorm.add(hidden, residual, before)
+        if self.input_layernorm is not None and residual is not None and self.self_attn.qkv_proj is not None:
+            attn, residual = self.self_attn.after_norm(hidden, residual, self.input_layernorm, before, rope, batch)
         else:
-            hidden = residual = stream(hidden, residual, before)
-        attn = self.self_attn(hidden, rope, batch)
+            if self.input_layernorm is not None:
+                hidden, residual = self.input_layernorm.add(hidden, residual, before)
+            else:
+                hidden = residual = stream(hidden, residual, before)
+            attn = self.self_attn(hidden, rope, batch)
         if self.gemma:
             hidden, residual = self.pre_feedforward_layernorm.add(attn, residual, self.post_attention_layernorm)
         else:

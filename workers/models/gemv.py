@@ -27,6 +27,7 @@ import triton.language as tl
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start, preloads
 from workers.models.gemv_tiles import MAX_ROWS, Tile, preload_width, tile_for
+from workers.models.sandwich_norm import normed
 
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 
@@ -99,6 +100,50 @@ def _gemv_kernel(
                 cache_modifier=".cg",  # written by other SMs
             )
             _store(tl.sum(parts, axis=0), b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+
+
+@triton.jit
+def _norm_gemv_kernel(
+    h_ptr,
+    res_ptr,
+    before_ptr,
+    norm_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    res_out_ptr,
+    N,
+    K,
+    eps,
+    HAS_BEFORE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GEMMA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,  # `preload_width`: the whole row block is read before the wait
+    PDL: tl.constexpr,
+):
+    """y = W . norm(res + before(h)) for one row, every program computing the row's norms itself
+    (no norm kernel, no ticket); program 0 writes the new residual stream to `res_out` (the
+    others still read `res`)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ks = tl.arange(0, WIDTH)
+    in_k = ks < K
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=row_ok[:, None] & in_k[None, :], other=0.0)
+    w_norm = tl.load(norm_ptr + ks, mask=in_k, other=0.0)
+    if HAS_BEFORE:
+        w_before = tl.load(before_ptr + ks, mask=in_k, other=0.0)
+    pdl_start(PDL)
+    h = tl.load(h_ptr + ks, mask=in_k, other=0.0)
+    res = tl.load(res_ptr + ks, mask=in_k, other=0.0)
+    if HAS_BEFORE:
+        res += normed(h.to(tl.float32), w_before, in_k, eps, K, GEMMA, y_ptr.dtype.element_ty)
+    else:
+        res += h
+    if tl.program_id(0) == 0:
+        tl.store(res_out_ptr + ks, res, mask=in_k)
+    x = normed(res.to(tl.float32), w_norm, in_k, eps, K, GEMMA, y_ptr.dtype.element_ty)
+    _store(tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1), b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
 
 @triton.jit
@@ -291,3 +336,51 @@ def gemv(
 def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str, tile: Tile | None = None) -> torch.Tensor:
     """`act(gate) * up` from a merged `[gate; up]` weight (`act` in ACTIVATIONS), as `gemv`."""
     return _launch(x, weight, None, act, tile)
+
+
+def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `add_norm_gemv` takes this row: one row of a shape whose row block is read whole
+    before the PDL wait (`preload_width`), preloads on."""
+    if not (applies(x, weight) and x.numel() == x.shape[-1] and x.is_contiguous() and preloads()):
+        return False
+    return preload_width(tile_for(weight.shape[0], weight.shape[1]), weight.shape[1]) > 0
+
+
+def add_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    before: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W . rms_norm(residual + x') + b, residual + x') for one row (`norm_applies`), x' =
+    rms_norm(x, before) (x without `before`); the new residual in a new tensor."""
+    k = weight.shape[1]
+    t = tile_for(weight.shape[0], k)
+    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(residual)
+    blocks = triton.cdiv(weight.shape[0], t.rows)
+    _norm_gemv_kernel[(blocks,)](
+        x,
+        residual,
+        before if before is not None else norm,
+        norm,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        res_out,
+        weight.shape[0],
+        k,
+        eps,
+        HAS_BEFORE=before is not None,
+        HAS_BIAS=bias is not None,
+        GEMMA=gemma,
+        BLOCK_N=t.rows,
+        WIDTH=preload_width(t, k),
+        num_warps=t.warps,
+        **pdl_options(blocks),
+    )
+    return y, res_out

@@ -109,6 +109,15 @@ class ColumnParallelLinear(nn.Module):
         """`act(gate) * up` of a merged [gate, up] projection, fused where the device can."""
         return ops_for(x).linear_act_and_mul(x, self.weight, self.bias, act)
 
+    def after_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, before: RMSNorm | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This projection of `norm.add(x, residual, before)`'s output, and the residual stream,
+        fused where the device can (the norm inside the projection's kernel)."""
+        w_before = None if before is None else before.weight
+        ops = ops_for(x)
+        return ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, norm.gemma, w_before, self.weight, self.bias)
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads. With fewer KV heads than ranks, KV heads are

@@ -9,6 +9,7 @@
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
+| add + RMSNorm + QKV projection | the above, in turn | one row, small QKV: one Triton GEMV (norms inside) |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
 runs whenever autograd is on (training reuses the serving model code). A layer's new K and V
@@ -56,6 +57,11 @@ class OpSet:
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
     # (x, merged gate/up weight [2 * d, in], bias or None, activation name) -> act(gate) * up
     linear_act_and_mul: Callable[[Tensor, Tensor, Tensor | None, str], Tensor]
+    # (x, residual, norm weight, eps, gemma, before, weight, bias) -> (linear(add_rms_norm's
+    # output), add_rms_norm's residual): a projection of the norm before it
+    add_rms_norm_linear: Callable[
+        [Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor, Tensor | None], tuple[Tensor, Tensor]
+    ]
 
 
 # -- torch: the reference ---------------------------------------------------------------------------
@@ -76,6 +82,20 @@ def _add_rms_norm(
         x = _rms_norm(x, before, eps, gemma)
     residual = residual + x
     return _rms_norm(residual, weight, eps, gemma), residual
+
+
+def _add_rms_norm_linear(
+    x: Tensor,
+    residual: Tensor,
+    norm: Tensor,
+    eps: float,
+    gemma: bool,
+    before: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    normed, residual = _add_rms_norm(x, residual, norm, eps, gemma, before)
+    return F.linear(normed, weight, bias), residual
 
 
 def _rope(
@@ -121,7 +141,9 @@ def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str
     return _act_and_mul(F.linear(x, weight, bias), act)
 
 
-TORCH_OPS = OpSet("torch", _rms_norm, _add_rms_norm, _rope, _act_and_mul, F.linear, _linear_act_and_mul)
+TORCH_OPS = OpSet(
+    "torch", _rms_norm, _add_rms_norm, _rope, _act_and_mul, F.linear, _linear_act_and_mul, _add_rms_norm_linear
+)
 
 
 # -- CUDA: flashinfer's fused kernels ---------------------------------------------------------------
@@ -196,6 +218,23 @@ def _cuda_linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act
     return _fi_act_and_mul(F.linear(x, weight, bias), act)
 
 
+def _cuda_add_rms_norm_linear(
+    x: Tensor,
+    residual: Tensor,
+    norm: Tensor,
+    eps: float,
+    gemma: bool,
+    before: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    gemv = _triton("gemv")
+    if GEMV_ENABLED and residual.is_contiguous() and gemv.norm_applies(x, weight):
+        return gemv.add_norm_gemv(x, residual, norm, eps, gemma, before, weight, bias)
+    normed, residual = _fi_add_rms_norm(x, residual, norm, eps, gemma, before)
+    return _cuda_linear(normed, weight, bias), residual
+
+
 FLASHINFER_OPS = OpSet(
     "flashinfer",
     _fi_rms_norm,
@@ -204,6 +243,7 @@ FLASHINFER_OPS = OpSet(
     _fi_act_and_mul,
     _cuda_linear,
     _cuda_linear_act_and_mul,
+    _cuda_add_rms_norm_linear,
 )
 
 OP_SETS = {"cpu": TORCH_OPS, "cuda": FLASHINFER_OPS}

@@ -29,7 +29,7 @@ def scaled(h, w, GEMMA: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _norm(x, w, mask, eps, size, GEMMA: tl.constexpr, dtype: tl.constexpr):
+def normed(x, w, mask, eps, size, GEMMA: tl.constexpr, dtype: tl.constexpr):
     """RMSNorm of a float32 row, rounded to `dtype` the way the model's norm rounds."""
     rstd = tl.rsqrt(tl.sum(tl.where(mask, x * x, 0.0)) / size + eps)
     return scaled(x * rstd, w, GEMMA, dtype)
@@ -60,9 +60,9 @@ def _norm_add_norm_kernel(
     w_before = tl.load(w_before_ptr + cols, mask=mask, other=0.0)
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    res += _norm(x, w_before, mask, eps, size, GEMMA, dtype)
+    res += normed(x, w_before, mask, eps, size, GEMMA, dtype)
     tl.store(res_ptr + row * stride_res + cols, res, mask=mask)
-    tl.store(out_ptr + row * size + cols, _norm(res.to(tl.float32), w, mask, eps, size, GEMMA, dtype), mask=mask)
+    tl.store(out_ptr + row * size + cols, normed(res.to(tl.float32), w, mask, eps, size, GEMMA, dtype), mask=mask)
 
 
 def norm_add_norm(
