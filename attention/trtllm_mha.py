@@ -28,6 +28,7 @@ from attention.forward_mode import ForwardMode
 from attention.kernels import ContextCall, DecodeCall, KernelContractError, KernelSet, chain_mask, select_kernels
 from attention.kernels.calls import cdiv, check_write
 from attention.kv_pool import KVPool
+from attention.staging import StagedBuffers
 
 # Forward mode -> kernel. The decode kernel only for modes whose batches have one query length
 # per request, KV included: DRAFT_EXTEND_V2 is the draft's fixed window over the verified
@@ -78,7 +79,7 @@ class TRTLLMMHABackend(AttentionBackend):
             torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
         )
         self._md: ForwardMetadata | None = None
-        self._static: dict[str, torch.Tensor] = {}
+        self._staging: StagedBuffers | None = None
         self._layout: dict[str, int] = {}
         self._max_pages = 0
         self._page_size = 1
@@ -101,7 +102,9 @@ class TRTLLMMHABackend(AttentionBackend):
     def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
         self._md = self._build_metadata(batch, pool)
 
-    def init_graph_buffers(self, max_batch_size: int, max_tokens: int, max_pages_per_req: int) -> None:
+    def init_graph_buffers(
+        self, max_batch_size: int, max_tokens: int, max_pages_per_req: int, staging: StagedBuffers | None = None
+    ) -> None:
         """Static metadata buffers for CUDA-graph capture: fixed addresses and shapes, so a
         graph captured for a batch size replays against whatever this forward writes there.
 
@@ -110,19 +113,21 @@ class TRTLLMMHABackend(AttentionBackend):
         graph of the narrowest table that holds it. Eager forwards pad their tables to the same
         widths, so both run the same kernel configuration.
 
-        The int32 metadata lives in one buffer, `[seq_lens | cu_seq_lens_q | cu_seq_lens_kv |
-        page tables]` (a batch of b rows and width w puts its full table in the first b * w
-        entries of the table region and its SWA table right after), so a replay writes it with
-        one host-to-device copy."""
-        dev = self.device
+        The buffers are regions of `staging` (the graph runner's, which uploads a replay's
+        inputs and this metadata in one copy; without one, this backend's own): SWA write
+        slots, the verify mask, then the int32 metadata `[seq_lens | cu_seq_lens_q |
+        cu_seq_lens_kv | page tables]` (a batch of b rows and width w puts its full table in
+        the first b * w entries of the table region and its SWA table right after), so a small
+        batch writes a short prefix of the block."""
         b = max(max_batch_size, max_tokens)  # rows: a flat verify has one a query
         self._layout = {"seq_lens": 0, "cu_seq_lens_q": b, "cu_seq_lens_kv": 2 * b + 1, "tables": 3 * b + 2}
         self._max_pages = max_pages_per_req
-        self._static = {
-            "int32": torch.zeros(3 * b + 2 + 2 * b * max_pages_per_req, dtype=torch.int32, device=dev),
-            "swa_out_loc": torch.zeros(max_tokens, dtype=torch.int64, device=dev),
-            "mask": torch.zeros(max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), dtype=torch.uint16, device=dev),
-        }
+        self._staging = staging or StagedBuffers(self.device)
+        self._staging.add("swa_out_loc", max_tokens, torch.int64)
+        self._staging.add("mask", max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), torch.uint16)
+        self._staging.add("int32", 3 * b + 2 + 2 * b * max_pages_per_req, torch.int32)
+        if staging is None:
+            self._staging.allocate()
 
     def graph_table_widths(self) -> list[int]:
         """Page-table widths (pages) graphs are captured for; empty without graph buffers."""
@@ -138,43 +143,39 @@ class TRTLLMMHABackend(AttentionBackend):
     def init_forward_metadata_replay(
         self, batch: AttentionBatch, pool: KVPool, width: int | None = None, reach: int = 0
     ) -> None:
-        """Graph replay: this forward's metadata, recomputed from the batch and written in place
-        into the static buffers (page tables zero-padded to `width` pages, by default the
-        narrowest captured width that holds the batch; they cover each request's KV and
-        `reach` more tokens, which a chain of draft steps writes and reads)."""
-        if not self._static:
+        """Graph replay: this forward's metadata, recomputed from the batch and staged into the
+        static buffers (page tables zero-padded to `width` pages, by default the narrowest
+        captured width that holds the batch; they cover each request's KV and `reach` more
+        tokens, which a chain of draft steps writes and reads). Staged while a graph runner
+        stages a replay (it uploads the metadata with the batch's inputs), uploaded here else."""
+        if not self._max_pages:
             raise RuntimeError("trtllm_mha: init_graph_buffers() before graph replay")
+        alone = not self._staging.open
+        if alone:
+            self._staging.begin()
         self._md = self._build_metadata(batch, pool, width, reach, place=self._place_static)
+        if alone:
+            self._staging.upload()
 
     def _place_static(self, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Host metadata into the static buffers, in one copy for the int32 part (and one for
-        SWA write slots); views of the static buffers in the same shapes."""
+        """Host metadata staged into the static buffers; views of them in the same shapes."""
         at, (b, w) = self._layout, host["full_page_table"].shape
-        tables = ["full_page_table", "swa_page_table"][: 1 + ("swa_page_table" in host)]
-        staged = np.zeros(at["tables"] + len(tables) * b * w, dtype=np.int32)
-        views = {}
-        flat = self._static["int32"]
-        for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv"):
-            start, n = at[name], host[name].size
-            staged[start : start + n] = host[name]
-            views[name] = flat[start : start + n]
-        for i, name in enumerate(tables):
-            start = at["tables"] + i * b * w
-            staged[start : start + b * w] = host[name].reshape(-1)
-            views[name] = flat[start : start + b * w].view(b, w)
-        _copy_in(flat, staged)
+        staging = self._staging
+        views = {
+            name: staging.put("int32", host[name], at[name]) for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv")
+        }
+        for i, name in enumerate(["full_page_table", "swa_page_table"][: 1 + ("swa_page_table" in host)]):
+            views[name] = staging.put("int32", host[name], at["tables"] + i * b * w).view(b, w)
         if "swa_out_loc" in host:
-            n = host["swa_out_loc"].size
-            _copy_in(self._static["swa_out_loc"], host["swa_out_loc"].astype(np.int64, copy=False))
-            views["swa_out_loc"] = self._static["swa_out_loc"][:n]
+            views["swa_out_loc"] = staging.put("swa_out_loc", host["swa_out_loc"])
         return views
 
     def _static_mask(self, batch_size: int, q_len: int) -> torch.Tensor:
-        """The chain mask, written into the static buffer afresh for every replay (§4.5)."""
-        mask = chain_mask(batch_size, q_len, self.device)
-        buf = self._static["mask"][: mask.numel()].view(mask.shape)
-        buf.copy_(mask)
-        return buf
+        """The chain mask, staged into the static buffer afresh for every replay (§4.5)."""
+        rows = chain_mask(1, q_len, torch.device("cpu")).numpy()
+        return self._staging.put("mask", np.broadcast_to(rows, (batch_size, *rows.shape[1:]))).view(
+            batch_size, *rows.shape[1:]
+        )
 
     def advance_decode(self, batch: AttentionBatch, by: torch.Tensor | int = 1) -> None:
         """Move decode metadata on, on the device: the next step of a chain of single-token draft
@@ -413,14 +414,6 @@ def uniform_query_len(mode: ForwardMode, kernel: str | None, q_lens: list[int]) 
     if kernel == "decode" and not q_len:
         raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
     return q_len
-
-
-def _copy_in(dst: torch.Tensor, values: np.ndarray) -> None:
-    """A host array into the head of a device buffer (pinned and asynchronous on a GPU)."""
-    host = torch.from_numpy(values)
-    if dst.device.type != "cpu":
-        host = host.pin_memory()
-    dst[: values.size].copy_(host, non_blocking=True)
 
 
 def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

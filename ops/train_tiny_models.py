@@ -241,20 +241,22 @@ def train_hf(config: dict, data, steps: int, seconds: float, lr: float, device: 
 def training_batch(tokens: torch.Tensor, backend, query_offset: int = 0, spec_hidden: torch.Tensor | None = None):
     """A ForwardBatch of whole sequences (one row each) through `attention.training.TrainingBackend`."""
     from attention import ForwardMode
-    from workers.forward_batch import ForwardBatch
+    from workers.forward_batch import DeviceInputs, ForwardBatch
 
     b, t = tokens.shape
     batch = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=b,
-        input_ids=tokens.flatten(),
-        positions=torch.arange(t, device=tokens.device).repeat(b),
         q_lens_cpu=[t] * b,
         seq_lens_cpu=[t] * b,
-        out_cache_loc=torch.zeros(0, dtype=torch.int64),
-        req_pool_indices=torch.zeros(0),
         req_to_token=torch.zeros(0),
-        logits_indices=torch.arange(b * t, device=tokens.device),
+        inputs=DeviceInputs(
+            input_ids=tokens.flatten(),
+            positions=torch.arange(t, device=tokens.device).repeat(b),
+            out_cache_loc=torch.zeros(0, dtype=torch.int64),
+            req_pool_indices=torch.zeros(0),
+            logits_indices=torch.arange(b * t, device=tokens.device),
+        ),
         query_offset=query_offset,
         spec_hidden=spec_hidden,
         attn_backend=backend,

@@ -5,9 +5,16 @@ offset, batch size, and the KV pool it was captured with — its buffer addresse
 its layers are SWA-translated. A forward through another pool never replays it (docs/design.md
 §4.2 in graph form): frozen-KV drafts capture their graphs with the target's pool, the one
 their forwards are handed. Everything else is data in static buffers that every replay
-rewrites before launching: the batch's inputs (one host-to-device copy) and the attention
-metadata (`init_forward_metadata_replay` translates this batch's page tables and SWA write
-slots into the backend's static buffers: §4.4 and §4.5 hold under replay as in eager mode).
+rewrites before launching: the batch's inputs and the attention metadata
+(`init_forward_metadata_replay` translates this batch's page tables and SWA write slots into
+the backend's static buffers: §4.4 and §4.5 hold under replay as in eager mode), all regions of
+one block (`attention/staging.py`) that a replay fills with one host-to-device copy.
+
+A greedy decode graph (`argmax=True`) also takes its tokens' argmax into a static buffer of that
+block, and reads its input ids through a static index into the block: either this replay's
+staged ids or the tokens an earlier replay sampled (overlapped decoding, whose next step's ids
+are the last step's tokens, in any row order). Such a step costs the device one copy in, the
+replay and one copy of the tokens out; its hidden states are not kept (nothing reads them).
 
 A *chain* graph runs a draft model's greedy decode steps back to back in one launch: between
 steps it moves the batch on, on the device (positions, write slots gathered from the device
@@ -40,7 +47,8 @@ import numpy as np
 import torch
 
 from attention import ForwardMode, KVPool
-from workers.forward_batch import ForwardBatch, HostInputs
+from attention.staging import StagedBuffers
+from workers.forward_batch import DeviceInputs, ForwardBatch, HostInputs
 from workers.memory import KVAllocator
 from workers.memory.allocator import cdiv
 
@@ -71,8 +79,8 @@ class _Family:
     temporaries share one memory pool)."""
 
     pool: KVPool
-    inputs: torch.Tensor  # packed int64: input_ids | positions | out_cache_loc | rows | logits | q_lens | seq_lens
     spec_hidden: torch.Tensor | None
+    argmax: bool = False  # a greedy decode graph: tokens into the runner's static tokens, ids through `select`
     logits: torch.Tensor | None = None  # [max rows, vocab] float32
     hidden: torch.Tensor | None = None  # [max rows, hidden handed on]
     drafts: torch.Tensor | None = None  # chains: [max batch, steps] int64, each step's token
@@ -86,16 +94,32 @@ class CudaGraphRunner:
         runner,
         allocator: KVAllocator,
         batch_sizes: Sequence[int],
+        max_q_len: int,
+        max_pages: int,
         hidden_in: int | None,
         dtype: torch.dtype,
         emulate: bool = False,
     ) -> None:
-        """`runner`: the `ModelRunner` whose forwards are captured; `hidden_in`: the width of
-        the hidden states a draft head reads per token (None for models that read none)."""
+        """`runner`: the `ModelRunner` whose forwards are captured (its backend's static
+        metadata buffers are set up here, `max_pages` page-table columns a request);
+        `max_q_len`: the most query tokens a request of any captured graph; `hidden_in`: the
+        width of the hidden states a draft head reads per token (None for models that read
+        none)."""
         self.runner = runner
         self.allocator = allocator
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch_size = self.batch_sizes[-1]
+        self.max_q_len = max_q_len
+        rows = self.max_batch_size * max_q_len
+        self.staging = StagedBuffers(runner.device)
+        self.staging.add("inputs", 4 * rows + self.max_batch_size, torch.int64)  # ids|positions|slots|rows|logits
+        self.staging.add("select", rows, torch.int64)  # argmax graphs: each input id's word in the block
+        runner.backend.init_graph_buffers(self.max_batch_size, rows, max_pages, self.staging)
+        self.staging.add("tokens", rows, torch.int64)  # never staged: argmax graphs write it
+        self.staging.allocate()
+        self.tokens = self.staging.view("tokens")
+        self._select = self.staging.view("select")
+        self._words = self.staging.block.view(torch.int64)
         self.hidden_in = hidden_in
         self.dtype = dtype
         self.emulate = emulate
@@ -115,23 +139,26 @@ class CudaGraphRunner:
         query_offset: int = 0,
         hidden_in: int | None = None,
         chain: int = 0,
+        argmax: bool = False,
     ) -> None:
         """Capture this key's graphs for every page-table width and batch size (largest first);
         `hidden_in` overrides the width of the hidden states read per token (a draft head's
         catch-up reads the target's, its decode steps its own); `chain`: that many greedy
-        draft decode steps in each graph instead of one forward."""
+        draft decode steps in each graph instead of one forward; `argmax`: a greedy decode
+        graph (see the module's docstring)."""
         key = GraphKey(mode, q_len, query_offset, id(pool), chain)
         if key in self.families:
             return
-        if chain and (mode != ForwardMode.DECODE or q_len != 1):
+        if chain and (mode != ForwardMode.DECODE or q_len != 1 or argmax):
             raise ValueError(f"cuda graphs: a chain of draft steps is single-token DECODE, not {mode.name} x{q_len}")
+        if q_len > self.max_q_len:
+            raise ValueError(f"cuda graphs: {q_len} query tokens a request, the staged buffers hold {self.max_q_len}")
         if max(q_len, chain) > len(self.allocator.scratch_slots):
             raise ValueError(f"cuda graphs: {max(q_len, chain)} tokens per padded row need more scratch pages")
         rows = self.max_batch_size * q_len
-        inputs = torch.zeros(5 * rows + 3 * self.max_batch_size, dtype=torch.int64, device=self.device)
         width = hidden_in or self.hidden_in
         spec_hidden = torch.zeros(rows, width, dtype=self.dtype, device=self.device) if width else None
-        family = _Family(pool, inputs, spec_hidden)
+        family = _Family(pool, spec_hidden, argmax)
         if chain:
             family.drafts = torch.zeros(self.max_batch_size, chain, dtype=torch.int64, device=self.device)
         if chain or mode == ForwardMode.TARGET_VERIFY:
@@ -169,11 +196,11 @@ class CudaGraphRunner:
             for _ in range(2):  # warm up: JIT compilation, allocator, lazy module state
                 logits, hidden = self._forward(key, family, prepare())
         torch.cuda.current_stream().wait_stream(stream)
-        if family.hidden is None:
-            rows = self.max_batch_size * key.q_len
+        rows = self.max_batch_size * key.q_len
+        if family.hidden is None and not family.argmax:
             family.hidden = torch.empty(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-            if not key.chain:
-                family.logits = torch.empty(rows, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        if family.logits is None and not key.chain:
+            family.logits = torch.empty(rows, logits.shape[-1], dtype=logits.dtype, device=self.device)
         del logits, hidden
         batch = prepare()
         graph = torch.cuda.CUDAGraph()
@@ -181,6 +208,7 @@ class CudaGraphRunner:
             logits, hidden = self._forward(key, family, batch)
             if not key.chain:
                 family.logits[: logits.shape[0]].copy_(logits)
+            if family.hidden is not None and not key.chain:
                 family.hidden[: hidden.shape[0]].copy_(hidden)
         return graph
 
@@ -191,7 +219,12 @@ class CudaGraphRunner:
         if not key.chain:
             if family.ahead is not None:  # a verify: rows further on than the host built them
                 self._move(key, batch, family.ahead[: batch.batch_size])
-            return self.runner.run_model(batch)
+            if not family.argmax:
+                return self.runner.run_model(batch)
+            batch.input_ids = self._words[self._select[: batch.input_ids.shape[0]]]
+            logits, hidden = self.runner.run_model(batch)
+            torch.argmax(logits, dim=-1, out=self.tokens[: logits.shape[0]])
+            return logits, hidden
         token_map = getattr(self.runner.model, "draft_to_target", None)
         self._move(key, batch, family.ahead[: batch.batch_size])  # rows further on than the host built them
         for step in range(key.chain):
@@ -234,21 +267,29 @@ class CudaGraphRunner:
             and len(batch.host.logits_indices) == batch.batch_size * q
         )
 
+    def reads_tables(self, batch: ForwardBatch, pool: KVPool, chain: int = 0) -> bool:
+        """Whether the graph for `batch` reads the allocator's device tables: only graphs that
+        move their batch on, on the device (chains and verifies); the others take their slots
+        and page tables from the host."""
+        return self.families[self._key(batch, pool, chain)].ahead is not None
+
     def run(
         self, batch: ForwardBatch, pool: KVPool, ahead: torch.Tensor | None = None, most: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits of every query row, hidden states handed on) of `batch`; the logits are a
-        view valid until this runner's next replay. `ahead` (a verify's; device, `[B]`, at most
-        `most`): each row starts that many positions further on, as in `run_chain`."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(logits of every query row, hidden states handed on, greedy tokens) of `batch`; the
+        logits and tokens are views valid until this runner's next replay; argmax graphs keep
+        no hidden states, other graphs no tokens (None). `ahead` (a verify's; device, `[B]`,
+        at most `most`): each row starts that many positions further on, as in `run_chain`."""
         key, family, graph, static = self._stage(batch, pool, 0, most)
         if family.ahead is not None:
             self._set_ahead(family, batch.batch_size, ahead)
         rows = batch.batch_size * key.q_len
+        tokens = self.tokens[:rows] if family.argmax else None
         if self.emulate:
             logits, hidden = self._forward(key, family, static)
-            return logits[:rows], hidden[:rows]
+            return logits[:rows], None if family.argmax else hidden[:rows], tokens
         graph.replay()
-        return family.logits[:rows], family.hidden[:rows].clone()
+        return family.logits[:rows], None if family.argmax else family.hidden[:rows].clone(), tokens
 
     def run_chain(
         self, batch: ForwardBatch, pool: KVPool, steps: int, ahead: torch.Tensor | None = None, most: int = 0
@@ -283,9 +324,7 @@ class CudaGraphRunner:
         bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
         reach = _reach(key) + most
         width = self.runner.backend.table_width(cdiv(max(batch.seq_lens_cpu) + reach, self.allocator.page_size))
-        static = self._prepare(key, family, bs, self._padding(key, bs, batch.batch_size, batch), width, reach)
-        if batch.ids_on_device:
-            static.input_ids[: batch.input_ids.shape[0]].copy_(batch.input_ids)
+        static = self._prepare(key, family, bs, self._padding(key, bs, batch.batch_size, batch), width, reach, batch)
         if family.spec_hidden is not None:
             family.spec_hidden[: batch.spec_hidden.shape[0]].copy_(batch.spec_hidden)
         self.replays += 1
@@ -296,12 +335,46 @@ class CudaGraphRunner:
         return GraphKey(batch.forward_mode, q, batch.query_offset, id(pool), chain)
 
     def _prepare(
-        self, key: GraphKey, family: _Family, bs: int, packed: np.ndarray, width: int, reach: int
+        self,
+        key: GraphKey,
+        family: _Family,
+        bs: int,
+        packed: np.ndarray,
+        width: int,
+        reach: int,
+        batch: ForwardBatch | None = None,
     ) -> ForwardBatch:
-        """The static batch holding `packed`, with its attention metadata in place."""
-        batch = self._static_batch(key, family, bs, packed)
-        self.runner.backend.init_forward_metadata_replay(batch, family.pool, width, reach=reach)
-        return batch
+        """The static batch holding `packed`, with its attention metadata in place: staged and
+        uploaded in one copy; device input ids of `batch` (if any) read in place by an argmax
+        graph, copied in after the upload otherwise."""
+        self.staging.begin()
+        static = self._static_batch(key, family, bs, packed)
+        self.runner.backend.init_forward_metadata_replay(static, family.pool, width, reach=reach)
+        device_ids = None
+        select = self.staging.regions["inputs"].offset // 8 + np.arange(bs * key.q_len)  # the staged ids
+        if batch is not None and batch.ids_on_device:
+            ids, rows = batch.device_ids
+            if family.argmax and self._in_tokens(ids):
+                real = ids.shape[0] if rows is None else len(rows)
+                select[:real] = ids.storage_offset() + (np.arange(real) if rows is None else rows)
+            else:
+                device_ids = batch.device_input_ids()
+        if family.argmax:
+            self.staging.put("select", select)
+        self.staging.upload()
+        if device_ids is not None:
+            static.input_ids[: device_ids.shape[0]].copy_(device_ids)
+        return static
+
+    def _in_tokens(self, ids: torch.Tensor) -> bool:
+        """Whether `ids` are (some of) the tokens an argmax replay left in the static buffer."""
+        lo = self.tokens.storage_offset()
+        return (
+            ids.dtype == torch.int64
+            and ids.is_contiguous()
+            and ids.untyped_storage().data_ptr() == self.tokens.untyped_storage().data_ptr()
+            and lo <= ids.storage_offset() <= lo + self.tokens.numel() - ids.numel()
+        )
 
     def _padding(self, key: GraphKey, bs: int, real: int, batch: ForwardBatch | None = None) -> np.ndarray:
         """The packed static inputs of a batch of `bs` rows whose first `real` come from `batch`
@@ -325,26 +398,19 @@ class CudaGraphRunner:
         return np.concatenate([ids, positions, locs, rows, logits, seq_lens]).astype(np.int64)
 
     def _static_batch(self, key: GraphKey, family: _Family, bs: int, packed: np.ndarray) -> ForwardBatch:
-        """A ForwardBatch of `bs` rows over the family's static buffers, holding `packed`."""
-        inputs = family.inputs
-        host = torch.from_numpy(packed[:-bs])
-        inputs[: len(packed) - bs].copy_(host if self.emulate else host.pin_memory(), non_blocking=True)
+        """A ForwardBatch of `bs` rows over the static buffers, holding `packed` (staged)."""
         q, n = key.q_len, bs * key.q_len
         writes = 0 if key.query_offset else n
         sizes = [n, n, writes, bs, n]
-        ids, positions, locs, rows, logits = inputs[: sum(sizes)].split(sizes)
+        ids, positions, locs, rows, logits = self.staging.put("inputs", packed[:-bs]).split(sizes)
         return ForwardBatch(
             forward_mode=key.mode,
             batch_size=bs,
-            input_ids=ids,
-            positions=positions,
             q_lens_cpu=[q] * bs,
             seq_lens_cpu=packed[-bs:].tolist(),
-            out_cache_loc=locs,
-            req_pool_indices=rows,
             req_to_token=self.allocator.req_to_token.table,
+            inputs=DeviceInputs(ids, positions, locs, rows, logits),
             req_to_token_host=self.allocator.req_to_token.host,
-            logits_indices=logits,
             query_offset=key.query_offset,
             attn_backend=self.runner.backend,
             spec_hidden=family.spec_hidden[:n] if family.spec_hidden is not None else None,

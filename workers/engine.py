@@ -193,7 +193,7 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self.failed_steps = 0  # consecutive steps whose forward raised
-        self._overlap = OverlapDecoder(self.scheduler, lambda batch: self.runner.forward(batch).logits)
+        self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
         self._inflight: InFlight | None = None
         logger.info(
             "engine: %s on %s/%s, backend %s, KV %s, speculative %s",
@@ -215,14 +215,13 @@ class Engine:
         used = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
         def graphs_for(runner: ModelRunner, hidden_in: int | None) -> CudaGraphRunner:
-            runner.backend.init_graph_buffers(max_batch_size, max_batch_size * max_q, max_pages)
-            graphs = CudaGraphRunner(runner, self.allocator, sizes, hidden_in, self.dtype, emulate)
+            graphs = CudaGraphRunner(runner, self.allocator, sizes, max_q, max_pages, hidden_in, self.dtype, emulate)
             runner.enable_graphs(graphs)
             return graphs
 
         target = graphs_for(self.runner, None)
         if self.spec is None:
-            target.capture(ForwardMode.DECODE, 1, self.runner.pool)
+            target.capture(ForwardMode.DECODE, 1, self.runner.pool, argmax=True)
             seconds = target.capture_seconds
         else:
             target.capture(ForwardMode.TARGET_VERIFY, k + 1, self.runner.pool)

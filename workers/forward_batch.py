@@ -1,8 +1,9 @@
 """`ForwardBatch`: the tensors of one forward pass, built from the scheduler's plan.
 
 Implements `attention.AttentionBatch`; the model and the sampler read the rest. The integer
-inputs are laid out on the host first (`HostInputs`, numpy) and reach the device in one copy;
-a CUDA-graph replay reads the host arrays to fill its own static buffers instead.
+inputs are laid out on the host first (`HostInputs`, numpy) and reach the device in one copy
+when an eager forward first reads them; a CUDA-graph replay stages the host arrays into its own
+static buffers instead, and never uploads them.
 """
 
 from __future__ import annotations
@@ -31,23 +32,56 @@ class HostInputs:
 
 
 @dataclasses.dataclass
+class DeviceInputs:
+    """The batch's integer inputs on the device (int64)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] full-pool slots of the new tokens
+    req_pool_indices: torch.Tensor  # [B]
+    logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
+
+
+class _OnDevice:
+    """A `DeviceInputs` field read through the batch: the first read uploads them all."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, batch: ForwardBatch | None, owner: type | None = None):
+        if batch is None:
+            return self
+        return getattr(batch.device_inputs(), self.name)
+
+    def __set__(self, batch: ForwardBatch, value: torch.Tensor) -> None:
+        setattr(batch.device_inputs(), self.name, value)
+
+
+@dataclasses.dataclass
 class ForwardBatch:
+    """A graph replay reads only `host` (and device ids): a batch reaches the device only when
+    something reads its device inputs (an eager forward), in one copy then."""
+
     forward_mode: ForwardMode
     batch_size: int
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
     q_lens_cpu: list[int]
     seq_lens_cpu: list[int]  # KV length including this forward's tokens
-    out_cache_loc: torch.Tensor  # [T] int64, full-pool slots of the new tokens
-    req_pool_indices: torch.Tensor  # [B] int64
     req_to_token: torch.Tensor  # [R, C] int32
-    logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
+    inputs: DeviceInputs | None = None  # None until read (uploaded from `host`)
     query_offset: int = 0  # see attention.AttentionBatch
     spec_hidden: torch.Tensor | None = None  # [T, *] hidden states a draft head reads per token
     attn_backend: Any = None  # set by the model runner for this forward
     host: HostInputs | None = None
     req_to_token_host: np.ndarray | None = None  # the host master of req_to_token
-    ids_on_device: bool = False  # input_ids come from the device (overlapped decoding); host ids are placeholders
+    # input ids on the device (overlapped decoding, speculative rounds): `ids[rows]` (all of
+    # `ids` when rows is None); the host ids are placeholders then
+    device_ids: tuple[torch.Tensor, np.ndarray | None] | None = None
+
+    input_ids = _OnDevice()
+    positions = _OnDevice()
+    out_cache_loc = _OnDevice()
+    req_pool_indices = _OnDevice()
+    logits_indices = _OnDevice()
 
     @classmethod
     def build(
@@ -77,32 +111,48 @@ class ForwardBatch:
             req_pool_indices=np.asarray(rows, dtype=np.int64),
             logits_indices=np.asarray(logits_rows, dtype=np.int64),
         )
-        parts = [host.input_ids, host.positions, host.out_cache_loc, host.req_pool_indices, host.logits_indices]
-        packed = upload(np.concatenate(parts), req_to_token.table.device)
-        ids, pos, loc, rows_t, logits = packed.split([len(p) for p in parts])
         return cls(
             forward_mode=mode,
             batch_size=len(rows),
-            input_ids=ids,
-            positions=pos,
             q_lens_cpu=q_lens,
             seq_lens_cpu=seq_lens,
-            out_cache_loc=loc,
-            req_pool_indices=rows_t,
             req_to_token=req_to_token.table,
             req_to_token_host=req_to_token.host,
-            logits_indices=logits,
             query_offset=query_offset,
             spec_hidden=spec_hidden,
             host=host,
         )
 
-    def use_device_ids(self, ids: torch.Tensor) -> None:
-        """Take the input ids from the device (tokens sampled by an earlier forward that the host
-        has not read): the host ids become placeholders and no device-to-host copy is needed."""
-        if ids.shape != self.input_ids.shape:
-            raise ValueError(
-                f"device input ids of shape {tuple(ids.shape)} for a batch of {tuple(self.input_ids.shape)}"
-            )
-        self.input_ids = ids
-        self.ids_on_device = True
+    def device_inputs(self) -> DeviceInputs:
+        """The device inputs, uploaded from the host arrays in one copy on first use."""
+        if self.inputs is None:
+            if self.host is None:
+                raise RuntimeError("forward batch: no device inputs and no host arrays to upload them from")
+            host = self.host
+            parts = [host.input_ids, host.positions, host.out_cache_loc, host.req_pool_indices, host.logits_indices]
+            packed = upload(np.concatenate(parts), self.req_to_token.device)
+            self.inputs = DeviceInputs(*packed.split([len(p) for p in parts]))
+            if self.device_ids is not None:
+                self.inputs.input_ids = self.device_input_ids()
+        return self.inputs
+
+    @property
+    def ids_on_device(self) -> bool:
+        return self.device_ids is not None
+
+    def use_device_ids(self, ids: torch.Tensor, rows: np.ndarray | None = None) -> None:
+        """Take the input ids from the device, `ids[rows]` (tokens sampled by an earlier forward
+        that the host has not read): the host ids become placeholders and no device-to-host
+        copy is needed."""
+        n = sum(self.q_lens_cpu)
+        count = len(rows) if rows is not None else ids.shape[0]
+        if ids.dim() != 1 or count != n:
+            raise ValueError(f"device input ids: {count} of shape {tuple(ids.shape)} for a batch of {n} tokens")
+        self.device_ids = (ids, rows)
+        if self.inputs is not None:
+            self.inputs.input_ids = self.device_input_ids()
+
+    def device_input_ids(self) -> torch.Tensor:
+        """The device input ids, gathered (`ids_on_device` batches)."""
+        ids, rows = self.device_ids
+        return ids if rows is None else ids[upload(np.asarray(rows, dtype=np.int64), ids.device)]

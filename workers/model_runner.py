@@ -32,7 +32,8 @@ class RunnableModel(Protocol):
 @dataclasses.dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [len(logits_indices), vocab] float32
-    hidden: torch.Tensor  # [T, *], the hidden states this model hands on (to a draft model)
+    hidden: torch.Tensor | None  # [T, *], the hidden states this model hands on (None: a greedy decode graph's)
+    tokens: torch.Tensor | None = None  # [T] the logits' argmax, when a greedy decode graph took it
 
 
 class ModelRunner:
@@ -94,14 +95,16 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, pool: KVPool | None = None) -> ForwardOutput:
         """One forward through `pool`, or this runner's own pool when none is given: a graph
         replay when one was captured for it, eager otherwise."""
-        pool, start = self._begin(batch, pool)
-        if self.graphs is not None and self.graphs.can_run(batch, pool):
-            logits, hidden = self.graphs.run(batch, pool)
+        into = pool if pool is not None else self.pool
+        graphed = self.graphs is not None and self.graphs.can_run(batch, into)
+        pool, start = self._begin(batch, pool, not graphed or self.graphs.reads_tables(batch, into))
+        if graphed:
+            out = ForwardOutput(*self.graphs.run(batch, pool))
         else:
             self.backend.init_forward_metadata(batch, pool)
-            logits, hidden = self.run_model(batch)
+            out = ForwardOutput(*self.run_model(batch))
         self._record(batch, start, 1)
-        return ForwardOutput(logits, hidden)
+        return out
 
     @torch.inference_mode()
     def forward_ahead(self, batch: ForwardBatch, ahead: torch.Tensor, most: int) -> ForwardOutput | None:
@@ -110,9 +113,9 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.can_run(batch, self.pool):
             return None
         pool, start = self._begin(batch, None)
-        logits, hidden = self.graphs.run(batch, pool, ahead, most)
+        out = ForwardOutput(*self.graphs.run(batch, pool, ahead, most))
         self._record(batch, start, 1)
-        return ForwardOutput(logits, hidden)
+        return out
 
     @torch.inference_mode()
     def forward_chain(
@@ -133,13 +136,15 @@ class ModelRunner:
         self._record(batch, start, steps)
         return out
 
-    def _begin(self, batch: ForwardBatch, pool: KVPool | None) -> tuple[KVPool, int]:
+    def _begin(self, batch: ForwardBatch, pool: KVPool | None, reads_tables: bool = True) -> tuple[KVPool, int]:
+        """The pool and start time of a forward; the allocator's device tables brought up to
+        date first when the forward reads them (otherwise their changes wait for one that does)."""
         pool = pool if pool is not None else self.pool
         if pool is None:
             raise RuntimeError("model runner: this model owns no KV pool; pass the pool it reads")
         start = time.time_ns()
         if self.allocator is not None:
-            self.allocator.flush()
+            self.allocator.flush(needed=reads_tables)
         batch.attn_backend = self.backend
         return pool, start
 
@@ -153,7 +158,7 @@ class ModelRunner:
                 self.role,
                 mode.name,
                 batch.batch_size,
-                len(batch.positions) * steps,
+                sum(batch.q_lens_cpu) * steps,
                 kernel,
                 start,
                 time.time_ns(),

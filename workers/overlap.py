@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from attention import ForwardMode
-from attention.batch import upload
 from workers.forward_batch import ForwardBatch
+from workers.model_runner import ForwardOutput
 from workers.request import Request
 from workers.scheduler import ScheduledBatch, Scheduler
 
@@ -35,14 +35,14 @@ class InFlight:
     same stream - the next decode step, or a speculative round's catch-up)."""
 
     reqs: list[Request]
-    tokens: torch.Tensor  # [B] int64 on the device, one per request
+    tokens: torch.Tensor  # [B] int64 on the device, one per request (a graph's: valid until its next replay)
     host_tokens: torch.Tensor  # [B] int64 on the host (pinned on a GPU), filled when `copied` is reached
     copied: torch.cuda.Event | None  # None on a CPU: the copy is done when queued
 
     @classmethod
     def of(cls, reqs: list[Request], tokens: torch.Tensor) -> InFlight:
-        if tokens.device.type == "cpu":
-            return cls(reqs, tokens, tokens, None)
+        if tokens.device.type == "cpu":  # a copy: a graph's tokens are overwritten by its next replay
+            return cls(reqs, tokens, tokens.clone(), None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
@@ -57,8 +57,9 @@ class InFlight:
 
 
 class OverlapDecoder:
-    def __init__(self, scheduler: Scheduler, forward: Callable[[ForwardBatch], torch.Tensor]) -> None:
-        """`forward(batch)` runs the target and returns its logits."""
+    def __init__(self, scheduler: Scheduler, forward: Callable[[ForwardBatch], ForwardOutput]) -> None:
+        """`forward(batch)` runs the target: its logits, and their argmax when a greedy decode
+        graph took it."""
         self.scheduler = scheduler
         self.forward = forward
 
@@ -97,13 +98,10 @@ class OverlapDecoder:
             logits_rows=range(len(reqs)),
         )
         if previous is not None:
-            ids = previous.tokens
-            if previous.reqs != reqs:
-                index = [previous.reqs.index(r) for r in reqs]
-                ids = ids[upload(np.array(index, dtype=np.int64), ids.device)]
-            batch.use_device_ids(ids)
-        logits = self.forward(batch)
-        return InFlight.of(list(reqs), logits.argmax(dim=-1))
+            index = None if previous.reqs == reqs else np.array([previous.reqs.index(r) for r in reqs])
+            batch.use_device_ids(previous.tokens, index)
+        out = self.forward(batch)
+        return InFlight.of(list(reqs), out.tokens if out.tokens is not None else out.logits.argmax(dim=-1))
 
     def collect(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
         """Read a launched step's tokens (the step's one device-to-host copy, queued at launch) and

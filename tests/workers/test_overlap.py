@@ -8,7 +8,9 @@ import collections
 import pytest
 
 from tests.hf_models import make_tiny_model, random_prompts
+from workers.cuda_graphs import CudaGraphRunner
 from workers.engine import Engine, SamplingParams
+from workers.forward_batch import ForwardBatch
 
 PROMPTS = random_prompts([23, 9, 41, 5, 17, 30], seed=11)
 
@@ -70,6 +72,32 @@ def test_overlapped_decoding_gives_the_step_by_step_tokens(model, graphs):
     assert not any(eager_in_flight) and any(in_flight) and not in_flight[-1]  # what the hand-over wait reads on GPU
     assert finished == [1] * len(PROMPTS)
     assert any(len(t) < 8 + 5 * i for i, t in enumerate(got)), "a stop token should end some request early"
+
+
+def test_graph_steps_read_the_last_steps_tokens_in_place(model, monkeypatch):
+    """An overlapped step replaying the greedy decode graph takes its ids straight from the
+    tokens the step before left in the graph's static buffer (reordered when a request left),
+    never through a copy; its tokens are the step-by-step engine's."""
+    reads = []
+    original = CudaGraphRunner._in_tokens
+
+    def spy(self, ids):
+        reads.append(original(self, ids))
+        return reads[-1]
+
+    monkeypatch.setattr(CudaGraphRunner, "_in_tokens", spy)
+    reordered = []
+    use = ForwardBatch.use_device_ids
+    monkeypatch.setattr(
+        ForwardBatch,
+        "use_device_ids",
+        lambda b, ids, rows=None: reordered.append(rows is not None) or use(b, ids, rows),
+    )
+    expected, _, _ = _run(_engine(model, False), [])
+    got, _, _ = _run(_engine(model, True, "emulate"), [])
+    assert got == expected
+    assert reads and all(reads), "device ids of a greedy decode step should be the graph's own tokens"
+    assert any(reordered) and not all(reordered)
 
 
 def test_arrivals_and_aborts_while_the_pipeline_runs(model):

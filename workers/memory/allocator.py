@@ -183,9 +183,10 @@ class KVAllocator:
         self.req_to_token.write_many(rows_a[of], pos, pages * p + pos % p)
         self._lens.update(zip(rows_a.tolist(), ends_a.tolist()))
 
-    def flush(self) -> None:
-        """Bring the device copies of the allocator's tables up to date (before a forward)."""
-        self.req_to_token.flush()
+    def flush(self, needed: bool = True) -> None:
+        """Bring the device copies of the allocator's tables up to date before a forward that
+        reads them (`needed`); before one that does not, only when many changes are pending."""
+        self.req_to_token.flush(needed)
 
     def can_extend(self, ends: dict[int, int]) -> bool:
         """Whether every row could hold slots up to its end (positions) with the pages free now
@@ -299,9 +300,9 @@ class HybridSWAAllocator(KVAllocator):
     def is_hybrid(self) -> bool:
         return True
 
-    def flush(self) -> None:
-        super().flush()
-        self._f2s.flush()
+    def flush(self, needed: bool = True) -> None:
+        super().flush(needed)
+        self._f2s.flush(needed)
 
     def _free_pages(self) -> int:
         return min(self.full.num_free, self.swa.num_free)

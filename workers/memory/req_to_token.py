@@ -51,8 +51,8 @@ class ReqToTokenPool:
     def slots(self, row: int, start: int, end: int) -> np.ndarray:
         return self.host[row, start:end]
 
-    def flush(self) -> None:
-        self._mirror.flush()
+    def flush(self, needed: bool = True) -> None:
+        self._mirror.flush(needed)
 
     def check_no_leak(self) -> None:
         if self.num_free != self.max_requests:

@@ -1,0 +1,97 @@
+"""Static device buffers that one host-to-device copy fills before each graph replay.
+
+A captured graph reads its inputs and attention metadata from fixed addresses, rewritten before
+every replay. Written one buffer at a time that is a copy each (a batch's inputs, its lengths
+and page tables, its SWA write slots, a verify mask), and on the device every copy outside the
+graph costs a few microseconds of idle time between replays. Here the buffers are regions of
+one device block: a replay writes what it needs into a pinned host block of the same layout
+and `upload` copies the written prefix in one go. Regions are laid out in the order they were
+added, so owners put the small, always-written ones first.
+
+The host block comes fresh from torch's pinned-memory cache for every replay: a block is reused
+only once the copy that read it has run, so the host may stage the next replay while the device
+still has this one queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+ALIGN = 16  # bytes: every region starts here, so any dtype's view of it is aligned
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    offset: int  # bytes into the block
+    numel: int
+    dtype: torch.dtype
+
+
+class StagedBuffers:
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.regions: dict[str, Region] = {}
+        self.size = 0
+        self.block: torch.Tensor | None = None  # the device block, once allocated
+        self._host: torch.Tensor | None = None  # the host block of the replay being staged
+        self._end = 0  # bytes of the host block written so far (the prefix `upload` copies)
+
+    def add(self, name: str, numel: int, dtype: torch.dtype) -> None:
+        """Reserve a region (before `allocate`)."""
+        if self.block is not None:
+            raise RuntimeError(f"staged buffers: region {name!r} added after allocation")
+        if name in self.regions:
+            raise ValueError(f"staged buffers: region {name!r} added twice")
+        self.regions[name] = Region(self.size, numel, dtype)
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        self.size += -(-nbytes // ALIGN) * ALIGN
+
+    def allocate(self) -> None:
+        self.block = torch.zeros(max(self.size, ALIGN), dtype=torch.uint8, device=self.device)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The device region (fixed address: graphs capture it)."""
+        region = self.regions[name]
+        return self._slice(self.block, region).view(region.dtype)
+
+    @property
+    def open(self) -> bool:
+        """Whether a replay is being staged (between `begin` and `upload`)."""
+        return self._host is not None
+
+    def begin(self) -> None:
+        """Start staging a replay's buffers."""
+        pinned = self.device.type == "cuda"
+        self._host = torch.empty(self.block.numel(), dtype=torch.uint8, pin_memory=pinned)
+        self._end = 0
+
+    def put(self, name: str, values: np.ndarray, at: int = 0) -> torch.Tensor:
+        """Stage `values` at element `at` of a region; the device view of those elements (valid
+        once uploaded)."""
+        if self._host is None:
+            raise RuntimeError(f"staged buffers: put({name!r}) outside begin()/upload()")
+        region = self.regions[name]
+        n = values.size
+        if at + n > region.numel:
+            raise ValueError(f"staged buffers: {at + n} elements for region {name!r} of {region.numel}")
+        host = self._slice(self._host, region).view(region.dtype).numpy()
+        host[at : at + n] = values.reshape(-1)
+        itemsize = host.itemsize
+        self._end = max(self._end, region.offset + (at + n) * itemsize)
+        return self.view(name)[at : at + n]
+
+    def upload(self) -> None:
+        """Copy everything staged since `begin` to the device, in one copy."""
+        host, self._host = self._host, None
+        if host is None:
+            raise RuntimeError("staged buffers: upload() without begin()")
+        if self._end:
+            self.block[: self._end].copy_(host[: self._end], non_blocking=True)
+
+    @staticmethod
+    def _slice(block: torch.Tensor, region: Region) -> torch.Tensor:
+        nbytes = region.numel * torch.empty(0, dtype=region.dtype).element_size()
+        return block[region.offset : region.offset + nbytes]
