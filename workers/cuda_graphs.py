@@ -38,10 +38,12 @@ everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -165,16 +167,17 @@ class CudaGraphRunner:
             family.ahead = torch.zeros(self.max_batch_size, dtype=torch.int64, device=self.device)
         self.families[key] = family
         start = time.perf_counter()
-        for width in reversed(self.runner.backend.graph_table_widths()):
-            for bs in reversed(self.batch_sizes):
+        with _collector_paused():
+            for width in reversed(self.runner.backend.graph_table_widths()):
+                for bs in reversed(self.batch_sizes):
 
-                def prepare(bs: int = bs, width: int = width) -> ForwardBatch:
-                    return self._prepare(key, family, bs, self._padding(key, bs, 0), width, _reach(key))
+                    def prepare(bs: int = bs, width: int = width) -> ForwardBatch:
+                        return self._prepare(key, family, bs, self._padding(key, bs, 0), width, _reach(key))
 
-                if self.emulate:
-                    prepare()
-                else:
-                    family.graphs[(bs, width)] = self._capture_one(key, family, prepare)
+                    if self.emulate:
+                        prepare()
+                    else:
+                        family.graphs[(bs, width)] = self._capture_one(key, family, prepare)
         elapsed = time.perf_counter() - start
         self.capture_seconds += elapsed
         logger.info(
@@ -416,6 +419,21 @@ class CudaGraphRunner:
             spec_hidden=family.spec_hidden[:n] if family.spec_hidden is not None else None,
             host=HostInputs(*np.split(packed[: 3 * n + writes + bs], np.cumsum(sizes[:4]))),
         )
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while graphs are captured: a collection inside a capture
+    could free CUDA objects of unreachable engines (graphs, events, pinned host blocks), whose
+    release calls the driver in a way a capturing stream does not permit. Collected first."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _reach(key: GraphKey) -> int:
