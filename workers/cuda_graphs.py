@@ -161,6 +161,9 @@ class CudaGraphRunner:
         width = hidden_in or self.hidden_in
         spec_hidden = torch.zeros(rows, width, dtype=self.dtype, device=self.device) if width else None
         family = _Family(pool, spec_hidden, argmax)
+        if argmax:  # written by the graph's last kernel, which takes the argmax too
+            vocab = self.runner.model.lm_head.vocab_size
+            family.logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         if chain:
             family.drafts = torch.zeros(self.max_batch_size, chain, dtype=torch.int64, device=self.device)
         if chain or mode == ForwardMode.TARGET_VERIFY:
@@ -209,7 +212,7 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             logits, hidden = self._forward(key, family, batch)
-            if not key.chain:
+            if not key.chain and not family.argmax:
                 family.logits[: logits.shape[0]].copy_(logits)
             if family.hidden is not None and not key.chain:
                 family.hidden[: hidden.shape[0]].copy_(hidden)
@@ -225,9 +228,7 @@ class CudaGraphRunner:
             if not family.argmax:
                 return self.runner.run_model(batch)
             batch.input_ids = self._words[self._select[: batch.input_ids.shape[0]]]
-            logits, hidden = self.runner.run_model(batch)
-            torch.argmax(logits, dim=-1, out=self.tokens[: logits.shape[0]])
-            return logits, hidden
+            return self.runner.run_model(batch, greedy=(family.logits, self.tokens))
         token_map = getattr(self.runner.model, "draft_to_target", None)
         self._move(key, batch, family.ahead[: batch.batch_size])  # rows further on than the host built them
         for step in range(key.chain):

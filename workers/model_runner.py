@@ -166,8 +166,14 @@ class ModelRunner:
             )
         )
 
-    def run_model(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_model(
+        self, batch: ForwardBatch, greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The model on a batch whose attention metadata is in place: (float32 logits of the
-        requested rows, hidden states handed on). What a CUDA graph captures."""
+        requested rows, hidden states handed on). What a CUDA graph captures. `greedy` (a
+        target's greedy decode graph): buffers the logits and their argmax go to."""
         hidden, handed_on = self.model(batch)
-        return self.model.compute_logits(hidden[batch.logits_indices]), handed_on
+        rows = hidden[batch.logits_indices]
+        if greedy is not None:
+            return self.model.greedy_logits(rows, *greedy), handed_on
+        return self.model.compute_logits(rows), handed_on

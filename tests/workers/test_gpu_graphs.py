@@ -89,6 +89,35 @@ def test_padded_replay_is_within_bf16_noise(models):
     print(f"padded: {diverged} diverged, largest logit difference {worst:.3g}")
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gemma3"])
+def test_overlapped_greedy_replay_gives_the_eager_tokens(models, name):
+    """Greedy requests without logits decode overlapped: each replay of the greedy decode
+    graph reads its ids from the tokens the step before left in the graph's buffer (reordered
+    as requests reach their length limits) and takes its own argmax in the graph."""
+    params = [SamplingParams(max_new_tokens=9 + 6 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    tokens = {}
+    for graphs in (False, True):
+        eng = Engine(
+            model=models[name],
+            device="cuda",
+            dtype="bfloat16",
+            page_size=16,
+            attention_backend="trtllm_mha",
+            max_total_tokens=8192,
+            swa_full_tokens_ratio=0.12,
+            chunked_prefill_size=64,
+            max_running_requests=8,
+            cuda_graphs=True,
+        )
+        if not graphs:
+            eng.runner.graphs = None
+        tokens[graphs] = [o.token_ids for o in eng.generate(prompt_token_ids=PROMPTS, sampling=params)]
+        assert not graphs or eng.runner.graphs.replays > 50
+        eng.check_no_leak()
+        eng.shutdown()
+    assert tokens[True] == tokens[False]
+
+
 @pytest.mark.parametrize("spec", [None, "eagle", "frozen_kv_mtp"])
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_batch_one_replay_gives_the_eager_tokens(models, name, spec):
@@ -245,6 +274,28 @@ def test_fused_rope_writes_kv_like_the_reference(page, gemma):
     assert out_k is None and _rel(out_q, ref_q) < 1e-2 and _rel(out_cache, ref_cache) < 1e-2
     assert torch.equal(out_cache[:, 1], ref_cache[:, 1])  # values are copied, not computed
     assert not out_cache[0].any()  # padding page 0 untouched
+
+
+@pytest.mark.parametrize("cap", [None, 30.0])
+@pytest.mark.parametrize("rows, vocab", [(1, 262144), (3, 128256), (8, 1000), (2, 4096)])
+def test_logits_argmax_matches_the_reference_and_leaves_its_counters_at_zero(rows, vocab, cap):
+    """Float32 (soft-capped) logits as the torch op computes them, and the first index of each
+    row's maximum, ties across chunks included; the LM head's rows may be strided."""
+    from attention.kernels import arrival
+
+    raw = torch.randn(rows, vocab + 64, device="cuda").bfloat16()[:, :vocab]
+    raw[0, [3, vocab - 2]] = 40.0  # a tie between the first and the last chunk: the first wins
+    raw[-1, vocab - 1] = 41.0
+    out = torch.full((rows, vocab), float("nan"), device="cuda")
+    tokens = torch.full((rows,), -1, dtype=torch.int64, device="cuda")
+    FLASHINFER_OPS.logits_argmax(raw, cap, out, tokens)
+    ref_out = torch.empty_like(out)
+    ref_tokens = torch.empty_like(tokens)
+    TORCH_OPS.logits_argmax(raw, cap, ref_out, ref_tokens)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    assert tokens.tolist() == ref_tokens.tolist()
+    assert tokens[0].item() == 3 and tokens[-1].item() == vocab - 1
+    assert int(arrival.counters(raw.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])

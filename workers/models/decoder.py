@@ -26,7 +26,7 @@ from workers.models.layers import (
     VocabParallelEmbedding,
     rope_cache,
 )
-from workers.models.ops import QKNorms, ops_for
+from workers.models.ops import QKNorms, float_logits, ops_for
 
 # Checkpoint tensors that are stacked into one fused parameter: (fused, checkpoint, shard id).
 STACKED_PARAMS = (
@@ -290,9 +290,15 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
         """Float32 logits, soft-capped as this model's are; `head`: other LM-head rows to score
         with (a draft's hot-token head) instead of this model's."""
-        logits = (head or self.lm_head).logits(hidden).float()
-        cap = self.cfg.final_logit_softcap
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return float_logits((head or self.lm_head).logits(hidden), self.cfg.final_logit_softcap)
+
+    def greedy_logits(self, hidden: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """`compute_logits` into `out`'s first rows, and their argmax into `tokens`'s (a greedy
+        decode graph's static buffers); returns those rows of `out`."""
+        raw = self.lm_head.logits(hidden)
+        n = raw.shape[0]
+        ops_for(raw).logits_argmax(raw, self.cfg.final_logit_softcap, out[:n], tokens[:n])
+        return out[:n]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into this rank's parameters; every parameter must be set."""

@@ -10,6 +10,7 @@
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
 | add + RMSNorm + QKV projection | the above, in turn | one row, small QKV: one Triton GEMV (norms inside) |
+| float32 (soft-capped) logits + argmax | torch | Triton (`logits_argmax.py`) |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
 runs whenever autograd is on (training reuses the serving model code). A layer's new K and V
@@ -62,6 +63,9 @@ class OpSet:
     add_rms_norm_linear: Callable[
         [Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor, Tensor | None], tuple[Tensor, Tensor]
     ]
+    # (LM-head output [n, V], soft cap or None, out float32 [n, V], tokens int64 [n]) -> None:
+    # float_logits(raw, cap) into out and each row's argmax into tokens (a greedy step's tail)
+    logits_argmax: Callable[[Tensor, float | None, Tensor, Tensor], None]
 
 
 # -- torch: the reference ---------------------------------------------------------------------------
@@ -132,6 +136,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([out, x_pass], dim=-1) if x_pass.numel() else out
 
 
+def float_logits(raw: Tensor, cap: float | None) -> Tensor:
+    """Float32 logits, soft-capped (`cap * tanh(x / cap)`) when the model caps them."""
+    logits = raw.float()
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def _logits_argmax(raw: Tensor, cap: float | None, out: Tensor, tokens: Tensor) -> None:
+    out.copy_(float_logits(raw, cap))
+    torch.argmax(out, dim=-1, out=tokens)
+
+
 def _act_and_mul(x: Tensor, act: str) -> Tensor:
     gate, up = x.chunk(2, dim=-1)
     return ACT2FN[act](gate) * up
@@ -142,7 +157,15 @@ def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str
 
 
 TORCH_OPS = OpSet(
-    "torch", _rms_norm, _add_rms_norm, _rope, _act_and_mul, F.linear, _linear_act_and_mul, _add_rms_norm_linear
+    "torch",
+    _rms_norm,
+    _add_rms_norm,
+    _rope,
+    _act_and_mul,
+    F.linear,
+    _linear_act_and_mul,
+    _add_rms_norm_linear,
+    _logits_argmax,
 )
 
 
@@ -244,6 +267,7 @@ FLASHINFER_OPS = OpSet(
     _cuda_linear,
     _cuda_linear_act_and_mul,
     _cuda_add_rms_norm_linear,
+    lambda raw, cap, out, tokens: _triton("logits_argmax").logits_argmax(raw, cap, out, tokens),
 )
 
 OP_SETS = {"cpu": TORCH_OPS, "cuda": FLASHINFER_OPS}
