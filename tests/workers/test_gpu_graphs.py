@@ -112,7 +112,7 @@ def test_overlapped_greedy_replay_gives_the_eager_tokens(models, name):
         if not graphs:
             eng.runner.graphs = None
         tokens[graphs] = [o.token_ids for o in eng.generate(prompt_token_ids=PROMPTS, sampling=params)]
-        assert not graphs or eng.runner.graphs.replays > 50
+        assert not graphs or eng.runner.graphs.replays > 0
         eng.check_no_leak()
         eng.shutdown()
     assert tokens[True] == tokens[False]
@@ -285,7 +285,7 @@ def test_logits_argmax_matches_the_reference_and_leaves_its_counters_at_zero(row
 
     raw = torch.randn(rows, vocab + 64, device="cuda").bfloat16()[:, :vocab]
     raw[0, [3, vocab - 2]] = 40.0  # a tie between the first and the last chunk: the first wins
-    raw[-1, vocab - 1] = 41.0
+    raw[1:, vocab - 1] = 41.0
     out = torch.full((rows, vocab), float("nan"), device="cuda")
     tokens = torch.full((rows,), -1, dtype=torch.int64, device="cuda")
     FLASHINFER_OPS.logits_argmax(raw, cap, out, tokens)
@@ -294,7 +294,7 @@ def test_logits_argmax_matches_the_reference_and_leaves_its_counters_at_zero(row
     TORCH_OPS.logits_argmax(raw, cap, ref_out, ref_tokens)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
     assert tokens.tolist() == ref_tokens.tolist()
-    assert tokens[0].item() == 3 and tokens[-1].item() == vocab - 1
+    assert tokens[0].item() == 3 and tokens[1:].tolist() == [vocab - 1] * (rows - 1)
     assert int(arrival.counters(raw.device, 1).abs().sum()) == 0
 
 
