@@ -136,6 +136,12 @@ class ForwardBatch:
                 self.inputs.input_ids = self.device_input_ids()
         return self.inputs
 
+    def logits_of_every_row(self, rows: int) -> bool:
+        """Whether the logits asked for are those of all `rows` token rows, in order (a decode
+        step's: then no gather of the hidden states is needed)."""
+        wanted = self.host.logits_indices if self.host is not None else None
+        return wanted is not None and len(wanted) == rows and bool((wanted == np.arange(rows)).all())
+
     @property
     def ids_on_device(self) -> bool:
         return self.device_ids is not None

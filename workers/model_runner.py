@@ -173,7 +173,7 @@ class ModelRunner:
         requested rows, hidden states handed on). What a CUDA graph captures. `greedy` (a
         target's greedy decode graph): buffers the logits and their argmax go to."""
         hidden, handed_on = self.model(batch)
-        rows = hidden[batch.logits_indices]
+        rows = hidden if batch.logits_of_every_row(hidden.shape[0]) else hidden[batch.logits_indices]
         if greedy is not None:
             return self.model.greedy_logits(rows, *greedy), handed_on
         return self.model.compute_logits(rows), handed_on
