@@ -145,11 +145,12 @@ def _assert_kv_full(timeout: float = 10.0) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process runs (a zombie has exited)."""
+    """Whether a process runs (a zombie has exited; one that exits while its stat is read is
+    gone too)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
