@@ -77,8 +77,9 @@ class GraphKey:
 @dataclasses.dataclass
 class _Family:
     """Graphs of one key for every captured batch size and page-table width, sharing static
-    inputs and outputs (a graph copies its results into the outputs, so the graphs' own
-    temporaries share one memory pool)."""
+    outputs (a graph copies its results into them, so the graphs' own temporaries share one
+    memory pool). Their inputs are the runner's staged block, which every family shares:
+    replays run one at a time on one stream, and each stages all it reads."""
 
     pool: KVPool
     spec_hidden: torch.Tensor | None
