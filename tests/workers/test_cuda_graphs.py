@@ -149,6 +149,35 @@ def _busy_engine(models, variant: str) -> Engine:
     return eng
 
 
+def test_a_replayed_batch_is_staged_and_never_uploads_itself(models):
+    """A replay reads a built batch's host arrays (staged into the graph runner's block, one
+    copy), never the batch's own device inputs; the same batch run eagerly uploads itself on
+    first read and gives the replay's logits (up to the padded matmul's rounding)."""
+    eng = _busy_engine(models, "plain")
+    reqs = [r for r in eng.scheduler.running if r.prefilled]
+
+    def decode_batch() -> ForwardBatch:
+        starts = [r.kv_len for r in reqs]
+        return ForwardBatch.build(
+            ForwardMode.DECODE,
+            rows=[r.row for r in reqs],
+            prefix_lens=starts,
+            input_ids=[r.tokens(r.kv_len, r.kv_len + 1) for r in reqs],
+            out_cache_loc=eng.scheduler.slots(reqs, starts, [s + 1 for s in starts]),
+            req_to_token=eng.scheduler.req_to_token,
+            logits_rows=range(len(reqs)),
+        )
+
+    batch, replays = decode_batch(), eng.runner.graphs.replays
+    replayed = eng.runner.forward(batch).logits.clone()
+    assert eng.runner.graphs.replays == replays + 1 and batch.inputs is None
+    eng.runner.graphs = None
+    batch = decode_batch()
+    eager = eng.runner.forward(batch).logits
+    assert batch.inputs is not None
+    torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+
+
 def test_padded_rows_write_only_scratch_pages(models):
     """Three requests replay the graph of four: KV buffers equal the eager run's (up to the
     float32 rounding of a 4-row instead of a 3-row matmul) everywhere but on the scratch pages,
