@@ -48,3 +48,40 @@ def test_starved_counts_the_steps_that_found_the_device_idle(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     timed = decode_step.timed_steps(Engine(), 5)
     assert Engine.steps == 5 and timed.starved == 3 / 4 and timed.seconds >= 0
+
+
+def test_the_replay_clock_times_graphs_and_the_device_time_between_them(monkeypatch):
+    """Events around each replay: the median replay's own time, and the median time from one
+    replay's end to the next one's start; replays outside `running` are not timed."""
+    import torch
+
+    from ops.bench import decode_step
+
+    class Event:  # device times in ms, in the order the events are recorded
+        clock = iter([0.0, 0.9, 1.0, 1.95, 2.0, 2.9])
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            self.t = next(Event.clock)
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    clock = decode_step.ReplayClock()
+    with clock.running():
+        for _ in range(3):
+            Graph().replay()
+    Graph().replay()
+    assert Graph.replays == 4 and len(clock.marks) == 3
+    inside, between = clock.medians()
+    assert abs(inside - 0.9) < 1e-9 and abs(between - 75.0) < 1e-6  # replays 0.9, 0.95, 0.9; gaps 0.1, 0.05 ms

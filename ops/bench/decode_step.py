@@ -7,7 +7,9 @@ One engine (dummy weights, CUDA graphs, the decode table's engine of `--max-batc
 `--repeats` times: `--batch` requests of a 128-token prompt, 10 warm-up steps, then `--steps`
 timed decode steps. Prints one JSON line of ms a step per repeat, and per repeat the share of
 steps that found the device idle when the host came back for them (`starved`: near 0 when the
-device sets the pace, near 1 when the host does). Machines differ by up to 20%
+device sets the pace, near 1 when the host does); with `--replay-clock` also the median device
+time of a graph replay (`graph_ms`) and between one replay and the next (`between_us`: what a
+step costs the device outside its graph). Machines differ by up to 20%
 and drift within minutes, so compare revisions in alternating processes on one machine:
 `--against DIR` runs `--pairs` pairs of processes, this tree's and one with DIR first on the
 path (another revision's `workers` and `attention`, e.g. `git archive REV workers attention |
@@ -18,6 +20,7 @@ the medians last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -33,6 +37,39 @@ from ops.bench.decode_throughput import PROMPT, SHAPES, engine_for, random_promp
 from workers.engine import Engine, SamplingParams
 
 WARMUP_STEPS = 10
+
+
+class ReplayClock:
+    """Timing events around every CUDA-graph replay while `running`: how long the graphs ran on
+    the device, and the device time from one replay's end to the next one's start (the work a
+    step queues outside its graph: copies in and out, kernels no graph holds). Two events a
+    replay, so it is asked for (`--replay-clock`), not always on."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        original = torch.cuda.CUDAGraph.replay
+
+        def replay(graph: torch.cuda.CUDAGraph) -> None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            original(graph)
+            end.record()
+            self.marks.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = replay
+        try:
+            yield
+        finally:
+            torch.cuda.CUDAGraph.replay = original
+
+    def medians(self) -> tuple[float, float]:
+        """(ms a replay ran, us between a replay and the next), medians; the device drained."""
+        inside = [start.elapsed_time(end) for start, end in self.marks]
+        between = [end.elapsed_time(nxt) for (_, end), (nxt, _) in zip(self.marks, self.marks[1:])]
+        return statistics.median(inside), 1e3 * statistics.median(between)
 
 
 class Timed(NamedTuple):
@@ -65,14 +102,17 @@ def finish(engine: Engine, rids: list[str]) -> None:
         engine.release(rid)
 
 
-def steady_ms(engine: Engine, batch: int, steps: int, seed: int = 0) -> tuple[float, float]:
+def steady_ms(
+    engine: Engine, batch: int, steps: int, seed: int = 0, clock: ReplayClock | None = None
+) -> tuple[float, float]:
     """Milliseconds a decode step over `steps` steps of `batch` running requests, and the share
-    of them the device waited for the host."""
+    of them the device waited for the host; `clock` times those steps' replays."""
     sampling = SamplingParams(max_new_tokens=steps + 2 * WARMUP_STEPS, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, sampling) for p in random_prompts(engine.cfg.vocab_size, batch, PROMPT, seed)]
     for _ in range(WARMUP_STEPS):
         engine.step()
-    timed = timed_steps(engine, steps)
+    with clock.running() if clock is not None else contextlib.nullcontext():
+        timed = timed_steps(engine, steps)
     finish(engine, rids)
     return 1e3 * timed.seconds / steps, timed.starved
 
@@ -87,14 +127,21 @@ def main() -> None:
     parser.add_argument("--tag", default="")
     parser.add_argument("--against", help="another checkout to alternate with, process by process")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument(
+        "--replay-clock", action="store_true", help="time every graph replay: ms inside, us between replays"
+    )
     args = parser.parse_args()
     if args.against:
         compare(args)
         return
     engine = engine_for(write_config(tempfile.mkdtemp(), args.shape, SHAPES[args.shape]), True, args.max_batch)
-    runs = [steady_ms(engine, args.batch, args.steps) for _ in range(args.repeats)]
+    clocks = [ReplayClock() if args.replay_clock else None for _ in range(args.repeats)]
+    runs = [steady_ms(engine, args.batch, args.steps, clock=clock) for clock in clocks]
     line = {"shape": args.shape, "batch": args.batch, "max_batch": args.max_batch}
     line.update(ms_per_step=[ms for ms, _ in runs], starved=[share for _, share in runs], tag=args.tag)
+    if args.replay_clock:
+        medians = [clock.medians() for clock in clocks]
+        line.update(graph_ms=[inside for inside, _ in medians], between_us=[gap for _, gap in medians])
     print(json.dumps(line))
 
 
@@ -110,7 +157,7 @@ def tree_process(tree: str, here: str, argv: list[str]) -> tuple[list[str], dict
 def compare(args: argparse.Namespace) -> None:
     """Alternate processes of this tree and of `args.against`; the ratio of their medians."""
     flags = ["--shape", args.shape, "--batch", str(args.batch), "--max-batch", str(args.max_batch)]
-    flags += ["--steps", str(args.steps), "--repeats", str(args.repeats)]
+    flags += ["--steps", str(args.steps), "--repeats", str(args.repeats)] + ["--replay-clock"] * args.replay_clock
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     trees = {"this": here, "against": os.path.abspath(args.against)}
     readings: dict[str, list[float]] = {tag: [] for tag in trees}
