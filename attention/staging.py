@@ -29,6 +29,10 @@ class Region:
     numel: int
     dtype: torch.dtype
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
 
 class StagedBuffers:
     def __init__(self, device: torch.device) -> None:
@@ -45,9 +49,8 @@ class StagedBuffers:
             raise RuntimeError(f"staged buffers: region {name!r} added after allocation")
         if name in self.regions:
             raise ValueError(f"staged buffers: region {name!r} added twice")
-        self.regions[name] = Region(self.size, numel, dtype)
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        self.size += -(-nbytes // ALIGN) * ALIGN
+        region = self.regions[name] = Region(self.size, numel, dtype)
+        self.size += -(-region.nbytes // ALIGN) * ALIGN
 
     def allocate(self) -> None:
         self.block = torch.zeros(max(self.size, ALIGN), dtype=torch.uint8, device=self.device)
@@ -79,8 +82,7 @@ class StagedBuffers:
             raise ValueError(f"staged buffers: {at + n} elements for region {name!r} of {region.numel}")
         host = self._slice(self._host, region).view(region.dtype).numpy()
         host[at : at + n] = values.reshape(-1)
-        itemsize = host.itemsize
-        self._end = max(self._end, region.offset + (at + n) * itemsize)
+        self._end = max(self._end, region.offset + (at + n) * host.itemsize)
         return self.view(name)[at : at + n]
 
     def upload(self) -> None:
@@ -93,5 +95,4 @@ class StagedBuffers:
 
     @staticmethod
     def _slice(block: torch.Tensor, region: Region) -> torch.Tensor:
-        nbytes = region.numel * torch.empty(0, dtype=region.dtype).element_size()
-        return block[region.offset : region.offset + nbytes]
+        return block[region.offset : region.offset + region.nbytes]

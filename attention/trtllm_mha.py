@@ -122,7 +122,7 @@ class TRTLLMMHABackend(AttentionBackend):
         b = max(max_batch_size, max_tokens)  # rows: a flat verify has one a query
         self._layout = {"seq_lens": 0, "cu_seq_lens_q": b, "cu_seq_lens_kv": 2 * b + 1, "tables": 3 * b + 2}
         self._max_pages = max_pages_per_req
-        self._staging = staging or StagedBuffers(self.device)
+        self._staging = staging if staging is not None else StagedBuffers(self.device)
         self._staging.add("swa_out_loc", max_tokens, torch.int64)
         self._staging.add("mask", max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), torch.uint16)
         self._staging.add("int32", 3 * b + 2 + 2 * b * max_pages_per_req, torch.int32)
