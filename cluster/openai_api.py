@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.http_api import BodyTooLarge, read_json
-from cluster.protocol import InvalidRequest
+from cluster.protocol import InvalidRequest, unicode_problem
 from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
 
@@ -227,6 +227,8 @@ class OpenAIApi:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - the template's own complaint, e.g. roles out of order
             raise OpenAIError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+        if (problem := unicode_problem(text)) is not None:
+            raise OpenAIError(400, f"messages: {problem}", "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _prepare(self, parsed: _Request, chat: bool, prompt: dict[str, Any]) -> dict[str, Any]:

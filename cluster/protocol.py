@@ -16,7 +16,8 @@ import dataclasses
 from typing import Annotated, Any
 
 from google.protobuf import json_format
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from workers.sampling_params import SamplingParams
@@ -26,7 +27,26 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_FIELD_CHARS = 64  # of an unknown field's name quoted back in an error
 
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+def unicode_problem(text: str) -> str | None:
+    """What keeps `text` from being UTF-8, or None. JSON may escape a lone surrogate
+    (`"\\ud800"`) that no UTF-8 text holds: refused at the door rather than failing in the
+    tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid Unicode text (a lone surrogate at character {exc.start})"
+    return None
+
+
+def _encodable(text: str) -> str:
+    if (problem := unicode_problem(text)) is not None:
+        raise PydanticCustomError("unicode", problem)
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class InvalidRequest(ValueError):
@@ -63,11 +83,11 @@ class GenerateBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    request_id: str | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
-    prompt: str | None = None
+    request_id: Text | None = Field(None, min_length=1, max_length=MAX_ID_CHARS)
+    prompt: Text | None = None
     prompt_token_ids: list[int] | None = None
     sampling: SamplingBody = Field(default_factory=SamplingBody)
-    session_id: str | None = Field(None, max_length=MAX_ID_CHARS)
+    session_id: Text | None = Field(None, max_length=MAX_ID_CHARS)
     stream: bool = True  # false: one response at the end
 
 

@@ -151,6 +151,22 @@ def test_bad_parameters_get_400_naming_them(app, kwargs, param):
     assert error["message"].startswith(param), error
 
 
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("completions", '{"model": "%s", "prompt": "a\\ud800"}', "prompt"),
+        ("chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+    ],
+)
+def test_a_lone_surrogate_gets_400_naming_its_parameter(app, route, body, param):
+    """Escaped JSON can carry a surrogate half no UTF-8 text holds: refused, not a 500."""
+    _, grpc_client, base = app
+    r = requests.post(f"{base}/{route}", data=body % MODEL, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "not valid Unicode" in r.json()["error"]["message"], r.text
+    assert all(x.running == 0 and x.kv_full_used == 0 for x in _idle(grpc_client))
+
+
 def test_unknown_model_is_404_and_a_missing_token_401(app):
     client, _, base = app
     with pytest.raises(openai.NotFoundError) as info:

@@ -3,6 +3,7 @@
 
 import filecmp
 import os
+import re
 import subprocess
 
 import pytest
@@ -36,3 +37,23 @@ def test_an_unknown_field_is_named_but_a_huge_name_is_cut():
     assert message.startswith("k" * MAX_FIELD_CHARS + "...: unknown field") and len(message) < 2 * MAX_FIELD_CHARS
     with pytest.raises(InvalidRequest, match=r"^sampling\.colour: unknown field$"):
         parse_request({"prompt": "a", "sampling": {"colour": 1}})
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": "a\ud800"}, "prompt"),
+        ({"prompt": "a", "request_id": "\udfff"}, "request_id"),
+        ({"prompt": "a", "session_id": "s\ud800"}, "session_id"),
+        ({"prompt": "a", "sampling": {"stop": ["ok", "\ud83d"]}}, "sampling.stop[1]"),
+    ],
+)
+def test_a_lone_surrogate_is_refused_naming_its_field(body, field):
+    """JSON can escape a surrogate half that no UTF-8 text holds; it is refused before the tokenizer."""
+    with pytest.raises(InvalidRequest, match=rf"^{re.escape(field)}: not valid Unicode text"):
+        parse_request(body)
+
+
+def test_text_beyond_the_basic_plane_is_accepted():
+    parsed = parse_request({"prompt": "caf\u00e9 \U0001f600", "sampling": {"stop": ["\U0001f600"]}})
+    assert parsed.body.prompt == "café 😀" and parsed.stop == ["😀"]
