@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.http_api import BodyTooLarge, read_json
-from cluster.protocol import InvalidRequest, unicode_problem
+from cluster.protocol import InvalidRequest, clipped, unicode_problem
 from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
 
@@ -134,7 +134,7 @@ def _parse(model: type[_Request], body: Any) -> _Request:
     for param, neutral in NEUTRAL.items():
         value = (request.model_extra or {}).get(param)
         if value not in neutral:
-            raise OpenAIError(400, f"{param}: not supported by this server (got {value!r})", param)
+            raise OpenAIError(400, f"{param}: not supported by this server (got {clipped(repr(value))})", param)
     if request.n != 1:
         raise OpenAIError(400, f"n: only 1 choice per prompt is supported (got {request.n})", "n")
     return request
@@ -186,7 +186,7 @@ class OpenAIApi:
             if parsed.model != self.model_name:
                 raise OpenAIError(
                     404,
-                    f"model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+                    f"model {clipped(repr(parsed.model))} does not exist; this server serves {self.model_name!r}",
                     "model",
                     "model_not_found",
                 )

@@ -122,13 +122,18 @@ def parse_request(body: Any, model: type[GenerateBody] = GenerateBody) -> Parsed
     return ParsedRequest(parsed, parsed.sampling.params(), list(parsed.sampling.stop))
 
 
+def clipped(text: str) -> str:
+    """A client's text quoted back in an error, cut to `MAX_FIELD_CHARS`."""
+    return text if len(text) <= MAX_FIELD_CHARS else text[:MAX_FIELD_CHARS] + "..."
+
+
 def _describe(exc: ValidationError) -> str:
     """`field.path[i]: what is wrong` for the first error, without pydantic's URL and input echo."""
     error = exc.errors(include_url=False, include_input=False)[0]
     path = ""
     for part in error["loc"]:
-        if isinstance(part, str) and len(part) > MAX_FIELD_CHARS:  # an unknown key is the client's text
-            part = part[:MAX_FIELD_CHARS] + "..."
+        if isinstance(part, str):  # an unknown key is the client's text
+            part = clipped(part)
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     if error["type"] == "extra_forbidden":
         return f"{path or 'request'}: unknown field"

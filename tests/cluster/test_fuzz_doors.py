@@ -1,14 +1,16 @@
-"""Property-based fuzzing of both front doors against a live application.
+"""Property-based fuzzing of the front doors against a live application.
 
 Hypothesis generates request bodies field by field, each field either a value a client may send
 or a hostile one (wrong type, out of range, NaN/inf, huge or empty, lone surrogates, unknown
 fields, non-objects), and sends them through the real gRPC server and the real HTTP route; gRPC
 also gets valid messages with raw bytes flipped or cut, HTTP bodies with invalid UTF-8. Every
 answer must be a success that ends with a finish reason, or INVALID_ARGUMENT (400, 413 for
-size) whose message starts with the offending field. Afterwards the application still serves,
-nothing runs, and the replica's KV pools are back at their free counts; unknown gRPC methods are
-UNIMPLEMENTED. A fixed seed and a bounded number of cases (at least 2,000 per door) keep CI
-deterministic."""
+size) whose message starts with the offending field. The OpenAI routes get completion and chat
+bodies built the same way and must answer a success or an OpenAI-shaped 400/404 whose message
+starts with its parameter. Afterwards the application still serves, nothing runs, and the
+replica's KV pools are back at their free counts; unknown gRPC methods are UNIMPLEMENTED. A
+fixed seed, a pinned hypothesis (its examples differ between versions) and a bounded number of
+cases (at least 2,000 per door) keep CI deterministic."""
 
 import json
 import math
@@ -28,6 +30,7 @@ from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from ops import DEFAULT_MODEL
 
 CASES = 2000
+MODEL = os.path.basename(os.path.normpath(DEFAULT_MODEL))
 CONTEXT = 256
 VOCAB = json.load(open(os.path.join(DEFAULT_MODEL, "config.json")))["vocab_size"]
 ARGS = dict(
@@ -122,6 +125,53 @@ def bodies(draw) -> object:
     return body
 
 
+OPENAI_FIELDS = {
+    "max_tokens": st.integers(1, 2),
+    "temperature": st.one_of(st.just(0.0), st.floats(0.05, 2.0)),
+    "top_p": st.floats(0.01, 1.0),
+    "top_k": st.integers(-1, 50),
+    "seed": st.integers(0, 2**63 - 1),
+    "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3)),
+    "ignore_eos": st.booleans(),
+    "n": st.just(1),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "user": TEXT,
+    "return_token_ids": st.booleans(),
+    "logprobs": st.just(False),
+}
+IDS = st.lists(st.integers(0, VOCAB + 20), min_size=1, max_size=20)
+OPENAI_PROMPT = st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=2), IDS, st.lists(IDS, min_size=1, max_size=2))
+CONTENT = st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2))
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": CONTENT}),
+    min_size=1,
+    max_size=3,
+)
+
+
+@st.composite
+def openai_bodies(draw, chat: bool) -> object:
+    """A completion or chat body: not an object (1 in 20), every parameter valid (about 1 in 4),
+    or parameters each valid or hostile, sometimes without the prompt or with the wrong model."""
+    shape = draw(st.integers(0, 19))
+    if shape == 0:
+        return draw(HOSTILE)
+    clean = shape <= 5
+
+    def value(valid: st.SearchStrategy) -> object:
+        return draw(valid if clean else either(valid))
+
+    body = {k: value(v) for k, v in OPENAI_FIELDS.items() if draw(st.integers(0, 2)) == 0}
+    body["model"] = MODEL if clean or draw(st.integers(0, 9)) else draw(either(st.just("gpt-4")))
+    if clean or draw(st.integers(0, 9)):
+        body["messages" if chat else "prompt"] = value(MESSAGES if chat else OPENAI_PROMPT)
+    body.setdefault("max_tokens", 1)  # keep the valid requests short
+    if not clean and draw(st.integers(0, 9)) == 0:
+        body[draw(st.sampled_from(["best_of", "echo", "logit_bias", "tools", "x" * 300]))] = draw(HOSTILE_SCALARS)
+    return body
+
+
 def _proto_value(field, value):
     """`value` where the proto field's type can carry it; None where it cannot."""
     kind = field.cpp_type
@@ -190,6 +240,27 @@ def http_outcome(route: str, data: bytes) -> str:
         return "invalid"
     lines = [json.loads(line) for line in r.content.split(b"\n") if line]  # NDJSON: only "\n" ends a line
     assert lines and "error" not in lines[-1] and lines[-1]["finished"], r.text[:300]
+    return "ok"
+
+
+def openai_outcome(url: str, data: bytes) -> str:
+    r = requests.post(url, data=data, headers={"content-type": "application/json"}, timeout=60)
+    if r.status_code != 200:
+        assert r.status_code in (400, 404, 413), (r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], error
+        assert error["param"] is None or error["message"].startswith(error["param"]), error
+        assert len(error["message"]) < 600, f"OpenAI: the message echoes too much ({len(error['message'])} characters)"
+        return "invalid"
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]
+        assert events[-1] == "[DONE]", r.text[-300:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all("error" not in c for c in chunks), r.text[-300:]
+        finished = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
+    else:
+        finished = [ch["finish_reason"] for ch in r.json()["choices"]]
+    assert finished and set(finished) <= {"stop", "length"}, r.text[-300:]
     return "ok"
 
 
@@ -262,6 +333,22 @@ def test_http_door(app):
         elif corrupt == 1:  # over the size limit
             data = json.dumps({"prompt": "x" * (ARGS["max_request_bytes"] + 10)}).encode()
         outcomes.append(http_outcome(route, data))
+
+    case()
+    assert_run_held(client, outcomes)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_openai_door(app, chat):
+    client, route = app
+    url = f"{route}/v1/{'chat/completions' if chat else 'completions'}"
+    outcomes: list[str] = []
+
+    @seed(20261125)
+    @FUZZ
+    @given(body=openai_bodies(chat))
+    def case(body):
+        outcomes.append(openai_outcome(url, json.dumps(body).encode()))
 
     case()
     assert_run_held(client, outcomes)
