@@ -419,7 +419,7 @@ class CudaGraphRunner:
             query_offset=key.query_offset,
             attn_backend=self.runner.backend,
             spec_hidden=family.spec_hidden[:n] if family.spec_hidden is not None else None,
-            host=HostInputs(*np.split(packed[: 3 * n + writes + bs], np.cumsum(sizes[:4]))),
+            host=HostInputs(*np.split(packed[: 3 * n + writes + bs], np.cumsum(sizes[:4])), every_row=True),
         )
 
 

@@ -29,6 +29,7 @@ class HostInputs:
     out_cache_loc: np.ndarray  # [T]
     req_pool_indices: np.ndarray  # [B]
     logits_indices: np.ndarray  # [L]
+    every_row: bool = False  # logits_indices is 0..T-1 in order: a decode step's (no gather needed)
 
 
 @dataclasses.dataclass
@@ -110,6 +111,7 @@ class ForwardBatch:
             out_cache_loc=out_cache_loc.numpy().astype(np.int64, copy=False),
             req_pool_indices=np.asarray(rows, dtype=np.int64),
             logits_indices=np.asarray(logits_rows, dtype=np.int64),
+            every_row=len(logits_rows) == len(starts) and list(logits_rows) == list(range(len(starts))),
         )
         return cls(
             forward_mode=mode,
@@ -139,8 +141,7 @@ class ForwardBatch:
     def logits_of_every_row(self, rows: int) -> bool:
         """Whether the logits asked for are those of all `rows` token rows, in order (a decode
         step's: then no gather of the hidden states is needed)."""
-        wanted = self.host.logits_indices if self.host is not None else None
-        return wanted is not None and len(wanted) == rows and bool((wanted == np.arange(rows)).all())
+        return self.host is not None and self.host.every_row and len(self.host.logits_indices) == rows
 
     @property
     def ids_on_device(self) -> bool:
