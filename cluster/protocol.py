@@ -25,7 +25,7 @@ from workers.sampling_params import SamplingParams
 MAX_ID_CHARS = 256  # request_id, session_id
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
-MAX_FIELD_CHARS = 64  # of an unknown field's name quoted back in an error
+MAX_FIELD_CHARS = 64  # of a client's text quoted back in an error (an unknown field's name, a value)
 
 
 def unicode_problem(text: str) -> str | None:
