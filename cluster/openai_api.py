@@ -45,8 +45,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
 }
-# the generation API's field -> the OpenAI parameter it came from
-PARAMS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+# the generation API's field -> the OpenAI parameter it came from (the prompt's and the session's
+# depend on the route and the request: `_prepare` names them)
+PARAMS = {"max_new_tokens": "max_tokens"}
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -140,11 +141,12 @@ def _parse(model: type[_Request], body: Any) -> _Request:
     return request
 
 
-def _openai_message(message: str, door_param: str) -> tuple[str, str]:
-    """The gateway's `field: what` message in OpenAI's names: (message, param)."""
+def _openai_message(message: str, names: dict[str, str]) -> tuple[str, str]:
+    """The gateway's `field: what` message in OpenAI's names, `names` (this request's) first:
+    (message, param)."""
     field, _, what = message.partition(": ")
     name = field.removeprefix("sampling.").split("[")[0].split(" ")[0]
-    param = PARAMS.get(name, name) if name not in ("prompt", "request") else door_param
+    param = names.get(name) or PARAMS.get(name, name)
     return f"{param}: {what}" if what else message, param
 
 
@@ -231,19 +233,27 @@ class OpenAIApi:
             raise OpenAIError(400, f"messages: {problem}", "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _prepare(self, parsed: _Request, chat: bool, prompt: dict[str, Any]) -> dict[str, Any]:
+    async def _prepare(
+        self, parsed: _Request, chat: bool, prompt: dict[str, Any], session: tuple[str, str] | None
+    ) -> dict[str, Any]:
+        """One choice's generation request, validated; `session` is (where it came from, the
+        consistent-hash key)."""
         sampling = parsed.sampling()
         if chat and parsed.max_completion_tokens is not None:
             sampling["max_new_tokens"] = parsed.max_completion_tokens
         if not chat:
             sampling.setdefault("max_new_tokens", COMPLETIONS_MAX_TOKENS)
         body = {**prompt, "sampling": sampling, "stream": True}
-        if parsed.user:
-            body["session_id"] = parsed.user
+        if session is not None:
+            body["session_id"] = session[1]
         try:
             routed = await self.gateway.prepare(body, "OpenAI")
         except InvalidRequest as exc:
-            message, param = _openai_message(str(exc), "messages" if chat else "prompt")
+            door = "messages" if chat else "prompt"
+            names = {"prompt": door, "prompt_token_ids": door, "request": door}
+            if session is not None:
+                names["session_id"] = session[0]
+            message, param = _openai_message(str(exc), names)
             raise OpenAIError(400, message, param) from None
         room = self.gateway.limits.context_length - len(routed["prompt_token_ids"])
         if "max_new_tokens" not in sampling:  # chat: the rest of the context
@@ -258,12 +268,12 @@ class OpenAIApi:
         return routed
 
     async def _complete(self, parsed: _Request, chat: bool, request) -> Any:
-        routed = [await self._prepare(parsed, chat, p) for p in self._prompts(parsed, chat)]
-        server = (request.url.hostname or "", request.url.port or 0)
         headers = dict(request.headers)
-        if not parsed.user and headers.get("x-session-id"):
-            for r in routed:
-                r["session_id"] = headers["x-session-id"]
+        session = ("user", parsed.user) if parsed.user else None
+        if session is None and headers.get("x-session-id"):
+            session = ("x-session-id", headers["x-session-id"])
+        routed = [await self._prepare(parsed, chat, p, session) for p in self._prompts(parsed, chat)]
+        server = (request.url.hostname or "", request.url.port or 0)
         calls = [(r, self.telemetry(r, headers, server)) for r in routed]
         response = _Response(chat, self.model_name, parsed.stream_options, len(calls), parsed.return_token_ids)
         events = _merge([_ended(self.gateway.generate(r, t), t) for r, t in calls])

@@ -140,6 +140,7 @@ OPENAI_FIELDS = {
     "return_token_ids": st.booleans(),
     "logprobs": st.just(False),
 }
+OPENAI_PARAMS = {*OPENAI_FIELDS, "model", "prompt", "messages", "best_of", "echo", "logit_bias", "tools", None}
 IDS = st.lists(st.integers(0, VOCAB + 20), min_size=1, max_size=20)
 OPENAI_PROMPT = st.one_of(TEXT, st.lists(TEXT, min_size=1, max_size=2), IDS, st.lists(IDS, min_size=1, max_size=2))
 CONTENT = st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2))
@@ -250,6 +251,7 @@ def openai_outcome(url: str, data: bytes) -> str:
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"], error
         assert error["param"] is None or error["message"].startswith(error["param"]), error
+        assert error["param"] in OPENAI_PARAMS, f"OpenAI: a parameter no client sends: {error}"
         assert len(error["message"]) < 600, f"OpenAI: the message echoes too much ({len(error['message'])} characters)"
         return "invalid"
     if r.headers["content-type"].startswith("text/event-stream"):

@@ -151,6 +151,29 @@ def test_bad_parameters_get_400_naming_them(app, kwargs, param):
     assert error["message"].startswith(param), error
 
 
+def test_a_prompt_or_session_refused_is_named_as_the_client_sent_it(app):
+    """The generation API's prompt_token_ids and session_id are OpenAI's messages (or prompt)
+    and user (or the x-session-id header) in errors."""
+    client, _, base = app
+    long_chat = [{"role": "user", "content": " ".join(str(i) for i in range(2000))}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=long_chat, max_tokens=1)
+    assert info.value.body["param"] == "messages" and "context length" in info.value.body["message"], info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[list(range(1, 600))], max_tokens=1)
+    assert info.value.body["param"] == "prompt", info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, user="u" * 300)
+    assert info.value.body["param"] == "user" and info.value.body["message"].startswith("user: "), info.value.body
+    r = requests.post(
+        f"{base}/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        headers={"Authorization": f"Bearer {TOKEN}", "x-session-id": "s" * 300},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-session-id", r.text
+
+
 @pytest.mark.parametrize(
     "route, body, param",
     [
