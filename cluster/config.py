@@ -208,6 +208,8 @@ class AppArgs(EngineArgs):
         values stay strings for pydantic to convert."""
         nested: dict[str, Any] = {}
         for key, value in args.items():
+            if not isinstance(key, str):  # a YAML mapping may have a number for a key
+                raise ValueError(f"{key!r}: a setting's name must be text, got {type(key).__name__}")
             *parents, leaf = key.split(".")
             node = nested
             for part in parents:

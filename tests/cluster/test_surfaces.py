@@ -325,3 +325,7 @@ def test_serve_run_key_value_pairs_with_dotted_keys():
         )
     with pytest.raises(ValueError, match="grpc.colour"):
         AppArgs.from_flat({"model": "tiny-gemma3", "grpc.colour": "blue"})
+    with pytest.raises(ValueError, match="grpc.port: grpc is not a group"):
+        AppArgs.from_flat({"model": "tiny-gemma3", "grpc": 5, "grpc.port": 1})
+    with pytest.raises(ValueError, match="^1: a setting's name must be text"):
+        AppArgs.from_flat({"model": "tiny-gemma3", 1: "x"})
