@@ -97,11 +97,18 @@ class Engine:
         one step later. `enable_prefix_caching`: keep computed prompt (and finished sequence)
         pages in a radix tree for later requests sharing their prefix (`workers/radix_cache.py`)."""
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r}, but torch sees no CUDA device (a CPU build, or no GPU visible)")
         self.dtype = _resolve_dtype(dtype, self.device)
-        if page_size < 1:
-            raise ValueError(f"page_size: must be >= 1, got {page_size}")
-        if chunked_prefill_size is not None and chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size: must be >= 1 or None (off), got {chunked_prefill_size}")
+        for name, value, least in (
+            ("page_size", page_size, 1),
+            ("chunked_prefill_size", chunked_prefill_size, 1),  # None: off
+            ("max_running_requests", max_running_requests, 1),
+            ("context_length", context_length, 2),  # a prompt token and a new one; None: the model's
+            ("cuda_graph_max_batch_size", cuda_graph_max_batch_size, 1),  # None: max_running_requests
+        ):
+            if value is not None and value < least:
+                raise ValueError(f"{name}: must be >= {least}, got {value}")
         if not 0.0 < swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {swa_full_tokens_ratio}")
         self.cfg = load_model_config(model)

@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,6 +81,11 @@ def test_bad_engine_arguments(gemma3_dir):
         ({"dtype": "int7"}, "dtype"),
         ({"attention_backend": "nope"}, "attention_backend"),
         ({"load_format": "pickle"}, "load_format"),
+        ({"max_running_requests": 0}, "max_running_requests"),  # nothing could ever run
+        ({"context_length": 0}, "context_length"),  # was read as "the model's"
+        ({"context_length": 1}, "context_length"),  # no room for a new token
+        ({"cuda_graph_max_batch_size": 0}, "cuda_graph_max_batch_size"),
+        *([({"device": "cuda"}, "device: 'cuda', but torch sees no CUDA")] if not torch.cuda.is_available() else []),
     ]:
         with pytest.raises(ValueError, match=field):
             Engine(model=gemma3_dir, **kwargs)
