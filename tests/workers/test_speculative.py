@@ -345,6 +345,7 @@ def test_bad_speculative_configurations(models, tmp_path):
     make_tiny_model("gemma3", wide, sliding_window=600)
     cases = [
         (_spec("medusa", m["copy"]), "speculative.algorithm"),
+        (_spec(["eagle"], m["copy"]), "speculative.algorithm"),  # not a name at all
         (_spec("standalone", m["copy"], num_steps=0), "speculative.num_steps"),
         (_spec("standalone", m["copy"], num_steps=17), "speculative.num_steps"),
         (_spec("standalone", other_vocab), "vocabulary"),

@@ -43,13 +43,15 @@ class SpecConfig:
         for required in ("algorithm", "draft_model"):
             if required not in options:
                 raise ValueError(f"speculative.{required}: required")
-        algorithm = ALGORITHM_ALIASES.get(options["algorithm"], options["algorithm"])
+        algorithm = options["algorithm"]
+        if isinstance(algorithm, str):
+            algorithm = ALGORITHM_ALIASES.get(algorithm, algorithm)
         cfg = cls(**{**options, "algorithm": algorithm})
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        if self.algorithm not in DRAFT_POOLS:
+        if not isinstance(self.algorithm, str) or self.algorithm not in DRAFT_POOLS:
             known = sorted([*DRAFT_POOLS, *ALGORITHM_ALIASES])
             raise ValueError(f"speculative.algorithm: unknown {self.algorithm!r}; known: {known}")
         if not isinstance(self.num_steps, int) or not 1 <= self.num_steps <= MAX_NUM_STEPS:
