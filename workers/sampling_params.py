@@ -29,7 +29,10 @@ class SamplingParams:
     return_logits: bool = False  # keep each sampled step's float32 logits on the output
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids  # None: none, as vLLM reads it
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ValueError(f"stop_token_ids: must be a list of token ids, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @property
     def greedy(self) -> bool:

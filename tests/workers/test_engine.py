@@ -55,6 +55,15 @@ def test_bad_request_names_field_and_leaks_nothing(engine, prompt, sampling, fie
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("ids", [None, 5, "12", b"12", 1.5])
+def test_stop_token_ids_that_are_not_a_list_are_named(ids):
+    if ids is None:  # none, as vLLM reads it
+        assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+        return
+    with pytest.raises(ValueError, match="^stop_token_ids: must be a list of token ids"):
+        SamplingParams(stop_token_ids=ids)
+
+
 def test_bad_model_directory(tmp_path, gemma3_dir):
     with pytest.raises(ValueError, match="model"):
         Engine(model=str(tmp_path / "absent"))
