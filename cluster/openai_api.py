@@ -23,9 +23,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.http_api import BodyTooLarge, read_json
-from cluster.protocol import InvalidRequest, clipped, unicode_problem
+from cluster.protocol import InvalidRequest, clipped
 from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
+from workers.tokenizer import unicode_problem
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context

@@ -21,22 +21,12 @@ from pydantic_core import PydanticCustomError
 
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from workers.sampling_params import SamplingParams
+from workers.tokenizer import unicode_problem
 
 MAX_ID_CHARS = 256  # request_id, session_id
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_FIELD_CHARS = 64  # of a client's text quoted back in an error (an unknown field's name, a value)
-
-
-def unicode_problem(text: str) -> str | None:
-    """What keeps `text` from being UTF-8, or None. JSON may escape a lone surrogate
-    (`"\\ud800"`) that no UTF-8 text holds: refused at the door rather than failing in the
-    tokenizer."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"not valid Unicode text (a lone surrogate at character {exc.start})"
-    return None
 
 
 def _encodable(text: str) -> str:

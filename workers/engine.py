@@ -36,7 +36,7 @@ from workers.speculative import SpecConfig, SpecStats
 from workers.speculative.loader import build_drafter, plan_draft
 from workers.speculative.worker import SpecWorker
 from workers.step_record import ForwardRecord, StepRecord
-from workers.tokenizer import load_tokenizer
+from workers.tokenizer import load_tokenizer, unicode_problem
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams"]
 
@@ -485,6 +485,10 @@ class Engine:
             return [list(p) for p in prompt_token_ids]
         if self.tokenizer is None:
             raise ValueError("prompts: this model directory has no tokenizer; pass prompt_token_ids")
+        for i, text in enumerate(prompts):
+            problem = "must be text" if not isinstance(text, str) else unicode_problem(text)
+            if problem is not None:
+                raise ValueError(f"prompts[{i}]: {problem}")
         return [self.tokenizer.encode(p) for p in prompts]
 
     # -- memory ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Tokenizer loading and incremental detokenization of streamed token ids."""
+"""Tokenizer loading, the text it can take, and incremental detokenization of streamed token ids."""
 
 from __future__ import annotations
 
@@ -14,6 +14,16 @@ def load_tokenizer(model_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def unicode_problem(text: str) -> str | None:
+    """What keeps `text` from being UTF-8 (and so from the tokenizer), or None: JSON may escape
+    a lone surrogate (`"\\ud800"`) that no UTF-8 text holds."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"not valid Unicode text (a lone surrogate at character {exc.start})"
+    return None
 
 
 class IncrementalDetokenizer:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ops import DEFAULT_MODEL
 from tests.hf_models import WINDOW, add_tokenizer, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
 from workers.memory.allocator import cdiv
@@ -53,6 +54,14 @@ def test_bad_request_names_field_and_leaks_nothing(engine, prompt, sampling, fie
     assert engine.kv_stats() == before
     engine.check_no_leak()
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("text, problem", [("ok \ud800", "not valid Unicode text"), (5, "must be text")])
+def test_a_text_prompt_the_tokenizer_cannot_take_is_named(text, problem):
+    eng = Engine(model=DEFAULT_MODEL)
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: {problem}"):
+        eng.generate(prompts=["fine", text], sampling=SamplingParams(max_new_tokens=1))
+    eng.check_no_leak()
 
 
 @pytest.mark.parametrize("ids", [None, 5, "12", b"12", 1.5])
