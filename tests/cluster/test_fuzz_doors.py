@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -99,18 +100,26 @@ ROUTING = {"request_id": st.text(min_size=1, max_size=12), "session_id": st.text
 UNKNOWN = st.sampled_from(["extra", "sampling_params", "n", "0", "x" * 300])
 
 
+def _shape(draw) -> tuple[bool, Callable[[st.SearchStrategy], object]] | None:
+    """None for a body that is not an object (1 in 20); else whether every field is valid
+    (about 1 in 4: these are served) and how a field's value is drawn (valid, or valid or
+    hostile)."""
+    shape = draw(st.integers(0, 19))
+    if shape == 0:
+        return None
+    clean = shape <= 5
+    return clean, lambda valid: draw(valid if clean else either(valid))
+
+
 @st.composite
 def bodies(draw) -> object:
     """A request body: not an object (1 in 20), every field valid (about 1 in 4: these are
     served), or fields each valid or hostile, one prompt field, both or neither, sometimes an
     unknown field."""
-    shape = draw(st.integers(0, 19))
-    if shape == 0:
+    shaped = _shape(draw)
+    if shaped is None:
         return draw(HOSTILE)
-    clean = shape <= 5
-
-    def value(valid: st.SearchStrategy) -> object:
-        return draw(valid if clean else either(valid))
+    clean, value = shaped
 
     sampling = {k: value(v) for k, v in SAMPLING.items() if draw(st.booleans())}
     sampling.setdefault("max_new_tokens", 1)  # keep the valid requests short
@@ -155,13 +164,10 @@ MESSAGES = st.lists(
 def openai_bodies(draw, chat: bool) -> object:
     """A completion or chat body: not an object (1 in 20), every parameter valid (about 1 in 4),
     or parameters each valid or hostile, sometimes without the prompt or with the wrong model."""
-    shape = draw(st.integers(0, 19))
-    if shape == 0:
+    shaped = _shape(draw)
+    if shaped is None:
         return draw(HOSTILE)
-    clean = shape <= 5
-
-    def value(valid: st.SearchStrategy) -> object:
-        return draw(valid if clean else either(valid))
+    clean, value = shaped
 
     body = {k: value(v) for k, v in OPENAI_FIELDS.items() if draw(st.integers(0, 2)) == 0}
     body["model"] = MODEL if clean or draw(st.integers(0, 9)) else draw(either(st.just("gpt-4")))
