@@ -5,8 +5,41 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 
 logger = logging.getLogger("slidespec")
+
+
+def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """A command's exit status. Bad input (a file that cannot be read or parsed, a malformed
+    option) is one line on stderr and status 2, not a traceback; the traceback is logged at
+    debug level."""
+    try:
+        return func(args)
+    except ValueError as exc:
+        logger.debug("command failed", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _read(path: str | None, option: str, binary: bool = False) -> str | bytes | None:
+    """The contents of the file an option names (None without one)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb" if binary else "r") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def _prompt(args: argparse.Namespace) -> str | list[int]:
+    if not args.token_ids:
+        return args.prompt
+    try:
+        return [int(t) for t in args.prompt.split(",")]
+    except ValueError:
+        raise ValueError(f"prompt: --token-ids wants comma-separated integers, got {args.prompt!r}") from None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -15,10 +48,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     from cluster.client import GenerationClient
 
-    token = open(args.token_file).read().strip() if args.token_file else None
-    root_cert = open(args.tls_ca, "rb").read() if args.tls_ca else None
-    client = GenerationClient(args.target, token=token, root_cert=root_cert)
-    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    prompt = _prompt(args)
+    token = _read(args.token_file, "--token-file")
+    client = GenerationClient(
+        args.target, token=token.strip() if token else None, root_cert=_read(args.tls_ca, "--tls-ca", binary=True)
+    )
     try:
         for response in client.generate(
             prompt,
@@ -84,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

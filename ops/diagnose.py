@@ -25,6 +25,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from ops.cli import run_command
+
 STEP_SPAN = "engine step"
 # Attributes compared across a drop: what configuration or state a step ran with.
 DESCRIPTIVE = (
@@ -93,38 +95,67 @@ def trace_files(paths: list[str]) -> list[str]:
 
 
 def load_spans(paths: list[str]) -> list[dict[str, Any]]:
-    """Every span in the files, with its resource attributes merged into its own."""
+    """Every span in the files, with its resource attributes merged into its own. A file that
+    cannot be read, or a line that is not an OTLP JSON export, is a ValueError naming it."""
     spans = []
     for path in trace_files(paths):
-        with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                for rs in json.loads(line).get("resourceSpans", []):
-                    resource = _attrs(rs.get("resource", {}).get("attributes", []))
-                    for ss in rs.get("scopeSpans", []):
-                        for span in ss.get("spans", []):
-                            spans.append(
-                                {
-                                    "name": span["name"],
-                                    "trace_id": span.get("traceId"),
-                                    "span_id": span.get("spanId"),
-                                    "parent": span.get("parentSpanId"),
-                                    "start": int(span.get("startTimeUnixNano", 0)),
-                                    "end": int(span.get("endTimeUnixNano", 0)),
-                                    "attrs": {**resource, **_attrs(span.get("attributes", []))},
-                                }
-                            )
+        try:
+            with open(path) as f:
+                lines = list(f)
+        except OSError as exc:
+            raise ValueError(f"TRACES: cannot read {path}: {exc.strerror or exc}") from exc
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                spans += _line_spans(json.loads(line))
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                raise ValueError(
+                    f"TRACES: {path}:{number} is not an OTLP JSON export line "
+                    f"(an object of resourceSpans > scopeSpans > spans): {type(exc).__name__}: {exc}"
+                ) from exc
+    return spans
+
+
+def _line_spans(export: dict[str, Any]) -> list[dict[str, Any]]:
+    """The spans of one OTLP JSON export (one line of a JSON-lines file)."""
+    spans = []
+    for rs in export.get("resourceSpans", []):
+        resource = _attrs(rs.get("resource", {}).get("attributes", []))
+        for ss in rs.get("scopeSpans", []):
+            for span in ss.get("spans", []):
+                spans.append(
+                    {
+                        "name": span["name"],
+                        "trace_id": span.get("traceId"),
+                        "span_id": span.get("spanId"),
+                        "parent": span.get("parentSpanId"),
+                        "start": int(span.get("startTimeUnixNano", 0)),
+                        "end": int(span.get("endTimeUnixNano", 0)),
+                        "attrs": {**resource, **_attrs(span.get("attributes", []))},
+                    }
+                )
     return spans
 
 
 def step_points(spans: list[dict[str, Any]]) -> list[StepPoint]:
     points = [
-        StepPoint(s["start"], s["attrs"]["slidespec.spec.accept_lengths"], s["attrs"])
+        StepPoint(s["start"], _accept_lengths(s), s["attrs"])
         for s in spans
         if s["name"] == STEP_SPAN and s["attrs"].get("slidespec.spec.accept_lengths")
     ]
     return sorted(points, key=lambda p: p.start)
+
+
+def _accept_lengths(span: dict[str, Any]) -> list[int]:
+    """A step span's accept lengths: a list of integers, as the engine records them."""
+    lengths = span["attrs"]["slidespec.spec.accept_lengths"]
+    if not isinstance(lengths, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in lengths):
+        raise ValueError(
+            f"TRACES: span {span['span_id']} of trace {span['trace_id']}: slidespec.spec.accept_lengths "
+            f"must be a list of integers, got {lengths!r:.80}"
+        )
+    return lengths
 
 
 def find_drop(points: list[StepPoint]) -> Drop | None:
@@ -280,7 +311,7 @@ def diagnose(paths: list[str], plot_path: str | None = None) -> tuple[str, Drop 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slidespec diagnose", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_command(run, parser.parse_args(argv))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -289,11 +320,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        text, _ = diagnose(args.traces, args.plot or None)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    text, _ = diagnose(args.traces, args.plot or None)
     print(text)
     if args.plot:
         print(f"\nplot: {args.plot}")

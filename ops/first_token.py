@@ -22,6 +22,7 @@ import statistics
 import sys
 from typing import Any
 
+from ops.cli import run_command
 from ops.diagnose import STEP_SPAN, load_spans
 
 PREFILL_MODE = "EXTEND"
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run_command(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":
