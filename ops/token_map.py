@@ -13,8 +13,10 @@ import collections
 import json
 import logging
 import os
+import sys
 
 from ops import MODELS_DIR
+from ops.cli import run_command
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -27,26 +29,45 @@ def hot_tokens(model: str, paths: list[str], size: int) -> list[int]:
         raise ValueError(f"--model: {model!r} has no tokenizer")
     counts: collections.Counter[int] = collections.Counter()
     for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            counts.update(tokenizer.encode(f.read(), add_special_tokens=False))
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"files: cannot read {path}: {exc.strerror or exc}") from exc
+        counts.update(tokenizer.encode(text, add_special_tokens=False))
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     return [token for token, _ in ranked[:size]]
 
 
-def main(argv: list[str] | None = None) -> None:
+def positive(text: str) -> int:
+    size = int(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {size}")
+    return size
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model if os.path.isdir(args.model) else os.path.join(MODELS_DIR, args.model)
+    ids = hot_tokens(model, args.files, args.size)
+    try:
+        with open(args.out, "w") as f:
+            json.dump(ids, f)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot write {args.out}: {exc.strerror or exc}") from exc
+    logger.info("%d token ids written to %s", len(ids), args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a model directory, or a shipped model's name")
-    p.add_argument("--size", type=int, required=True, help="tokens to keep")
+    p.add_argument("--size", type=positive, required=True, help="tokens to keep (at least 1)")
     p.add_argument("--out", required=True, help="a .json file of token ids")
     p.add_argument("files", nargs="+", help="text files to count tokens over")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    model = args.model if os.path.isdir(args.model) else os.path.join(MODELS_DIR, args.model)
-    ids = hot_tokens(model, args.files, args.size)
-    with open(args.out, "w") as f:
-        json.dump(ids, f)
-    logger.info("%d token ids written to %s", len(ids), args.out)
+    return run_command(run, args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,9 +1,11 @@
-"""The command line refuses bad input with one line naming it and status 2, not a traceback."""
+"""The command lines (`slidespec`, `python -m ops.token_map`): what they write, and bad input
+refused with one line naming it and status 2, not a traceback."""
 
 import json
 
 import pytest
 
+from ops import token_map
 from ops.cli import main
 
 
@@ -66,3 +68,48 @@ def test_trace_commands_name_the_file_and_line_they_cannot_read(tmp_path, capsys
 def test_generate_names_the_option_it_cannot_use_before_connecting(capsys, argv, expected):
     assert main(["generate", *argv, "--target", "127.0.0.1:1", "--timeout", "1"]) == 2
     assert capsys.readouterr().err == f"error: {expected}\n"
+
+
+def test_token_map_lists_the_most_frequent_ids_first_and_ties_by_id(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ops import MODELS_DIR
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat; the cat ran. " * 3 + "a dog")
+    out = tmp_path / "hot.json"
+    assert token_map.main(["--model", "tiny-gemma3", "--size", "4", "--out", str(out), str(corpus)]) == 0
+    ids = json.loads(out.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(f"{MODELS_DIR}/tiny-gemma3")
+    encoded = tokenizer.encode(corpus.read_text(), add_special_tokens=False)
+    counts = {t: encoded.count(t) for t in set(encoded)}
+    assert len(ids) == 4 and len(set(ids)) == 4
+    ranks = [(-counts[t], t) for t in ids]
+    assert ranks == sorted(ranks)  # by count, ties to the lower id
+    assert all((-c, t) > ranks[-1] for t, c in counts.items() if t not in ids)  # none left out ranks higher
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--size", "5", "/nonexistent/corpus.txt"], "error: files: cannot read /nonexistent/corpus.txt"),
+        (["--size", "5", "--out", "/nonexistent/hot.json"], "error: --out: cannot write /nonexistent/hot.json"),
+        (["--size", "0"], "argument --size: must be at least 1, got 0"),
+        (["--size", "many"], "argument --size: invalid positive value: 'many'"),
+    ],
+)
+def test_token_map_refuses_bad_input_naming_it(tmp_path, capsys, argv, expected):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text")
+    argv = ["--model", "tiny-gemma3", *argv]
+    if "--out" not in argv:
+        argv += ["--out", str(tmp_path / "hot.json")]
+    if not any(a.endswith(".txt") for a in argv):
+        argv.append(str(corpus))
+    try:
+        status = token_map.main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        status = exc.code
+    assert status == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "hot.json").exists()
