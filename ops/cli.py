@@ -22,6 +22,14 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         return 2
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _read(path: str | None, option: str, binary: bool = False) -> str | bytes | None:
     """The contents of the file an option names (None without one)."""
     if path is None:
@@ -93,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="text, or comma-separated token ids with --token-ids")
     gen.add_argument("--target", default="127.0.0.1:50051")
     gen.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=positive, default=128)
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)

@@ -17,6 +17,7 @@ import tempfile
 import time
 
 from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops.cli import positive
 
 logger = logging.getLogger("slidespec.demo")
 
@@ -39,11 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(DRAFT_MODELS),
         help="speculative decoding with the shipped draft for this algorithm",
     )
-    parser.add_argument("--num-steps", type=int, default=4, help="draft tokens per round")
-    parser.add_argument("--requests", type=int, default=len(PROMPTS), help="concurrent requests")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--num-steps", type=positive, default=4, help="draft tokens per round")
+    parser.add_argument("--requests", type=positive, default=len(PROMPTS), help="concurrent requests")
+    parser.add_argument("--max-new-tokens", type=positive, default=96)
+    parser.add_argument("--replicas", type=positive, default=1)
+    parser.add_argument("--tp-size", type=positive, default=1)
     parser.add_argument("--trace-dir", default=None, help="where OTLP JSON-lines traces go (default: a new temp dir)")
 
 

@@ -16,7 +16,7 @@ import os
 import sys
 
 from ops import MODELS_DIR
-from ops.cli import run_command
+from ops.cli import positive, run_command
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,13 +37,6 @@ def hot_tokens(model: str, paths: list[str], size: int) -> list[int]:
         counts.update(tokenizer.encode(text, add_special_tokens=False))
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     return [token for token, _ in ranked[:size]]
-
-
-def positive(text: str) -> int:
-    size = int(text)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {size}")
-    return size
 
 
 def run(args: argparse.Namespace) -> int:

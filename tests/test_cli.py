@@ -113,3 +113,21 @@ def test_token_map_refuses_bad_input_naming_it(tmp_path, capsys, argv, expected)
     assert status == 2
     assert expected in capsys.readouterr().err
     assert not (tmp_path / "hot.json").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--requests", "0"],
+        ["demo", "--num-steps", "-1"],
+        ["demo", "--replicas", "0"],
+        ["demo", "--tp-size", "0"],
+        ["demo", "--max-new-tokens", "0"],
+        ["generate", "hi", "--max-new-tokens", "0"],
+    ],
+)
+def test_counts_below_one_are_refused_before_anything_starts(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"argument {argv[-2]}: must be at least 1, got {argv[-1]}" in capsys.readouterr().err
