@@ -92,6 +92,28 @@ def test_bad_model_directory(tmp_path, gemma3_dir):
         Engine(model=str(unknown))
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"vocab_size": -5}, "vocab_size must be a positive integer, got -5"),  # was a negative tensor dimension
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),  # transformers' own check (layer_types)
+        ({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
+        ({"intermediate_size": True}, "intermediate_size"),  # transformers' own type check
+        ({"num_attention_heads": 0}, "not a usable config: ZeroDivisionError"),  # transformers' own check
+        ({"hidden_size": "big"}, "not a usable config: StrictDataclassFieldValidationError"),
+        (None, "not a usable config: OSError"),  # not JSON
+    ],
+)
+def test_a_config_with_impossible_sizes_is_refused_naming_them(gemma3_dir, tmp_path, change, message):
+    shutil.copytree(gemma3_dir, tmp_path / "model")
+    cfg = json.load(open(os.path.join(gemma3_dir, "config.json")))
+    with open(tmp_path / "model" / "config.json", "w") as f:
+        f.write("not json" if change is None else json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=message):
+        Engine(model=str(tmp_path / "model"))
+
+
 def test_bad_engine_arguments(gemma3_dir):
     for kwargs, field in [
         ({"page_size": 0}, "page_size"),

@@ -145,6 +145,20 @@ def _generation_config(model_dir: str | None) -> Any:
     return GenerationConfig.from_pretrained(model_dir)
 
 
+# Sizes a config must give as positive integers (field, required): anything else fails later
+# as a division by zero or a negative tensor dimension.
+SIZES = (
+    ("vocab_size", True),
+    ("hidden_size", True),
+    ("intermediate_size", True),
+    ("num_hidden_layers", True),
+    ("num_attention_heads", True),
+    ("max_position_embeddings", True),
+    ("num_key_value_heads", False),
+    ("head_dim", False),
+)
+
+
 def model_config_from_hf(
     hf: PretrainedConfig, model_dir: str | None = None, architecture: str | None = None
 ) -> ModelConfig:
@@ -155,6 +169,10 @@ def model_config_from_hf(
         raise ValueError(f"architectures: unsupported {archs or '(none)'}; supported: {sorted(ARCHITECTURES)}")
     name = known[0]
     arch = ARCHITECTURES[name]
+    for field, required in SIZES:
+        value = getattr(hf, field, None)
+        if (required or value is not None) and (type(value) is not int or value < 1):
+            raise ValueError(f"config.json: {field} must be a positive integer, got {value!r:.40}")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     attention_bias = bool(getattr(hf, "attention_bias", False))
     ropes, rope_keys = _rope(hf, head_dim)
@@ -194,4 +212,10 @@ def load_model_config(model: str) -> ModelConfig:
         raise ValueError(f"model: {model!r} is not a directory")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"model: no config.json in {model!r}")
-    return model_config_from_hf(AutoConfig.from_pretrained(model, local_files_only=True), model)
+    try:
+        hf = AutoConfig.from_pretrained(model, local_files_only=True)
+    except Exception as exc:  # not JSON (OSError), or transformers' own checks (their own types)
+        raise ValueError(
+            f"model: config.json in {model!r} is not a usable config: {type(exc).__name__}: {exc}"
+        ) from exc
+    return model_config_from_hf(hf, model)
