@@ -95,6 +95,36 @@ def test_bad_model_directory(tmp_path, gemma3_dir):
 @pytest.mark.parametrize(
     "change, message",
     [
+        (
+            {"intermediate_size": "x2"},
+            r"'model.layers.0.mlp.\w+_proj.weight' does not fit Gemma3ForCausalLM: checkpoint shape",
+        ),
+        (
+            {"intermediate_size": "/2"},
+            r"'model.layers.0.mlp.\w+_proj.weight' does not fit Gemma3ForCausalLM: checkpoint shape",
+        ),
+        ({"vocab_size": "/2"}, r"'model.embed_tokens.weight' does not fit .*checkpoint shape"),
+        (None, "is not a readable safetensors file"),
+    ],
+)
+def test_weights_that_do_not_fit_the_config_are_refused_naming_the_tensor(gemma3_dir, tmp_path, change, message):
+    """A checkpoint smaller than its config failed inside a slice with no tensor named; a larger
+    one sliced cleanly into wrong weights (halving the config's sizes loaded without an error)."""
+    shutil.copytree(gemma3_dir, tmp_path / "model")
+    cfg = json.load(open(os.path.join(gemma3_dir, "config.json")))
+    if change is None:
+        (tmp_path / "model" / "model.safetensors").write_bytes(b"not a safetensors file")
+    else:
+        ((field, how),) = change.items()
+        cfg[field] = cfg[field] * 2 if how == "x2" else cfg[field] // 2
+        json.dump(cfg, open(tmp_path / "model" / "config.json", "w"))
+    with pytest.raises(ValueError, match=message):
+        Engine(model=str(tmp_path / "model"))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
         ({"vocab_size": -5}, "vocab_size must be a positive integer, got -5"),  # was a negative tensor dimension
         ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0"),
         ({"num_hidden_layers": 0}, "num_hidden_layers"),  # transformers' own check (layer_types)

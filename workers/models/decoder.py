@@ -335,7 +335,10 @@ def load_weights(
         if target not in params:
             raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {what}")
         param = params[target]
-        param.weight_loader(param, tensor.to(param.dtype), shard)
+        try:
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+        except ValueError as exc:
+            raise ValueError(f"weights: checkpoint tensor {name!r} does not fit {what}: {exc}") from None
         missing.discard((target, shard))
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)

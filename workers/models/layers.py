@@ -23,13 +23,15 @@ def _param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
     return p
 
 
-def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight {what}: checkpoint shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """The whole checkpoint tensor against the shape the config implies, before any rank takes
+    its slice (a larger tensor would otherwise slice cleanly into wrong weights)."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)}, the config implies {tuple(expected)}")
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-    _check_shape(param, loaded, "(replicated)")
+    _check_shape(loaded, param.shape)
     param.data.copy_(loaded)
 
 
@@ -45,6 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param((self.shard, hidden_size), self._load)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        _check_shape(loaded, (self.vocab_size, param.shape[1]))
         rows = loaded[self.start : self.start + self.shard]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
@@ -77,6 +80,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
+        self.output_sizes = list(output_sizes)
         self.local_sizes = [self._local_size(i, size) for i, size in enumerate(output_sizes)]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
         out = sum(self.local_sizes)
@@ -94,10 +98,8 @@ class ColumnParallelLinear(nn.Module):
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         idx = self._shard_index(shard_id)
-        dst = param.data.narrow(0, self.offsets[idx], self.local_sizes[idx])
-        src = self._rows(idx, loaded)
-        _check_shape(dst, src, f"shard {shard_id}")
-        dst.copy_(src)
+        _check_shape(loaded, (self.output_sizes[idx], *param.shape[1:]))
+        param.data.narrow(0, self.offsets[idx], self.local_sizes[idx]).copy_(self._rows(idx, loaded))
 
     def _shard_index(self, shard_id: int | str | None) -> int:
         return 0 if shard_id is None else int(shard_id)
@@ -175,9 +177,8 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((output_size,), default_weight_loader) if bias else None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        src = loaded.narrow(1, self.tp.rank * self.local_in, self.local_in)
-        _check_shape(param, src, "row-parallel")
-        param.data.copy_(src)
+        _check_shape(loaded, (param.shape[0], self.local_in * self.tp.size))
+        param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(ops_for(x).linear(x, self.weight, None))

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from workers.distributed import SINGLE_RANK, TPGroup
@@ -44,7 +44,11 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        try:
+            f = safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"model: {path} is not a readable safetensors file: {exc}") from exc
+        with f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
