@@ -30,15 +30,17 @@ def positive(text: str) -> int:
     return value
 
 
-def _read(path: str | None, option: str, binary: bool = False) -> str | bytes | None:
-    """The contents of the file an option names (None without one)."""
-    if path is None:
-        return None
+def read_file(path: str, what: str, binary: bool = False, errors: str = "strict") -> str | bytes:
+    """A whole input file (text as UTF-8, `errors` as `open` reads them); one that cannot be read
+    is a ValueError naming `what` asked for it and the path."""
     try:
-        with open(path, "rb" if binary else "r") as f:
+        if binary:
+            with open(path, "rb") as f:
+                return f.read()
+        with open(path, encoding="utf-8", errors=errors) as f:
             return f.read()
-    except OSError as exc:
-        raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -57,10 +59,9 @@ def _generate(args: argparse.Namespace) -> int:
     from cluster.client import GenerationClient
 
     prompt = _prompt(args)
-    token = _read(args.token_file, "--token-file")
-    client = GenerationClient(
-        args.target, token=token.strip() if token else None, root_cert=_read(args.tls_ca, "--tls-ca", binary=True)
-    )
+    token = read_file(args.token_file, "--token-file").strip() if args.token_file else None
+    root_cert = read_file(args.tls_ca, "--tls-ca", binary=True) if args.tls_ca else None
+    client = GenerationClient(args.target, token=token, root_cert=root_cert)
     try:
         for response in client.generate(
             prompt,

@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from ops.cli import run_command
+from ops.cli import read_file, run_command
 
 STEP_SPAN = "engine step"
 # Attributes compared across a drop: what configuration or state a step ran with.
@@ -99,12 +99,7 @@ def load_spans(paths: list[str]) -> list[dict[str, Any]]:
     cannot be read, or a line that is not an OTLP JSON export, is a ValueError naming it."""
     spans = []
     for path in trace_files(paths):
-        try:
-            with open(path) as f:
-                lines = list(f)
-        except OSError as exc:
-            raise ValueError(f"TRACES: cannot read {path}: {exc.strerror or exc}") from exc
-        for number, line in enumerate(lines, 1):
+        for number, line in enumerate(read_file(path, "TRACES").split("\n"), 1):
             if not line.strip():
                 continue
             try:

@@ -16,7 +16,7 @@ import os
 import sys
 
 from ops import MODELS_DIR
-from ops.cli import positive, run_command
+from ops.cli import positive, read_file, run_command
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -29,11 +29,7 @@ def hot_tokens(model: str, paths: list[str], size: int) -> list[int]:
         raise ValueError(f"--model: {model!r} has no tokenizer")
     counts: collections.Counter[int] = collections.Counter()
     for path in paths:
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ValueError(f"files: cannot read {path}: {exc.strerror or exc}") from exc
+        text = read_file(path, "files", errors="replace")
         counts.update(tokenizer.encode(text, add_special_tokens=False))
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     return [token for token, _ in ranked[:size]]

@@ -15,6 +15,7 @@ def _export(span: dict) -> str:
 
 BAD_TRACES = {
     "missing": (None, "cannot read"),
+    "not UTF-8": (b'{"resourceSpans": []}\n\xff\n', "cannot read"),
     "not JSON": ("not json\n", ":1 is not an OTLP JSON export line"),
     "a list": ("[1, 2]\n", ":1 is not an OTLP JSON export line"),
     "resourceSpans a number": ('{"resourceSpans": 5}\n', ":1 is not an OTLP JSON export line"),
@@ -37,7 +38,9 @@ BAD_TRACES = {
 def test_trace_commands_name_the_file_and_line_they_cannot_read(tmp_path, capsys, command, case):
     text, expected = BAD_TRACES[case]
     path = tmp_path / "traces.jsonl"
-    if text is not None:
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
         path.write_text(text)
     if command == "first-token" and "accept lengths" in case:
         expected = None  # first-token does not read accept lengths: the file is valid for it
