@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -33,7 +33,7 @@ class EngineArgs(BaseModel):
 
     model: str = Field(description="Hugging Face model directory, or the name of a shipped model in ops/models")
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attention_backend: str | None = None  # default: trtllm_mha on CUDA, torch_native on CPU
     page_size: int = Field(16, ge=1)
     max_total_tokens: int = Field(8192, ge=1, description="full KV pool size, in tokens, per replica")
@@ -150,7 +150,7 @@ class AppArgs(EngineArgs):
     """Engine arguments plus how the replicas are laid out on the cluster."""
 
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (Ray actors) per replica")
-    num_replicas: int | Literal["auto"] = 1
+    num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
     autoscaling_config: dict[str, Any] | None = None
     ingress_path: Literal["direct", "serve_handle"] = Field(
         "direct",

@@ -329,3 +329,17 @@ def test_serve_run_key_value_pairs_with_dotted_keys():
         AppArgs.from_flat({"model": "tiny-gemma3", "grpc": 5, "grpc.port": 1})
     with pytest.raises(ValueError, match="^1: a setting's name must be text"):
         AppArgs.from_flat({"model": "tiny-gemma3", 1: "x"})
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("num_replicas", "0"), ("num_replicas", "-2"), ("num_replicas", "many"), ("dtype", "float8"), ("dtype", "fp16")],
+)
+def test_settings_that_cannot_deploy_are_refused_when_the_app_is_built(key, value):
+    """Zero replicas would deploy an application that answers nothing; a dtype the engine
+    lacks would fail every replica's start in turn: both refused naming the setting."""
+    with pytest.raises(ValueError, match=key):
+        AppArgs.from_flat({"model": "tiny-gemma3", key: value})
+    assert (
+        AppArgs.from_flat({"model": "tiny-gemma3", "num_replicas": "auto", "dtype": "float16"}).num_replicas == "auto"
+    )
