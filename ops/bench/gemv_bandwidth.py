@@ -48,6 +48,10 @@ SHAPES = {
     "gemma3-12b/lm_head": (262144, 3840),
 }
 SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4))]
+# one row, gate/up: also K unrolled (stages do not apply)
+ACT_SWEEP = SWEEP + [
+    gemv.Tile(r, c, w, 1, unroll=True) for r, c, w in itertools.product((8, 16, 32), (128, 256), (4, 8))
+]
 # one row, no activation: K shared between programs
 SPLIT_SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8), (128, 256), (4, 8), (3, 4), (2, 3, 4, 6))]
 ROW_SWEEP = [gemv.Tile(*t) for t in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5))]
@@ -91,7 +95,7 @@ def measure(name: str, out_features: int, in_features: int, rows: int, sweep: bo
 
         timed = [
             (graph_ms([lambda w=w, t=t: call(w, t) for w in weights], replays=5) * 1e3 / copies, t)
-            for t in (ROW_SWEEP if rows > 1 else SWEEP if fused else SWEEP + SPLIT_SWEEP)
+            for t in (ROW_SWEEP if rows > 1 else ACT_SWEEP if fused else SWEEP + SPLIT_SWEEP)
             if compiles(lambda t=t: call(weights[0], t))
         ]
         best = min(timed, key=lambda pair: pair[0])

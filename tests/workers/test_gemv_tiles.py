@@ -9,10 +9,21 @@ from workers.models.gemv_tiles import Tile
 def test_overrides_are_read_by_exact_weight_shape():
     got = gemv_tiles._overrides(" 1152x6912=8,256,4,4,3 ; 1536X1152=8,256,4,4;")
     assert got == {(1152, 6912): Tile(8, 256, 4, 4, splits=3), (1536, 1152): Tile(8, 256, 4, 4)}
+    looped = gemv_tiles._overrides("13824x1152=16,128,8,4,1,0")[(13824, 1152)]
+    assert looped == Tile(16, 128, 8, 4) and gemv_tiles._overrides("13824x1152=8,128,8,1,1,1")[(13824, 1152)].unroll
 
 
 @pytest.mark.parametrize(
-    "text", ["1152x6912", "1152x6912=8,256", "1152=8,256,4,4", "axb=8,256,4,4", "1152x6912=6,256,4,4", "1x2=8,256,4,0"]
+    "text",
+    [
+        "1152x6912",
+        "1152x6912=8,256",
+        "1152=8,256,4,4",
+        "axb=8,256,4,4",
+        "1152x6912=6,256,4,4",
+        "1x2=8,256,4,0",
+        "1x2=8,256,4,1,1,1,7",
+    ],
 )
 def test_a_malformed_override_names_itself(text):
     with pytest.raises(ValueError, match="SLIDESPEC_GEMV_TILES"):

@@ -353,6 +353,21 @@ def test_fused_gate_up_gemv_matches_a_float32_reference(act, intermediate, hidde
         assert _rel(FLASHINFER_OPS.linear_act_and_mul(x, w, None, act), ref) < 1e-2, rows
 
 
+@pytest.mark.parametrize("intermediate, hidden", [(6912, 1152), (4096, 512), (100, 264)])
+def test_unrolled_gate_up_gemv_gives_the_looped_tiles_sums(intermediate, hidden):
+    """Unrolling K changes when loads are issued, not what is added in which order: bit-equal
+    to the loop (K not a multiple of the tile: the loop itself)."""
+    from workers.models import gemv  # Triton: CUDA builds of torch only
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.randn(2 * intermediate, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(1, hidden, device="cuda", generator=g).bfloat16()
+    looped = gemv.gemv_act_and_mul(x, w, "gelu_pytorch_tanh", tile=gemv.Tile(8, 128, 8, 1))
+    unrolled = gemv.gemv_act_and_mul(x, w, "gelu_pytorch_tanh", tile=gemv.Tile(8, 128, 8, 1, unroll=True))
+    assert torch.equal(unrolled, looped)
+    assert _rel(unrolled, TORCH_OPS.linear_act_and_mul(x.float(), w.float(), None, "gelu_pytorch_tanh")) < 1e-2
+
+
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (64, 256), (16, 64)])
 def test_fused_kv_write_matches_the_reference(page_size, head_dim):
     g = torch.Generator(device="cuda").manual_seed(2)

@@ -3,8 +3,9 @@ choice and its overrides are testable anywhere.
 
 `SLIDESPEC_GEMV_TILES` overrides the one-row tile of exact weight shapes, for tuning inside a
 captured decode step (where a kernel's launch overlaps the one before and isolated timings
-mislead): `OUTxIN=rows,cols,warps,stages[,splits]`, several separated by `;`, e.g.
-`1152x6912=8,256,4,4,3` for Gemma-3-1B's down projection with three splits.
+mislead): `OUTxIN=rows,cols,warps,stages[,splits[,unroll]]`, several separated by `;`, e.g.
+`1152x6912=8,256,4,4,3` for Gemma-3-1B's down projection with three splits, or
+`13824x1152=16,128,8,4,1,0` for its gate/up projection's looped tile.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Tile:
     warps: int
     stages: int
     splits: int = 1  # programs sharing a row block's K (one input row, no activation)
+    unroll: bool = False  # one row, gate/up: K's tiles unrolled (K a multiple of `cols`)
 
 
 # First match on (out_features >= rows_at_least, in_features >= cols_at_least), tuned on an H200
@@ -29,7 +31,7 @@ TILES: tuple[tuple[int, int, Tile], ...] = (
     (65536, 0, Tile(16, 256, 4, 4)),  # LM heads
     (30720, 0, Tile(8, 256, 4, 4)),  # widest gate/up (Gemma-3-12B: 1.22x the tile below)
     (20480, 0, Tile(16, 256, 4, 4)),  # wide: gate/up (Llama-3-8B)
-    (13824, 0, Tile(16, 128, 8, 4)),  # gate/up (Gemma-3-1B: 1.17x the tile above)
+    (13824, 0, Tile(8, 128, 8, 1, unroll=True)),  # gate/up (Gemma-3-1B: 1.10x the looped 16-row tile)
     (8192, 0, Tile(8, 256, 8, 2)),  # wide fused QKV (Gemma-3-12B)
     (2048, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
     (0, 6144, Tile(8, 256, 4, 4, splits=6)),  # few long rows: Gemma-3-1B down (1.31x unsplit)
@@ -61,10 +63,11 @@ def _overrides(text: str) -> dict[tuple[int, int], Tile]:
         try:
             shape, fields = item.split("=")
             out_features, in_features = (int(v) for v in shape.lower().split("x"))
-            tile = Tile(*(int(v) for v in fields.split(",")))
+            values = [int(v) for v in fields.split(",")]
+            tile = Tile(*values[:5], *(bool(v) for v in values[5:6]), *values[6:])
         except (ValueError, TypeError) as e:
             raise ValueError(
-                f"SLIDESPEC_GEMV_TILES: cannot read {item!r}; want OUTxIN=rows,cols,warps,stages[,splits]"
+                f"SLIDESPEC_GEMV_TILES: cannot read {item!r}; want OUTxIN=rows,cols,warps,stages[,splits[,unroll]]"
             ) from e
         powers = (tile.rows, tile.cols, tile.warps)
         if any(v < 1 or v & (v - 1) for v in powers) or tile.stages < 1 or tile.splits < 1:
