@@ -355,6 +355,26 @@ def test_missing_weights_are_named(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "index, message",
+    [
+        ("{not json", "is not a safetensors index"),
+        ('{"metadata": {}}', "is not a safetensors index"),
+        ('{"weight_map": ["a"]}', "is not a safetensors index"),
+        ('{"weight_map": {}}', "weight_map must map"),
+        ('{"weight_map": {"lm_head.weight": 3}}', "weight_map must map"),
+        ('{"weight_map": {"lm_head.weight": "absent.safetensors"}}', "missing shards"),
+    ],
+)
+def test_a_broken_safetensors_index_is_named(tmp_path, index, message):
+    path = str(tmp_path / "m")
+    make_tiny_model("llama", path)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        f.write(index)
+    with pytest.raises(ValueError, match=f"model: .*{message}"):
+        Engine(model=path)
+
+
+@pytest.mark.parametrize(
     "deltas, stops, sent, stopped",
     [
         (["def f", "(x):\n    ret", "urn x"], ["return"], ["def f", "(x):\n    ", ""], True),  # stop across deltas

@@ -27,8 +27,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        shards = _index_shards(index)
         files = [os.path.join(model_dir, s) for s in shards]
         absent = [f for f in files if not os.path.isfile(f)]
         if absent:
@@ -40,6 +39,21 @@ def safetensors_files(model_dir: str) -> list[str]:
             f"model: no *.safetensors weights in {model_dir!r} (use load_format='dummy' for random weights)"
         )
     return files
+
+
+def _index_shards(index: str) -> list[str]:
+    """The shard files a safetensors index's `weight_map` names."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"model: {index} is not a safetensors index (a weight_map of tensor -> file): {exc!r}"
+        ) from exc
+    if not shards or not all(isinstance(s, str) and s for s in shards):
+        raise ValueError(f"model: {index}: weight_map must map tensor names to shard file names")
+    return shards
 
 
 def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
