@@ -144,6 +144,30 @@ def test_a_config_with_impossible_sizes_is_refused_naming_them(gemma3_dir, tmp_p
         Engine(model=str(tmp_path / "model"))
 
 
+@pytest.mark.parametrize(
+    "file, text, message",
+    [
+        ("generation_config.json", "not json", "generation_config.json cannot be read"),
+        ("generation_config.json", '{"eos_token_id": "abc"}', "generation_config.json: eos_token_id"),  # int('abc')
+        ("generation_config.json", '{"eos_token_id": [1, 2.5]}', "generation_config.json: eos_token_id"),  # was 2
+        ("generation_config.json", '{"eos_token_id": -3}', "generation_config.json: eos_token_id"),  # never matched
+        ("config.json", {"eos_token_id": [1, -3]}, "config.json: eos_token_id"),
+    ],
+)
+def test_end_of_sequence_ids_that_are_not_token_ids_are_refused(gemma3_dir, tmp_path, file, text, message):
+    shutil.copytree(gemma3_dir, tmp_path / "model")
+    if isinstance(text, dict):
+        text = json.dumps({**json.load(open(os.path.join(gemma3_dir, "config.json"))), **text})
+    with open(tmp_path / "model" / file, "w") as f:
+        f.write(text)
+    with pytest.raises(ValueError, match=message):
+        Engine(model=str(tmp_path / "model"))
+    with open(tmp_path / "model" / "generation_config.json", "w") as f:
+        f.write('{"eos_token_id": [7, null, 3]}')
+    if file == "generation_config.json":
+        assert set(Engine(model=str(tmp_path / "model")).cfg.eos_token_ids) >= {3, 7}
+
+
 def test_bad_engine_arguments(gemma3_dir):
     for kwargs, field in [
         ({"page_size": 0}, "page_size"),

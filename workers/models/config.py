@@ -130,19 +130,30 @@ def _rope(hf: PretrainedConfig, head_dim: int) -> tuple[dict[str, RopeConfig], l
 
 
 def _eos_ids(hf: PretrainedConfig, model_dir: str | None) -> tuple[int, ...]:
-    ids: list[Any] = []
-    for source in (hf, _generation_config(model_dir)):
+    """Token ids that end a request: config.json's and generation_config.json's `eos_token_id`
+    (one id or a list; null entries skipped)."""
+    ids: set[int] = set()
+    for name, source in (("config.json", hf), ("generation_config.json", _generation_config(model_dir))):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
-        ids.extend(eos if isinstance(eos, (list, tuple)) else [eos])
-    return tuple(sorted({int(i) for i in ids if i is not None}))
+        for i in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if i is None:
+                continue
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                raise ValueError(f"{name}: eos_token_id must be token ids (integers >= 0), got {eos!r}")
+            ids.add(i)
+    return tuple(sorted(ids))
 
 
 def _generation_config(model_dir: str | None) -> Any:
-    if model_dir is None or not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+    path = os.path.join(model_dir, "generation_config.json") if model_dir is not None else None
+    if path is None or not os.path.isfile(path):
         return None
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(model_dir)
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except Exception as exc:  # transformers' own types (OSError for bad JSON, its validators')
+        raise ValueError(f"model: {path} cannot be read: {exc}") from exc
 
 
 # Sizes a config must give as positive integers (field, required): anything else fails later
