@@ -13,7 +13,10 @@ def load_tokenizer(model_dir: str):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:  # transformers' and tokenizers' own types (JSON, sentencepiece, ...)
+        raise ValueError(f"model: the tokenizer files in {model_dir!r} cannot be loaded: {exc!r}") from exc
 
 
 def unicode_problem(text: str) -> str | None:

@@ -168,6 +168,16 @@ def test_end_of_sequence_ids_that_are_not_token_ids_are_refused(gemma3_dir, tmp_
         assert set(Engine(model=str(tmp_path / "model")).cfg.eos_token_ids) >= {3, 7}
 
 
+@pytest.mark.parametrize("file", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_broken_tokenizer_file_is_named(tmp_path, file):
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(DEFAULT_MODEL, model_dir)
+    with open(os.path.join(model_dir, file), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="model: the tokenizer files in .* cannot be loaded: JSONDecodeError"):
+        Engine(model=model_dir)
+
+
 def test_bad_engine_arguments(gemma3_dir):
     for kwargs, field in [
         ({"page_size": 0}, "page_size"),
