@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 ENGINE_DEPLOYMENT = "LLMServer"
 INGRESS_DEPLOYMENT = "GrpcIngress"
 HANDOVER_S = 60.0  # at most this long a stopping ingress waits for its successor
+METRICS_PORT_PATIENCE_S = int(HANDOVER_S)  # a taken metrics port is a warning after this long
 KV_NAMESPACE = "slidespec"
 
 
@@ -124,7 +125,10 @@ class GrpcIngress:
         self._metrics_server = asyncio.create_task(self._serve_metrics()) if self.args.metrics_port else None
 
     async def _serve_metrics(self) -> None:
-        """The Prometheus port; during a redeploy the old ingress may hold it a while longer."""
+        """The Prometheus port; during a redeploy the old ingress may hold it a while longer,
+        so a taken port is tried again each second, and named as a warning once that has
+        lasted longer than a handover (another process may hold it for good)."""
+        waited = 0
         while True:
             try:
                 prometheus_client.start_http_server(
@@ -132,7 +136,9 @@ class GrpcIngress:
                 )
                 return
             except OSError as exc:
-                logger.info("metrics port %d not free yet (%s); trying again", self.args.metrics_port, exc)
+                log = logger.warning if waited == METRICS_PORT_PATIENCE_S else logger.info
+                log("metrics_port %d is taken (%s); trying again each second", self.args.metrics_port, exc)
+                waited += 1
                 await asyncio.sleep(1.0)
 
     async def _watch_replicas(self) -> None:
