@@ -202,13 +202,19 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     add_reflection(server, (SERVICE, health.SERVICE_NAME))
     address = f"{args.host}:{args.port}"
-    if args.tls_cert_file:
-        creds = grpc.ssl_server_credentials(
-            [(open(args.tls_key_file, "rb").read(), open(args.tls_cert_file, "rb").read())]
-        )
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if args.tls_cert_file:
+            creds = grpc.ssl_server_credentials(
+                [(open(args.tls_key_file, "rb").read(), open(args.tls_cert_file, "rb").read())]
+            )
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio's "Failed to bind", the cause only in its own log
+        raise RuntimeError(
+            f"grpc.host / grpc.port: cannot listen on {address}: another process holds the port, "
+            "or the host is not an address of this node"
+        ) from exc
     await server.start()
     service.address = (args.host, port)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)  # liveness: the server is up

@@ -379,3 +379,23 @@ def test_a_metrics_port_held_by_another_process_is_a_warning_then_served_once_fr
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(sleeps) == 4 and len(warnings) == 1 and f"metrics_port {port} is taken" in warnings[0].getMessage()
     assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
+
+
+def test_a_grpc_port_another_process_holds_names_the_setting():
+    import asyncio
+    import socket
+    import types
+
+    from cluster.config import GrpcArgs
+    from cluster.grpc_server import start_server
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    service = types.SimpleNamespace(Generate=None, Abort=None, GetModelInfo=None, GetLoad=None)
+    try:
+        with pytest.raises(RuntimeError, match=f"grpc.host / grpc.port: cannot listen on 127.0.0.1:{port}"):
+            asyncio.run(start_server(service, GrpcArgs(port=port)))
+    finally:
+        holder.close()
