@@ -12,10 +12,16 @@ class BearerToken:
     Compared in constant time, so a response's timing says nothing about how much matched."""
 
     def __init__(self, token_file: str) -> None:
-        with open(token_file) as f:
-            token = f.read().strip()
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"grpc.auth_token_file: cannot read {token_file}: {exc}") from exc
         if not token:
             raise ValueError(f"grpc.auth_token_file: {token_file} holds no token")
+        if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+            # no client could send it in an authorization header: every call would be denied
+            raise ValueError(f"grpc.auth_token_file: {token_file} must hold one word of printable ASCII")
         self._expected = f"Bearer {token}".encode()
 
     def admits(self, authorization: str | None) -> bool:

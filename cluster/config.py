@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.auth import load_token
+
 # Where a shipped model's name (`model: tiny-gemma3`) is looked up: the repository's model data
 # directory (a path to data, not an import: `cluster` never imports `ops`).
 SHIPPED_MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "models")
@@ -103,6 +105,7 @@ class GrpcArgs(BaseModel):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"grpc.{name}: {path!r} is not a file")
+        load_token(self.auth_token_file)  # one a client can send, before any replica starts
         return self
 
 

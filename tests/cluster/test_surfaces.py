@@ -399,3 +399,27 @@ def test_a_grpc_port_another_process_holds_names_the_setting():
             asyncio.run(start_server(service, GrpcArgs(port=port)))
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"  \n", "holds no token"),
+        (b"two words", "one word"),
+        (b"caf\xc3\xa9", "one word"),
+        (b"\xff\xfe", "cannot read"),
+    ],
+)
+def test_a_token_file_no_client_could_send_is_refused(tmp_path, content, message):
+    """An empty token, one with spaces or non-ASCII (no authorization header carries it: every
+    call would be denied) or a file that is not text: refused naming the setting."""
+    from cluster.auth import BearerToken
+
+    path = tmp_path / "token"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"grpc.auth_token_file: .*{message}"):
+        BearerToken(str(path))
+    with pytest.raises(ValueError, match=f"grpc.auth_token_file: .*{message}"):  # when the app is built
+        AppArgs.from_flat({"model": "tiny-gemma3", "grpc.auth_token_file": str(path)})
+    path.write_bytes(b"s3cret-token_1\n")
+    assert BearerToken(str(path)).admits("Bearer s3cret-token_1")
