@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -106,6 +107,16 @@ class GrpcArgs(BaseModel):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"grpc.{name}: {path!r} is not a file")
         load_token(self.auth_token_file)  # one a client can send, before any replica starts
+        if self.tls_cert_file:
+            try:  # grpcio would only say it failed to bind
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    self.tls_cert_file, self.tls_key_file
+                )
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(
+                    f"grpc.tls_cert_file / grpc.tls_key_file: {self.tls_cert_file!r} and {self.tls_key_file!r} "
+                    f"are not a PEM certificate and its key: {exc}"
+                ) from exc
         return self
 
 

@@ -211,9 +211,10 @@ async def start_server(
         else:
             port = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpcio's "Failed to bind", the cause only in its own log
+        tls = " or grpc.tls_cert_file / tls_key_file are not a certificate and its key" if args.tls_cert_file else ""
         raise RuntimeError(
             f"grpc.host / grpc.port: cannot listen on {address}: another process holds the port, "
-            "or the host is not an address of this node"
+            f"the host is not an address of this node{tls}"
         ) from exc
     await server.start()
     service.address = (args.host, port)

@@ -423,3 +423,20 @@ def test_a_token_file_no_client_could_send_is_refused(tmp_path, content, message
         AppArgs.from_flat({"model": "tiny-gemma3", "grpc.auth_token_file": str(path)})
     path.write_bytes(b"s3cret-token_1\n")
     assert BearerToken(str(path)).admits("Bearer s3cret-token_1")
+
+
+def test_a_tls_pair_that_is_not_a_certificate_and_its_key_is_refused_when_the_app_is_built(tmp_path):
+    """grpcio would only say it failed to bind (the cause in its own log)."""
+    from tests.cluster.test_grpc import _self_signed
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cert, key, _ = _self_signed(tmp_path / "a")
+    _, other_key, _ = _self_signed(tmp_path / "b")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    args = {"model": "tiny-gemma3", "grpc.tls_cert_file": cert, "grpc.tls_key_file": key}
+    assert AppArgs.from_flat(args).grpc.tls_cert_file == cert
+    for cert_file, key_file in [(key, cert), (cert, other_key), (str(garbage), key)]:
+        with pytest.raises(ValueError, match="grpc.tls_cert_file / grpc.tls_key_file: .* not a PEM certificate"):
+            AppArgs.from_flat({**args, "grpc.tls_cert_file": cert_file, "grpc.tls_key_file": key_file})
