@@ -50,7 +50,12 @@ def _exporter(args: TracingArgs, component: str) -> SpanExporter:
     if args.exporter == "file":
         from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 
-        os.makedirs(args.file_dir, exist_ok=True)
+        try:
+            os.makedirs(args.file_dir, exist_ok=True)
+        except OSError as exc:  # a file of that name, no permission, a read-only disk
+            raise ValueError(
+                f"tracing.file_dir: cannot make {args.file_dir!r} a directory of trace files: {exc}"
+            ) from exc
         # One file per process: concurrent appends from several processes could interleave.
         return FileSpanExporter(os.path.join(args.file_dir, f"{component}-{socket.gethostname()}-{os.getpid()}.jsonl"))
     raise ValueError(f"tracing.exporter: unknown {args.exporter!r}")

@@ -156,3 +156,14 @@ def test_metrics_count_drafts_and_latency(app, ray_serve):
     assert any(k.startswith("slidespec_kv_cache_usage_perc{") for k in values)
     assert any(k.startswith("slidespec_num_requests_running{") for k in values)
     assert any(k.startswith("slidespec_spec_decode_num_accepted_tokens_per_pos_total") for k in values)
+
+
+def test_a_trace_directory_that_cannot_be_made_names_the_setting(tmp_path):
+    from cluster.config import TracingArgs
+    from cluster.tracing import tracer_for
+
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    with pytest.raises(ValueError, match="tracing.file_dir: cannot make .*a-file"):
+        tracer_for(TracingArgs(exporter="file", file_dir=str(taken)), "ingress")
+    assert tracer_for(TracingArgs(exporter="file", file_dir=str(tmp_path / "traces")), "ingress") is not None
