@@ -26,6 +26,7 @@ from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
+from workers.models.decoder import RotaryTables
 from workers.overlap import InFlight, OverlapDecoder
 from workers.radix_cache import RadixCache
 from workers.request import FinishReason, Request
@@ -192,6 +193,10 @@ class Engine:
             if self.spec is not None and self.spec.drafter.runner.pool is not None:  # the draft's own KV too
                 self.scheduler.cacheable_len = lambda req: min(req.kv_len, req.spec.draft_len)
         self.runner.recorder = self._record
+        runners = [self.runner] + ([self.spec.drafter.runner] if self.spec is not None else [])
+        for module in (m for runner in runners for m in runner.model.modules()):
+            if isinstance(module, RotaryTables):  # every position a forward may hold
+                module.cover(self.req_to_token.max_context_len)
         if graphs:
             self._capture_graphs(
                 graphs == "emulate", min(cuda_graph_max_batch_size or max_running_requests, max_running_requests)
@@ -545,6 +550,11 @@ def _graph_mode(setting: bool | str, device: torch.device, backend: str) -> bool
 
 def resolve_context_length(cfg, context_length: int | None, max_total_tokens: int) -> int:
     """The longest sequence an engine serves: the model's, or the one asked for, within the pool."""
+    if context_length is not None and context_length > cfg.max_position_embeddings:
+        raise ValueError(
+            f"context_length: {context_length} is longer than the model's max_position_embeddings "
+            f"{cfg.max_position_embeddings}"
+        )
     return min(context_length or cfg.max_position_embeddings, max_total_tokens)
 
 

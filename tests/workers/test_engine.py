@@ -180,6 +180,7 @@ def test_a_broken_tokenizer_file_is_named(tmp_path, file):
 
 def test_bad_engine_arguments(gemma3_dir):
     for kwargs, field in [
+        ({"context_length": 10**6}, "context_length: 1000000 is longer than the model's max_position_embeddings"),
         ({"page_size": 0}, "page_size"),
         ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
         ({"dtype": "int7"}, "dtype"),

@@ -463,3 +463,28 @@ def test_step_records_show_the_round_in_order(models):
     assert rounds and all(s[: K - 1] == [("draft", "DECODE")] * (K - 1) for s in rounds)
     assert all(s[K - 1] == ("target", "TARGET_VERIFY") and s[K] == ("draft", "DRAFT_EXTEND_V2") for s in rounds[:-1])
     eng.check_no_leak()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("target", ["gemma3", "llama"])
+def test_a_round_at_the_models_last_position_runs_past_it_safely(models, target, variant):
+    """A request ending at the model's last position: the round's verify and drafts hold
+    positions past it, which the RoPE tables must cover (they stopped at max_position_embeddings:
+    an index error failed the request on a CPU, an unchecked read on a GPU). Output as plain
+    decoding's, pools back at their free counts."""
+    m = models[target]
+    algorithm, pool, draft = VARIANTS[variant]
+    with open(f"{m['target']}/config.json") as f:
+        limit = json.load(f)["max_position_embeddings"]
+    prompt = random_prompts([limit - 6])[0]
+    sampling = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    (plain,) = Engine(model=m["target"], page_size=16, max_total_tokens=2 * limit).generate(
+        prompt_token_ids=[prompt], sampling=sampling
+    )
+    eng = Engine(
+        model=m["target"], page_size=16, max_total_tokens=2 * limit, speculative=_spec(algorithm, m[draft], pool)
+    )
+    (out,) = eng.generate(prompt_token_ids=[prompt], sampling=sampling)
+    assert (plain.finish_reason, len(plain.token_ids)) == ("length", 6)
+    assert (out.finish_reason, out.token_ids) == ("length", plain.token_ids)
+    eng.check_no_leak()

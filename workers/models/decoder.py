@@ -229,6 +229,18 @@ class RotaryTables(nn.Module):
             cache = rope_cache(rope.inv_freq.to(device), rope.attention_scaling, self.max_positions)
             self.register_buffer(f"cos_sin_{key}", cache, persistent=False)
 
+    def cover(self, positions: int) -> None:
+        """Tables for every position below `positions`: a speculative round's drafts and a step
+        launched ahead run past a request's last position, up to the engine's context length
+        plus that lookahead (the RoPE kernels index the tables unchecked). Before graphs
+        capture the buffers."""
+        if positions <= self.max_positions:
+            return
+        self.max_positions = positions
+        for key, rope in self.cfg.rope.items():
+            old = getattr(self, f"cos_sin_{key}")
+            setattr(self, f"cos_sin_{key}", rope_cache(rope.inv_freq.to(old.device), rope.attention_scaling, positions))
+
     def forward(self, positions: torch.Tensor) -> RopeInputs:
         return RopeInputs(positions, {key: getattr(self, f"cos_sin_{key}") for key in self.cfg.rope})
 
