@@ -81,3 +81,26 @@ def test_greedy_round_reads_the_device_once(models, algorithm):
     for rid in rids:
         eng.release(rid)
     eng.check_no_leak()
+
+
+@pytest.mark.parametrize("algorithm", ["standalone", "eagle", "frozen_kv_mtp"])
+def test_a_round_at_the_models_last_position_under_graph_replay(models, algorithm):
+    """The verify's and the drafts' positions past a request that ends at the model's last
+    position (and the overlapped plain step launched past it) stay inside the RoPE tables: the
+    request ends by length with the tokens of decoding without speculation (bf16 criterion), no
+    error, every pool back at its free count."""
+    limit = 1024  # make_tiny_model's max_position_embeddings
+    prompt = random_prompts([limit - 6])[0]
+    sp = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True, return_logits=True)
+    common = dict(device="cuda", dtype="bfloat16", page_size=16, attention_backend="trtllm_mha", max_total_tokens=4096)
+    base = Engine(model=models["target"], **common)
+    ref = base.generate(prompt_token_ids=[prompt], sampling=sp)
+    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": K}
+    eng = Engine(model=models["target"], speculative=spec, **common)
+    outs = eng.generate(prompt_token_ids=[prompt], sampling=sp)
+    assert eng.runner.graphs is not None and eng.runner.graphs.replays > 0  # replayed, not eager
+    assert [(o.finish_reason, len(o.token_ids)) for o in ref + outs] == [("length", 6)] * 2
+    diverged, _ = compare_bf16_runs(ref, outs, f"{algorithm} at the last position")
+    assert diverged == 0
+    base.check_no_leak()
+    eng.check_no_leak()
