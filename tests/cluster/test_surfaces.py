@@ -345,11 +345,10 @@ def test_settings_that_cannot_deploy_are_refused_when_the_app_is_built(key, valu
     )
 
 
-def test_a_metrics_port_held_by_another_process_is_a_warning_then_served_once_free(monkeypatch, caplog):
+def test_a_metrics_port_held_by_another_process_is_a_warning_then_served_once_free(monkeypatch):
     """A redeploy's old ingress holds the port a while (tried again each second, quietly); past
     that a warning names it, and the port is served as soon as it frees."""
     import asyncio
-    import logging
     import socket
     import types
 
@@ -361,23 +360,27 @@ def test_a_metrics_port_held_by_another_process_is_a_warning_then_served_once_fr
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     port = holder.getsockname()[1]
-    sleeps = []
+    sleeps, logged = [], []
 
     async def sleep(seconds):
         sleeps.append(seconds)
         if len(sleeps) == 4:
             holder.close()
 
+    def record(level):
+        return lambda message, *args: logged.append((level, message % args))
+
     monkeypatch.setattr(ingress, "METRICS_PORT_PATIENCE_S", 2)
     monkeypatch.setattr(ingress.asyncio, "sleep", sleep)
+    # the module's logger itself: Serve, started in this process by other tests, may configure logging
+    monkeypatch.setattr(ingress, "logger", types.SimpleNamespace(info=record("info"), warning=record("warning")))
     fake = types.SimpleNamespace(
         args=types.SimpleNamespace(metrics_port=port),
         metrics=types.SimpleNamespace(registry=prometheus_client.REGISTRY),
     )
-    with caplog.at_level(logging.INFO, logger=ingress.__name__):
-        asyncio.run(ingress.GrpcIngress._serve_metrics(fake))
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(sleeps) == 4 and len(warnings) == 1 and f"metrics_port {port} is taken" in warnings[0].getMessage()
+    asyncio.run(ingress.GrpcIngress._serve_metrics(fake))
+    assert [level for level, _ in logged] == ["info", "info", "warning", "info"] and len(sleeps) == 4
+    assert f"metrics_port {port} is taken" in logged[2][1]
     assert requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
 
 
