@@ -217,17 +217,17 @@ class RopeInputs:
 
 
 class RotaryTables(nn.Module):
-    """cos/sin caches of every RoPE variant of a config, computed once (`rope_cache`) for
-    positions below `max_positions`."""
+    """cos/sin caches of every RoPE variant of a config (`rope_cache`), for positions below
+    `max_positions`: the model's `max_position_embeddings` at first."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.max_positions = 0
         device = torch.get_default_device()
-        for key, rope in cfg.rope.items():
-            cache = rope_cache(rope.inv_freq.to(device), rope.attention_scaling, self.max_positions)
-            self.register_buffer(f"cos_sin_{key}", cache, persistent=False)
+        for key in cfg.rope:  # empty on this device until `cover` fills them
+            self.register_buffer(f"cos_sin_{key}", torch.empty(0, device=device), persistent=False)
+        self.cover(cfg.max_position_embeddings)
 
     def cover(self, positions: int) -> None:
         """Tables for every position below `positions`: a speculative round's drafts and a step

@@ -64,7 +64,7 @@ def _overrides(text: str) -> dict[tuple[int, int], Tile]:
             shape, fields = item.split("=")
             out_features, in_features = (int(v) for v in shape.lower().split("x"))
             values = [int(v) for v in fields.split(",")]
-            tile = Tile(*values[:5], *(bool(v) for v in values[5:6]), *values[6:])
+            tile = Tile(*values[:5], *map(bool, values[5:]))  # more than six: a TypeError
         except (ValueError, TypeError) as e:
             raise ValueError(
                 f"SLIDESPEC_GEMV_TILES: cannot read {item!r}; want OUTxIN=rows,cols,warps,stages[,splits[,unroll]]"
