@@ -368,6 +368,29 @@ def test_unrolled_gate_up_gemv_gives_the_looped_tiles_sums(intermediate, hidden)
     assert _rel(unrolled, TORCH_OPS.linear_act_and_mul(x.float(), w.float(), None, "gelu_pytorch_tanh")) < 1e-2
 
 
+@pytest.mark.parametrize("gemma, out_features, hidden", [(True, 1536, 1152), (False, 1024, 512)])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_first_layer_gemv_from_a_token_id_matches_the_reference(gemma, out_features, hidden, id_dtype):
+    """The embedding row, Gemma's scale (rounded to bf16 first), the input norm and the QKV
+    projection in one kernel: the stream bit-equal to torch's, the projection within bf16
+    noise of a float32 one."""
+    from workers.models import gemv  # Triton: CUDA builds of torch only
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    table = torch.randn(1000, hidden, device="cuda", generator=g).bfloat16()
+    norm = (torch.randn(hidden, device="cuda", generator=g) * 0.1).bfloat16()
+    weight = (torch.randn(out_features, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    scale = hidden**0.5 if gemma else 1.0
+    assert gemv.norm_applies(table[:1], weight)  # the fused kernel, not the fallback
+    for token in (0, 7, 999):
+        ids = torch.tensor([token], dtype=id_dtype, device="cuda")
+        y, stream = FLASHINFER_OPS.embed_rms_norm_linear(ids, table, scale, norm, 1e-6, gemma, weight, None)
+        _, ref_stream = TORCH_OPS.embed_rms_norm_linear(ids.long(), table, scale, norm, 1e-6, gemma, weight, None)
+        assert torch.equal(stream, ref_stream)
+        normed = TORCH_OPS.rms_norm(stream.float(), norm.float(), 1e-6, gemma)
+        assert _rel(y, normed @ weight.float().T) < 1e-2
+
+
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (64, 256), (16, 64)])
 def test_fused_kv_write_matches_the_reference(page_size, head_dim):
     g = torch.Generator(device="cuda").manual_seed(2)

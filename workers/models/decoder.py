@@ -26,7 +26,7 @@ from workers.models.layers import (
     VocabParallelEmbedding,
     rope_cache,
 )
-from workers.models.ops import QKNorms, float_logits, ops_for
+from workers.models.ops import QKNorms, float_logits, ops_for, scale_rows
 
 # Checkpoint tensors that are stacked into one fused parameter: (fused, checkpoint, shard id).
 STACKED_PARAMS = (
@@ -97,6 +97,14 @@ class SelfAttention(nn.Module):
         qkv, residual = self.qkv_proj.after_norm(hidden, residual, norm, before)
         return self._attend(qkv, rope, batch), residual
 
+    def after_embedding(
+        self, tokens: TokenIds, norm: RMSNorm, rope: RopeInputs, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(norm(tokens.embedded()))` and the residual stream's start, the embedding and
+        the norm inside the QKV projection where the device fuses them (fused QKV only)."""
+        qkv, residual = self.qkv_proj.after_embedding(tokens.ids, tokens.table, tokens.scale, norm)
+        return self._attend(qkv, rope, batch), residual
+
     def _attend(self, qkv: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
         a = self.attn
         positions, cache = rope.positions, rope.caches[self.rope_key]
@@ -158,15 +166,22 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
             self.output_norm = self.post_feedforward_layernorm
 
+    @property
+    def embeds_tokens(self) -> bool:
+        """Whether this layer, first, can take `TokenIds` and embed them itself."""
+        return self.input_layernorm is not None and self.self_attn.qkv_proj is not None
+
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | TokenIds,
         residual: torch.Tensor | None,
         rope: RopeInputs,
         batch: ForwardBatch,
         before: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.input_layernorm is not None and residual is not None and self.self_attn.qkv_proj is not None:
+        if isinstance(hidden, TokenIds):
+            attn, residual = self.self_attn.after_embedding(hidden, self.input_layernorm, rope, batch)
+        elif self.input_layernorm is not None and residual is not None and self.self_attn.qkv_proj is not None:
             attn, residual = self.self_attn.after_norm(hidden, residual, self.input_layernorm, before, rope, batch)
         else:
             if self.input_layernorm is not None:
@@ -206,6 +221,16 @@ def run_layers(
         if i in capture:
             captured[i] = stream(hidden, residual, before)
     return hidden, residual, before, captured
+
+
+@dataclasses.dataclass
+class TokenIds:
+    """A first layer's input before its embedding (`DecoderLayer.embeds_tokens`): the layer
+    reads the rows itself, inside its QKV projection where the device fuses it."""
+
+    ids: torch.Tensor
+    table: torch.Tensor
+    scale: float
 
 
 @dataclasses.dataclass
@@ -255,19 +280,24 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryTables(cfg)
         # Layers whose outputs (residual stream) are returned too: EAGLE-3 drafts read them.
         self.capture_layers: tuple[int, ...] = ()
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.arch.gemma else 1.0
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.cfg.arch.gemma:
-            hidden = hidden * torch.tensor(self.cfg.hidden_size**0.5, dtype=hidden.dtype)
-        return hidden
+        return scale_rows(self.embed_tokens(input_ids), self.embed_scale)
+
+    def _first_input(self, input_ids: torch.Tensor) -> torch.Tensor | TokenIds:
+        """The ids for a first layer that embeds them itself (one rank's whole table), else their
+        embedding."""
+        if self.embed_tokens.tp.size == 1 and self.layers[0].embeds_tokens:
+            return TokenIds(input_ids, self.embed_tokens.weight, self.embed_scale)
+        return self.embed(input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final-norm hidden states, captured layer outputs concatenated or None)."""
         hidden, residual, before, captured = run_layers(
-            self.layers, self.embed(input_ids), None, self.rotary(positions), batch, self.capture_layers
+            self.layers, self._first_input(input_ids), None, self.rotary(positions), batch, self.capture_layers
         )
         outputs = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if captured else None
         return self.norm.add(hidden, residual, before)[0], outputs

@@ -118,16 +118,19 @@ def _norm_gemv_kernel(
     N,
     K,
     eps,
+    scale,
     HAS_BEFORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GEMMA: tl.constexpr,
+    EMBED: tl.constexpr,  # the stream starts here: h is the embedding table, res the token id
     BLOCK_N: tl.constexpr,
     WIDTH: tl.constexpr,  # `preload_width`: the whole row block is read before the wait
     PDL: tl.constexpr,
 ):
     """y = W . norm(res + before(h)) for one row, every program computing the row's norms itself
     (no norm kernel, no ticket); program 0 writes the new residual stream to `res_out` (the
-    others still read `res`)."""
+    others still read `res`). With EMBED the stream is the token's embedding row times `scale`
+    (rounded as the model's dtype rounds it)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ks = tl.arange(0, WIDTH)
@@ -137,12 +140,16 @@ def _norm_gemv_kernel(
     if HAS_BEFORE:
         w_before = tl.load(before_ptr + ks, mask=in_k, other=0.0)
     pdl_start(PDL)
-    h = tl.load(h_ptr + ks, mask=in_k, other=0.0)
-    res = tl.load(res_ptr + ks, mask=in_k, other=0.0)
-    if HAS_BEFORE:
-        res += normed(h.to(tl.float32), w_before, in_k, eps, K, GEMMA, y_ptr.dtype.element_ty)
+    if EMBED:
+        token = tl.load(res_ptr).to(tl.int64)
+        res = (tl.load(h_ptr + token * K + ks, mask=in_k, other=0.0).to(tl.float32) * scale).to(y_ptr.dtype.element_ty)
     else:
-        res += h
+        h = tl.load(h_ptr + ks, mask=in_k, other=0.0)
+        res = tl.load(res_ptr + ks, mask=in_k, other=0.0)
+        if HAS_BEFORE:
+            res += normed(h.to(tl.float32), w_before, in_k, eps, K, GEMMA, y_ptr.dtype.element_ty)
+        else:
+            res += h
     if tl.program_id(0) == 0:
         tl.store(res_out_ptr + ks, res, mask=in_k)
     x = normed(res.to(tl.float32), w_norm, in_k, eps, K, GEMMA, y_ptr.dtype.element_ty)
@@ -369,10 +376,30 @@ def add_norm_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(W . rms_norm(residual + x') + b, residual + x') for one row (`norm_applies`), x' =
     rms_norm(x, before) (x without `before`); the new residual in a new tensor."""
+    return _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, torch.empty_like(residual), None)
+
+
+def embed_norm_gemv(
+    token: torch.Tensor,
+    table: torch.Tensor,
+    scale: float,
+    norm: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W . rms_norm(e) + b, e) for one token id (`[1]`, int32 or int64), e = its row of `table`
+    times `scale` (`norm_applies` of such a row): a decoder's first layer from the token."""
+    stream = torch.empty(1, table.shape[1], dtype=table.dtype, device=table.device)
+    rounded = float(torch.tensor(scale, dtype=table.dtype))  # as `ops.embed_rows` scales
+    return _norm_gemv(table, token, norm, eps, gemma, None, weight, bias, stream, rounded)
+
+
+def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, scale):
     k = weight.shape[1]
     t = tile_for(weight.shape[0], k)
-    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(residual)
+    y = torch.empty(*res_out.shape[:-1], weight.shape[0], dtype=weight.dtype, device=weight.device)
     blocks = triton.cdiv(weight.shape[0], t.rows)
     _norm_gemv_kernel[(blocks,)](
         x,
@@ -386,9 +413,11 @@ def add_norm_gemv(
         weight.shape[0],
         k,
         eps,
+        1.0 if scale is None else scale,
         HAS_BEFORE=before is not None,
         HAS_BIAS=bias is not None,
         GEMMA=gemma,
+        EMBED=scale is not None,
         BLOCK_N=t.rows,
         WIDTH=preload_width(t, k),
         num_warps=t.warps,

@@ -120,6 +120,14 @@ class ColumnParallelLinear(nn.Module):
         ops = ops_for(x)
         return ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, norm.gemma, w_before, self.weight, self.bias)
 
+    def after_embedding(
+        self, ids: torch.Tensor, table: torch.Tensor, scale: float, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This projection of `norm` over the ids' embedding rows times `scale`, and those rows
+        (the residual stream's start), fused where the device can (one kernel from the ids)."""
+        ops = ops_for(table)
+        return ops.embed_rms_norm_linear(ids, table, scale, norm.weight, norm.eps, norm.gemma, self.weight, self.bias)
+
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads. With fewer KV heads than ranks, KV heads are

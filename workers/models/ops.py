@@ -10,6 +10,7 @@
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
 | add + RMSNorm + QKV projection | the above, in turn | one row, small QKV: one Triton GEMV (norms inside) |
+| embedding, scale, RMSNorm, QKV projection (layer 0) | the above, in turn | one token: the same GEMV, from the id |
 | float32 (soft-capped) logits + argmax | torch | Triton (`logits_argmax.py`) |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
@@ -63,6 +64,11 @@ class OpSet:
     add_rms_norm_linear: Callable[
         [Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor, Tensor | None], tuple[Tensor, Tensor]
     ]
+    # (token ids [T], embedding table, scale, norm weight, eps, gemma, weight, bias) -> (linear(
+    # rms_norm(e)), e) where e = the ids' embedding rows times scale: a first layer's projection
+    embed_rms_norm_linear: Callable[
+        [Tensor, Tensor, float, Tensor, float, bool, Tensor, Tensor | None], tuple[Tensor, Tensor]
+    ]
     # (LM-head output [n, V], soft cap or None, out float32 [n, V], tokens int64 [n]) -> None:
     # float_logits(raw, cap) into out and each row's argmax into tokens (a greedy step's tail)
     logits_argmax: Callable[[Tensor, float | None, Tensor, Tensor], None]
@@ -100,6 +106,31 @@ def _add_rms_norm_linear(
 ) -> tuple[Tensor, Tensor]:
     normed, residual = _add_rms_norm(x, residual, norm, eps, gemma, before)
     return F.linear(normed, weight, bias), residual
+
+
+def scale_rows(hidden: Tensor, scale: float) -> Tensor:
+    """Embedding rows times `scale` (Gemma's sqrt(hidden)), the scale rounded to their dtype
+    first as Hugging Face's Gemma does."""
+    return hidden if scale == 1.0 else hidden * torch.tensor(scale, dtype=hidden.dtype)
+
+
+def embed_rows(ids: Tensor, table: Tensor, scale: float) -> Tensor:
+    """The ids' rows of an embedding table, scaled (`scale_rows`)."""
+    return scale_rows(F.embedding(ids, table), scale)
+
+
+def _embed_rms_norm_linear(
+    ids: Tensor,
+    table: Tensor,
+    scale: float,
+    norm: Tensor,
+    eps: float,
+    gemma: bool,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    stream = embed_rows(ids, table, scale)
+    return F.linear(_rms_norm(stream, norm, eps, gemma), weight, bias), stream
 
 
 def _rope(
@@ -165,6 +196,7 @@ TORCH_OPS = OpSet(
     F.linear,
     _linear_act_and_mul,
     _add_rms_norm_linear,
+    _embed_rms_norm_linear,
     _logits_argmax,
 )
 
@@ -258,6 +290,23 @@ def _cuda_add_rms_norm_linear(
     return _cuda_linear(normed, weight, bias), residual
 
 
+def _cuda_embed_rms_norm_linear(
+    ids: Tensor,
+    table: Tensor,
+    scale: float,
+    norm: Tensor,
+    eps: float,
+    gemma: bool,
+    weight: Tensor,
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    gemv = _triton("gemv")
+    if GEMV_ENABLED and ids.numel() == 1 and table.is_contiguous() and gemv.norm_applies(table[:1], weight):
+        return gemv.embed_norm_gemv(ids.view(1), table, scale, norm, eps, gemma, weight, bias)
+    stream = embed_rows(ids, table, scale)
+    return _cuda_linear(_fi_rms_norm(stream, norm, eps, gemma), weight, bias), stream
+
+
 FLASHINFER_OPS = OpSet(
     "flashinfer",
     _fi_rms_norm,
@@ -267,6 +316,7 @@ FLASHINFER_OPS = OpSet(
     _cuda_linear,
     _cuda_linear_act_and_mul,
     _cuda_add_rms_norm_linear,
+    _cuda_embed_rms_norm_linear,
     lambda raw, cap, out, tokens: _triton("logits_argmax").logits_argmax(raw, cap, out, tokens),
 )
 
