@@ -53,7 +53,9 @@ ACT_SWEEP = SWEEP + [
     gemv.Tile(r, c, w, 1, unroll=True) for r, c, w in itertools.product((8, 16, 32), (128, 256), (4, 8))
 ]
 # one row, no activation: K shared between programs
-SPLIT_SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8), (128, 256), (4, 8), (3, 4), (2, 3, 4, 6))]
+SPLIT_SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8), (128, 256), (4, 8), (3, 4), (2, 3, 4, 6))] + [
+    gemv.Tile(r, c, w, 1, s, unroll=True) for r, c, w, s in itertools.product((4, 8), (128, 256), (4, 8), (1, 3, 6, 12))
+]
 ROW_SWEEP = [gemv.Tile(*t) for t in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 4, 5))]
 
 

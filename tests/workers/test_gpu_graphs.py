@@ -391,6 +391,20 @@ def test_first_layer_gemv_from_a_token_id_matches_the_reference(gemma, out_featu
         assert _rel(y, normed @ weight.float().T) < 1e-2
 
 
+@pytest.mark.parametrize("out_features, in_features, splits", [(1152, 6912, 6), (40, 1000, 3), (4096, 14336, 1)])
+def test_unrolled_split_gemv_gives_the_looped_tiles_sums(out_features, in_features, splits):
+    """A split's K tiles unrolled (the last split's past K masked): bit-equal to the loop."""
+    from workers.models import gemv  # Triton: CUDA builds of torch only
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    w = (torch.randn(out_features, in_features, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(1, in_features, device="cuda", generator=g).bfloat16()
+    looped = gemv.gemv(x, w, tile=gemv.Tile(8, 256, 4, 1, splits))
+    unrolled = gemv.gemv(x, w, tile=gemv.Tile(8, 256, 4, 1, splits, unroll=True))
+    assert torch.equal(unrolled, looped)
+    assert _rel(unrolled, x.float() @ w.float().T) < 1e-2
+
+
 @pytest.mark.parametrize("page_size, head_dim", [(16, 128), (64, 256), (16, 64)])
 def test_fused_kv_write_matches_the_reference(page_size, head_dim):
     g = torch.Generator(device="cuda").manual_seed(2)

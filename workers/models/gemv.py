@@ -16,9 +16,10 @@ Wider inputs are matrix multiplications and stay on cuBLAS. Tiles by weight shap
 `gemv_tiles.py`. A one-row program whose whole row block fits its registers (Gemma-3-1B's QKV
 and O projections) loads it before the PDL wait (`launch.py`): the weights arrive while the
 kernel before still runs, and only x is read after it (about 2% of that model's batch-1 step).
-A gate/up tile may unroll K (`Tile.unroll`, K a multiple of its width): every tile's loads can
-then be issued before the first product, which Gemma-3-1B's short rows need (1.10x alone, 1.6%
-of its batch-1 step); the sums are the loop's, in the same order.
+A tile may unroll K (`Tile.unroll`; gate/up: K a multiple of its width; others: each split's
+share): every tile's loads can then be issued before the first product, which Gemma-3-1B's
+short rows need (gate/up 1.10x alone, 1.6% of its batch-1 step); the sums are the loop's, in
+the same order.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def _gemv_kernel(
     SPLITS_PAD: tl.constexpr,
     K_SPLIT: tl.constexpr,  # K elements a split reads: a multiple of BLOCK_K
     PRELOAD_K: tl.constexpr,  # 0, or the whole row block's width (`preload_width`)
+    UNROLL: tl.constexpr,  # the split's K tiles unrolled (EVEN_K: every split's K is inside K)
     PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -87,8 +89,12 @@ def _gemv_kernel(
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         k_lo = tl.program_id(1) * K_SPLIT
-        for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
-            acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+        if UNROLL:  # tiles past K (the last split's) load nothing
+            for i in tl.static_range(K_SPLIT // BLOCK_K):
+                acc += _tile(w_ptrs, x_ptr, k_lo + i * BLOCK_K, cols, row_ok, K, EVEN_K)
+        else:
+            for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+                acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
         y = tl.sum(acc, axis=1)
     if SPLITS == 1:
         _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
@@ -321,6 +327,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
     else:
         blocks = triton.cdiv(n, t.rows)
         k_split = triton.cdiv(triton.cdiv(k, t.cols), t.splits) * t.cols
+        preload = preload_width(t, k) if preloads() else 0
+        unroll = t.unroll and not preload
+        if unroll:
+            common["EVEN_K"] = k % k_split == 0
         part = torch.empty(t.splits, n, dtype=torch.float32, device=x.device) if t.splits > 1 else y
         _gemv_kernel[(blocks, t.splits)](
             x,
@@ -336,7 +346,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             SPLITS=t.splits,
             SPLITS_PAD=triton.next_power_of_2(t.splits),
             K_SPLIT=k_split,
-            PRELOAD_K=preload_width(t, k) if preloads() else 0,
+            PRELOAD_K=preload,
+            UNROLL=unroll,
             **common,
             **pdl_options(blocks * t.splits),
         )

@@ -22,7 +22,7 @@ class Tile:
     warps: int
     stages: int
     splits: int = 1  # programs sharing a row block's K (one input row, no activation)
-    unroll: bool = False  # one row, gate/up: K's tiles unrolled (K a multiple of `cols`)
+    unroll: bool = False  # one row: K's tiles unrolled (gate/up: K a multiple of `cols`; else a split's)
 
 
 # First match on (out_features >= rows_at_least, in_features >= cols_at_least), tuned on an H200
