@@ -34,7 +34,7 @@ TILES: tuple[tuple[int, int, Tile], ...] = (
     (13824, 0, Tile(8, 128, 8, 1, unroll=True)),  # gate/up (Gemma-3-1B: 1.10x the looped 16-row tile)
     (8192, 0, Tile(8, 256, 8, 2)),  # wide fused QKV (Gemma-3-12B)
     (2048, 6144, Tile(4, 512, 8, 2)),  # long rows: down projections
-    (0, 6144, Tile(8, 256, 4, 4, splits=6)),  # few long rows: Gemma-3-1B down (1.31x unsplit)
+    (0, 6144, Tile(4, 128, 8, 1, unroll=True)),  # few long rows: Gemma-3-1B down (1.27x 6 looped splits)
     (6144, 0, Tile(8, 512, 4, 4)),  # fused QKV
     (0, 0, Tile(4, 512, 4, 4)),  # square: O projections
 )
