@@ -2,21 +2,22 @@
 
 Hypothesis generates request bodies field by field, each field either a value a client may send
 or a hostile one (wrong type, out of range, NaN/inf, huge or empty, lone surrogates, unknown
-fields, non-objects), and sends them through the real gRPC server and the real HTTP route; gRPC
-also gets valid messages with raw bytes flipped or cut, HTTP bodies with invalid UTF-8. Every
-answer must be a success that ends with a finish reason, or INVALID_ARGUMENT (400, 413 for
-size) whose message starts with the offending field. The OpenAI routes get completion and chat
-bodies built the same way and must answer a success or an OpenAI-shaped 400/404 whose message
-starts with its parameter. Afterwards the application still serves, nothing runs, and the
-replica's KV pools are back at their free counts; unknown gRPC methods are UNIMPLEMENTED. A
-fixed seed, a pinned hypothesis (its examples differ between versions) and a bounded number of
-cases (at least 2,000 per door) keep CI deterministic."""
+fields, non-objects), and they are sent, eight at a time, through the real gRPC server and the
+real HTTP route; gRPC also gets valid messages with raw bytes flipped or cut, HTTP bodies with
+invalid UTF-8. Every answer must be a success that ends with a finish reason, or
+INVALID_ARGUMENT (400, 413 for size) whose message starts with the offending field. The OpenAI
+routes get completion and chat bodies built the same way and must answer a success or an
+OpenAI-shaped 400/404 whose message starts with its parameter. Afterwards the application still
+serves, nothing runs, and the replica's KV pools are back at their free counts; unknown gRPC
+methods are UNIMPLEMENTED. A fixed seed, a pinned hypothesis (its examples differ between
+versions) and a bounded number of cases (at least 2,000 per door) keep CI deterministic."""
 
 import json
 import math
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -31,6 +32,7 @@ from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from ops import DEFAULT_MODEL
 
 CASES = 2000
+IN_FLIGHT = 8
 MODEL = os.path.basename(os.path.normpath(DEFAULT_MODEL))
 CONTEXT = 256
 VOCAB = json.load(open(os.path.join(DEFAULT_MODEL, "config.json")))["vocab_size"]
@@ -272,6 +274,34 @@ def openai_outcome(url: str, data: bytes) -> str:
     return "ok"
 
 
+def drawn(strategy: st.SearchStrategy, fixed_seed: int) -> list:
+    """`CASES` values of `strategy`, as hypothesis draws them under a fixed seed."""
+    values = []
+
+    @seed(fixed_seed)
+    @FUZZ
+    @given(strategy)
+    def collect(value):
+        values.append(value)
+
+    collect()
+    return values
+
+
+def send_all(send: Callable[[object], str], cases: list) -> list[str]:
+    """Each case's outcome, `IN_FLIGHT` cases at a time (as clients send them); a failing case
+    is named in the failure."""
+
+    def one(case) -> str:
+        try:
+            return send(case)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\ncase: {case!r:.2000}") from e
+
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        return list(pool.map(one, cases))
+
+
 def assert_run_held(client, outcomes: list[str]) -> None:
     """Every case ran, enough were served and enough refused, and the application is intact."""
     assert len(outcomes) >= CASES
@@ -297,18 +327,13 @@ def test_grpc_door(app):
     raw = client.channel.unary_stream(
         GENERATE, request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString
     )
-    outcomes: list[str] = []
+    mangles = st.one_of(st.none(), st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=4)))
 
-    @seed(20261123)
-    @FUZZ
-    @given(
-        body=bodies(), mangle=st.one_of(st.none(), st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=4)))
-    )
-    def case(body, mangle):
+    def send(case) -> str:
+        body, mangle = case
         message = to_proto(body)
         if mangle is None:
-            outcomes.append(grpc_outcome(lambda: client.stub.Generate(message, timeout=60)))
-            return
+            return grpc_outcome(lambda: client.stub.Generate(message, timeout=60))
         at, junk = mangle  # bytes flipped into (or cut from) a serialized message
         data = message.SerializeToString()
         data = data[: at % (len(data) + 1)] + junk + data[at % (len(data) + 1) + len(junk) :]
@@ -318,47 +343,36 @@ def test_grpc_door(app):
             with pytest.raises(grpc.RpcError) as info:
                 list(raw(data, timeout=60))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-            outcomes.append("undecodable")
-            return
-        outcomes.append(grpc_outcome(lambda: raw(data, timeout=60)))
+            return "undecodable"
+        return grpc_outcome(lambda: raw(data, timeout=60))
 
-    case()
-    assert_run_held(client, outcomes)
+    assert_run_held(client, send_all(send, drawn(st.tuples(bodies(), mangles), 20261123)))
 
 
 def test_http_door(app):
     client, route = app
-    outcomes: list[str] = []
 
-    @seed(20261123)
-    @FUZZ
-    @given(body=bodies(), corrupt=st.integers(0, 15), at=st.integers(0, 10**6))
-    def case(body, corrupt, at):
+    def send(case) -> str:
+        body, corrupt, at = case
         data = json.dumps(body).encode()
         if corrupt == 0:  # a byte that is not UTF-8
             at %= len(data) + 1
             data = data[:at] + b"\xff" + data[at:]
         elif corrupt == 1:  # over the size limit
             data = json.dumps({"prompt": "x" * (ARGS["max_request_bytes"] + 10)}).encode()
-        outcomes.append(http_outcome(route, data))
+        return http_outcome(route, data)
 
-    case()
-    assert_run_held(client, outcomes)
+    cases = drawn(st.tuples(bodies(), st.integers(0, 15), st.integers(0, 10**6)), 20261123)
+    assert_run_held(client, send_all(send, cases))
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_openai_door(app, chat):
     client, route = app
     url = f"{route}/v1/{'chat/completions' if chat else 'completions'}"
-    outcomes: list[str] = []
-
-    @seed(20261125)
-    @FUZZ
-    @given(body=openai_bodies(chat))
-    def case(body):
-        outcomes.append(openai_outcome(url, json.dumps(body).encode()))
-
-    case()
+    outcomes = send_all(
+        lambda body: openai_outcome(url, json.dumps(body).encode()), drawn(openai_bodies(chat), 20261125)
+    )
     assert_run_held(client, outcomes)
 
 
