@@ -119,18 +119,14 @@ def embed_rows(ids: Tensor, table: Tensor, scale: float) -> Tensor:
     return scale_rows(F.embedding(ids, table), scale)
 
 
-def _embed_rms_norm_linear(
-    ids: Tensor,
-    table: Tensor,
-    scale: float,
-    norm: Tensor,
-    eps: float,
-    gemma: bool,
-    weight: Tensor,
-    bias: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    stream = embed_rows(ids, table, scale)
-    return F.linear(_rms_norm(stream, norm, eps, gemma), weight, bias), stream
+def _embed_norm_linear(rms_norm: Callable, linear: Callable) -> Callable:
+    """`embed_rms_norm_linear` composed of an op set's norm and projection."""
+
+    def run(ids, table, scale, norm, eps, gemma, weight, bias):
+        stream = embed_rows(ids, table, scale)
+        return linear(rms_norm(stream, norm, eps, gemma), weight, bias), stream
+
+    return run
 
 
 def _rope(
@@ -196,7 +192,7 @@ TORCH_OPS = OpSet(
     F.linear,
     _linear_act_and_mul,
     _add_rms_norm_linear,
-    _embed_rms_norm_linear,
+    _embed_norm_linear(_rms_norm, F.linear),
     _logits_argmax,
 )
 
@@ -290,6 +286,9 @@ def _cuda_add_rms_norm_linear(
     return _cuda_linear(normed, weight, bias), residual
 
 
+_cuda_embed_composed = _embed_norm_linear(_fi_rms_norm, _cuda_linear)
+
+
 def _cuda_embed_rms_norm_linear(
     ids: Tensor,
     table: Tensor,
@@ -303,8 +302,7 @@ def _cuda_embed_rms_norm_linear(
     gemv = _triton("gemv")
     if GEMV_ENABLED and ids.numel() == 1 and table.is_contiguous() and gemv.norm_applies(table[:1], weight):
         return gemv.embed_norm_gemv(ids.view(1), table, scale, norm, eps, gemma, weight, bias)
-    stream = embed_rows(ids, table, scale)
-    return _cuda_linear(_fi_rms_norm(stream, norm, eps, gemma), weight, bias), stream
+    return _cuda_embed_composed(ids, table, scale, norm, eps, gemma, weight, bias)
 
 
 FLASHINFER_OPS = OpSet(
