@@ -7,11 +7,16 @@ requests on both doors, a replica failure before the first token is retried on a
 replica, and every failure ends as a `RequestFailed` carrying its error code; nothing that
 failed because of its own content is retried. `abort` asks the engine that holds a request to
 end it, so the stream still ends with the request's own last update and usage.
+
+Each stream closes the one it reads (`aclosing`) before it ends itself: a request's id is free
+again only after everything below it (the replica's queue for that id, an abort it owes rank 0)
+has been let go, so a new request that reuses the id never meets the old one's leftovers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -145,10 +150,11 @@ class Gateway:
         try:
             for attempt in range(self.retries + 1):
                 try:
-                    async for update in self._attempt(routed):
-                        telemetry.update(update)
-                        sent += 1
-                        yield update
+                    async with contextlib.aclosing(self._attempt(routed)) as updates:
+                        async for update in updates:
+                            telemetry.update(update)
+                            sent += 1
+                            yield update
                     return
                 except RequestFailed as failed:
                     retryable = sent == 0 and attempt < self.retries  # the client has seen nothing yet
@@ -168,8 +174,9 @@ class Gateway:
             yield _aborted(rid)
             return
         attempt = self._direct(routed) if self.replicas is not None else self._through_serve(routed)
-        async for update in attempt:
-            yield update
+        async with contextlib.aclosing(attempt) as updates:
+            async for update in updates:
+                yield update
 
     async def _direct(self, routed: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """One attempt on the replica the policy chooses, streamed from its rank 0."""
@@ -187,15 +194,17 @@ class Gateway:
                 yield _aborted(rid)
                 return
             ids = parsed.body.prompt_token_ids
-            async for update in client.generate(rid, ids, parsed.sampling, parsed.stop, routed.get("trace_context")):
-                if update["finished"]:
-                    BOARD.finished(rid, update.get("load"))
-                error = update.get("error")
-                if error is not None:
-                    if error["code"] == ErrorCode.UNAVAILABLE.value:
-                        self.replicas.set_replica_aside(client.replica)
-                    raise RequestFailed(error["code"], error["message"])
-                yield update
+            stream = client.generate(rid, ids, parsed.sampling, parsed.stop, routed.get("trace_context"))
+            async with contextlib.aclosing(stream) as updates:
+                async for update in updates:
+                    if update["finished"]:
+                        BOARD.finished(rid, update.get("load"))
+                    error = update.get("error")
+                    if error is not None:
+                        if error["code"] == ErrorCode.UNAVAILABLE.value:
+                            self.replicas.set_replica_aside(client.replica)
+                        raise RequestFailed(error["code"], error["message"])
+                    yield update
         finally:
             BOARD.finished(rid)
             self.replicas.release()

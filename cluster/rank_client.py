@@ -154,12 +154,18 @@ class RankClient:
                 finished = update["finished"]
                 if finished:  # rank 0's load as of this update (it comes with the update's item)
                     update["load"] = {"replica": self.replica, **self.last_load}
-                    self._requests.pop(rid, None)  # its id is free again before the caller hears
+                    self._release(rid, queue)  # its id is free again before the caller hears
                 yield update
         finally:
-            self._requests.pop(rid, None)
+            self._release(rid, queue)
             if not finished or stops.stopped:  # cancelled, failed or cut at a stop string: free the KV
                 self.abort(rid)
+
+    def _release(self, rid: str, queue: asyncio.Queue) -> None:
+        """Stop routing `rid`'s updates to `queue`, unless the id already routes to a newer
+        request's."""
+        if self._requests.get(rid) is queue:
+            del self._requests[rid]
 
     async def _submit(
         self,

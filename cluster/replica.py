@@ -9,6 +9,7 @@ or rank loop is gone, so Serve replaces the replica; requests in flight then end
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import uuid
@@ -84,8 +85,10 @@ class LLMServer:
         except ValueError as exc:
             yield {**error_update(ErrorCode.INVALID_ARGUMENT, str(exc)), "replica": self.replica_tag}
             return
-        async for update in self.client.generate(rid, prompt_ids, sampling, stop, body.get("trace_context")):
-            yield update
+        stream = self.client.generate(rid, prompt_ids, sampling, stop, body.get("trace_context"))
+        async with contextlib.aclosing(stream) as updates:  # the id is free again only once it ends
+            async for update in updates:
+                yield update
 
     async def _parse(self, body: dict[str, Any]) -> tuple[str, list[int], SamplingParams, list[str]]:
         """(request id, prompt token ids, sampling params, stop strings); ValueError names the

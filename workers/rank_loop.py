@@ -178,7 +178,8 @@ class RankLoop:
             except queue.Empty:
                 return plan  # idle: an empty plan keeps the other ranks' broadcast alive
             block = False
-            if kind == "new":
+            if kind == "new":  # an earlier abort of its id was for a request that has ended
+                plan.aborts = [rid for rid in plan.aborts if rid != item.rid]
                 plan.new.append(item)
             elif kind == "abort":
                 plan.aborts.append(item)

@@ -10,7 +10,10 @@ routes get completion and chat bodies built the same way and must answer a succe
 OpenAI-shaped 400/404 whose message starts with its parameter. Afterwards the application still
 serves, nothing runs, and the replica's KV pools are back at their free counts; unknown gRPC
 methods are UNIMPLEMENTED. A fixed seed, a pinned hypothesis (its examples differ between
-versions) and a bounded number of cases (at least 2,000 per door) keep CI deterministic."""
+versions, and with the project modules a run has imported: it mixes in their constants) and a
+bounded number of cases (at least 2,000 per door) keep CI deterministic. Sent concurrently, the
+cases found requests hanging when a refused request's id was reused at once
+(`test_reused_ids.py`)."""
 
 import json
 import math
@@ -295,8 +298,8 @@ def send_all(send: Callable[[object], str], cases: list) -> list[str]:
     def one(case) -> str:
         try:
             return send(case)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\ncase: {case!r:.2000}") from e
+        except Exception as e:  # an assertion, a timeout (a request that never ended): name the case
+            raise AssertionError(f"{type(e).__name__}: {e}\ncase: {case!r:.2000}") from e
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         return list(pool.map(one, cases))

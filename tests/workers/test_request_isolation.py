@@ -230,3 +230,33 @@ def test_live_load_after_the_loop_broke(gemma3_dir, monkeypatch):
         engine.check_no_leak()
     finally:
         loop.stop()
+
+
+def test_an_abort_reaches_only_the_request_its_id_named_when_it_was_sent(gemma3_dir):
+    """An abort queued for a request that has ended, then a new request with the same id, in one
+    plan: the new request runs to its end (plain decoding's tokens); an abort sent after a
+    request in the same plan still ends it."""
+    engine = _engine(gemma3_dir)
+    (ref,) = _engine(gemma3_dir).generate(prompt_token_ids=[[4, 5, 6]], sampling=GREEDY)
+    updates = []
+    loop = RankLoop(engine, 0, on_updates=updates.extend)
+
+    def run_plan() -> None:
+        loop._apply(loop._next_plan())
+        while engine.has_unfinished():
+            loop._step()
+
+    loop.submit("x", [1, 2, 3], SamplingParams(max_new_tokens=1, temperature=0.0))
+    run_plan()
+    loop.abort("x")  # the first "x" has ended: this abort is stale
+    loop.submit("x", [4, 5, 6], GREEDY)
+    loop.submit("y", [4, 5, 6], GREEDY)
+    loop.abort("y")
+    updates.clear()
+    run_plan()
+    tokens = {rid: [t for u in updates if u.rid == rid for t in u.token_ids] for rid in ("x", "y")}
+    last = {u.rid: u for u in updates if u.finished}
+    assert tokens["x"] == ref.token_ids and last["x"].output.finish_reason == "length"
+    assert tokens["y"] == [] and last["y"].output.finish_reason == "abort"
+    assert loop.in_flight == 0
+    engine.check_no_leak()
