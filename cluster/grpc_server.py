@@ -14,6 +14,7 @@ the replica's next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -70,17 +71,17 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.gateway.ended(_cancel_reason(context))
             raise
         telemetry = self.telemetry(body, dict(context.invocation_metadata() or ()), self.address)
-        stream = body["stream"]
         try:
-            if stream:
-                async for update in self.gateway.generate(body, telemetry):
-                    if context.cancelled():  # the deadline passed or the client left: stop generating
-                        raise asyncio.CancelledError
-                    yield update_to_response(update)
-            else:
-                collected = [update_to_response(u) async for u in self.gateway.generate(body, telemetry)]
-                if collected and not context.cancelled():
-                    yield merge_responses(collected)
+            async with contextlib.aclosing(self.gateway.generate(body, telemetry)) as updates:
+                if body["stream"]:
+                    async for update in updates:
+                        if context.cancelled():  # the deadline passed or the client left: stop generating
+                            raise asyncio.CancelledError
+                        yield update_to_response(update)
+                else:
+                    collected = [update_to_response(u) async for u in updates]
+                    if collected and not context.cancelled():
+                        yield merge_responses(collected)
         except RequestFailed as failed:
             telemetry.end(failed.code, failed.message)
             await context.abort(STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[0], failed.message)
