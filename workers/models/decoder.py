@@ -100,8 +100,9 @@ class SelfAttention(nn.Module):
     def after_embedding(
         self, tokens: TokenIds, norm: RMSNorm, rope: RopeInputs, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward(norm(tokens.embedded()))` and the residual stream's start, the embedding and
-        the norm inside the QKV projection where the device fuses them (fused QKV only)."""
+        """`forward` of the normed embedding rows of `tokens`, and those rows (the residual
+        stream's start): embedding, scale and norm inside the QKV projection where the device
+        fuses them."""
         qkv, residual = self.qkv_proj.after_embedding(tokens.ids, tokens.table, tokens.scale, norm)
         return self._attend(qkv, rope, batch), residual
 
@@ -168,7 +169,8 @@ class DecoderLayer(nn.Module):
 
     @property
     def embeds_tokens(self) -> bool:
-        """Whether this layer, first, can take `TokenIds` and embed them itself."""
+        """Whether the input norm runs inside the fused QKV projection (which can then also
+        start from `TokenIds`, embedding them itself)."""
         return self.input_layernorm is not None and self.self_attn.qkv_proj is not None
 
     def forward(
@@ -181,7 +183,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(hidden, TokenIds):
             attn, residual = self.self_attn.after_embedding(hidden, self.input_layernorm, rope, batch)
-        elif self.input_layernorm is not None and residual is not None and self.self_attn.qkv_proj is not None:
+        elif self.embeds_tokens and residual is not None:
             attn, residual = self.self_attn.after_norm(hidden, residual, self.input_layernorm, before, rope, batch)
         else:
             if self.input_layernorm is not None:

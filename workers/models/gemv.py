@@ -408,6 +408,8 @@ def embed_norm_gemv(
 
 
 def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, scale):
+    """The one launch behind `add_norm_gemv` (`scale` None: x added to residual) and
+    `embed_norm_gemv` (x the table, residual the token id, rows times `scale`)."""
     k = weight.shape[1]
     t = tile_for(weight.shape[0], k)
     y = torch.empty(*res_out.shape[:-1], weight.shape[0], dtype=weight.dtype, device=weight.device)
