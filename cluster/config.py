@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import ssl
+import types
+import typing
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -252,3 +255,96 @@ class AppArgs(EngineArgs):
         if self.device == "cuda":
             bundle["GPU"] = 1
         return [dict(bundle) for _ in range(self.tp_size)]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One application setting as users name it: `grpc.port` in dotted form (`serve run` keys,
+    `slidespec serve --grpc-port`), with its type, default and meaning read off the model."""
+
+    name: str
+    type: str
+    default: Any  # REQUIRED when the setting has none
+    description: str
+    choices: tuple[Any, ...] = ()
+    kind: type = str  # the Python type a command-line value becomes (bool, int, float, dict, str)
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+REQUIRED = object()
+
+
+def settings(model: type[BaseModel] | None = None, prefix: str = "") -> list[Setting]:
+    """Every leaf setting of `model` (AppArgs by default) in declaration order; nested groups
+    (`grpc`, `router`, `tracing`, `speculative`) are flattened to dotted names."""
+    model = model or AppArgs
+    out: list[Setting] = []
+    for name, field in model.model_fields.items():
+        group = _group(field.annotation)
+        if group is not None:
+            out.extend(settings(group, f"{prefix}{name}."))
+            continue
+        default = REQUIRED if field.is_required() else field.get_default(call_default_factory=True)
+        out.append(
+            Setting(
+                name=f"{prefix}{name}",
+                type=_type_name(field.annotation),
+                default=default,
+                description=field.description or "",
+                choices=_choices(field.annotation),
+                kind=_kind(field.annotation),
+            )
+        )
+    return out
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The alternatives of a union (`X | None`, `Annotated[int, ...] | Literal[...]`), else itself."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(typing.get_args(annotation))
+    return (annotation,)
+
+
+def _group(annotation: Any) -> type[BaseModel] | None:
+    for member in _members(annotation):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            return member
+    return None
+
+
+def _strip(annotation: Any) -> Any:
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
+
+
+def _choices(annotation: Any) -> tuple[Any, ...]:
+    return tuple(
+        value
+        for member in map(_strip, _members(annotation))
+        if typing.get_origin(member) is Literal
+        for value in typing.get_args(member)
+    )
+
+
+def _kind(annotation: Any) -> type:
+    members = [_strip(m) for m in _members(annotation) if m is not type(None)]
+    for kind in (bool, dict, float, int):
+        if any(m is kind or typing.get_origin(m) is kind for m in members):
+            return kind if not (kind is int and _choices(annotation)) else str  # int | "auto": text
+    return str
+
+
+def _type_name(annotation: Any) -> str:
+    names = []
+    for member in map(_strip, _members(annotation)):
+        if member is type(None):
+            names.append("null")
+        elif typing.get_origin(member) is Literal:
+            names.append(" | ".join(repr(v) for v in typing.get_args(member)))
+        elif typing.get_origin(member) is dict:
+            names.append("mapping")
+        else:
+            names.append(getattr(member, "__name__", str(member)))
+    return " | ".join(names)
