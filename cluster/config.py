@@ -23,13 +23,41 @@ class SpeculativeArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    algorithm: Literal["standalone", "eagle", "nextn", "frozen_kv_mtp"]
-    draft_model: str = Field(description="draft model directory, or the name of a shipped model")
-    num_steps: int = Field(3, ge=1, le=16)
-    draft_pool: Literal["swa", "full", "target"] | None = None
-    draft_load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    draft_tp: Literal["shard", "replicate"] = "shard"
-    token_map: str | None = Field(None, description="file of target token ids the draft proposes from")
+    algorithm: Literal["standalone", "eagle", "nextn", "frozen_kv_mtp"] = Field(
+        description="how drafts are made: standalone (a small causal LM with the target's vocabulary), eagle "
+        "(an EAGLE-1 or EAGLE-3 head over the target's hidden states; nextn is its alias) or frozen_kv_mtp "
+        "(MTP layers that read the KV of named target layers)"
+    )
+    draft_model: str = Field(
+        description="draft model directory, or the name of a shipped model (the in-process Engine takes a directory)"
+    )
+    num_steps: int = Field(
+        3,
+        ge=1,
+        le=16,
+        description="draft tokens proposed per round, all verified by one target forward: more pay off when drafts "
+        "are often accepted, and cost draft time and KV lookahead when they are not",
+    )
+    draft_pool: Literal["swa", "full", "target"] | None = Field(
+        None,
+        description="where the draft's KV lives: swa (its sliding-window layers in an SWA pool; standalone only), "
+        "full (every draft layer in a full pool), target (no KV of its own: frozen_kv_mtp reads the target's); "
+        "null: the algorithm's default (standalone: swa when the draft has windows, else full)",
+    )
+    draft_load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        "auto", description="load_format of the draft's weights (dummy: random, for benchmarks)"
+    )
+    draft_tp: Literal["shard", "replicate"] = Field(
+        "shard",
+        description="with tp_size > 1: shard the draft over the target's ranks, or replicate it on every rank "
+        "(for drafts with fewer attention heads than ranks)",
+    )
+    token_map: str | None = Field(
+        None,
+        description="file of target token ids the draft proposes from (`python -m ops.token_map` makes one): its "
+        "LM head keeps only their rows, for faster draft steps over a large vocabulary; lossless, the target "
+        "verifies; null: the whole vocabulary",
+    )
 
 
 class EngineArgs(BaseModel):
@@ -38,29 +66,82 @@ class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="Hugging Face model directory, or the name of a shipped model in ops/models")
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    attention_backend: str | None = None  # default: trtllm_mha on CUDA, torch_native on CPU
-    page_size: int = Field(16, ge=1)
-    max_total_tokens: int = Field(8192, ge=1, description="full KV pool size, in tokens, per replica")
-    swa_full_tokens_ratio: float = Field(0.8, gt=0, le=1)
-    chunked_prefill_size: int | None = Field(2048, ge=1)
-    max_running_requests: int = Field(64, ge=1)
-    context_length: int | None = Field(None, ge=2)
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    seed: int = 0
-    debug_kv_checks: bool = False
-    tp_all_reduce: Literal["nccl", "one_shot"] = Field(
-        "nccl", description="tensor-parallel all-reduces of decode size: NCCL, or one kernel over peer memory"
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="where the ranks run; with cuda each rank of a replica takes one GPU"
     )
-    cuda_graphs: bool = Field(True, description="capture and replay decode-side forwards (CUDA, trtllm_mha)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of weights and activations; auto: bfloat16 on CUDA, float32 on CPU"
+    )
+    attention_backend: str | None = Field(
+        None,
+        description="attention kernels: trtllm_mha (TensorRT-LLM kernels through flashinfer on CUDA, strict "
+        "reference kernels on CPU) or torch_native (the float32 reference); null: trtllm_mha on CUDA, "
+        "torch_native on CPU",
+    )
+    page_size: int = Field(
+        16, ge=1, description="tokens per KV page: the unit the KV pools hand out and the prefix cache shares"
+    )
+    max_total_tokens: int = Field(
+        8192,
+        ge=1,
+        description="full KV pool size, in tokens, per replica: bounds the tokens of all running requests together, "
+        "and the context length",
+    )
+    swa_full_tokens_ratio: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="SWA pool size relative to the full pool, for models with sliding-window layers (those keep "
+        "only a window's tokens); lower it when requests are long against the window",
+    )
+    chunked_prefill_size: int | None = Field(
+        2048,
+        ge=1,
+        description="most prompt tokens one prefill step runs: longer prompts are prefilled in chunks, so that "
+        "running requests' decode steps are not held up long; null: no chunking",
+    )
+    max_running_requests: int = Field(
+        64, ge=1, description="most requests running (prefilling or decoding) at once on a replica; the others wait"
+    )
+    context_length: int | None = Field(
+        None,
+        ge=2,
+        description="longest sequence served, prompt and generated tokens; null: the model's max_position_embeddings; "
+        "never more than max_total_tokens",
+    )
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        "auto",
+        description="auto or safetensors: the model directory's safetensors (one file or a sharded index); "
+        "dummy: random weights of the configured shapes, for benchmarks",
+    )
+    seed: int = Field(0, description="seeds dummy weights and the sampling of requests that bring no seed of their own")
+    debug_kv_checks: bool = Field(
+        False,
+        description="check every trtllm_mha kernel call's KV contracts on CUDA too (the CPU kernels always do): "
+        "slow, turns CUDA graphs off; for debugging",
+    )
+    tp_all_reduce: Literal["nccl", "one_shot"] = Field(
+        "nccl",
+        description="tensor-parallel all-reduces of decode size: NCCL, or one kernel over peer memory "
+        "(one_shot: CUDA only; prefill-sized messages stay on NCCL)",
+    )
+    cuda_graphs: bool = Field(
+        True,
+        description="capture the decode-side forwards (decode, or speculative verify and draft steps) as CUDA graphs "
+        "at start-up and replay them; CUDA with trtllm_mha only, off with debug_kv_checks; false saves start-up "
+        "time and graph memory",
+    )
     cuda_graph_max_batch_size: int | None = Field(
-        None, ge=1, description="largest captured batch (default: max_running_requests)"
+        None, ge=1, description="largest captured batch; larger ones run eagerly; null: max_running_requests"
     )
     enable_prefix_caching: bool = Field(
-        True, description="keep computed prompt pages in a radix tree for requests sharing their prefix"
+        True,
+        description="keep computed prompt (and finished sequence) pages in a radix tree for later requests "
+        "sharing their prefix",
     )
-    speculative: SpeculativeArgs | None = None
+    speculative: SpeculativeArgs | None = Field(
+        None, description="speculative decoding, set by the speculative options; null: off"
+    )
 
     @field_validator("model")
     @classmethod
@@ -87,13 +168,15 @@ class GrpcArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = Field("127.0.0.1", description="bind address; loopback unless told otherwise")
-    port: int = Field(50051, ge=0, le=65535)
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port")
     tls_cert_file: str | None = Field(None, description="PEM server certificate; with tls_key_file turns TLS on")
-    tls_key_file: str | None = None
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file")
     auth_token_file: str | None = Field(None, description="file holding the bearer token clients must send")
-    max_message_bytes: int = Field(16 << 20, ge=1024)
+    max_message_bytes: int = Field(
+        16 << 20, ge=1024, description="largest gRPC message received or sent (a prompt, a response)"
+    )
     retries: int = Field(2, ge=0, description="retries on a replica failure before the first token")
-    retry_backoff_s: float = Field(0.2, ge=0)
+    retry_backoff_s: float = Field(0.2, ge=0, description="wait before the first retry, doubled for each next one")
     ready_wait_s: float = Field(
         30.0,
         ge=0,
@@ -128,12 +211,16 @@ class TracingArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    exporter: Literal["none", "otlp_grpc", "otlp_http", "file"] = "none"
+    exporter: Literal["none", "otlp_grpc", "otlp_http", "file"] = Field(
+        "none",
+        description="where spans go: none (no tracing), an OTLP collector at endpoint over gRPC or HTTP, "
+        "or OTLP JSON-lines files in file_dir",
+    )
     endpoint: str | None = Field(None, description="otlp_*: collector endpoint (e.g. 127.0.0.1:4317)")
     insecure: bool = Field(True, description="otlp_grpc: plaintext to the collector")
     file_dir: str | None = Field(None, description="file: directory of OTLP JSON-lines files, one per process")
     sample_ratio: float = Field(1.0, ge=0, le=1, description="share of traces kept (parent-based)")
-    service_name: str = "slidespec"
+    service_name: str = Field("slidespec", description="the service.name resource attribute of every span")
 
     @model_validator(mode="after")
     def _destination(self) -> TracingArgs:
@@ -149,7 +236,12 @@ class RouterArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    policy: Literal["round_robin", "power_of_two", "cache_aware", "consistent_hash"] = "power_of_two"
+    policy: Literal["round_robin", "power_of_two", "cache_aware", "consistent_hash"] = Field(
+        "power_of_two",
+        description="round_robin: each replica in turn; power_of_two: the less loaded (in tokens) of two random "
+        "replicas; cache_aware: the replica with the longest prefix match while loads are balanced, else the "
+        "least loaded; consistent_hash: a hash ring over the request's session_id keeps a session on one replica",
+    )
     cache_threshold: float = Field(0.5, ge=0, le=1, description="cache_aware: prefix match that wins")
     balance_abs_threshold: float = Field(256, ge=0, description="cache_aware: token load gap that means imbalance")
     balance_rel_threshold: float = Field(1.5, ge=1, description="cache_aware: load ratio that means imbalance")
@@ -167,8 +259,15 @@ class AppArgs(EngineArgs):
     """Engine arguments plus how the replicas are laid out on the cluster."""
 
     tp_size: int = Field(1, ge=1, description="tensor-parallel ranks (Ray actors) per replica")
-    num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] = 1
-    autoscaling_config: dict[str, Any] | None = None
+    num_replicas: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1, description="engine replicas, each a full copy of the model on tp_size ranks; auto: autoscaled"
+    )
+    autoscaling_config: dict[str, Any] | None = Field(
+        None,
+        description="Ray Serve's autoscaling_config of the engine deployment (min_replicas, max_replicas, "
+        "target_ongoing_requests, ...); given, or with num_replicas auto (then 1 to 4 replicas), replicas are "
+        "autoscaled",
+    )
     ingress_path: Literal["direct", "serve_handle"] = Field(
         "direct",
         description="how the ingress reaches replicas: their rank-0 actors directly (two fewer Ray hops each way), "
@@ -181,20 +280,32 @@ class AppArgs(EngineArgs):
         "node (rank 0's loop thread writes each step's updates; no Ray task a token), or Ray actor calls and a "
         "streaming generator; callers on another node always take Ray",
     )
-    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "STRICT_PACK"
-    cpus_per_rank: float = Field(1.0, gt=0)
-    replica_cpus: float = Field(0.5, gt=0, description="the replica actor itself (it only relays)")
-    ingress_cpus: float = Field(0.5, gt=0)
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = Field(
+        "STRICT_PACK",
+        description="Ray placement-group strategy of a replica's bundles (its replica actor and ranks): STRICT_PACK "
+        "keeps them on one node, PACK prefers one, SPREAD spreads them over nodes",
+    )
+    cpus_per_rank: float = Field(1.0, gt=0, description="CPUs Ray reserves for each rank actor")
+    replica_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for the replica actor (it only relays)")
+    ingress_cpus: float = Field(0.5, gt=0, description="CPUs Ray reserves for the ingress (gRPC server, HTTP routes)")
     ingress_on_head: bool = Field(
         True, description="run the ingress (the gRPC port) on the head node, as Serve's HTTP proxy"
     )
-    torch_threads_per_rank: int = Field(1, ge=1)
-    health_check_period_s: float = Field(5.0, gt=0)
-    health_check_timeout_s: float = Field(10.0, gt=0)
+    torch_threads_per_rank: int = Field(
+        1, ge=1, description="torch intra-op threads of each rank; raise it to serve on CPU with cores to spare"
+    )
+    health_check_period_s: float = Field(
+        5.0, gt=0, description="how often Ray Serve checks each replica's and the ingress's health"
+    )
+    health_check_timeout_s: float = Field(
+        10.0, gt=0, description="a health check answered later fails, and Serve replaces the replica"
+    )
     stall_timeout_s: float = Field(
         300.0, gt=0, description="a step running longer than this fails the health check (first steps compile kernels)"
     )
-    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="how long a stopping replica (or ingress) lets the requests in flight finish"
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica takes at once")
     stream_interval: int = Field(
         1,
@@ -208,7 +319,9 @@ class AppArgs(EngineArgs):
     ingress_max_ongoing_requests: int = Field(
         4096, ge=1, description="HTTP requests the ingress streams at once (Serve's default of 5 would queue the rest)"
     )
-    routing_stats_period_s: float = Field(2.0, gt=0)
+    routing_stats_period_s: float = Field(
+        2.0, gt=0, description="how often Serve asks each replica for the load the router weighs"
+    )
     grpc: GrpcArgs = Field(default_factory=GrpcArgs)
     router: RouterArgs = Field(default_factory=RouterArgs)
     tracing: TracingArgs = Field(default_factory=TracingArgs)

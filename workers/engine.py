@@ -46,6 +46,23 @@ logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # consecutive steps whose forward raised before the engine gives up
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# Engine options the application settings lack, and what the Engine takes beyond a setting of the
+# same name; `cluster.config.EngineArgs` describes the settings. docs/configuration.md lists every
+# option from both (`python -m ops.config_docs`).
+ENGINE_OPTIONS: dict[str, str] = {
+    "model": "the Engine takes a directory (the application resolves shipped model names)",
+    "device": 'the Engine also takes a torch.device; "cuda" is the current CUDA device',
+    "speculative": "the Engine takes a mapping of the speculative options, named without the prefix "
+    '({"algorithm": "eagle", "draft_model": ...}; checked by `workers.speculative.SpecConfig`)',
+    "tp": "this rank's tensor-parallel group (`workers.distributed.TPGroup`): every rank of it builds an Engine "
+    "with the same arguments and steps in lockstep (`workers.rank_loop`); the application builds one per "
+    "replica of tp_size ranks",
+    "cuda_graphs": 'the Engine also takes "emulate": the replay logic run eagerly on any device, for tests',
+    "overlap_schedule": "launch each greedy decode step before the previous one's tokens reach the host "
+    "(`workers/overlap.py`), so that the host's bookkeeping overlaps the GPU; a step's events then come one "
+    "step later; None: on with CUDA",
+}
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -86,17 +103,8 @@ class Engine:
         overlap_schedule: bool | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
-        """`tp`: this rank's tensor-parallel group; every rank of it builds an Engine with the
-        same arguments and steps in lockstep (see `workers.rank_loop`). `tp_all_reduce`:
-        "one_shot" sends decode-sized all-reduces through peer memory (`workers/distributed.py`).
-        `cuda_graphs`: capture the decode-side forwards (decode, or verify and draft decode) for
-        batch sizes up to `cuda_graph_max_batch_size` (default `max_running_requests`) and
-        replay them; on CUDA with `trtllm_mha` only, and not with `debug_kv_checks` (the checks
-        read tensors on the host). "emulate" runs the replay logic eagerly (on any device: for
-        tests). `overlap_schedule` (default: on CUDA) launches each greedy decode step before the
-        previous one's tokens reach the host (`workers/overlap.py`); a step's events then come
-        one step later. `enable_prefix_caching`: keep computed prompt (and finished sequence)
-        pages in a radix tree for later requests sharing their prefix (`workers/radix_cache.py`)."""
+        """The options' meanings: `cluster.config.EngineArgs` and `ENGINE_OPTIONS` (one place each,
+        so that docs/configuration.md is generated from them)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {device!r}, but torch sees no CUDA device (a CPU build, or no GPU visible)")
