@@ -46,8 +46,7 @@ class HttpApi:
         self.max_request_bytes = max_request_bytes
 
     async def generate(self, request) -> Any:
-        if request.method != "POST":
-            return _error("INVALID_ARGUMENT", f"method: {request.method} is not allowed; POST a JSON request", 405)
+        """`POST /generate`: one request, its responses as JSON lines (or one object)."""
         try:
             body = await read_json(request, self.max_request_bytes)
         except InvalidRequest as exc:
@@ -140,6 +139,11 @@ def unauthenticated() -> JSONResponse:
     response = _error("UNAUTHENTICATED", DENIED, 401)
     response.headers["WWW-Authenticate"] = "Bearer"
     return response
+
+
+def not_routed(status: int, message: str) -> JSONResponse:
+    """404 for a path nobody defined, 405 for a defined path asked with another method."""
+    return _error("NOT_FOUND" if status == 404 else "UNIMPLEMENTED", message, status)
 
 
 def _error(code: str, message: str, status: int) -> JSONResponse:

@@ -11,6 +11,7 @@ and requests reach engine replicas through a Serve handle and its request router
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import os
 import uuid
@@ -23,17 +24,18 @@ from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.experimental import internal_kv
 from ray.serve.handle import DeploymentHandle
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from cluster.auth import DENIED, load_token
 from cluster.config import AppArgs
 from cluster.gateway import READY_POLL_S, Gateway
 from cluster.grpc_server import SERVICE, GenerationService, start_server
-from cluster.http_api import HttpApi, unauthenticated
+from cluster.http_api import HttpApi, not_routed, unauthenticated
+from cluster.http_routes import Match, match, relative_path
 from cluster.metrics import ServingMetrics
 from cluster.openai_api import OpenAIApi
 from cluster.openai_api import error_response as openai_error
-from cluster.protocol import PromptLimits
+from cluster.protocol import PromptLimits, clipped
 from cluster.rank_actor import rank0_replica, rank_actor_name
 from cluster.replica_set import ReplicaSet
 from cluster.routing.load_board import BOARD
@@ -45,6 +47,11 @@ from workers.models import load_model_config
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+try:
+    VERSION = importlib.metadata.version("slidespec")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+    VERSION = "unknown"
 
 ENGINE_DEPLOYMENT = "LLMServer"
 INGRESS_DEPLOYMENT = "GrpcIngress"
@@ -232,24 +239,69 @@ class GrpcIngress:
         }
 
     async def __call__(self, request) -> Any:
-        """HTTP through Serve's proxy: POST a `GenerateRequest` as JSON (`cluster/http_api.py`);
-        .../v1/... are OpenAI's routes (`cluster/openai_api.py`); GET .../metrics is the
-        Prometheus exposition, in the format the scraper asks for. With a
-        bearer token configured, both need it (metrics unless `metrics_open`), as gRPC does."""
-        metrics = request.method == "GET" and request.url.path.rstrip("/").endswith("/metrics")
-        openai_route = OpenAIApi.route(request.url.path)
+        """HTTP through Serve's proxy: the route table (`cluster/http_routes.py`) says which
+        handler answers; a path outside it is 404, another method 405. With a bearer token
+        configured, every route but `/health` and `/version` needs it (`/metrics` unless
+        `metrics_open`), as gRPC does."""
+        path = relative_path(request.url.path, request.scope.get("root_path", ""))
+        found = match(request.method, path)
+        if found.route is None:
+            return self._not_routed(found, request.method, path)
+        route = found.route
         if (
             self.token is not None
-            and not (metrics and self.args.metrics_open)
+            and (route.access == "token" or (route.access == "metrics" and not self.args.metrics_open))
             and not self.token.admits(request.headers.get("authorization"))
         ):
-            return unauthenticated() if openai_route is None else openai_error(401, DENIED, code="invalid_api_key")
-        if metrics:
-            body, content_type = self.metrics.exposition(request.headers.get("accept"))
-            return Response(body, media_type=content_type)
-        if openai_route is not None:
-            return await self.openai.handle(request, openai_route)
+            if route.errors == "openai":
+                return openai_error(401, DENIED, code="invalid_api_key")
+            return unauthenticated()
+        return await getattr(self, f"_http_{route.handler}")(request, **found.params)
+
+    @staticmethod
+    def _not_routed(found: Match, method: str, path: str) -> Response:
+        if found.status == 405:
+            message = f"method: {method} {path} is not allowed; it takes {', '.join(found.allowed)}"
+        else:
+            message = f"path: {clipped(path)} is not a route of this server"
+        response = (
+            openai_error(found.status, message, code="not_found" if found.status == 404 else "method_not_allowed")
+            if found.errors == "openai"
+            else not_routed(found.status, message)
+        )
+        if found.allowed:
+            response.headers["Allow"] = ", ".join(found.allowed)
+        return response
+
+    async def _http_completions(self, request) -> Any:
+        return await self.openai.completions(request, chat=False)
+
+    async def _http_chat_completions(self, request) -> Any:
+        return await self.openai.completions(request, chat=True)
+
+    async def _http_models(self, request) -> Any:
+        return self.openai.models()
+
+    async def _http_model(self, request, model: str) -> Any:
+        return self.openai.model(model)
+
+    async def _http_generate(self, request) -> Any:
         return await self.http.generate(request)
+
+    async def _http_metrics(self, request) -> Response:
+        body, content_type = self.metrics.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    async def _http_health(self, request) -> JSONResponse:
+        """200 while an engine replica can take requests, 503 otherwise (load balancers and
+        probes; a replica is RUNNING only once its engine has started: weights, kernels, graphs)."""
+        ready = await self._ready()
+        return JSONResponse(
+            {"status": "ok" if ready else "unavailable", "replicas": self._running()}, status_code=200 if ready else 503
+        )
+
+    async def _http_version(self, request) -> JSONResponse:
+        return JSONResponse({"version": VERSION})
 
     async def __del__(self) -> None:
         """Graceful stop (a redeploy, a scale-down, a deletion): say NOT_SERVING, keep taking calls

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API on the ingress, beside gRPC and the JSON-lines route.
 
-`POST .../v1/completions`, `POST .../v1/chat/completions` and `GET .../v1/models`, streaming as
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models` and `GET /v1/models/{model}`
+(paths of `cluster/http_routes.py`), streaming as
 server-sent events (`data: {...}` chunks, then `data: [DONE]`). A request becomes the generation
 API's body and goes through the same gateway (validation, routing, retries), engine, metrics and
 traces as the other doors; chat messages are rendered with the model's own chat template
@@ -28,7 +29,6 @@ from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
 from workers.tokenizer import unicode_problem
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context
 # parameter -> the values that mean "off" (anything else is refused: not implemented)
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -62,6 +62,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -167,37 +168,43 @@ class OpenAIApi:
         self.max_request_bytes = max_request_bytes
         self.created = int(time.time())
 
-    @staticmethod
-    def route(path: str) -> str | None:
-        """Which OpenAI route a request path ends with, if any."""
-        return next((r for r in ROUTES if path.rstrip("/").endswith(r)), None)
-
-    async def handle(self, request, route: str) -> Any:
+    async def completions(self, request, chat: bool) -> Any:
+        """`POST /v1/completions` (chat: `POST /v1/chat/completions`)."""
         try:
-            if route == "/v1/models":
-                return JSONResponse({"object": "list", "data": [self._model_card()]})
-            if request.method != "POST":
-                raise OpenAIError(405, f"{request.method} {route}: POST a JSON body")
             try:
                 body = await read_json(request, self.max_request_bytes)
             except BodyTooLarge as exc:
                 raise OpenAIError(413, str(exc)) from None
             except InvalidRequest as exc:
                 raise OpenAIError(400, str(exc)) from None
-            chat = route == "/v1/chat/completions"
             parsed = _parse(ChatRequest if chat else CompletionRequest, body)
-            if parsed.model != self.model_name:
-                raise OpenAIError(
-                    404,
-                    f"model {clipped(repr(parsed.model))} does not exist; this server serves {self.model_name!r}",
-                    "model",
-                    "model_not_found",
-                )
+            self._served(parsed.model)
             return await self._complete(parsed, chat, request)
         except OpenAIError as exc:
             if exc.status in (400, 413):
                 self.gateway.rejected("OpenAI", exc)
             return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    def models(self) -> JSONResponse:
+        """`GET /v1/models`: the one model this application serves."""
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    def model(self, name: str) -> JSONResponse:
+        """`GET /v1/models/{model}`: its card, or 404 for a model this application does not serve."""
+        try:
+            self._served(name)
+        except OpenAIError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code)
+        return JSONResponse(self._model_card())
+
+    def _served(self, name: str) -> None:
+        if name != self.model_name:
+            raise OpenAIError(
+                404,
+                f"model {clipped(repr(name))} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     def _model_card(self) -> dict[str, Any]:
         return {

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         start = time.perf_counter()
-        ingress = serve.run(build_app(app_args), name="slidespec", route_prefix="/generate")
+        ingress = serve.run(build_app(app_args), name="slidespec", route_prefix="/")
         grpc_port = ingress.ports.remote().result()["grpc"]
         print(
             f"up in {time.perf_counter() - start:.1f} s: gRPC on 127.0.0.1:{grpc_port}, HTTP on 127.0.0.1:{http_port}\n"
@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
             f"{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; "
             f"mean accept length {mean:.2f}"
         )
-        _openai_chat(f"http://127.0.0.1:{http_port}/generate/v1", os.path.basename(DEFAULT_MODEL))
-        metrics = requests.get(f"http://127.0.0.1:{http_port}/generate/metrics", timeout=30).text
+        _openai_chat(f"http://127.0.0.1:{http_port}/v1", os.path.basename(DEFAULT_MODEL))
+        metrics = requests.get(f"http://127.0.0.1:{http_port}/metrics", timeout=30).text
         shown = [
             line
             for line in metrics.splitlines()

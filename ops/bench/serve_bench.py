@@ -407,9 +407,9 @@ def launch(args: argparse.Namespace) -> dict[str, str]:
         "stream_interval": args.stream_interval,
         "rank0_transport": args.rank0_transport,
     }
-    handle = serve.run(build_app(app), name="bench", route_prefix="/generate")
+    handle = serve.run(build_app(app), name="bench", route_prefix="/")
     grpc_port = handle.ports.remote().result()["grpc"]
-    return {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}/generate"}
+    return {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -418,11 +418,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", help="a running gRPC server (grpc backend); default: launch one")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument(
-        "--base-url", help="a running HTTP route (http://127.0.0.1:8000/generate) or OpenAI base (.../generate/v1)"
+        "--base-url", help="a running JSON-lines route (http://127.0.0.1:8000/generate) or OpenAI base (.../v1)"
     )
     p.add_argument(
         "--metrics-url",
-        help="a running stack's Prometheus route (http://127.0.0.1:8000/generate/metrics), for the server's "
+        help="a running stack's Prometheus route (http://127.0.0.1:8000/metrics), for the server's "
         "queue and prefill times; a launched application's is known",
     )
     p.add_argument("--model", default="tiny-gemma3", help="a shipped model name or a model directory")
@@ -496,10 +496,11 @@ def make_backend(args: argparse.Namespace, settings: dict[str, Any]):
     url, metrics_url = args.base_url, args.metrics_url
     if (args.backend == "grpc" and target is None) or (args.backend != "grpc" and url is None):
         where = launch(args)
-        target, url = target or where["grpc"], url or where["http"]
+        route = "/v1" if args.backend == "openai" else "/generate"
+        target, url = target or where["grpc"], url or where["http"] + route
         metrics_url = metrics_url or where["http"] + "/metrics"
     if args.backend == "openai":
-        backend = OpenAIBackend(url if args.base_url else url + "/v1", os.path.basename(settings["model"]))
+        backend = OpenAIBackend(url, os.path.basename(settings["model"]))
     else:
         backend = GrpcBackend(target) if args.backend == "grpc" else HttpBackend(url)
     return backend, metrics_url

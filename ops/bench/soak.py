@@ -80,7 +80,7 @@ def launch() -> tuple[str, str]:
     ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": ports[0]})
     serve.run(build_app(app_args(ports[1])), name="soak", route_prefix="/soak")
-    return f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[0]}/soak"
+    return f"127.0.0.1:{ports[1]}", f"http://127.0.0.1:{ports[0]}/soak/generate"
 
 
 # -- one call -------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def app(ray_serve):
     port = free_port()
     serve.run(build_app(soak.app_args(port)), name="soak", route_prefix="/soak")
     client = GenerationClient(f"127.0.0.1:{port}")
-    yield client, f"{ray_serve}/soak"
+    yield client, f"{ray_serve}/soak/generate"
     client.close()
 
 

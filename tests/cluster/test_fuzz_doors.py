@@ -363,7 +363,7 @@ def test_http_door(app):
             data = data[:at] + b"\xff" + data[at:]
         elif corrupt == 1:  # over the size limit
             data = json.dumps({"prompt": "x" * (ARGS["max_request_bytes"] + 10)}).encode()
-        return http_outcome(route, data)
+        return http_outcome(f"{route}/generate", data)
 
     cases = drawn(st.tuples(bodies(), st.integers(0, 15), st.integers(0, 10**6)), 20261123)
     assert_run_held(client, send_all(send, cases))

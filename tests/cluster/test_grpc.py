@@ -319,19 +319,19 @@ def test_tls_token_auth_and_message_size(servers):
 
 
 def test_the_token_guards_the_http_route_and_its_metrics_too(servers, ray_serve):
-    route = f"{ray_serve}/secure"
+    route = f"{ray_serve}/secure/generate"
     body = {"prompt_token_ids": [1, 2, 3], "sampling": {"max_new_tokens": 3, "temperature": 0.0}, "stream": False}
     for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": TOKEN}):
         for r in (
             requests.post(route, json=body, headers=headers, timeout=30),
-            requests.get(f"{route}/metrics", headers=headers, timeout=30),
+            requests.get(f"{ray_serve}/secure/metrics", headers=headers, timeout=30),
         ):
             assert r.status_code == 401 and r.json()["error"]["code"] == "UNAUTHENTICATED", r.text
             assert r.headers["WWW-Authenticate"] == "Bearer" and TOKEN not in r.text
     good = {"Authorization": f"Bearer {TOKEN}"}
     r = requests.post(route, json=body, headers=good, timeout=60)
     assert r.status_code == 200 and len(r.json()["token_ids"]) == 3
-    r = requests.get(f"{route}/metrics", headers=good, timeout=30)
+    r = requests.get(f"{ray_serve}/secure/metrics", headers=good, timeout=30)
     assert r.status_code == 200 and "slidespec_request_success_total" in r.text
     assert requests.get(f"{ray_serve}/api/metrics", timeout=30).status_code == 200  # no token configured there
     time.sleep(1.0)  # log lines reach their files

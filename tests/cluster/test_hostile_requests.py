@@ -43,7 +43,7 @@ def app(ray_serve):
     handle = serve.run(build_app(ARGS), name="h", route_prefix="/h")
     target = f"127.0.0.1:{handle.ports.remote().result()['grpc']}"
     client = GenerationClient(target)
-    yield client, f"{ray_serve}/h"
+    yield client, f"{ray_serve}/h/generate"
     client.close()
 
 
@@ -175,8 +175,9 @@ def _wait_idle(client, timeout: float = 10.0):
 
 
 def _counts(url: str) -> dict[str, float]:
-    """Requests by how they ended: successes by finish reason, failures by reason."""
-    text = requests.get(f"{url}/metrics", timeout=5).text
+    """Requests by how they ended (`url`: the application's /generate route): successes by
+    finish reason, failures by reason."""
+    text = requests.get(url.removesuffix("/generate") + "/metrics", timeout=5).text
     counts = {}
     for m in re.finditer(r"^slidespec_request_(?:success|failure)_total\{(.*)\} (\S+)$", text, re.M):
         counts[re.search(r'reason="([^"]+)"', m.group(1)).group(1)] = float(m.group(2))

@@ -54,7 +54,7 @@ def test_a_redeploy_under_load_fails_no_request(ray_serve):
         body = {"prompt_token_ids": [5, 6, i], "sampling": SAMPLING, "stream": False}
         while not stop.is_set():
             try:
-                r = requests.post(f"{ray_serve}/r", json=body, timeout=60)
+                r = requests.post(f"{ray_serve}/r/generate", json=body, timeout=60)
                 ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 48
                 outcomes.append("ok" if ok else f"http {r.status_code} {r.text[:200]}")
             except Exception as exc:  # noqa: BLE001

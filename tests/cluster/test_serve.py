@@ -89,7 +89,7 @@ def test_tp2_replica_matches_the_in_process_engine(apps, models, app):
 
 def test_http_stream_and_bad_input(apps, ray_serve):
     body = {"prompt_token_ids": PROMPTS[0], "sampling": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
-    with requests.post(f"{ray_serve}/plain", json=body, stream=True, timeout=60) as r:
+    with requests.post(f"{ray_serve}/plain/generate", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert sum(len(u["token_ids"]) for u in lines) == 5 and lines[-1]["finished"]
@@ -101,7 +101,7 @@ def test_http_stream_and_bad_input(apps, ray_serve):
         ({"prompt_token_ids": [1] * 1024}, "context length"),
         ({"prompt_token_ids": [1], "sampling": {"stop": [""]}}, "sampling.stop"),
     ]:
-        r = requests.post(f"{ray_serve}/plain", json=bad, timeout=60)
+        r = requests.post(f"{ray_serve}/plain/generate", json=bad, timeout=60)
         error = r.json()["error"]
         assert r.status_code == 400 and error["code"] == "INVALID_ARGUMENT" and field in error["message"], r.text
         assert "Traceback" not in r.text

@@ -48,7 +48,7 @@ def app(ray_serve):
     handle = serve.run(build_app(args), name="s", route_prefix="/s")
     client = GenerationClient(f"127.0.0.1:{handle.ports.remote().result()['grpc']}")
     list(client.generate("def f(x):", max_new_tokens=8, temperature=0.0))
-    requests.post(f"{ray_serve}/s", json={"prompt": "x", "sampling": {"top_p": 2.0}}, timeout=10)  # a failure
+    requests.post(f"{ray_serve}/s/generate", json={"prompt": "x", "sampling": {"top_p": 2.0}}, timeout=10)  # a failure
     yield client, f"{ray_serve}/s", f"http://127.0.0.1:{metrics_port}/metrics"
     client.close()
 
@@ -150,7 +150,7 @@ def test_grpc_and_http_render_the_same_response(app):
     client, route, _ = app
     sampling = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     grpc_lines = _grpc_final(client, "same-1", **sampling)
-    http_lines = _http(route, {"request_id": "same-1", "prompt": "def f(x):", "sampling": sampling})
+    http_lines = _http(f"{route}/generate", {"request_id": "same-1", "prompt": "def f(x):", "sampling": sampling})
     assert http_lines == grpc_lines  # every field of every response
     last = http_lines[-1]
     assert last["finish_reason"] == "FINISH_REASON_LENGTH" and last["usage"]["completion_tokens"] == 12
@@ -158,7 +158,9 @@ def test_grpc_and_http_render_the_same_response(app):
 
     whole_grpc = client.complete("def f(x):", request_id="same-2", **sampling)
     r = requests.post(
-        route, json={"request_id": "same-2", "prompt": "def f(x):", "sampling": sampling, "stream": False}, timeout=60
+        f"{route}/generate",
+        json={"request_id": "same-2", "prompt": "def f(x):", "sampling": sampling, "stream": False},
+        timeout=60,
     )
     assert r.json() == json_format.MessageToDict(
         whole_grpc, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
@@ -178,7 +180,9 @@ def test_prefix_cache_hits_in_usage_and_metrics_on_both_doors(app):
     n = first.usage.prompt_tokens
     assert first.usage.cached_tokens == 0 and n > 32
     second = client.complete(prompt, request_id="cache-2", **sampling)
-    third = _http(route, {"request_id": "cache-3", "prompt": prompt, "sampling": sampling, "stream": False})[-1]
+    third = _http(
+        f"{route}/generate", {"request_id": "cache-3", "prompt": prompt, "sampling": sampling, "stream": False}
+    )[-1]
     cached = (n - 1) // 16 * 16  # an exact repeat: whole pages, the last prompt token computed
     assert second.usage.cached_tokens == cached and third["usage"]["cached_tokens"] == cached
     assert list(second.token_ids) == list(first.token_ids) == third["token_ids"]
@@ -200,7 +204,7 @@ def test_http_streams_many_requests_at_once(app):
     counted = threading.Event()
 
     def first_line_then_hold():
-        with requests.post(route, json=body, stream=True, timeout=120) as r:
+        with requests.post(f"{route}/generate", json=body, stream=True, timeout=120) as r:
             lines = r.iter_lines()  # kept: a dropped line iterator closes the connection (an abort)
             line = json.loads(next(lines))
             counted.wait(60)
@@ -227,7 +231,10 @@ def test_an_aborted_request_reports_what_it_consumed_on_both_doors(app):
     tokens += [t for r in grpc_rest for t in r.get("token_ids", [])]
 
     with requests.post(
-        route, json={"request_id": "abort-http", "prompt": "def f(x):", "sampling": long}, stream=True, timeout=60
+        f"{route}/generate",
+        json={"request_id": "abort-http", "prompt": "def f(x):", "sampling": long},
+        stream=True,
+        timeout=60,
     ) as r:
         lines = r.iter_lines()
         http = [json.loads(next(lines))]
