@@ -1,4 +1,4 @@
-"""Benchmarks; each records what it measured under ops/bench/results/."""
+"""Benchmarks; `--record` writes a run to ops/bench/results/ (how: ops/bench/record.py)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 import transformers
 
 from ops.bench import emit
+from ops.bench.record import add_record_args, record_run
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop
@@ -165,6 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--out", default=None)
+    add_record_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = tiny_model_dir()
@@ -179,6 +181,8 @@ def main() -> None:
         "steps_per_s": {k: round(v, 1) for k, v in rows.items()},
     }
     emit(result, args.out)
+    figures = {mode: {"steps_per_s": rate, "ms_per_step": 1e3 / rate} for mode, rate in rows.items()}
+    record_run(args, "control_path", figures, ["steps_per_s", "ms_per_step"], device="cpu")
 
 
 if __name__ == "__main__":

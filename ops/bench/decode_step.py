@@ -34,9 +34,11 @@ from typing import NamedTuple
 import torch
 
 from ops.bench.decode_throughput import PROMPT, SHAPES, engine_for, random_prompts, write_config
+from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 
 WARMUP_STEPS = 10
+COLUMNS = ["median_ms", "ms_per_step", "starved", "graph_ms", "between_us", "this_over_against"]
 
 
 class ReplayClock:
@@ -130,9 +132,10 @@ def main() -> None:
     parser.add_argument(
         "--replay-clock", action="store_true", help="time every graph replay: ms inside, us between replays"
     )
+    add_record_args(parser)
     args = parser.parse_args()
     if args.against:
-        compare(args)
+        record_run(args, "decode_step", compare(args), COLUMNS)
         return
     engine = engine_for(write_config(tempfile.mkdtemp(), args.shape, SHAPES[args.shape]), True, args.max_batch)
     clocks = [ReplayClock() if args.replay_clock else None for _ in range(args.repeats)]
@@ -143,6 +146,9 @@ def main() -> None:
         medians = [clock.medians() for clock in clocks]
         line.update(graph_ms=[inside for inside, _ in medians], between_us=[gap for _, gap in medians])
     print(json.dumps(line))
+    case = f"{args.shape}/b{args.batch}" + (f"/{args.tag}" if args.tag else "")
+    figures = {k: v for k, v in line.items() if k not in ("shape", "batch", "tag")}
+    record_run(args, "decode_step", {case: {"median_ms": statistics.median(line["ms_per_step"]), **figures}}, COLUMNS)
 
 
 def tree_process(tree: str, here: str, argv: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -154,8 +160,9 @@ def tree_process(tree: str, here: str, argv: list[str]) -> tuple[list[str], dict
     return [sys.executable, "-P", "-m", "ops.bench.decode_step", *argv], env
 
 
-def compare(args: argparse.Namespace) -> None:
-    """Alternate processes of this tree and of `args.against`; the ratio of their medians."""
+def compare(args: argparse.Namespace) -> dict[str, dict]:
+    """Alternate processes of this tree and of `args.against`; the ratio of their medians, and
+    each side's readings as cases to record."""
     flags = ["--shape", args.shape, "--batch", str(args.batch), "--max-batch", str(args.max_batch)]
     flags += ["--steps", str(args.steps), "--repeats", str(args.repeats)] + ["--replay-clock"] * args.replay_clock
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,7 +175,17 @@ def compare(args: argparse.Namespace) -> None:
             print(line.strip(), flush=True)
             readings[tag] += json.loads(line.splitlines()[-1])["ms_per_step"]
     medians = {tag: statistics.median(ms) for tag, ms in readings.items()}
-    print(json.dumps({"median_ms": medians, "this_over_against": medians["this"] / medians["against"]}))
+    ratio = medians["this"] / medians["against"]
+    print(json.dumps({"median_ms": medians, "this_over_against": ratio}))
+    case = f"{args.shape}/b{args.batch}"
+    return {
+        f"{case}/{tag}": {
+            "median_ms": medians[tag],
+            "ms_per_step": ms,
+            **({"this_over_against": ratio} if tag == "this" else {}),
+        }
+        for tag, ms in readings.items()
+    }
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import warnings
 import torch
 
 from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -470,6 +471,31 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+COLUMNS = [
+    "tok_per_s",
+    "ms_per_step",
+    "roofline_tok_per_s",
+    "of_roofline",
+    "round_over_plain_step",
+    "syncs_per_step",
+    "accept_length",
+    "speedup",
+    "of_matmul_peak",
+    "copy_TBps",
+    "matmul_TFLOPs",
+]
+
+
+def cases(results: dict) -> dict[str, dict]:
+    """The recorded figures: every measured case, and the ceilings its ratios were taken against."""
+    out = {k: v for k, v in results.items() if isinstance(v, dict) and k != "ceilings"}
+    lim = results["ceilings"]
+    return {
+        "ceilings": {"copy_TBps": lim["copy_bytes_per_s"] / 1e12, "matmul_TFLOPs": lim["matmul_flops_per_s"] / 1e12},
+        **out,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -478,6 +504,7 @@ def main() -> None:
     parser.add_argument("--modes", default="graphs,eager", help="decode with CUDA graphs, eagerly, or both")
     parser.add_argument("--spec-batch", type=int, default=1, help="requests a speculative round serves")
     parser.add_argument("--spec-drafts", default=None, help="the spec part's drafts, comma-separated (default all)")
+    add_record_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parts, shapes = args.parts.split(","), args.shapes.split(",")
@@ -497,6 +524,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
     print(table(results))
+    record_run(args, "decode_throughput", cases(results), COLUMNS)
 
 
 if __name__ == "__main__":

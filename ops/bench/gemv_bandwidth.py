@@ -23,11 +23,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from ops.bench.record import add_record_args, record_run
 from ops.bench.xqa_decode_bandwidth import graph_ms
 from workers.models import gemv
 from workers.models.ops import FLASHINFER_OPS
 
 logger = logging.getLogger(__name__)
+COLUMNS = ["cublas_us", "cublas_TBps", "gemv_us", "gemv_TBps", "tile", "best_us", "best_tile"]
 
 # (out_features, in_features) of batch-1 projections; `act` rows are merged gate/up weights
 SHAPES = {
@@ -111,6 +113,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time every tile of a grid")
     p.add_argument("--shapes", default="", help="only shapes whose names start with one of these, comma-separated")
     p.add_argument("--out", default=None)
+    add_record_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = [
@@ -131,6 +134,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    cases = {f"{r['shape']} x{r['rows']}": {k: v for k, v in r.items() if k not in ("shape", "rows")} for r in rows}
+    record_run(args, "gemv_bandwidth", cases, COLUMNS)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import torch
 from ops import DEFAULT_MODEL
 from ops.bench import emit
 from ops.bench.decode_throughput import SHAPES, write_config
+from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -182,6 +183,29 @@ def _model(shape: str, root: str) -> tuple[str, bool]:
     return write_config(root, shape, SHAPES[shape]), True
 
 
+COLUMNS = [
+    "off/ttft_p50_ms",
+    "on/ttft_p50_ms",
+    "ttft_p50_on_over_off",
+    "off/prompt_tokens_computed",
+    "on/prompt_tokens_computed",
+    "computed_off_over_on",
+    "cache_hit_rate",
+    "cached_tokens",
+    "prompt_tokens",
+    "per_replica",
+]
+
+
+def cases(result: dict) -> dict[str, dict]:
+    """The recorded figures: each engine part under its shape, each routing policy (requests a
+    replica as counts: the replicas' names are new every run)."""
+    out = {f"{result['shape']}/{part}": result[part] for part in ("system_prompt", "conversations") if part in result}
+    for policy, figures in result.get("routing", {}).items():
+        out[f"routing/{policy}"] = {**figures, "per_replica": sorted(figures["per_replica"].values(), reverse=True)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="system_prompt,conversations,routing")
@@ -190,6 +214,7 @@ def main() -> None:
     parser.add_argument("--system-len", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--out")
+    add_record_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     parts = args.parts.split(",")
@@ -213,6 +238,8 @@ def main() -> None:
     if "routing" in parts:
         result["routing"] = routing_part(requests=64, tenants=8, system_len=192, concurrency=4)
     emit(result, args.out)
+    device = args.device if {"system_prompt", "conversations"} & set(parts) else "cpu"
+    record_run(args, "prefix_cache", cases(result), COLUMNS, device=device)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,17 @@ from ops.bench.decode_throughput import (
     sync_sites,
     write_config,
 )
+from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 
 logger = logging.getLogger(__name__)
+COLUMNS = [
+    "wall_ms_per_step",
+    "profiled_wall_ms_per_step",
+    "gpu_busy_ms_per_step",
+    "kernels_per_step",
+    "syncs_per_step",
+]
 
 
 def added_us(intervals: list[tuple[float, float]]) -> list[float]:
@@ -131,6 +139,7 @@ def main() -> None:
     )
     parser.add_argument("--trace", help="also write a Chrome trace per run, named from this prefix")
     parser.add_argument("--out", required=True)
+    add_record_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root, results = tempfile.mkdtemp(prefix="shapes-"), {"device": torch.cuda.get_device_name()}
@@ -175,6 +184,7 @@ def main() -> None:
         del engine
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    record_run(args, "profile_step", {k: v for k, v in results.items() if isinstance(v, dict)}, COLUMNS)
 
 
 if __name__ == "__main__":

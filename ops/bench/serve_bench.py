@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from ops import MODELS_DIR
 from ops.bench import emit
+from ops.bench.record import add_record_args, record_run
 
 logger = logging.getLogger(__name__)
 
@@ -473,6 +474,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="alternate the in-process engine and the stack (--backend) this many rounds; report the stack's cost",
     )
     p.add_argument("--output-file")
+    add_record_args(p)
     p.add_argument(
         "--log-level",
         default="warning",
@@ -601,6 +603,47 @@ def compare(args: argparse.Namespace, settings: dict[str, Any], vocab: int) -> d
     return {"rounds": rounds, "stack_cost": stack_cost(rounds)}
 
 
+COLUMNS = [
+    "completed",
+    "failed",
+    "concurrency",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "output_throughput",
+    "mean_accept_length",
+    "server_mean_queue_ms",
+    "server_mean_prefill_ms",
+    "median_ttft_added_ms",
+    "output_throughput_change",
+]
+
+
+def workload(args: argparse.Namespace) -> str:
+    """A run's case in a record: model (+ speculation), backend, replicas and ranks, load."""
+    model = os.path.basename(args.model.rstrip("/"))
+    parts = [model + (f"+{args.speculative_algorithm}" if args.speculative_algorithm else "")]
+    parts.append(f"{args.backend}-vs-engine" if args.compare_rounds else args.backend)
+    parts += [f"r{args.num_replicas}"] * (args.num_replicas > 1) + [f"tp{args.tp_size}"] * (args.tp_size > 1)
+    parts.append(f"c{args.max_concurrency}" if args.max_concurrency else f"rate{args.request_rate:g}")
+    return "/".join(parts)
+
+
+def cases(out: dict[str, Any], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The recorded figures: a run's metrics, or with `--compare-rounds` the stack's cost at the
+    median and per round, beside each side's TTFT median and output tokens/s per round."""
+    if "stack_cost" not in out:
+        return {workload(args): {k: v for k, v in out.items() if isinstance(v, (int, float)) and k != "cpus"}}
+    cost = {k: v["median"] for k, v in out["stack_cost"].items()}
+    cost.update({f"{k}_rounds": v["rounds"] for k, v in out["stack_cost"].items()})
+    for side in ("engine", "stack"):
+        for name in ("median_ttft_ms", "output_throughput"):
+            cost[f"{side}_{name}_rounds"] = [r[side][name] for r in out["rounds"]]
+    return {workload(args): cost}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -613,7 +656,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
         "cpus": os.cpu_count(),
-        "settings": {k: v for k, v in vars(args).items() if k != "output_file"},
+        "settings": {
+            k: v for k, v in vars(args).items() if k != "output_file" and not k.startswith(("record", "not_kept"))
+        },
     }
     if args.compare_rounds:
         if args.backend == "engine":
@@ -627,6 +672,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if isinstance(backend, EngineBackend):
                 backend.close()
     emit(out, args.output_file)
+    record_run(args, "serve_bench", cases(out, args), COLUMNS, device=args.device)
     return out
 
 

@@ -33,6 +33,7 @@ import requests
 
 from ops import DEFAULT_MODEL
 from ops.bench import emit
+from ops.bench.record import add_record_args, record_run
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +283,18 @@ def soak(client, route: str, rounds: int, requests_per_round: int, concurrency: 
     return {"rounds": out}
 
 
+COLUMNS = ["requests", "seconds", "hangs", "recovery_s", "kv_used_after", "serving_rss_mb", "by_code"]
+
+
+def cases(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One case a round: its calls, hangs, recovery after each fault, what it left behind."""
+    keep = ("requests", "seconds", "hangs", "kv_used_after", "serving_rss_mb", "by_code")
+    return {
+        f"round{i}": {**{k: r[k] for k in keep}, "recovery_s": [f["recovery_s"] for f in r["faults"]]}
+        for i, r in enumerate(result["rounds"])
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -289,6 +302,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--hang-s", type=float, default=60.0, help="a call still running after this is a hang")
     p.add_argument("--out")
+    add_record_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cluster.client import GenerationClient
@@ -301,9 +315,10 @@ def main() -> None:
         date=datetime.date.today().isoformat(),
         machine=platform.machine(),
         cpus=os.cpu_count(),
-        settings=vars(args),
+        settings={k: v for k, v in vars(args).items() if not k.startswith(("record", "not_kept"))},
     )
     emit(result, args.out)
+    record_run(args, "soak", cases(result), COLUMNS, device="cpu")
 
 
 if __name__ == "__main__":

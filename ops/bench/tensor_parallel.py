@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ops.bench.decode_throughput import NEW, PROMPT, SHAPES, random_prompts, write_config
+from ops.bench.record import add_record_args, record_run
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop, Update
@@ -164,6 +165,19 @@ def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: st
     return out
 
 
+def cases(report: dict) -> dict[str, dict]:
+    """One case a size, all-reduce and batch: its decode rate, the speed-up over one GPU and
+    what one all-reduce of the hidden state costs in a graph at that batch."""
+    out = {}
+    for run, got in report.items():
+        if run.startswith("tp"):
+            for batch, figures in got.items():
+                if isinstance(figures, dict):
+                    reduce = {"allreduce_us": got[f"allreduce_us/{batch}"]} if f"allreduce_us/{batch}" in got else {}
+                    out[f"{run}/{batch}"] = {**figures, **reduce}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -171,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tp-sizes", default="1,2")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--all-reduce", default="nccl,one_shot", help="tp_all_reduce settings to run at sizes > 1")
+    add_record_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     batches = [int(b) for b in args.batches.split(",")]
@@ -207,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
+    record_run(args, "tensor_parallel", cases(report), ["tok_per_s", "ms_per_step", "speedup_over_tp1", "allreduce_us"])
     return report
 
 

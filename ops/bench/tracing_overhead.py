@@ -16,6 +16,7 @@ from cluster.config import TracingArgs
 from cluster.tracing import engine_info, flush_all, record_step, tracer_for
 from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.bench import emit
+from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 
 PROMPT = [1] + list(range(100, 164))
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--algorithm", default="eagle", choices=sorted(DRAFT_MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
+    add_record_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     tracer = tracer_for(TracingArgs(exporter="file", file_dir=tempfile.mkdtemp(prefix="trace_overhead_")), "bench")
@@ -69,6 +71,7 @@ def main() -> None:
         "algorithm": args.algorithm,
     }
     emit(result, args.out)
+    record_run(args, "tracing_overhead", {args.algorithm: result}, device="cpu")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 
 from attention.kernels import DecodeCall, chain_mask, flashinfer_hopper, split_decode
 from attention.trtllm_mha import WORKSPACE_BYTES
+from ops.bench.record import add_record_args, record_run
 from ops.bench.xqa_decode_bandwidth import graph_ms, paged_kv
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def layouts(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
+    add_record_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
@@ -79,6 +81,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    record_run(args, "verify_attention", results, ["multi_query", "flat", "flat_split"])
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ import torch
 
 from attention.kernels import DecodeCall, flashinfer_hopper
 from attention.trtllm_mha import WORKSPACE_BYTES
+from ops.bench.record import add_record_args, record_run
+
+COLUMNS = ["decode_ms", "decode_ms_eager", "decode_ms_cold", "decode_GBps", "copy_GBps", "fraction_of_copy"]
 
 
 def _kernel(name: str) -> Callable[[DecodeCall, torch.Tensor], torch.Tensor]:
@@ -179,6 +182,18 @@ def decode_bandwidth(
     }
 
 
+def case(row: dict) -> str:
+    """A configuration's name in a record: kernel, heads (KV heads x head dim, group), batch, KV
+    length, page, table width, and the window and flush where set."""
+    name = f"{row['kernel']} {row['kv_heads']}x{row['head_dim']}g{row['group']} b{row['batch']} kv{row['kv_len']}"
+    name += f" page{row['page']} table{row['table_tokens']}"
+    if row["window_left"] >= 0:
+        name += f" window{row['window_left']}"
+    if "flush_mb" in row:
+        name += f" flush{row['flush_mb']}{row['flush_kind']}"
+    return name
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, nargs="+", default=[64])
@@ -193,6 +208,7 @@ def main() -> None:
     p.add_argument("--flush-kind", choices=["copy", "linear"], default="copy", help="what reads them")
     p.add_argument("--kernels", nargs="+", choices=["xqa", "split"], default=["xqa"])
     p.add_argument("--out", default=None)
+    add_record_args(p)
     args = p.parse_args()
     rows = [
         decode_bandwidth(
@@ -227,6 +243,7 @@ def main() -> None:
             f"{r['decode_ms']:>8.3f} {r['decode_ms_eager']:>8.3f} "
             f"{r['decode_GBps']:>11.0f} {r['copy_GBps']:>9.0f} {r['fraction_of_copy']:>5.2f}"
         )
+    record_run(args, "xqa_decode_bandwidth", {case(r): r for r in rows}, COLUMNS)
 
 
 if __name__ == "__main__":
