@@ -110,6 +110,35 @@ def test_every_runnable_block_has_a_marker(page):
     assert not problems, "\n".join(problems)
 
 
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return {_anchor(m[1]) for m in re.finditer(r"^#+\s+(.*)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_link_within_the_repository_resolves(page):
+    broken = []
+    for found in LINK.finditer(page.read_text(encoding="utf-8")):
+        target = found["target"]
+        if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no heading #{anchor} in {linked.relative_to(REPO)}")
+    assert not broken, "\n".join(broken)
+
+
 def _environment() -> dict[str, str]:
     """This interpreter first on the PATH (`python`, `slidespec`), the checkout importable, and
     the repository root in `$REPO_ROOT`."""
