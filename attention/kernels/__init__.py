@@ -45,7 +45,7 @@ class KernelSet:
 
 
 # (requests, KV tokens) of XQA on an H200, where one row a query beat the multi-query mode for
-# Llama-3-8B and Gemma-3 heads (ops/bench/results/2026-11-24-h200-session13.md); the CPU
+# Llama-3-8B and Gemma-3 heads (ops/bench/results/verify_attention.history.jsonl); the CPU
 # reference follows it, so CI runs the layout the GPU does.
 FLAT_VERIFY = (1, 1024)
 

@@ -622,12 +622,20 @@ COLUMNS = [
 
 
 def workload(args: argparse.Namespace) -> str:
-    """A run's case in a record: model (+ speculation), backend, replicas and ranks, load."""
+    """A run's case in a record: model (+ speculation), backend, replicas and ranks, the stack's
+    streaming and transport where not the defaults, load, and the dataset's lengths."""
     model = os.path.basename(args.model.rstrip("/"))
     parts = [model + (f"+{args.speculative_algorithm}" if args.speculative_algorithm else "")]
     parts.append(f"{args.backend}-vs-engine" if args.compare_rounds else args.backend)
     parts += [f"r{args.num_replicas}"] * (args.num_replicas > 1) + [f"tp{args.tp_size}"] * (args.tp_size > 1)
+    if args.backend != "engine":
+        parts += [f"si{args.stream_interval}"] * (args.stream_interval != 1)
+        parts += [f"rank0-{args.rank0_transport}"] * (args.rank0_transport != "socket")
     parts.append(f"c{args.max_concurrency}" if args.max_concurrency else f"rate{args.request_rate:g}")
+    if args.dataset_name == "multi-turn":
+        parts.append(f"turns{args.num_turns}")
+    else:
+        parts.append(f"in{args.random_input_len}-out{args.random_output_len}")
     return "/".join(parts)
 
 
