@@ -139,6 +139,12 @@ class EngineArgs(BaseModel):
         description="keep computed prompt (and finished sequence) pages in a radix tree for later requests "
         "sharing their prefix",
     )
+    warmup: bool | None = Field(
+        None,
+        description="run one short request through every forward kind at start-up, so that kernels compile "
+        "(minutes on a fresh GPU) before the replica reports ready rather than in a client's first request; "
+        "null: on with CUDA",
+    )
     speculative: SpeculativeArgs | None = Field(
         None, description="speculative decoding, set by the speculative options; null: off"
     )

@@ -31,6 +31,7 @@ from cluster.tracing import context_from_carrier, engine_info, flush_all, record
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import ErrorCode, RankLoop, Update
+from workers.startup import show_progress_logs
 from workers.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class RankActor:
         tracing: dict[str, Any] | None = None,
         stall_timeout_s: float = 300.0,
     ) -> None:
+        show_progress_logs()  # start-up phases reach the driver's terminal (`slidespec serve`)
         self.rank = rank
         self.tp_size = tp_size
         self.engine_kwargs = engine_kwargs

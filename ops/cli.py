@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = sub.add_parser("demo", help="run the whole system locally on the shipped tiny models")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.run)
+    from ops import serve
+
+    serve_parser = sub.add_parser("serve", help="serve a model in the foreground (a local Ray head, or --address)")
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(func=serve.run)
     gen = sub.add_parser("generate", help="stream a completion from a running slidespec gRPC server")
     gen.add_argument("prompt", help="text, or comma-separated token ids with --token-ids")
     gen.add_argument("--target", default="127.0.0.1:50051")

@@ -36,6 +36,7 @@ from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative import SpecConfig, SpecStats
 from workers.speculative.loader import build_drafter, plan_draft
 from workers.speculative.worker import SpecWorker
+from workers.startup import StartupProgress
 from workers.step_record import ForwardRecord, StepRecord
 from workers.tokenizer import load_tokenizer, unicode_problem
 
@@ -102,9 +103,11 @@ class Engine:
         cuda_graph_max_batch_size: int | None = None,
         overlap_schedule: bool | None = None,
         enable_prefix_caching: bool = True,
+        warmup: bool | None = None,
     ) -> None:
         """The options' meanings: `cluster.config.EngineArgs` and `ENGINE_OPTIONS` (one place each,
         so that docs/configuration.md is generated from them)."""
+        self.startup = StartupProgress(f"rank {tp.rank}" if tp.size > 1 else "engine")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {device!r}, but torch sees no CUDA device (a CPU build, or no GPU visible)")
@@ -156,18 +159,19 @@ class Engine:
             tp.use_one_shot_all_reduce(self.dtype, self.device)
         elif tp_all_reduce != "nccl":
             raise ValueError(f"tp_all_reduce: 'nccl' or 'one_shot', got {tp_all_reduce!r}")
-        self.runner = ModelRunner.load(
-            self.cfg,
-            model,
-            self.allocator,
-            backend,
-            self.dtype,
-            self.device,
-            load_format,
-            tp=tp,
-            seed=seed,
-            debug_kv_checks=debug_kv_checks,
-        )
+        with self.startup.phase("target weights", f"{self.cfg.architecture}, {self.dtype}, {self.device}"):
+            self.runner = ModelRunner.load(
+                self.cfg,
+                model,
+                self.allocator,
+                backend,
+                self.dtype,
+                self.device,
+                load_format,
+                tp=tp,
+                seed=seed,
+                debug_kv_checks=debug_kv_checks,
+            )
         self.scheduler = Scheduler(
             self.allocator,
             self.req_to_token,
@@ -180,18 +184,19 @@ class Engine:
         self.spec: SpecWorker | None = None
         if draft is not None:
             draft_tp = tp if spec.draft_tp == "shard" else SINGLE_RANK
-            drafter = build_drafter(
-                draft,
-                self.runner,
-                self.allocator,
-                self.scheduler,
-                backend,
-                self.dtype,
-                self.device,
-                tp=draft_tp,
-                seed=seed,
-                debug_kv_checks=debug_kv_checks,
-            )
+            with self.startup.phase("draft weights", spec.algorithm):
+                drafter = build_drafter(
+                    draft,
+                    self.runner,
+                    self.allocator,
+                    self.scheduler,
+                    backend,
+                    self.dtype,
+                    self.device,
+                    tp=draft_tp,
+                    seed=seed,
+                    debug_kv_checks=debug_kv_checks,
+                )
             drafter.runner.recorder = self._record
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
         self.cache: RadixCache | None = None
@@ -205,16 +210,20 @@ class Engine:
         for module in (m for runner in runners for m in runner.model.modules()):
             if isinstance(module, RotaryTables):  # every position a forward may hold
                 module.cover(self.req_to_token.max_context_len)
+        self._requests: dict[str, Request] = {}
+        self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
+        self._inflight: InFlight | None = None
+        if warmup if warmup is not None else self.device.type == "cuda":
+            self._rng, self._ids, self.failed_steps = random.Random(seed), itertools.count(), 0
+            self._warm_up()
         if graphs:
             self._capture_graphs(
                 graphs == "emulate", min(cuda_graph_max_batch_size or max_running_requests, max_running_requests)
             )
         self._rng = random.Random(seed)
         self._ids = itertools.count()
-        self._requests: dict[str, Request] = {}
         self.failed_steps = 0  # consecutive steps whose forward raised
-        self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
-        self._inflight: InFlight | None = None
+        self.last_step = StepRecord()
         logger.info(
             "engine: %s on %s/%s, backend %s, KV %s, speculative %s",
             self.cfg.architecture,
@@ -224,6 +233,28 @@ class Engine:
             self.kv_stats(),
             f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
         )
+        self.startup.ready()
+
+    def _warm_up(self) -> None:
+        """Compile the kernels every forward kind uses (flashinfer builds its attention kernels
+        and Triton its own on first use: minutes on a fresh GPU) with one short greedy request,
+        so that no client's first request pays for them; its pages leave the prefix cache."""
+        rounds = 2 * (self.spec.num_steps + 1 if self.spec is not None else 1)  # a whole round, then some
+        prompt = [0] * max(1, min(16, self.context_length // 4))
+        new = max(1, min(rounds + 1, self.context_length - len(prompt) - 1))
+        sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True, seed=0)
+        kinds = ["prefill", "speculative round" if self.spec is not None else "decode"]
+        with self.startup.phase("kernels compiled", "one short request"):
+            rid = self.add_request(prompt, sampling, request_id="startup-warmup")
+            for done, kind in enumerate(kinds, 1):
+                self.step()
+                self.startup.step("kernels compiled for", done, len(kinds), kind)
+            while not self._requests[rid].finished:
+                self.step()
+            if self._requests[rid].error is not None:
+                raise RuntimeError(f"start-up warm-up request failed: {self._requests[rid].error}")
+            self.release(rid)
+            self.flush_cache()
 
     def _capture_graphs(self, emulate: bool, max_batch_size: int) -> None:
         """Capture the target's decode (or verify), the draft's decode steps (one by one for
@@ -239,27 +270,35 @@ class Engine:
             runner.enable_graphs(graphs)
             return graphs
 
+        # (graphs, capture arguments, what it is): the families to capture, in order
         target = graphs_for(self.runner, None)
+        plan: list[tuple[CudaGraphRunner, tuple, dict[str, Any], str]] = []
         if self.spec is None:
-            target.capture(ForwardMode.DECODE, 1, self.runner.pool, argmax=True)
-            seconds = target.capture_seconds
+            plan.append((target, (ForwardMode.DECODE, 1, self.runner.pool), {"argmax": True}, "target decode"))
         else:
-            target.capture(ForwardMode.TARGET_VERIFY, k + 1, self.runner.pool)
+            plan.append((target, (ForwardMode.TARGET_VERIFY, k + 1, self.runner.pool), {}, "target verify"))
             drafter = self.spec.drafter
             draft = graphs_for(drafter.runner, drafter.runner.model.cfg.hidden_size if drafter.reads_hidden else None)
             if drafter.runner.pool is None:  # frozen KV: the target's pool, one offset per draft step
                 for offset in range(1, k + 1):
-                    draft.capture(ForwardMode.DECODE, 1, self.runner.pool, offset)
+                    plan.append((draft, (ForwardMode.DECODE, 1, self.runner.pool, offset), {}, f"draft step {offset}"))
             else:
-                draft.capture(ForwardMode.DECODE, 1, drafter.runner.pool)
+                plan.append((draft, (ForwardMode.DECODE, 1, drafter.runner.pool), {}, "draft decode"))
                 reads = self.runner.model.handed_on_size if drafter.reads_hidden else None
-                draft.capture(ForwardMode.DRAFT_EXTEND_V2, k + 1, drafter.runner.pool, hidden_in=reads)
+                args = (ForwardMode.DRAFT_EXTEND_V2, k + 1, drafter.runner.pool)
+                plan.append((draft, args, {"hidden_in": reads}, "draft catch-up"))
             if k > 1:  # greedy rounds: drafts 2..k in one graph
                 offset = 2 if drafter.runner.pool is None else 0
-                draft.capture(ForwardMode.DECODE, 1, drafter.step_pool, offset, chain=k - 1)
+                args = (ForwardMode.DECODE, 1, drafter.step_pool, offset)
+                plan.append((draft, args, {"chain": k - 1}, f"draft steps 2..{k} chained"))
             if k > 1 and drafter.runner.pool is None:  # frozen KV: steps 1..k, launched a round ahead
-                draft.capture(ForwardMode.DECODE, 1, drafter.step_pool, 1, chain=k)
-            seconds = target.capture_seconds + draft.capture_seconds
+                plan.append((draft, (ForwardMode.DECODE, 1, drafter.step_pool, 1), {"chain": k}, "draft round ahead"))
+        per_family = len(sizes) * len(self.runner.backend.graph_table_widths())
+        with self.startup.phase("graphs captured", f"{len(plan)} kinds x {per_family} batch sizes and KV widths"):
+            for done, (graphs, args, kwargs, what) in enumerate(plan, 1):
+                graphs.capture(*args, **kwargs)
+                self.startup.step("graphs captured", done * per_family, len(plan) * per_family, what)
+        seconds = sum({id(g): g.capture_seconds for g, *_ in plan}.values())
         if self.device.type == "cuda":
             grown = (torch.cuda.memory_allocated(self.device) - used) / 2**20
             logger.info("cuda graphs: batch sizes %s captured in %.1f s, %.0f MiB", sizes, seconds, grown)

@@ -1,0 +1,133 @@
+"""`slidespec serve` as a user runs it: the shipped tiny model with its EAGLE draft on the CPU
+answers the official `openai` client (a completion, a streamed chat, a 400 for a bad
+temperature) and the gRPC client, prints its URLs once ready, and exits with status 0 on SIGINT
+leaving no Ray process of its own behind; bad settings end it at once with one line naming the
+flag and status 2."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+
+from cluster.client import GenerationClient
+from ops import DEFAULT_MODEL, DRAFT_MODELS
+from tests.cluster.conftest import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.basename(DEFAULT_MODEL)
+
+
+def _slidespec(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ops.cli", *args]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["/no/such/model"], "model: '/no/such/model' is neither a directory nor a shipped model"),
+        ([MODEL, "--grpc-port", "many"], "--grpc-port: Input should be a valid integer"),
+        ([MODEL, "--speculative-algorithm", "guess"], "--speculative-algorithm: Input should be 'standalone'"),
+        ([MODEL, "--speculative-algorithm", "eagle"], "--speculative-draft-model: Field required"),
+        ([MODEL, "--config", "/no/such/serve.yaml"], "--config: cannot read /no/such/serve.yaml"),
+        ([], "model: give a model directory"),
+    ],
+)
+def test_bad_settings_end_it_at_once_naming_the_flag(args, message):
+    done = subprocess.run(_slidespec("serve", *args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "deploying" not in done.stdout  # refused before any Ray started
+
+
+class Served:
+    """A `slidespec serve` process and every line it printed so far."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.process = subprocess.Popen(
+            _slidespec("serve", *args),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # a signal to the test's group does not reach it
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, limit_s: float) -> re.Match:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if found := re.search(pattern, line):
+                    return found
+            assert self.process.poll() is None, "\n".join(self.lines)
+            time.sleep(0.2)
+        raise AssertionError(f"no line matched {pattern!r}:\n" + "\n".join(self.lines))
+
+
+def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
+    http, grpc_port = free_port(), free_port()
+    served = Served(
+        [
+            "ops/models/tiny-gemma3",
+            "--speculative-algorithm",
+            "eagle",
+            "--draft-model",
+            os.path.relpath(DRAFT_MODELS["eagle"], ROOT),
+            "--port",
+            str(http),
+            "--grpc-port",
+            str(grpc_port),
+            "--max-total-tokens",
+            "4096",
+        ]
+    )
+    try:
+        base = served.wait_for(r"OpenAI API\s+(http://\S+/v1)$", 240).group(1)
+        assert base == f"http://127.0.0.1:{http}/v1"
+        target = served.wait_for(r"gRPC\s+(\S+)$", 5).group(1)
+        assert target == f"127.0.0.1:{grpc_port}"
+        assert any("engine start-up: ready in" in line for line in served.lines)  # progress reached the terminal
+
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
+        completion = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=6, temperature=0)
+        assert completion.usage.completion_tokens == 6 and completion.choices[0].text
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True
+            )
+        )
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert "".join(c.choices[0].delta.content or "" for c in chunks)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+        assert bad.value.body["param"] == "temperature"
+
+        grpc_client = GenerationClient(target)
+        tokens = [t for r in grpc_client.generate("import os", max_new_tokens=5, temperature=0.0) for t in r.token_ids]
+        grpc_client.close()
+        assert len(tokens) == 5
+
+        own = psutil.Process(served.process.pid).children(recursive=True)
+        assert any("raylet" in " ".join(p.cmdline()) for p in own if p.is_running())
+    except BaseException:
+        served.process.kill()
+        raise
+    served.process.send_signal(signal.SIGINT)
+    assert served.process.wait(timeout=120) == 0, "\n".join(served.lines)
+    deadline = time.monotonic() + 30
+    while alive := [p for p in own if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, [" ".join(p.cmdline())[:120] for p in alive]
+        time.sleep(0.5)
