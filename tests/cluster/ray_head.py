@@ -2,11 +2,14 @@
 
 `ray start --head --block` runs in its own session and temp dir and is stopped by signalling
 that process, never by `ray stop` (which stops every Ray cluster of the user on the machine).
+Each head has a token of its own (`RAY_AUTH_TOKEN` in its environment and the CLI's): token
+authentication needs one, and a fresh machine has no `~/.ray/auth_token`.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -14,11 +17,13 @@ import sys
 import tempfile
 import time
 
+import requests
+
 from tests.cluster.conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
-TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}  # `ray start --head` turns tokens on
+TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def run_cli(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -52,7 +57,8 @@ def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: 
 
 class Head:
     def __init__(self, num_cpus: int = 8) -> None:
-        self.env = {**os.environ, **TOKEN_ENV}
+        self.token = secrets.token_hex(32)
+        self.env = {**os.environ, **TOKEN_ENV, "RAY_AUTH_TOKEN": self.token}
         gcs, dashboard = free_port(), free_port()
         self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths must fit 107 bytes
         self.process = subprocess.Popen(
@@ -105,6 +111,31 @@ class Head:
                 return status
             time.sleep(2)
         raise AssertionError(f"the application did not reach RUNNING:\n{status}")
+
+    def shutdown_serve(self, timeout: float = 120) -> None:
+        """`serve shutdown -y`, then wait until the Serve controller is gone. The command returns
+        when the dashboard's `serve.shutdown()` does, and that waits at most 30 s for the
+        controller to exit; the controller may take longer (Ray Serve 2.60 gives each tier of
+        deployments up to `RAY_SERVE_SHUTDOWN_TIER_TIMEOUT_S`, 30 s, and a replica that never got
+        its resources holds its tier that long). A `serve start` or `serve run` in that window
+        connects to the old controller, which then kills itself (`ActorDiedError: ... killed by
+        ray.kill`)."""
+        done = run_cli("serve", "shutdown", "-y", "-a", self.address, env=self.env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        deadline = time.monotonic() + timeout
+        while self.serve_controller_node() is not None:
+            assert time.monotonic() < deadline, f"the Serve controller still runs {timeout:.0f} s after shutdown"
+            time.sleep(1)
+
+    def serve_controller_node(self) -> str | None:
+        """The node the Serve controller runs on, as the dashboard reports it; None when none runs."""
+        r = requests.get(
+            f"{self.address}/api/serve/applications/",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["controller_info"].get("node_id")
 
     def stop(self) -> None:
         stop_process(self.process)

@@ -25,6 +25,14 @@ def laptop():
         head.stop()
 
 
+@pytest.fixture(autouse=True)
+def serve_shut_down_after(laptop):
+    """Each test ends with Serve shut down and its controller gone, however the test ended: the
+    next test's `serve run` or `serve start` must not reach a controller that is still stopping."""
+    yield
+    laptop.shutdown_serve()
+
+
 def _config(tmp_path, **args) -> tuple[str, int, int]:
     """ops/serve.yaml with free ports (and `args` changed); its path, HTTP and gRPC ports."""
     config = yaml.safe_load(open(os.path.join(ROOT, "ops", "serve.yaml")))
@@ -42,11 +50,6 @@ def _serve_run(head: Head, *args: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def _shutdown(head: Head) -> None:
-    done = run_cli("serve", "shutdown", "-y", "-a", head.address, env=head.env)
-    assert done.returncode == 0, done.stderr
-
-
 def test_the_shipped_config_runs_on_two_cpus(laptop, tmp_path):
     path, http, grpc_port = _config(tmp_path)
     _serve_run(laptop, path)
@@ -61,7 +64,6 @@ def test_the_shipped_config_runs_on_two_cpus(laptop, tmp_path):
     )
     assert r.status_code == 200
     client.close()
-    _shutdown(laptop)
 
 
 def test_http_answers_503_at_once_while_no_replica_runs(laptop, tmp_path):
@@ -84,7 +86,6 @@ def test_http_answers_503_at_once_while_no_replica_runs(laptop, tmp_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "UNAVAILABLE", r.text
         assert time.monotonic() - start < 1.0
     assert "replicas will wait" not in r.text  # the message is the client's; the warning went to the log
-    _shutdown(laptop)
 
 
 def test_serve_run_with_dotted_keys(laptop):
@@ -110,4 +111,3 @@ def test_serve_run_with_dotted_keys(laptop):
     assert last.usage.completion_tokens == 8 and last.spec.verify_steps > 0
     assert len(last.spec.accepted_per_position) == 2  # num_steps from the command line
     client.close()
-    _shutdown(laptop)
