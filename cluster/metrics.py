@@ -12,6 +12,13 @@ OpenMetrics format (samples with `_`, HELP/TYPE with `:`), so Prometheus, which 
 OpenMetrics, would store untyped series under other names. With `slidespec_` the names and
 types are the same on every endpoint and in both formats, and follow Prometheus' naming rules
 (`promtool check metrics`). No `_created` series (as vLLM).
+
+Which requests each counts: time to first token, queue time and prefill time count every request
+that got a first token, when it comes (whether the request then finishes, is aborted, fails or
+loses its client); inter-token latency every later response; e2e latency, time per output token,
+the token counters and the speculative counters every request that finished (its last response,
+finish reason stop, length or abort, reached the ingress); `request_success` and
+`request_failure` every request once, by how it ended.
 """
 
 from __future__ import annotations
@@ -65,16 +72,21 @@ class ServingMetrics:
             "Requests that ended without finishing: cancelled, deadline_exceeded or an error code",
             ("reason",),
         )
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, of every request that got one")
         self.itl = histogram("inter_token_latency_seconds", "Time between streamed responses, per token")
         self.tpot = histogram(
             "request_time_per_output_token_seconds", "A request's time per output token after the first"
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token")
         self.queue = histogram(
-            "request_queue_time_seconds", "Time from arrival at a replica's engine to admission (KV reserved)"
+            "request_queue_time_seconds",
+            "Time from arrival at a replica's engine to admission (KV reserved), of every request that got a "
+            "first token",
         )
-        self.prefill = histogram("request_prefill_time_seconds", "Time from admission to the first generated token")
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "Time from admission to the first generated token, of every request that got one",
+        )
         self.num_drafts = counter("spec_decode_num_drafts", "Draft chains verified")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
@@ -90,8 +102,13 @@ class ServingMetrics:
         )
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_VERIFY_STEPS)
 
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, update: dict[str, Any]) -> None:
+        """A request's first token came `seconds` after it arrived, in `update`, which carries the
+        engine's queue and prefill times."""
         self.ttft.labels(self.model).observe(seconds)
+        for histogram, phase in ((self.queue, "queue_s"), (self.prefill, "prefill_s")):
+            if update.get(phase) is not None:
+                histogram.labels(self.model).observe(update[phase])
 
     def next_tokens(self, seconds: float, tokens: int) -> None:
         if tokens:
@@ -99,16 +116,13 @@ class ServingMetrics:
 
     def finished(self, update: dict[str, Any], e2e_s: float, decode_s: float) -> None:
         """A request's last response: usage, latencies, speculative statistics, replica load.
-        `decode_s`: time from its first token to its last."""
+        `decode_s`: time from its first token to its last (0 without tokens)."""
         completion = update.get("completion_tokens", 0)
         self.prompt_tokens.labels(self.model).inc(update.get("prompt_tokens", 0))
         self.generation_tokens.labels(self.model).inc(completion)
         self.cache_queries.labels(self.model).inc(update.get("prompt_tokens", 0))
         self.cache_hits.labels(self.model).inc(update.get("cached_tokens", 0))
         self.e2e.labels(self.model).observe(e2e_s)
-        for histogram, phase in ((self.queue, "queue_s"), (self.prefill, "prefill_s")):
-            if update.get(phase) is not None:
-                histogram.labels(self.model).observe(update[phase])
         if completion > 1:
             self.tpot.labels(self.model).observe(decode_s / (completion - 1))
         spec = update.get("spec")

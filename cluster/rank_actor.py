@@ -71,6 +71,8 @@ def update_to_wire(update: Update) -> dict[str, Any]:
     """A rank loop update as the plain dict that crosses process boundaries."""
     out: dict[str, Any] = {"token_ids": update.token_ids, "finished": update.finished}
     out["cached_tokens"] = update.output.cached_tokens if update.output is not None else update.cached_tokens
+    if update.phases is not None:
+        out["queue_s"], out["prefill_s"] = update.phases
     if update.error is not None:
         out["error"] = {"code": update.code.value, "message": update.error}
     if update.output is not None:
@@ -90,6 +92,12 @@ def update_to_wire(update: Update) -> dict[str, Any]:
                 "mean_accept_length": o.spec.mean_accept_length,
             }
     return out
+
+
+def join_updates(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive updates of a request as one: their tokens joined, the later one's fields,
+    and the fields only the earlier one had (the first token's `queue_s` and `prefill_s`)."""
+    return {**earlier, **later, "token_ids": earlier["token_ids"] + later["token_ids"]}
 
 
 def error_update(code: ErrorCode, message: str) -> dict[str, Any]:
@@ -236,7 +244,7 @@ class RankActor:
     async def updates(self, reader: str = REPLICA_READER) -> AsyncIterator[dict[str, Any]]:
         """The updates of every request submitted for `reader`, as one stream (the reader hands
         them out): each item is everything that happened since the previous one, one update per
-        request (token ids of consecutive steps joined), so the number of items follows the
+        request (consecutive steps' updates joined: `join_updates`), so the number of items follows the
         steps, not steps x requests, and shrinks further while this actor's event loop is behind.
         An item with a finished request carries this rank's load. One stream per reader: opening
         it again ends the previous one; a stream that ends with its reader gone (its consumer
@@ -347,9 +355,7 @@ class RankActor:
             box = self._outboxes.setdefault(reader, Outbox())
             for wire in item["updates"]:
                 waiting = box.updates.get(wire["request_id"])
-                if waiting is not None:
-                    wire["token_ids"] = waiting["token_ids"] + wire["token_ids"]
-                box.updates[wire["request_id"]] = wire
+                box.updates[wire["request_id"]] = wire if waiting is None else join_updates(waiting, wire)
             if "load" in item:
                 box.load = item["load"]
             box.ready.set()

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import ray
 
-from cluster.rank_actor import error_update
+from cluster.rank_actor import error_update, join_updates
 from cluster.rank_channel import ChannelClient
 from workers.rank_loop import ErrorCode
 from workers.sampling_params import SamplingParams
@@ -131,10 +131,9 @@ class RankClient:
             while not finished:
                 update = await queue.get()
                 if held is not None:
-                    update = {**update, "token_ids": held["token_ids"] + update["token_ids"]}
+                    update = join_updates(held, update)
                 while not update["finished"] and not queue.empty():
-                    later = queue.get_nowait()
-                    update = {**later, "token_ids": update["token_ids"] + later["token_ids"]}
+                    update = join_updates(update, queue.get_nowait())
                 held = None
                 if not update["finished"] and emitted and len(update["token_ids"]) < self.stream_interval:
                     held = update  # the first tokens go out at once, later ones stream_interval at a time

@@ -75,21 +75,25 @@ class RequestTelemetry:
             body["trace_context"] = carrier_for(self.span)
 
     def update(self, update: dict[str, Any]) -> None:
+        """One response on its way to the client. The first that brings tokens is the request's
+        first token: its time and the engine's queue and prefill times (which that response
+        carries) are counted then, so all three count the same requests, however they end."""
         now = time.monotonic()
-        if self.first is None:
+        if self.last is None and self.span is not None:
+            self._router_span()
+        if self.first is None and update["token_ids"]:
             self.first = now
             if self.metrics is not None:
-                self.metrics.first_token(now - self.start)
+                self.metrics.first_token(now - self.start, update)
             if self.span is not None:
                 self.span.set_attribute("gen_ai.server.time_to_first_token", now - self.start)
-                self._router_span()
-        elif self.metrics is not None:
+        elif self.first is not None and self.metrics is not None:
             self.metrics.next_tokens(now - self.last, len(update["token_ids"]))
         self.last = now
         if update["finished"]:
             self.finish_reason = update.get("finish_reason") or "unknown"
             if self.metrics is not None:
-                self.metrics.finished(update, now - self.start, now - self.first)
+                self.metrics.finished(update, now - self.start, now - (self.first or now))
             if self.span is not None:
                 self.span.set_attributes(
                     {

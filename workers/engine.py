@@ -471,6 +471,15 @@ class Engine:
             prefill_s=prefill,
         )
 
+    def first_token_phases(self, request_id: str, new_tokens: list[int]) -> tuple[float | None, float | None] | None:
+        """(queue, prefill) seconds of a request whose latest tokens `new_tokens` are its first:
+        reported with its first token, so that a request is timed however it ends later (aborted,
+        its client gone). None for later tokens."""
+        req = self._requests[request_id]
+        if not new_tokens or len(req.output_ids) != len(new_tokens):
+            return None
+        return req.phase_seconds()
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's record."""
         req = self._requests.get(request_id)

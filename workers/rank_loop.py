@@ -71,6 +71,7 @@ class Update:
     error: str | None = None  # the request cannot finish, and why
     code: ErrorCode | None = None  # with `error`
     cached_tokens: int = 0  # its prompt tokens the prefix cache held
+    phases: tuple[float | None, float | None] | None = None  # (queue, prefill) s, with its first token
 
 
 class RankLoop:
@@ -236,7 +237,15 @@ class RankLoop:
         hits = dict(zip(self.engine.last_step.request_ids, self.engine.last_step.cached_tokens))
         self._hand_over(
             [
-                self._finish(rid, tokens) if finished else Update(rid, tokens, False, cached_tokens=hits.get(rid, 0))
+                self._finish(rid, tokens)
+                if finished
+                else Update(
+                    rid,
+                    tokens,
+                    False,
+                    cached_tokens=hits.get(rid, 0),
+                    phases=self.engine.first_token_phases(rid, tokens),
+                )
                 for rid, tokens, finished in events
             ]
         )

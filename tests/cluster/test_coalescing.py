@@ -1,8 +1,9 @@
 """Rank 0 streams all of a replica's requests as one stream, one item per step (fewer while the
 replica is behind); the replica hands each request its updates and, when that request's caller
 falls behind, sends everything that is ready as one update (tokens concatenated, the latest
-fields). Nothing alone is held back: the first token goes out at once. Driven without Ray, on the
-classes' own methods with the rank loop and the Ray calls replaced by stand-ins."""
+fields, the first token's queue and prefill times kept). Nothing alone is held back: the first
+token goes out at once. Driven without Ray, on the classes' own methods with the rank loop and
+the Ray calls replaced by stand-ins."""
 
 import asyncio
 import contextvars
@@ -347,3 +348,33 @@ def test_a_draining_rank_refuses_new_requests_and_waits_for_the_running_ones():
     assert refused["error"]["code"] == "unavailable" and "draining" in refused["error"]["message"]
     actor.loop.in_flight = 1
     assert asyncio.run(actor.drain(timeout_s=0.1)) == 1  # gives up after its timeout
+
+
+def test_the_first_tokens_queue_and_prefill_times_survive_every_join():
+    """The update that brings a request's first token carries the engine's queue and prefill
+    times (the ingress counts them with the first token); joined with later updates, at rank 0
+    for a reader that is behind or at the replica for a caller that is behind, it keeps them."""
+    actor = _rank_actor()
+
+    async def at_rank_0():
+        actor.submit("a", [1, 2], {"max_new_tokens": 4})
+        stream = actor.updates()
+        await _steps(actor, [Update("a", [10], False, phases=(0.25, 0.5))], [Update("a", [11], False)])
+        return await stream.__anext__()
+
+    (joined,) = asyncio.run(at_rank_0())["updates"]
+    assert joined["token_ids"] == [10, 11] and (joined["queue_s"], joined["prefill_s"]) == (0.25, 0.5)
+
+    async def at_the_replica():
+        items = asyncio.Queue()
+        replica = _replica(items)
+        stream = replica.generate({"rid": "a"})
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)
+        items.put_nowait({"updates": [{**_up("a", [10]), "queue_s": 0.25, "prefill_s": 0.5}]})
+        items.put_nowait({"updates": [_up("a", [11])]})
+        items.put_nowait({"updates": [_up("a", [12], True)]})
+        return [await first] + [u async for u in stream]
+
+    (joined,) = asyncio.run(at_the_replica())
+    assert joined["token_ids"] == [10, 11, 12] and (joined["queue_s"], joined["prefill_s"]) == (0.25, 0.5)

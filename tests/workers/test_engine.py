@@ -244,11 +244,15 @@ def test_outputs_time_the_wait_for_admission_and_the_prefill(gemma3_dir):
     which was after the first's prefill, so its queue time is at least that prefill time."""
     eng = Engine(model=gemma3_dir, page_size=4, max_total_tokens=2048, max_running_requests=1)
     first, second = [eng.add_request(p, GREEDY) for p in random_prompts([20, 9], seed=4)]
+    phases = {}  # what each event reports: the times with a request's first tokens only
     while eng.has_unfinished():
-        eng.step()
+        for rid, tokens, _ in eng.step():
+            phases.setdefault(rid, []).append(eng.first_token_phases(rid, tokens))
     a, b = eng.output(first), eng.output(second)
     assert all(t is not None and t >= 0 for t in (a.queue_s, a.prefill_s, b.queue_s, b.prefill_s))
     assert b.queue_s >= a.prefill_s
+    for rid, out in ((first, a), (second, b)):
+        assert phases[rid][0] == (out.queue_s, out.prefill_s) and not any(phases[rid][1:]), phases[rid]
     eng.check_no_leak()
 
 
