@@ -1,11 +1,13 @@
 """`serve run` as a user on a 2-core laptop runs it, against a head node with 2 CPUs: the
-shipped `ops/serve.yaml` reaches RUNNING and serves; while no engine replica can run, HTTP
+shipped `ops/serve.yaml` reaches RUNNING and serves gRPC, the JSON-lines route and the official
+`openai` client at `/v1`; while no engine replica can run, HTTP
 answers 503 at once instead of hanging; and `serve run cluster.app:build_app key=value ...`
 with dotted keys for nested settings starts the application."""
 
 import os
 import time
 
+import openai
 import pytest
 import requests
 import yaml
@@ -64,6 +66,20 @@ def test_the_shipped_config_runs_on_two_cpus(laptop, tmp_path):
     )
     assert r.status_code == 200
     client.close()
+    # the official client at <host>/v1, as with every OpenAI-compatible server
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="unused", max_retries=0, timeout=60)
+    model = oa.models.list().data[0].id
+    completion = oa.completions.create(model=model, prompt="import os", max_tokens=4, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens == 4
+    chunks = list(
+        oa.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with pytest.raises(openai.BadRequestError) as bad:
+        oa.completions.create(model=model, prompt="x", max_tokens=2, temperature=-1)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"
 
 
 def test_http_answers_503_at_once_while_no_replica_runs(laptop, tmp_path):
