@@ -109,8 +109,14 @@ def app_settings(args: argparse.Namespace) -> tuple[AppArgs, dict[str, Any]]:
     except ValidationError as exc:
         error = exc.errors(include_url=False, include_input=False)[0]
         name = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
-        where = "model" if name == "model" else flag(name) if name in {s.name for s in settings()} else name
-        message = error["msg"].removeprefix("Value error, ").removeprefix(f"{name}: ")
+        message = error["msg"].removeprefix("Value error, ")
+        named, _, rest = message.partition(": ")  # a group's own check names its settings first
+        known = {s.name for s in settings()}
+        if rest and all(word in known or word == "/" for word in named.split(" ")):
+            where, message = " / ".join(flag(w) for w in named.split(" ") if w != "/"), rest
+        else:
+            where = "model" if name == "model" else flag(name) if name in known else name
+            message = message.removeprefix(f"{name}: ")
         raise ValueError(f"{where}: {message}") from None
 
 

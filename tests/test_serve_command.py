@@ -15,9 +15,11 @@ import time
 import openai
 import psutil
 import pytest
+import ray
 
 from cluster.client import GenerationClient
 from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops.cli import main
 from tests.cluster.conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,14 +38,17 @@ def _slidespec(*args: str) -> list[str]:
         ([MODEL, "--speculative-algorithm", "guess"], "--speculative-algorithm: Input should be 'standalone'"),
         ([MODEL, "--speculative-algorithm", "eagle"], "--speculative-draft-model: Field required"),
         ([MODEL, "--config", "/no/such/serve.yaml"], "--config: cannot read /no/such/serve.yaml"),
+        ([MODEL, "--api-key-file", "ops/serve.yaml"], "--grpc-auth-token-file: ops/serve.yaml must hold one word"),
+        ([MODEL, "--grpc-tls-cert-file", "ops/serve.yaml"], "--grpc-tls-cert-file / --grpc-tls-key-file: give both"),
         ([], "model: give a model directory"),
     ],
 )
-def test_bad_settings_end_it_at_once_naming_the_flag(args, message):
-    done = subprocess.run(_slidespec("serve", *args), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert "deploying" not in done.stdout  # refused before any Ray started
+def test_bad_settings_end_it_at_once_naming_the_flag(args, message, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["serve", *args]) == 2
+    out, err = capsys.readouterr()
+    assert message in err and "Traceback" not in err, err
+    assert "deploying" not in out and not ray.is_initialized()  # refused before any Ray started
 
 
 class Served:
@@ -131,3 +136,22 @@ def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
     while alive := [p for p in own if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
         assert time.monotonic() < deadline, [" ".join(p.cmdline())[:120] for p in alive]
         time.sleep(0.5)
+
+
+def test_a_serve_config_gives_the_settings_and_flags_override_them(monkeypatch, tmp_path):
+    from ops.cli import build_parser
+    from ops.serve import app_settings
+
+    monkeypatch.chdir(ROOT)
+    args = build_parser().parse_args(
+        ["serve", "--config", "ops/serve.yaml", "--grpc-port", "50999", "--no-enable-prefix-caching", "--port", "8100"]
+    )
+    cfg, http = app_settings(args)
+    assert (cfg.tp_size, cfg.router.policy, cfg.speculative.algorithm) == (2, "cache_aware", "eagle")  # the config's
+    assert (cfg.grpc.port, cfg.grpc.host, cfg.enable_prefix_caching) == (50999, "127.0.0.1", False)  # the flags'
+    assert http == {"host": "127.0.0.1", "port": 8100} and cfg.device == "cpu"
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    args = build_parser().parse_args(["serve", MODEL, "--api-key-file", str(token), "--num-replicas", "auto"])
+    cfg, _ = app_settings(args)
+    assert cfg.grpc.auth_token_file == str(token) and cfg.num_replicas == "auto" and cfg.speculative is None
