@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.cluster.conftest import free_port, start_local_ray
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -184,12 +185,6 @@ class Server:
         return block.code.replace(HTTP_IN_DOCS, self.http).replace(GRPC_IN_DOCS, self.grpc)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_until_serving(target: str) -> None:
     """The engine replica is up: the gRPC readiness check says SERVING."""
     from grpc_health.v1 import health_pb2
@@ -217,16 +212,9 @@ def server(tmp_path_factory) -> Iterator[Server]:
     from ops import DEFAULT_MODEL, DRAFT_MODELS
 
     workdir = tmp_path_factory.mktemp("docs-server")
-    ray.init(
-        address="local",  # a new local cluster, whatever a stale address file says
-        num_cpus=8,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "200"}},
-    )
+    start_local_ray()
     try:
-        http_port = _free_port()
+        http_port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         args = dict(
             model=DEFAULT_MODEL,

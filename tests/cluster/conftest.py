@@ -23,13 +23,11 @@ def session_logs() -> Iterator[tuple[str, str]]:
                 yield path, f.read()
 
 
-@pytest.fixture(scope="module")
-def ray_serve():
-    """One local Ray cluster (loopback only) with Serve's HTTP proxy per test module."""
+def start_local_ray() -> None:
+    """A new local Ray cluster on loopback for one test module; span batches leave every
+    process within 0.2 s, so tests need not wait for shutdown."""
     import ray
-    from ray import serve
 
-    # Span batches leave every process within 0.2 s, so tests need not wait for shutdown.
     ray.init(
         address="local",  # a new local cluster, whatever a stale address file says
         num_cpus=8,
@@ -38,6 +36,15 @@ def ray_serve():
         log_to_driver=False,
         runtime_env={"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "200"}},
     )
+
+
+@pytest.fixture(scope="module")
+def ray_serve():
+    """One local Ray cluster (loopback only) with Serve's HTTP proxy per test module."""
+    import ray
+    from ray import serve
+
+    start_local_ray()
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
