@@ -423,8 +423,8 @@ class Engine:
             self.scheduler.fail(sampled[i], exc)
         if any(r.sampling.return_logits for r in sampled):
             for req, logits in zip(sampled, out.logits):
-                if req.sampling.return_logits and not req.finished:
-                    req.logits.append(logits.cpu())
+                if req.sampling.return_logits and not req.finished:  # a copy: graphs rewrite their rows
+                    req.logits.append(logits.to("cpu", copy=True))
         live = [(r, n, s) for r, n, s in zip(sb.reqs, sb.q_lens, sb.samples) if not r.finished]
         events = self.scheduler.process(
             ScheduledBatch(sb.mode, [r for r, _, _ in live], [n for _, n, _ in live], [s for _, _, s in live]),

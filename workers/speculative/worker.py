@@ -313,6 +313,6 @@ class SpecWorker:
         req.spec.stats.record(accepted)
         self.last_accept_lengths[req.rid] = accepted + 1
         new = self.scheduler.commit(req, drafts[:accepted] + [bonus], start + accepted + 1)
-        if req.sampling.return_logits:
-            req.logits.extend(logits[: len(new)].cpu())
+        if req.sampling.return_logits:  # a copy: graphs rewrite their rows
+            req.logits.extend(logits[: len(new)].to("cpu", copy=True))
         return new
