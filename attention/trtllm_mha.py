@@ -92,6 +92,12 @@ class TRTLLMMHABackend(AttentionBackend):
         if ks.page_sizes is not None and page_size not in ks.page_sizes:
             raise ValueError(f"page_size: trtllm_mha on {ks.name} supports {ks.page_sizes}, got {page_size}")
         for layer in layers:
+            if ks.max_head_dim is not None and layer.head_dim > ks.max_head_dim:
+                raise ValueError(
+                    f"attention_backend: trtllm_mha on {ks.name} has no kernel tested with heads wider than "
+                    f"{ks.max_head_dim}: layer {layer.layer_id} reads {layer.num_kv_heads} KV heads of "
+                    f"{layer.head_dim} ({'full attention' if layer.sliding_window is None else 'sliding window'})"
+                )
             if layer.logit_softcap is not None and not ks.context_softcap:
                 raise ValueError(
                     f"attention_backend: trtllm_mha on {ks.name} has no kernel with logit soft-capping "

@@ -210,6 +210,10 @@ class Engine:
         for module in (m for runner in runners for m in runner.model.modules()):
             if isinstance(module, RotaryTables):  # every position a forward may hold
                 module.cover(self.req_to_token.max_context_len)
+        # KV bytes a slot of each pool holds on this rank: the layers that store KV, target and
+        # draft (whose entries live at the target's slots); layers reading another's hold none.
+        pools = [runner.pool.kv_bytes for runner in runners if runner.pool is not None]
+        self.kv_slot_bytes = {space: sum(p[space] for p in pools) for space in ("full", "swa")}
         self._requests: dict[str, Request] = {}
         self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
         self._inflight: InFlight | None = None
@@ -555,8 +559,9 @@ class Engine:
     # -- memory ----------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, int]:
         """Free and total slots of both pools. Pages only the prefix cache holds count as free
-        (a request needing them evicts them); `*_cached` says how many slots the cache holds."""
-        stats = self.allocator.stats()
+        (a request needing them evicts them); `*_cached` says how many slots the cache holds;
+        `*_slot_bytes` what one slot holds on this rank (`kv_slot_bytes`)."""
+        stats = {**self.allocator.stats(), **{f"{k}_slot_bytes": n for k, n in self.kv_slot_bytes.items()}}
         if self.cache is not None:
             p = self.allocator.page_size
             full_cached, swa_cached, full, swa = self.cache.usage()

@@ -14,7 +14,7 @@ from attention import AttentionLayer, KVPool, create_backend
 from workers.cuda_graphs import CudaGraphRunner
 from workers.distributed import SINGLE_RANK, TPGroup
 from workers.forward_batch import ForwardBatch
-from workers.memory import KVAllocator, build_pool
+from workers.memory import KVAllocator, build_pool, kv_layouts
 from workers.models import ModelConfig, build_model
 from workers.step_record import ForwardRecord
 
@@ -81,10 +81,9 @@ class ModelRunner:
     ) -> ModelRunner:
         """A Hugging Face causal LM with its own pool on a (possibly shared) allocator."""
         model = build_model(cfg, model_dir, load_format, dtype, device, tp, seed)
-        attn = model.attention_layers[0]
         # The pool is chosen from this model's own layers; the allocator may be shared with
-        # another model (docs/design.md §4.1).
-        pool = build_pool(cfg.layer_windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool)
+        # another model (docs/design.md §4.1). Layers reading another's KV add nothing (§4.6).
+        pool = build_pool(kv_layouts(model.attention_layers), allocator, dtype, device, use_swa_pool)
         return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role, allocator)
 
     def enable_graphs(self, graphs: CudaGraphRunner) -> None:

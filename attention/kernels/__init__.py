@@ -32,6 +32,9 @@ class KernelSet:
     flat_verify_kv: int
     page_sizes: tuple[int, ...] | None  # None: any page size
     self_checking: bool  # the kernel checks its own contract on every call (the CPU reference)
+    # The widest head these kernels are tested with (tests/attention/test_gpu_kernels.py); None: any.
+    # Gemma 4's 512-wide full-attention heads are refused past it rather than risk garbage.
+    max_head_dim: int | None = None
     # Decode calls of one query a row (decode, flat verify) and at most this many rows run the
     # split-KV Triton kernel instead of `decode` (0: never).
     split_decode_rows: int = 0
@@ -95,6 +98,7 @@ KERNEL_SETS = {
         flat_verify_kv=FLAT_VERIFY[1],
         page_sizes=(16, 32, 64, 128),
         self_checking=False,
+        max_head_dim=256,
         split_decode_rows=SPLIT_DECODE_ROWS,
     ),
     "sm100": KernelSet(
@@ -110,6 +114,7 @@ KERNEL_SETS = {
         flat_verify_kv=0,
         page_sizes=(16, 32, 64),
         self_checking=False,
+        max_head_dim=256,
     ),
 }
 

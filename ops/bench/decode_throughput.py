@@ -142,14 +142,16 @@ def ceilings() -> dict:
 
 
 def weight_bytes(engine: Engine) -> int:
+    """Bytes of the weights a decode step reads: all but tables read a row a token (`read_by_row`:
+    Gemma 4's per-layer embeddings)."""
     models = [engine.runner.model] + ([engine.spec.drafter.runner.model] if engine.spec else [])
-    seen = {id(p): p for m in models for p in m.parameters()}
+    seen = {id(p): p for m in models for p in m.parameters() if not getattr(p, "read_by_row", False)}
     return sum(p.numel() * p.element_size() for p in seen.values())
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
-    cfg = engine.cfg
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.finfo(engine.dtype).bits // 8
+    """KV bytes of one token over the layers that store KV (each in its own geometry)."""
+    return sum(engine.kv_slot_bytes.values())
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], new: int) -> dict:

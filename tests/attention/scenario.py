@@ -7,7 +7,7 @@ import torch
 
 from attention import AttentionLayer, ForwardMode, create_backend
 from workers.forward_batch import ForwardBatch
-from workers.memory import HybridSWAAllocator, ReqToTokenPool, build_pool
+from workers.memory import HybridSWAAllocator, KVLayout, ReqToTokenPool, build_pool
 
 H, HKV, D = 4, 2, 8
 
@@ -19,8 +19,9 @@ class Scenario:
         self.r2t = ReqToTokenPool(32, 512, "cpu")
         self.alloc = HybridSWAAllocator(self.r2t, full_pages, swa_pages, page_size, window)
         windows = {0: window, 1: None, 2: window}
-        self.hybrid_pool = build_pool(windows, self.alloc, HKV, D, torch.float32, "cpu")
-        self.full_pool = build_pool(windows, self.alloc, HKV, D, torch.float32, "cpu", use_swa_pool=False)
+        layouts = {i: KVLayout(w, HKV, D) for i, w in windows.items()}
+        self.hybrid_pool = build_pool(layouts, self.alloc, torch.float32, "cpu")
+        self.full_pool = build_pool(layouts, self.alloc, torch.float32, "cpu", use_swa_pool=False)
         self.layers = [AttentionLayer(i, H, HKV, D, scaling=D**-0.5, sliding_window=w) for i, w in windows.items()]
 
     def push_full_ids_up(self, pages: int) -> None:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from attention import AttentionLayer, ForwardMode, create_backend
 from workers.forward_batch import ForwardBatch
-from workers.memory import HybridSWAAllocator, ReqToTokenPool, build_pool
+from workers.memory import HybridSWAAllocator, KVLayout, ReqToTokenPool, build_pool
 
 H, HKV, D, PAGE, WINDOW = 4, 2, 8, 4, 5
 
@@ -18,7 +18,7 @@ def _setup(prefix_lens, q_lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     r2t = ReqToTokenPool(8, 64, "cpu")
     alloc = HybridSWAAllocator(r2t, 40, 24, PAGE, WINDOW)
-    pool = build_pool({0: WINDOW, 1: None}, alloc, HKV, D, torch.float32, "cpu")
+    pool = build_pool({0: KVLayout(WINDOW, HKV, D), 1: KVLayout(None, HKV, D)}, alloc, torch.float32, "cpu")
     rows, dense_k, dense_v = [], [], []
     for prefix, q in zip(prefix_lens, q_lens):
         row = r2t.alloc()

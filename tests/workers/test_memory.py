@@ -3,15 +3,18 @@
 import pytest
 import torch
 
+from attention import AttentionLayer
 from workers.memory import (
     HybridSWAAllocator,
     HybridSWAPool,
     KVAllocator,
+    KVLayout,
     MHAPool,
     OutOfKVError,
     PageAllocator,
     ReqToTokenPool,
     build_pool,
+    kv_layouts,
 )
 
 
@@ -94,24 +97,41 @@ def test_truncate_returns_swa_pages_of_rejected_tokens():
 def test_pool_kind_comes_from_the_models_layers_not_the_allocator():
     r2t = ReqToTokenPool(2, 32, "cpu")
     hybrid = HybridSWAAllocator(r2t, 8, 4, 4, 8)
-    windows = {0: 8, 1: None, 2: 8}
-    pool = build_pool(windows, hybrid, 2, 16, torch.float32, "cpu")
+    layouts = {i: KVLayout(w, 2, 16) for i, w in {0: 8, 1: None, 2: 8}.items()}
+    pool = build_pool(layouts, hybrid, torch.float32, "cpu")
     assert isinstance(pool, HybridSWAPool)
     assert [pool.is_swa_layer(i) for i in range(3)] == [True, False, True]
     assert pool.swa.kv_buffers[0].shape == (5, 2, 2, 4, 16) and pool.full.kv_buffers[0].shape == (9, 2, 2, 4, 16)
-    full_only = build_pool(windows, hybrid, 2, 16, torch.float32, "cpu", use_swa_pool=False)
+    full_only = build_pool(layouts, hybrid, torch.float32, "cpu", use_swa_pool=False)
     assert isinstance(full_only, MHAPool) and not full_only.has_swa
     assert not any(full_only.is_swa_layer(i) for i in range(3))
-    plain = build_pool(windows, KVAllocator(r2t, 8, 4), 2, 16, torch.float32, "cpu")
+    plain = build_pool(layouts, KVAllocator(r2t, 8, 4), torch.float32, "cpu")
     assert isinstance(plain, MHAPool)
     with pytest.raises(KeyError, match="not layer 7"):
         pool.kv_cache(7)
     with pytest.raises(ValueError, match="sliding_window"):
-        build_pool({0: 16}, hybrid, 2, 16, torch.float32, "cpu")
+        build_pool({0: KVLayout(16, 2, 16)}, hybrid, torch.float32, "cpu")
+
+
+def test_each_kv_layer_keeps_its_own_geometry_and_layers_reading_it_add_nothing():
+    """Gemma 4's shape: sliding layers of 2 KV heads x 16, full layers of 1 x 32, and two layers
+    reading layers 0 and 1's KV (KV sharing)."""
+    r2t = ReqToTokenPool(2, 32, "cpu")
+    hybrid = HybridSWAAllocator(r2t, 8, 4, 4, 8)
+    sliding, full = dict(num_kv_heads=2, head_dim=16, sliding_window=8), dict(num_kv_heads=1, head_dim=32)
+    layers = [AttentionLayer(i, 4, scaling=1.0, **geometry) for i, geometry in [(0, sliding), (1, full)] * 2]
+    layouts = kv_layouts(layers)
+    assert layouts == {0: KVLayout(8, 2, 16), 1: KVLayout(None, 1, 32)}
+    pool = build_pool(layouts, hybrid, torch.float32, "cpu")
+    assert len(pool.swa.kv_buffers) == len(pool.full.kv_buffers) == 1
+    assert pool.swa.kv_cache(0).shape == (5, 2, 2, 4, 16) and pool.full.kv_cache(1).shape == (9, 2, 1, 4, 32)
+    assert pool.kv_bytes == {"full": 2 * 1 * 32 * 4, "swa": 2 * 2 * 16 * 4}  # float32, K and V
+    with pytest.raises(ValueError, match="KV layer 1: read as"):
+        kv_layouts([*layers, AttentionLayer(1, 4, num_kv_heads=2, head_dim=16, scaling=1.0)])
 
 
 def test_set_kv_writes_hnd_layout():
-    pool = MHAPool([0], 4, 4, 2, 3, torch.float32, "cpu")
+    pool = MHAPool({0: (2, 3)}, 4, 4, torch.float32, "cpu")
     locs = torch.tensor([5, 6, 13])
     k = torch.arange(18, dtype=torch.float32).view(3, 2, 3)
     pool.set_kv(0, locs, k, -k)

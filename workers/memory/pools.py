@@ -3,36 +3,80 @@
 `MHAPool` keeps every layer in the full index space. `HybridSWAPool` pairs a full pool for
 full-attention layers with a smaller SWA pool for sliding-window layers and translates through
 the allocator's `full_to_swa` map (the same tensor object for the pool's whole life).
+
+Each layer's buffer has that layer's own KV heads and head size (`KVLayout`): Gemma 4's
+sliding and full layers differ. Only layers that store KV have one; a layer reading another's
+KV (KV sharing, frozen-KV drafts) names that layer and adds nothing (docs/design.md §4.6).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
+from attention import AttentionLayer
 from workers.memory.allocator import HybridSWAAllocator, KVAllocator
 from workers.memory.kv_write import kv_writer
 
 
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """What one KV layer stores a token, as one rank sees it: K and V of `num_kv_heads` heads of
+    `head_dim`, for a window of `sliding_window` keys (None: full attention)."""
+
+    sliding_window: int | None
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_layouts(layers: Iterable[AttentionLayer]) -> dict[int, KVLayout]:
+    """The KV layers a model's attention layers read (`layer_id`), each once. Layers reading the
+    same KV layer must agree on its layout."""
+    layouts: dict[int, KVLayout] = {}
+    for layer in layers:
+        layout = KVLayout(layer.sliding_window, layer.num_kv_heads, layer.head_dim)
+        if layouts.setdefault(layer.layer_id, layout) != layout:
+            raise ValueError(
+                f"KV layer {layer.layer_id}: read as {layout} and as {layouts[layer.layer_id]}; "
+                "a KV layer has one layout"
+            )
+    return layouts
+
+
 class MHAPool:
-    """Paged K/V buffers for a set of layers, all indexed by full-pool slots."""
+    """Paged K/V buffers for a set of layers, all indexed by full-pool slots; each layer's
+    buffer in its own (KV heads, head size)."""
 
     def __init__(
         self,
-        layer_ids: list[int],
+        layers: dict[int, tuple[int, int]],
         num_pages: int,
         page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        """`layers`: KV layer id -> (KV heads, head size)."""
         self.page_size = page_size
         self.num_pages = num_pages  # page ids; buffers hold one more (padding page 0)
-        self._index = {layer_id: i for i, layer_id in enumerate(layer_ids)}
-        shape = (num_pages + 1, 2, num_kv_heads, page_size, head_dim)
-        self.kv_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_ids]
+        self._index = {layer_id: i for i, layer_id in enumerate(layers)}
+        self.kv_buffers = [
+            torch.zeros((num_pages + 1, 2, heads, page_size, dim), dtype=dtype, device=device)
+            for heads, dim in layers.values()
+        ]
         self._write = kv_writer(device)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds over every layer here (K and V)."""
+        return sum(buf[0].numel() * buf.element_size() for buf in self.kv_buffers) // self.page_size
+
+    @property
+    def kv_bytes(self) -> dict[str, int]:
+        """Bytes a slot of each index space holds in this pool."""
+        return {"full": self.slot_bytes, "swa": 0}
 
     @property
     def has_swa(self) -> bool:
@@ -96,6 +140,10 @@ class HybridSWAPool:
         return True
 
     @property
+    def kv_bytes(self) -> dict[str, int]:
+        return {"full": self.full.slot_bytes, "swa": self.swa.slot_bytes}
+
+    @property
     def swa_window(self) -> int | None:
         return self._window
 
@@ -125,35 +173,33 @@ class HybridSWAPool:
 
 
 def build_pool(
-    layer_windows: dict[int, int | None],
+    layouts: dict[int, KVLayout],
     allocator: KVAllocator,
-    num_kv_heads: int,
-    head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
     use_swa_pool: bool = True,
 ) -> MHAPool | HybridSWAPool:
-    """A pool for one model's layers on a (possibly shared) allocator.
+    """A pool for one model's KV layers (`kv_layouts` of its attention layers) on a (possibly
+    shared) allocator.
 
     Sliding-window layers go to the SWA pool when the allocator keeps one and `use_swa_pool`;
-    otherwise every layer is full (windows are then only a mask). `layer_windows` maps each KV
-    layer id to its window (None for full attention).
-    """
+    otherwise every layer is full (windows are then only a mask)."""
     p = allocator.page_size
-    args = (p, num_kv_heads, head_dim, dtype, device)
-    swa_layers = [i for i, w in layer_windows.items() if w is not None]
+    shapes = {i: (layout.num_kv_heads, layout.head_dim) for i, layout in layouts.items()}
+    swa_layers = [i for i, layout in layouts.items() if layout.sliding_window is not None]
     if not (use_swa_pool and swa_layers and isinstance(allocator, HybridSWAAllocator)):
-        return MHAPool(list(layer_windows), allocator.full.num_ids, *args)
-    too_wide = {i: layer_windows[i] for i in swa_layers if layer_windows[i] > allocator.sliding_window}
+        return MHAPool(shapes, allocator.full.num_ids, p, dtype, device)
+    windows = {i: layouts[i].sliding_window for i in swa_layers}
+    too_wide = {i: w for i, w in windows.items() if w > allocator.sliding_window}
     if too_wide:
         raise ValueError(
             f"sliding_window: layers {too_wide} have windows wider than the allocator keeps "
             f"({allocator.sliding_window}); size the allocator for the widest window"
         )
-    full_layers = [i for i, w in layer_windows.items() if w is None]
+    full_layers = {i: shapes[i] for i in layouts if i not in swa_layers}
     return HybridSWAPool(
-        MHAPool(full_layers, allocator.full.num_ids, *args),
-        MHAPool(swa_layers, allocator.swa.num_ids, *args),
+        MHAPool(full_layers, allocator.full.num_ids, p, dtype, device),
+        MHAPool({i: shapes[i] for i in swa_layers}, allocator.swa.num_ids, p, dtype, device),
         allocator.full_to_swa,
         allocator.full_to_swa_host,
         allocator.sliding_window,

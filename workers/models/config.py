@@ -2,6 +2,9 @@
 
 Architectures differ by a handful of switches (biases, q/k norms, Gemma's sandwich norms and
 soft-caps); those live in the `ARCHITECTURES` table instead of in branches across the code.
+Each layer's attention geometry (window, RoPE variant, head size, KV heads, the layer whose KV
+it reads) is data in `LayerConfig`: Gemma 4 mixes two geometries in one model and lets its
+last layers read earlier layers' KV (docs/design.md §4.6).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from workers.models.geometry import global_field, kv_layers, layer_geometry
+
 
 @dataclasses.dataclass(frozen=True)
 class ArchSpec:
@@ -23,8 +28,18 @@ class ArchSpec:
     qkv_bias: bool | None = None  # None: take `attention_bias` from the config
     o_bias: bool | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
-    gemma: bool = False  # (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, soft-caps
+    gemma: bool = False  # sandwich norms, sqrt(hidden) embedding scale, soft-caps, (1 + w) norms
+    one_plus_norms: bool | None = None  # RMSNorm scales by 1 + w; None: as `gemma` (Gemma 4's scale by w)
     window_on_all_layers: bool = False  # Mistral: `sliding_window` applies to every layer
+    v_norm: bool = False  # values RMS-normalised (no weight) before they are stored (Gemma 4)
+    attention_scale: float | None = None  # query scale whatever the head size (Gemma 4: 1; its q/k norms scale)
+    model: str = "decoder"  # the module that builds it (`workers.models.loader.MODELS`)
+    text_prefix: str | None = None  # multimodal checkpoints: the text model's tensors sit under `model.<prefix>.`
+
+    @property
+    def norm_one_plus(self) -> bool:
+        """Whether this architecture's RMSNorms scale by 1 + w (Gemma 2 and 3) rather than w."""
+        return self.gemma if self.one_plus_norms is None else self.one_plus_norms
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -35,12 +50,25 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma2ForCausalLM": ArchSpec(gemma=True),
     "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),
 }
+GEMMA4 = ArchSpec(qk_norm=True, gemma=True, one_plus_norms=False, v_norm=True, attention_scale=1.0, model="gemma4")
+ARCHITECTURES["Gemma4ForCausalLM"] = GEMMA4
+ARCHITECTURES["Gemma4ForConditionalGeneration"] = dataclasses.replace(GEMMA4, text_prefix="language_model")
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
+    """One decoder layer's attention geometry."""
+
     sliding_window: int | None  # keys seen by a query, itself included; None = full attention
     rope_key: str  # which entry of ModelConfig.rope this layer uses
+    head_dim: int
+    num_kv_heads: int
+    kv_layer: int  # the layer whose K/V this one attends: itself, or an earlier one of its type (KV sharing)
+    k_eq_v: bool = False  # no V projection: V is the K projection's output before its norm and RoPE
+
+    @property
+    def attention_type(self) -> str:
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +103,19 @@ class ModelConfig:
     rope: dict[str, RopeConfig]
     eos_token_ids: tuple[int, ...]
     initializer_range: float
+    # Gemma 4's per-layer embeddings: each layer's width (0: none) and the table's vocabulary
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    double_wide_mlp: bool = False  # layers reading another layer's KV have MLPs twice as wide (Gemma 4)
 
     @property
     def layer_windows(self) -> dict[int, int | None]:
         return {i: layer.sliding_window for i, layer in enumerate(self.layers)}
+
+    @property
+    def kv_layers(self) -> dict[int, LayerConfig]:
+        """The layers that store K and V (the others read one of these)."""
+        return {i: layer for i, layer in enumerate(self.layers) if layer.kv_layer == i}
 
     @property
     def max_window(self) -> int | None:
@@ -86,23 +123,31 @@ class ModelConfig:
         return max(windows) if windows else None
 
 
-def _windows(hf: PretrainedConfig, arch: ArchSpec) -> list[int | None]:
-    window = getattr(hf, "sliding_window", None)
+def _layer_types(hf: PretrainedConfig, arch: ArchSpec) -> list[str]:
+    """Every layer's attention type (`layer_types`, else one type for all)."""
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is None:
+        window = getattr(hf, "sliding_window", None)
         layer_types = [
             "sliding_attention" if arch.window_on_all_layers and window else "full_attention"
         ] * hf.num_hidden_layers
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise ValueError(f"layer_types: unsupported attention types {sorted(unknown)}")
+    return list(layer_types)
+
+
+def _windows(hf: PretrainedConfig, layer_types: list[str]) -> list[int | None]:
+    window = getattr(hf, "sliding_window", None)
     if "sliding_attention" in layer_types and not window:
         raise ValueError("sliding_window: layer_types has sliding_attention layers but no sliding_window is set")
     return [window if t == "sliding_attention" else None for t in layer_types]
 
 
-def _rope(hf: PretrainedConfig, head_dim: int) -> tuple[dict[str, RopeConfig], list[str]]:
-    """RoPE frequencies per layer type; transformers computes every non-default variant."""
+def _rope(hf: PretrainedConfig, head_dims: list[int]) -> tuple[dict[str, RopeConfig], list[str]]:
+    """RoPE frequencies per layer type (each type's layers share a head size); transformers
+    computes every non-default variant, from the type's own config where layers differ in
+    geometry (as Gemma 4's rotary embedding does)."""
     params = getattr(hf, "rope_parameters", None) or {
         "rope_type": "default",
         "rope_theta": getattr(hf, "rope_theta", 10000.0),
@@ -110,8 +155,13 @@ def _rope(hf: PretrainedConfig, head_dim: int) -> tuple[dict[str, RopeConfig], l
     layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
     per_type = all(isinstance(params.get(t), dict) for t in set(layer_types))
     keys = sorted(set(layer_types)) if per_type else ["all"]
+    layer_keys = list(layer_types) if per_type else ["all"] * hf.num_hidden_layers
     ropes = {}
     for key in keys:
+        dims = {d for d, k in zip(head_dims, layer_keys) if k == key}
+        if len(dims) != 1:
+            raise ValueError(f"layer_types: the {key} layers have head sizes {sorted(dims)}; one RoPE table needs one")
+        head_dim = dims.pop()
         p = params[key] if per_type else params
         rope_type = p.get("rope_type", p.get("type", "default"))
         if rope_type == "default":
@@ -119,21 +169,22 @@ def _rope(hf: PretrainedConfig, head_dim: int) -> tuple[dict[str, RopeConfig], l
             inv_freq = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             ropes[key] = RopeConfig(inv_freq, 1.0)
         elif rope_type in ROPE_INIT_FUNCTIONS:
+            source = hf.per_layer_config[key] if getattr(hf, "is_heterogeneous", False) else hf
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
-                hf, torch.device("cpu"), layer_type=key if per_type else None
+                source, torch.device("cpu"), layer_type=key if per_type else None
             )
             ropes[key] = RopeConfig(inv_freq.float(), float(scaling))
         else:
             raise ValueError(f"rope_parameters: unsupported rope_type {rope_type!r}")
-    layer_keys = list(layer_types) if per_type else ["all"] * hf.num_hidden_layers
     return ropes, layer_keys
 
 
-def _eos_ids(hf: PretrainedConfig, model_dir: str | None) -> tuple[int, ...]:
-    """Token ids that end a request: config.json's and generation_config.json's `eos_token_id`
-    (one id or a list; null entries skipped)."""
+def _eos_ids(configs: tuple[PretrainedConfig, ...], model_dir: str | None) -> tuple[int, ...]:
+    """Token ids that end a request: config.json's (the model's and its text model's) and
+    generation_config.json's `eos_token_id` (one id or a list; null entries skipped)."""
     ids: set[int] = set()
-    for name, source in (("config.json", hf), ("generation_config.json", _generation_config(model_dir))):
+    sources = [("config.json", c) for c in configs] + [("generation_config.json", _generation_config(model_dir))]
+    for name, source in sources:
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         for i in eos if isinstance(eos, (list, tuple)) else [eos]:
             if i is None:
@@ -168,6 +219,11 @@ SIZES = (
     ("num_key_value_heads", False),
     ("head_dim", False),
 )
+# Config switches with values slidespec does not implement: (field, values it serves, why).
+UNSUPPORTED = (
+    ("use_bidirectional_attention", (None, False, "vision"), "text tokens attend causally"),
+    ("enable_moe_block", (None, False), "mixture-of-experts layers are not implemented"),
+)
 
 
 def model_config_from_hf(
@@ -180,15 +236,31 @@ def model_config_from_hf(
         raise ValueError(f"architectures: unsupported {archs or '(none)'}; supported: {sorted(ARCHITECTURES)}")
     name = known[0]
     arch = ARCHITECTURES[name]
+    top, hf = hf, hf.get_text_config(decoder=True)  # a multimodal config's text model
     for field, required in SIZES:
-        value = getattr(hf, field, None)
+        value = global_field(hf, field)
         if (required or value is not None) and (type(value) is not int or value < 1):
             raise ValueError(f"config.json: {field} must be a positive integer, got {value!r:.40}")
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    for field, allowed, why in UNSUPPORTED:
+        if (value := getattr(hf, field, None)) not in allowed:
+            raise ValueError(f"config.json: {field} {value!r} is not supported ({why}); allowed: {list(allowed)}")
+    geometry = layer_geometry(hf)
+    head_dim, num_kv_heads = (global_field(hf, f) for f in ("head_dim", "num_key_value_heads"))
+    head_dim = head_dim or hf.hidden_size // hf.num_attention_heads
     attention_bias = bool(getattr(hf, "attention_bias", False))
-    ropes, rope_keys = _rope(hf, head_dim)
-    windows = _windows(hf, arch)
+    ropes, rope_keys = _rope(hf, [d for d, _ in geometry])
+    layer_types = _layer_types(hf, arch)
+    windows = _windows(hf, layer_types)
+    sources = kv_layers(hf, layer_types)
+    k_eq_v = bool(getattr(hf, "attention_k_eq_v", False))
     query_scale = getattr(hf, "query_pre_attn_scalar", None) if arch.gemma else None
+    per_layer = getattr(hf, "hidden_size_per_layer_input", None) or 0
+    per_layer_vocab = getattr(hf, "vocab_size_per_layer_input", None) or 0
+    if per_layer and per_layer_vocab < hf.vocab_size:
+        raise ValueError(
+            f"config.json: vocab_size_per_layer_input {per_layer_vocab} is below vocab_size {hf.vocab_size}: "
+            "every token reads a row of the per-layer embeddings"
+        )
     return ModelConfig(
         architecture=name,
         arch=arch,
@@ -198,22 +270,28 @@ def model_config_from_hf(
         intermediate_size=hf.intermediate_size,
         num_layers=hf.num_hidden_layers,
         num_heads=hf.num_attention_heads,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        num_kv_heads=num_kv_heads or hf.num_attention_heads,
         head_dim=head_dim,
         hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"),
         rms_norm_eps=hf.rms_norm_eps,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
         qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,
         o_bias=attention_bias if arch.o_bias is None else arch.o_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        scaling=1.0 / math.sqrt(query_scale or head_dim),
+        scaling=arch.attention_scale or 1.0 / math.sqrt(query_scale or head_dim),
         attn_logit_softcap=getattr(hf, "attn_logit_softcapping", None) if arch.gemma else None,
         final_logit_softcap=getattr(hf, "final_logit_softcapping", None) if arch.gemma else None,
         max_position_embeddings=hf.max_position_embeddings,
-        layers=tuple(LayerConfig(w, k) for w, k in zip(windows, rope_keys)),
+        layers=tuple(
+            LayerConfig(w, key, d, kv, src, k_eq_v and w is None and src == i)
+            for i, (w, key, (d, kv), src) in enumerate(zip(windows, rope_keys, geometry, sources))
+        ),
         rope=ropes,
-        eos_token_ids=_eos_ids(hf, model_dir),
+        eos_token_ids=_eos_ids((top, hf), model_dir),
         initializer_range=getattr(hf, "initializer_range", 0.02),
+        per_layer_input_size=per_layer,
+        per_layer_vocab_size=per_layer_vocab if per_layer else 0,
+        double_wide_mlp=bool(getattr(hf, "use_double_wide_mlp", False)),
     )
 
 

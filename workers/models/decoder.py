@@ -39,39 +39,44 @@ STACKED_PARAMS = (
 
 
 class SelfAttention(nn.Module):
-    """Attention of decoder layer `layer_id` of `cfg`.
+    """Attention of decoder layer `layer_id` of `cfg`, in that layer's geometry (`cfg.layers`).
 
     `input_size` overrides the width fed to the q/k/v projection (EAGLE-3 feeds 2 x hidden).
-    With `reads_kv_only` the layer has only a query projection and attends KV that layer
-    `layer_id` of another model (the target) wrote: frozen-KV draft layers.
+    With `reads_kv_only`, or when the layer reads another layer's KV (`LayerConfig.kv_layer`:
+    KV sharing), the layer has only a query projection and attends KV that layer wrote:
+    frozen-KV draft layers read layer `layer_id` of the target.
     """
 
     def __init__(
         self, cfg: ModelConfig, layer_id: int, tp: TPGroup, input_size: int | None = None, reads_kv_only: bool = False
     ) -> None:
         super().__init__()
+        layer = cfg.layers[layer_id]
         input_size = input_size or cfg.hidden_size
-        num_heads, num_kv_heads = QKVParallelLinear.local_heads(cfg.num_heads, cfg.num_kv_heads, tp)
-        if reads_kv_only:
+        head_dim, eps, one_plus = layer.head_dim, cfg.rms_norm_eps, cfg.arch.norm_one_plus
+        num_heads, num_kv_heads = QKVParallelLinear.local_heads(cfg.num_heads, layer.num_kv_heads, tp)
+        if reads_kv_only or layer.kv_layer != layer_id:
             self.qkv_proj = None
-            self.q_proj = ColumnParallelLinear(input_size, [cfg.num_heads * cfg.head_dim], cfg.qkv_bias, tp)
+            self.q_proj = ColumnParallelLinear(input_size, [cfg.num_heads * head_dim], cfg.qkv_bias, tp)
         else:
+            shards = ("q", "k") if layer.k_eq_v else ("q", "k", "v")
             self.qkv_proj = QKVParallelLinear(
-                input_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp
+                input_size, head_dim, cfg.num_heads, layer.num_kv_heads, cfg.qkv_bias, tp, shards
             )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * head_dim, cfg.hidden_size, cfg.o_bias, tp)
         if cfg.arch.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
-            if not reads_kv_only:
-                self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.arch.gemma)
-        self.rope_key = cfg.layers[layer_id].rope_key
+            self.q_norm = RMSNorm(head_dim, eps, one_plus)
+            if self.qkv_proj is not None:
+                self.k_norm = RMSNorm(head_dim, eps, one_plus)
+        self.v_norm = RMSNorm(head_dim, eps, False, scaled=False) if cfg.arch.v_norm else None
+        self.rope_key = layer.rope_key
         self.attn = AttentionLayer(
-            layer_id=layer_id,
+            layer_id=layer.kv_layer,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=cfg.head_dim,
+            head_dim=head_dim,
             scaling=cfg.scaling,
-            sliding_window=cfg.layers[layer_id].sliding_window,
+            sliding_window=layer.sliding_window,
             logit_softcap=cfg.attn_logit_softcap,
         )
 
@@ -112,6 +117,8 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
+        if self.v_norm is not None:  # before the keys' own norm and RoPE: V may be K's projection
+            v = self.v_norm(v.reshape(k.shape)).reshape(v.shape[0], -1)
         # K and V straight into the paged cache where the backend names the slots
         dest = batch.attn_backend.kv_destination(a)
         q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), None if dest is None else (*dest, v))
@@ -129,10 +136,13 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    """The gated feed-forward block, `intermediate_size` wide (default: the config's)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, cfg.mlp_bias, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [width] * 2, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,23 +158,32 @@ class DecoderLayer(nn.Module):
     stream after the layer is `output_norm(out) + residual` (`out + residual` without an output
     norm; `residual` is None before the first layer). A Gemma layer's last norm (after its MLP)
     is such an output norm: the next layer's input norm applies it (`before`), one kernel for
-    norm, add and norm (`run_layers`)."""
+    norm, add and norm (`run_layers`).
+
+    `mlp`: the feed-forward block when it is not the config's gated MLP (Gemma 4's double-wide
+    ones; a mixture of experts would go here)."""
 
     def __init__(
-        self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False, input_norm: bool = True
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        tp: TPGroup,
+        reads_kv_only: bool = False,
+        input_norm: bool = True,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        gemma = cfg.arch.gemma
+        gemma, h, eps, one_plus = cfg.arch.gemma, cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_one_plus
         self.gemma = gemma
         self.self_attn = SelfAttention(cfg, layer_id, tp, reads_kv_only=reads_kv_only)
-        self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma) if input_norm else None
+        self.mlp = mlp if mlp is not None else MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(h, eps, one_plus) if input_norm else None
         # Llama: the norm before the MLP. Gemma: the norm after attention (sandwich).
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+        self.post_attention_layernorm = RMSNorm(h, eps, one_plus)
         self.output_norm: RMSNorm | None = None
         if gemma:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma)
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, one_plus)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, one_plus)
             self.output_norm = self.post_feedforward_layernorm
 
     @property
@@ -273,12 +292,14 @@ class RotaryTables(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.gemma)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_one_plus)
         self.rotary = RotaryTables(cfg)
         # Layers whose outputs (residual stream) are returned too: EAGLE-3 drafts read them.
         self.capture_layers: tuple[int, ...] = ()
@@ -308,10 +329,12 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """Decoder plus vocabulary-parallel LM head; `compute_logits` returns float32 logits."""
 
+    model_class: type[DecoderModel] = DecoderModel
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, tp)
+        self.model = self.model_class(cfg, tp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -362,7 +385,11 @@ def load_weights(
     parameter must be set. `rename` maps checkpoint name prefixes to parameter prefixes."""
     params = dict(module.named_parameters())
     missing = {
-        (name, shard) for name in params for shard in ([s for fused, _, s in stacked if f".{fused}." in name] or [None])
+        (name, shard)
+        for name, param in params.items()
+        for shard in (
+            [s for fused, _, s in stacked if f".{fused}." in name and s in getattr(param, "shard_ids", (s,))] or [None]
+        )
     }
     for name, tensor in weights:
         if "rotary_emb" in name or name in skip:
@@ -373,7 +400,7 @@ def load_weights(
                 break
         target, shard = name, None
         for fused, part, shard_id in stacked:
-            if f".{part}." in name:
+            if f".{part}." in name and name not in params:  # a layer may keep it unfused (q_proj alone)
                 target, shard = name.replace(f".{part}.", f".{fused}."), shard_id
                 break
         if target not in params:

@@ -67,7 +67,7 @@ class FrozenKVMTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, kv_source_layers: list[int], target: CausalLM, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
-        h, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.gemma
+        h, eps, gemma = cfg.hidden_size, cfg.rms_norm_eps, cfg.arch.norm_one_plus
         self._target = [target]  # a plain list: the target's parameters are not the head's
         self.pre_fc_norm_embedding = RMSNorm(h, eps, gemma)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, gemma)

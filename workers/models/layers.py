@@ -131,20 +131,29 @@ class ColumnParallelLinear(nn.Module):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads. With fewer KV heads than ranks, KV heads are
-    replicated: rank r holds KV head r * num_kv_heads // tp_size."""
-
-    SHARDS = ("q", "k", "v")
+    replicated: rank r holds KV head r * num_kv_heads // tp_size. `shards` ("q", "k"): no V
+    projection (its layer's V is the K projection's output)."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+        shards: tuple[str, ...] = ("q", "k", "v"),
     ) -> None:
         self.head_dim = head_dim
+        self.shards = shards
         self.num_heads, self.num_kv_heads = self.local_heads(num_heads, num_kv_heads, tp)
         replicated = num_kv_heads < tp.size
         self._kv_head_start = tp.rank * num_kv_heads // tp.size if replicated else tp.rank * self.num_kv_heads
-        super().__init__(
-            hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias, tp
-        )
+        sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * (len(shards) - 1)
+        super().__init__(hidden_size, sizes, bias, tp)
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.shard_ids = shards  # type: ignore[attr-defined]  # what a checkpoint must provide
 
     @staticmethod
     def local_heads(num_heads: int, num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
@@ -161,7 +170,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return (self.num_heads if shard == 0 else self.num_kv_heads) * self.head_dim
 
     def _shard_index(self, shard_id: int | str | None) -> int:
-        return self.SHARDS.index(shard_id)
+        return self.shards.index(shard_id)
 
     def _rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
         if shard_id == 0:
@@ -169,7 +178,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         return loaded.narrow(0, self._kv_head_start * self.head_dim, self.local_sizes[shard_id])
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return qkv.split(self.local_sizes, dim=-1)
+        """(q, k, v) views; without a V projection, v is k's view."""
+        parts = qkv.split(self.local_sizes, dim=-1)
+        return parts if len(parts) == 3 else (*parts, parts[1])
 
 
 class RowParallelLinear(nn.Module):
@@ -206,14 +217,18 @@ class ReplicatedLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Gemma scales by 1 + w); `add` fuses the residual add before it. The math is
-    the device's op set's (`workers/models/ops.py`)."""
+    """RMSNorm (Gemma 2 and 3 scale by 1 + w); `add` fuses the residual add before it. The math
+    is the device's op set's (`workers/models/ops.py`). `scaled=False`: no weight (Gemma 4's
+    value norm), a unit scale that is no parameter."""
 
-    def __init__(self, size: int, eps: float, gemma: bool) -> None:
+    def __init__(self, size: int, eps: float, gemma: bool, scaled: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.gemma = gemma
-        self.weight = _param((size,), default_weight_loader)
+        if scaled:
+            self.weight = _param((size,), default_weight_loader)
+        else:
+            self.register_buffer("weight", torch.empty(size), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from workers.distributed import SINGLE_RANK, TPGroup
-from workers.memory import KVAllocator, build_pool
+from workers.memory import KVAllocator, build_pool, kv_layouts
 from workers.model_runner import ModelRunner
 from workers.models import ModelConfig, load_model_config
 from workers.models.eagle import EagleHead, load_eagle_config
@@ -112,9 +112,7 @@ def build_drafter(
         )
         pool = None
         if plan.pool_kind == "full":
-            attn = model.attention_layers[0]
-            windows = {layer.layer_id: layer.sliding_window for layer in model.attention_layers}
-            pool = build_pool(windows, allocator, attn.num_kv_heads, attn.head_dim, dtype, device, use_swa_pool=False)
+            pool = build_pool(kv_layouts(model.attention_layers), allocator, dtype, device, use_swa_pool=False)
         runner = ModelRunner(
             model,
             pool,
