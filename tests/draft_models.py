@@ -176,7 +176,8 @@ def make_perturbed_copy(target_dir: str, out_dir: str, noise: float, seed: int =
     weights = load_file(path)
     for name, t in weights.items():
         if noise and t.is_floating_point():
-            weights[name] = t + noise * t.std() * torch.randn(t.shape, generator=g)
+            scale = t.std() if t.numel() > 1 else t.abs()  # a lone scalar (Gemma 4's layer_scalar) has no spread
+            weights[name] = t + noise * scale * torch.randn(t.shape, generator=g)
     save_file(weights, path)
     return out_dir
 

@@ -71,6 +71,27 @@ TINY_MODELS = {
             },
         ),
     ),
+    # Two geometries (sliding: 2 KV heads of 16; full: 1 of 32, V from the K projection),
+    # per-layer embeddings, the last two layers reading layers 2 and 3's KV with double-wide MLPs,
+    # proportional RoPE on a quarter of the full layers' dimensions.
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=256,
+            final_logit_softcapping=30.0,
+        ),
+    ),
 }
 
 
@@ -81,10 +102,13 @@ def make_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> tran
     config.architectures = [model_cls]
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # norms start at identity in HF; perturb them so they are tested too
+    with torch.no_grad():  # norms and layer scalars start at identity in HF; perturb them so they are tested too
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.add_(torch.randn_like(p) * 0.1)
+        for pname, b in model.named_buffers():
+            if pname.endswith("layer_scalar"):
+                b.add_(torch.randn_like(b) * 0.1)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     model.config._attn_implementation = "eager"

@@ -2,7 +2,8 @@
 the same greedy tokens as one process, with and without speculative decoding (draft sharded or
 replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV heads). A second
 wave reuses the first's prefixes: every rank's prefix cache makes the same hits, and after a
-flush broadcast in the plan every rank's pools end full. The same runs on GPUs with NCCL are in
+flush broadcast in the plan every rank's pools end full. Gemma 4 (two attention geometries, KV
+sharing, per-layer embeddings) on two ranks too. The same runs on GPUs with NCCL are in
 test_gpu_tensor_parallel.py."""
 
 import datetime
@@ -137,6 +138,23 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
     assert min(o.cached_tokens for o in got[len(FIRST) :]) >= 8
     if speculative:
         assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]
+
+
+def test_gemma4_tensor_parallel_matches_one_rank(tmp_path):
+    """Gemma 4's two geometries on two ranks: the sliding layers' 2 KV heads split, the full
+    layers' one KV head replicated, the per-layer embedding table split by vocabulary, and the
+    KV-sharing layers reading their rank's shard of the layers they share."""
+    path = str(tmp_path / "gemma4")
+    make_tiny_model("gemma4", path)
+    kwargs = dict(
+        model=path, page_size=16, chunked_prefill_size=8, max_total_tokens=2048, attention_backend="trtllm_mha"
+    )
+    single = Engine(**kwargs)
+    ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
+    ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
+    got = run_tp(2, kwargs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in ref]
 
 
 def test_tp_all_reduce_setting_is_checked(model_dirs):

@@ -4,6 +4,7 @@ random values of the configured shapes (`load_format="dummy"`, for benchmarks)."
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import logging
@@ -17,11 +18,13 @@ from torch import nn
 from workers.distributed import SINGLE_RANK, TPGroup
 from workers.models.config import ModelConfig
 from workers.models.decoder import CausalLM
+from workers.models.gemma4 import Gemma4CausalLM
 from workers.models.layers import RMSNorm
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+MODELS: dict[str, type[CausalLM]] = {"decoder": CausalLM, "gemma4": Gemma4CausalLM}  # by `ArchSpec.model`
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -68,8 +71,8 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Normal(0, std) matrices, zero biases, norms at their identity; drawn on the parameters'
-    device (a GPU fills an 8B model in a moment)."""
+    """Normal(0, std) matrices, zero biases, norms and scalars (`identity`) at their identity;
+    drawn on the parameters' device (a GPU fills an 8B model in a moment)."""
     gens: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -77,7 +80,7 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
             continue
         for name, param in module.named_parameters(recurse=False):
             if name != "weight":
-                param.data.zero_()
+                param.data.fill_(getattr(param, "identity", 0.0))
                 continue
             gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
             param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device) * std)
@@ -92,9 +95,8 @@ def build_model(
     tp: TPGroup = SINGLE_RANK,
     seed: int = 0,
 ) -> CausalLM:
-    return build_module(
-        lambda: CausalLM(cfg, tp), cfg.architecture, model_dir, load_format, dtype, device, seed, cfg.initializer_range
-    )
+    make = functools.partial(MODELS[cfg.arch.model], cfg, tp)
+    return build_module(make, cfg.architecture, model_dir, load_format, dtype, device, seed, cfg.initializer_range)
 
 
 def build_module(

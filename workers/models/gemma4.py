@@ -1,0 +1,150 @@
+"""Gemma 4 (dense, text): the Gemma decoder with per-layer embeddings, KV sharing and two
+attention geometries in one model (docs/design.md §4.6).
+
+What differs from Gemma 3, and where it lives:
+- Each layer's attention geometry is data (`LayerConfig`: head size, KV heads, the KV layer it
+  reads, V taken from the K projection), applied by the shared `SelfAttention`; values are
+  RMS-normalised without a weight before they are stored, the query scale is 1 and every norm
+  scales by w, not 1 + w (`ArchSpec`).
+- Per-layer embeddings: a second token embedding table (`embed_tokens_per_layer`, vocabulary x
+  layers x width) plus a projection of the token's embedding, combined once per forward
+  (`per_layer_inputs`) and fed to each layer's gated branch after its MLP. The table lives with
+  the other weights on the model's device (Gemma-4-E2B's is 4.7 GB in bf16); each token reads
+  one row of it, so its weight is marked `read_by_row` for whatever counts the bytes a step
+  reads (`ops/bench/decode_throughput.py`).
+- Each layer ends with a learned scalar times its whole output stream, so the stream leaves
+  each layer whole (no output norm handed to the next layer's input norm).
+- The last `num_kv_shared_layers` layers have only a query projection and read the KV of an
+  earlier layer (`SelfAttention` with `kv_layer`); with `use_double_wide_mlp` their MLPs are
+  twice as wide. A mixture-of-experts block would replace the `mlp` a layer is built with.
+- Multimodal checkpoints (`Gemma4ForConditionalGeneration`) load their language model only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from workers.distributed import TPGroup
+from workers.forward_batch import ForwardBatch
+from workers.models.config import ModelConfig
+from workers.models.decoder import MLP, CausalLM, DecoderLayer, DecoderModel, RopeInputs, load_weights, stream
+from workers.models.layers import ReplicatedLinear, RMSNorm, VocabParallelEmbedding, default_weight_loader
+from workers.models.ops import ops_for, scale_rows
+
+logger = logging.getLogger(__name__)
+
+# A KV-sharing layer's tensors that checkpoints may carry and it does not use.
+UNUSED_SHARED_KV = ("k_proj", "v_proj", "k_norm", "v_norm")
+
+
+class Gemma4DecoderLayer(DecoderLayer):
+    """A Gemma decoder layer, then the per-layer-input branch and the layer's scalar:
+    `stream = (s + norm(up(act(gate(s)) * per_layer_input))) * layer_scalar`."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+        wide = cfg.double_wide_mlp and cfg.layers[layer_id].kv_layer != layer_id
+        super().__init__(cfg, layer_id, tp, mlp=MLP(cfg, tp, cfg.intermediate_size * (2 if wide else 1)))
+        self.output_norm = None  # the scalar scales the whole stream: it leaves the layer whole
+        h, width, eps = cfg.hidden_size, cfg.per_layer_input_size, cfg.rms_norm_eps
+        self.act = cfg.hidden_act
+        if width:
+            self.per_layer_input_gate = ReplicatedLinear(h, width, bias=False)
+            self.per_layer_projection = ReplicatedLinear(width, h, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(h, eps, False)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.layer_scalar.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        self.layer_scalar.identity = 1.0  # type: ignore[attr-defined]  # its value in random-weight models
+
+    def forward(  # type: ignore[override]
+        self, hidden: torch.Tensor, per_layer_input: torch.Tensor | None, rope: RopeInputs, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The residual stream after this layer, from the stream before it."""
+        out, residual = super().forward(hidden, None, rope, batch)
+        hidden = stream(out, residual, self.post_feedforward_layernorm)
+        if per_layer_input is not None:
+            gate = self.per_layer_input_gate(hidden)
+            branch = ops_for(gate).act_and_mul(torch.cat([gate, per_layer_input], dim=-1), self.act)
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(branch))
+        return hidden * self.layer_scalar
+
+
+class Gemma4Model(DecoderModel):
+    layer_class = Gemma4DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__(cfg, tp)
+        width = cfg.per_layer_input_size
+        if width:
+            packed = cfg.num_layers * width
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, packed, tp)
+            self.embed_tokens_per_layer.weight.read_by_row = True  # type: ignore[attr-defined]
+            self.per_layer_model_projection = ReplicatedLinear(cfg.hidden_size, packed, bias=False)
+            self.per_layer_projection_norm = RMSNorm(width, cfg.rms_norm_eps, False)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """`[T, layers, width]`: each token's row of the per-layer table (scaled by sqrt(width))
+        and the normed projection of its embedding (scaled by 1/sqrt(hidden)), averaged over
+        sqrt(2) as Hugging Face combines them."""
+        cfg = self.cfg
+        shape = (-1, cfg.num_layers, cfg.per_layer_input_size)
+        rows = scale_rows(self.embed_tokens_per_layer(input_ids), cfg.per_layer_input_size**0.5).view(shape)
+        projected = self.per_layer_model_projection(embeds) * cfg.hidden_size**-0.5
+        return (self.per_layer_projection_norm(projected.view(shape)) + rows) * 2.0**-0.5
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final-norm hidden states, captured layer outputs concatenated or None)."""
+        hidden = self.embed(input_ids)
+        per_layer = self.per_layer_inputs(input_ids, hidden) if self.cfg.per_layer_input_size else None
+        rope = self.rotary(positions)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, None if per_layer is None else per_layer[:, i], rope, batch)
+            if i in self.capture_layers:
+                captured[i] = hidden
+        outputs = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if captured else None
+        return self.norm(hidden), outputs
+
+
+class Gemma4CausalLM(CausalLM):
+    model_class = Gemma4Model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The text model's tensors (a multimodal checkpoint's under `model.<text_prefix>.`);
+        a KV-sharing layer's unused K/V tensors are skipped."""
+        cfg = self.cfg
+        prefix = f"model.{cfg.arch.text_prefix}." if cfg.arch.text_prefix else "model."
+        skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        skip |= {
+            f"{prefix}layers.{i}.self_attn.{part}.{kind}"
+            for i, layer in enumerate(cfg.layers)
+            if layer.kv_layer != i
+            for part in UNUSED_SHARED_KV
+            for kind in ("weight", "bias")
+        }
+        rename = {prefix: "model."} if cfg.arch.text_prefix else None
+        load_weights(self, self._text_only(weights, prefix), cfg.architecture, rename=rename, skip=skip)
+
+    def _text_only(
+        self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's text-model tensors (and the LM head); the others (vision, audio)
+        are counted and named in one log line."""
+        left_out: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.startswith(prefix) or not name.startswith("model."):
+                yield name, tensor
+            else:
+                part = ".".join(name.split(".")[:2])
+                left_out[part] = left_out.get(part, 0) + 1
+        if left_out:
+            logger.info(
+                "weights: %d tensors outside the text model left out (%s); slidespec serves text only",
+                sum(left_out.values()),
+                ", ".join(f"{k}: {n}" for k, n in sorted(left_out.items())),
+            )
