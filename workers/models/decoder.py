@@ -117,8 +117,8 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
-        if self.v_norm is not None:  # before the keys' own norm and RoPE: V may be K's projection
-            v = self.v_norm(v.reshape(k.shape)).reshape(v.shape[0], -1)
+        if self.v_norm is not None:  # V may be K's projection: normed apart from K's norm and RoPE, in whole rows
+            v = self.v_norm(v.reshape(k.shape).contiguous()).reshape(v.shape[0], -1)
         # K and V straight into the paged cache where the backend names the slots
         dest = batch.attn_backend.kv_destination(a)
         q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), None if dest is None else (*dest, v))
