@@ -1,9 +1,10 @@
 """A Ray head node of a test's own, and the Ray and Serve command lines run against it.
 
-`ray start --head --block` runs in its own session and temp dir and is stopped by signalling
-that process, never by `ray stop` (which stops every Ray cluster of the user on the machine).
-Each head has a token of its own (`RAY_AUTH_TOKEN` in its environment and the CLI's): token
-authentication needs one, and a fresh machine has no `~/.ray/auth_token`.
+The head starts the documented way, `ops/ray_loopback_head.sh` (`ray start --head` with every
+process on 127.0.0.1), with `--block`, in its own session and temp dir, and is stopped by
+signalling that process, never by `ray stop` (which stops every Ray cluster of the user on the
+machine). Each head has a token of its own (`RAY_AUTH_TOKEN` in its environment and the CLI's):
+token authentication needs one, and a fresh machine has no `~/.ray/auth_token`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from tests.cluster.conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
+LOOPBACK_HEAD = os.path.join(ROOT, "ops", "ray_loopback_head.sh")
 TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+# A Ray client that connects by GCS address (`serve run`, `serve start`) keeps 127.0.0.1 only with
+# this, as the head's processes do (ops/ray_loopback_head.sh says why)
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def run_cli(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -58,21 +63,16 @@ def stop_process(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: 
 class Head:
     def __init__(self, num_cpus: int = 8) -> None:
         self.token = secrets.token_hex(32)
-        self.env = {**os.environ, **TOKEN_ENV, "RAY_AUTH_TOKEN": self.token}
+        path = BIN + os.pathsep + os.environ.get("PATH", "")  # the script's `ray` is this environment's
+        self.env = {**os.environ, **TOKEN_ENV, **LOOPBACK_ENV, "RAY_AUTH_TOKEN": self.token, "PATH": path}
         gcs, dashboard = free_port(), free_port()
         self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths must fit 107 bytes
         self.process = subprocess.Popen(
             [
-                os.path.join(BIN, "ray"),
-                "start",
-                "--head",
+                LOOPBACK_HEAD,
                 "--block",
                 "--num-cpus",
                 str(num_cpus),
-                "--node-ip-address",
-                "127.0.0.1",
-                "--dashboard-host",
-                "127.0.0.1",
                 "--port",
                 str(gcs),
                 "--dashboard-port",
@@ -123,19 +123,20 @@ class Head:
         done = run_cli("serve", "shutdown", "-y", "-a", self.address, env=self.env)
         assert done.returncode == 0, done.stdout + done.stderr
         deadline = time.monotonic() + timeout
-        while self.serve_controller_node() is not None:
+        while self.serve_controller():
             assert time.monotonic() < deadline, f"the Serve controller still runs {timeout:.0f} s after shutdown"
             time.sleep(1)
 
-    def serve_controller_node(self) -> str | None:
-        """The node the Serve controller runs on, as the dashboard reports it; None when none runs."""
+    def serve_controller(self) -> dict:
+        """The Serve controller as the dashboard reports it (its node, node IP, actor); empty
+        when none runs."""
         r = requests.get(
             f"{self.address}/api/serve/applications/",
             headers={"Authorization": f"Bearer {self.token}"},
             timeout=60,
         )
         assert r.status_code == 200, r.text
-        return r.json()["controller_info"].get("node_id")
+        return r.json()["controller_info"]
 
     def stop(self) -> None:
         stop_process(self.process)
