@@ -66,10 +66,6 @@ class LayerConfig:
     kv_layer: int  # the layer whose K/V this one attends: itself, or an earlier one of its type (KV sharing)
     k_eq_v: bool = False  # no V projection: V is the K projection's output before its norm and RoPE
 
-    @property
-    def attention_type(self) -> str:
-        return "full_attention" if self.sliding_window is None else "sliding_attention"
-
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
@@ -111,11 +107,6 @@ class ModelConfig:
     @property
     def layer_windows(self) -> dict[int, int | None]:
         return {i: layer.sliding_window for i, layer in enumerate(self.layers)}
-
-    @property
-    def kv_layers(self) -> dict[int, LayerConfig]:
-        """The layers that store K and V (the others read one of these)."""
-        return {i: layer for i, layer in enumerate(self.layers) if layer.kv_layer == i}
 
     @property
     def max_window(self) -> int | None:
