@@ -19,8 +19,10 @@ replay and one copy of the tokens out; its hidden states are not kept (nothing r
 A *chain* graph runs a draft model's greedy decode steps back to back in one launch: between
 steps it moves the batch on, on the device (positions, write slots gathered from the device
 request->token table, the backend's lengths), and feeds each step's argmax (through a draft
-vocabulary's token map) and hidden state to the next. The host prepares the chain's first step
-only, with page tables that already reach its last; its slots are allocated beforehand.
+vocabulary's token map, or the target ids a subset head gives each row) and hidden state to the
+next. A draft whose steps all sit at one position (`drafts_in_place`: the Gemma 4 assistant)
+is not moved between steps. The host prepares the chain's first step only, with page tables that
+already reach its last; its slots are allocated beforehand.
 
 Verify graphs move too, once, before their forward: a verify launched before the host has read
 the round before it (`SpecWorker`) starts each request as many positions further on as that
@@ -50,7 +52,7 @@ import torch
 
 from attention import ForwardMode, KVPool
 from attention.staging import StagedBuffers
-from workers.forward_batch import DeviceInputs, ForwardBatch, HostInputs
+from workers.forward_batch import DeviceInputs, ForwardBatch, ForwardOutput, HostInputs
 from workers.memory import KVAllocator
 from workers.memory.allocator import cdiv
 
@@ -86,6 +88,7 @@ class _Family:
     argmax: bool = False  # a greedy decode graph: tokens into the runner's static tokens, ids through `select`
     logits: torch.Tensor | None = None  # [max rows, vocab] float32
     hidden: torch.Tensor | None = None  # [max rows, hidden handed on]
+    ids: torch.Tensor | None = None  # [max rows, columns] the logits' target ids (a subset head's)
     drafts: torch.Tensor | None = None  # chains: [max batch, steps] int64, each step's token
     ahead: torch.Tensor | None = None  # chains, verifies: [max batch] positions each row starts further on
     graphs: dict[tuple[int, int], object] = dataclasses.field(default_factory=dict)  # (batch size, width)
@@ -201,28 +204,33 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm up: JIT compilation, allocator, lazy module state
-                logits, hidden = self._forward(key, family, prepare())
+                out = self._forward(key, family, prepare())
         torch.cuda.current_stream().wait_stream(stream)
         rows = self.max_batch_size * key.q_len
         if family.hidden is None and not family.argmax:
-            family.hidden = torch.empty(rows, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
+            family.hidden = torch.empty(rows, out.hidden.shape[-1], dtype=out.hidden.dtype, device=self.device)
         if family.logits is None and not key.chain:
-            family.logits = torch.empty(rows, logits.shape[-1], dtype=logits.dtype, device=self.device)
-        del logits, hidden
+            family.logits = torch.empty(rows, out.logits.shape[-1], dtype=out.logits.dtype, device=self.device)
+        if family.ids is None and out.ids is not None and not key.chain:
+            family.ids = torch.empty(rows, out.ids.shape[-1], dtype=out.ids.dtype, device=self.device)
+        del out
         batch = prepare()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = self._forward(key, family, batch)
+            out = self._forward(key, family, batch)
             if not key.chain and not family.argmax:
-                family.logits[: logits.shape[0]].copy_(logits)
+                family.logits[: out.logits.shape[0]].copy_(out.logits)
+            if family.ids is not None:
+                family.ids[: out.ids.shape[0]].copy_(out.ids)
             if family.hidden is not None and not key.chain:
-                family.hidden[: hidden.shape[0]].copy_(hidden)
+                family.hidden[: out.hidden.shape[0]].copy_(out.hidden)
         return graph
 
-    def _forward(self, key: GraphKey, family: _Family, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, key: GraphKey, family: _Family, batch: ForwardBatch) -> ForwardOutput:
         """What a graph of `key` runs on the static `batch`: one forward, or a chain of greedy
-        draft steps, each moving the batch one token on first (no host sync anywhere); a chain
-        keeps its tokens and its first step's hidden state (a draft state to go on from)."""
+        draft steps, each moving the batch one token on first (unless the draft's steps stay in
+        place; no host sync anywhere); a chain keeps its tokens and its first step's hidden
+        state (a draft state to go on from)."""
         if not key.chain:
             if family.ahead is not None:  # a verify: rows further on than the host built them
                 self._move(key, batch, family.ahead[: batch.batch_size])
@@ -231,23 +239,26 @@ class CudaGraphRunner:
             batch.input_ids = self._words[self._select[: batch.input_ids.shape[0]]]
             return self.runner.run_model(batch, greedy=(family.logits, self.tokens))
         token_map = getattr(self.runner.model, "draft_to_target", None)
+        in_place = getattr(self.runner.model, "drafts_in_place", False)
         self._move(key, batch, family.ahead[: batch.batch_size])  # rows further on than the host built them
         for step in range(key.chain):
-            if step:
+            if step and not in_place:
                 self._move(key, batch, 1)
-            logits, hidden = self.runner.run_model(batch)
+            out = self.runner.run_model(batch)
             if step == 0:
                 if family.hidden is None:  # first run: a warm-up, outside any capture
-                    family.hidden = hidden.new_empty(self.max_batch_size, hidden.shape[-1])
-                family.hidden[: batch.batch_size].copy_(hidden)
-            tokens = logits.argmax(dim=-1)
-            if token_map is not None:
+                    family.hidden = out.hidden.new_empty(self.max_batch_size, out.hidden.shape[-1])
+                family.hidden[: batch.batch_size].copy_(out.hidden)
+            tokens = out.logits.argmax(dim=-1)
+            if out.ids is not None:
+                tokens = out.ids.gather(1, tokens[:, None]).squeeze(1)
+            elif token_map is not None:
                 tokens = token_map[tokens]
             family.drafts[: batch.batch_size, step].copy_(tokens)
             batch.input_ids.copy_(tokens)
             if batch.spec_hidden is not None:
-                batch.spec_hidden.copy_(hidden)
-        return logits, hidden
+                batch.spec_hidden.copy_(out.hidden)
+        return out
 
     def _move(self, key: GraphKey, batch: ForwardBatch, by: torch.Tensor | int) -> None:
         """Move a batch on, on the device: a chain's one position (the next step), or each row
@@ -278,23 +289,24 @@ class CudaGraphRunner:
         and page tables from the host."""
         return self.families[self._key(batch, pool, chain)].ahead is not None
 
-    def run(
-        self, batch: ForwardBatch, pool: KVPool, ahead: torch.Tensor | None = None, most: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(logits of every query row, hidden states handed on, greedy tokens) of `batch`; the
-        logits and tokens are views valid until this runner's next replay; argmax graphs keep
-        no hidden states, other graphs no tokens (None). `ahead` (a verify's; device, `[B]`,
-        at most `most`): each row starts that many positions further on, as in `run_chain`."""
+    def run(self, batch: ForwardBatch, pool: KVPool, ahead: torch.Tensor | None = None, most: int = 0) -> ForwardOutput:
+        """The logits of every query row (and their target ids, for a subset head), hidden
+        states handed on and greedy tokens of `batch`; logits, ids and tokens are views valid
+        until this runner's next replay; argmax graphs keep no hidden states, other graphs no
+        tokens (None). `ahead` (a verify's; device, `[B]`, at most `most`): each row starts that
+        many positions further on, as in `run_chain`."""
         key, family, graph, static = self._stage(batch, pool, 0, most)
         if family.ahead is not None:
             self._set_ahead(family, batch.batch_size, ahead)
         rows = batch.batch_size * key.q_len
         tokens = self.tokens[:rows] if family.argmax else None
         if self.emulate:
-            logits, hidden = self._forward(key, family, static)
-            return logits[:rows], None if family.argmax else hidden[:rows], tokens
+            out = self._forward(key, family, static)
+            ids = None if out.ids is None else out.ids[:rows]
+            return ForwardOutput(out.logits[:rows], None if family.argmax else out.hidden[:rows], tokens, ids)
         graph.replay()
-        return family.logits[:rows], None if family.argmax else family.hidden[:rows].clone(), tokens
+        hidden = None if family.argmax else family.hidden[:rows].clone()
+        return ForwardOutput(family.logits[:rows], hidden, tokens, None if family.ids is None else family.ids[:rows])
 
     def run_chain(
         self, batch: ForwardBatch, pool: KVPool, steps: int, ahead: torch.Tensor | None = None, most: int = 0

@@ -282,9 +282,13 @@ class Engine:
         else:
             plan.append((target, (ForwardMode.TARGET_VERIFY, k + 1, self.runner.pool), {}, "target verify"))
             drafter = self.spec.drafter
-            draft = graphs_for(drafter.runner, drafter.runner.model.cfg.hidden_size if drafter.reads_hidden else None)
-            if drafter.runner.pool is None:  # frozen KV: the target's pool, one offset per draft step
-                for offset in range(1, k + 1):
+            head = drafter.runner.model  # the state its steps read: its own width, or the target's (an assistant's)
+            draft = graphs_for(
+                drafter.runner, getattr(head, "handed_on_size", head.cfg.hidden_size) if drafter.reads_hidden else None
+            )
+            frozen = drafter.runner.pool is None
+            if frozen:  # the target's pool, one offset per draft step (one for drafts in place)
+                for offset in sorted({drafter.query_offset(j) for j in range(1, k + 1)}):
                     plan.append((draft, (ForwardMode.DECODE, 1, self.runner.pool, offset), {}, f"draft step {offset}"))
             else:
                 plan.append((draft, (ForwardMode.DECODE, 1, drafter.runner.pool), {}, "draft decode"))
@@ -292,10 +296,10 @@ class Engine:
                 args = (ForwardMode.DRAFT_EXTEND_V2, k + 1, drafter.runner.pool)
                 plan.append((draft, args, {"hidden_in": reads}, "draft catch-up"))
             if k > 1:  # greedy rounds: drafts 2..k in one graph
-                offset = 2 if drafter.runner.pool is None else 0
+                offset = drafter.query_offset(2) if frozen else 0
                 args = (ForwardMode.DECODE, 1, drafter.step_pool, offset)
                 plan.append((draft, args, {"chain": k - 1}, f"draft steps 2..{k} chained"))
-            if k > 1 and drafter.runner.pool is None:  # frozen KV: steps 1..k, launched a round ahead
+            if k > 1 and frozen:  # steps 1..k, launched a round ahead
                 plan.append((draft, (ForwardMode.DECODE, 1, drafter.step_pool, 1), {"chain": k}, "draft round ahead"))
         per_family = len(sizes) * len(self.runner.backend.graph_table_widths())
         with self.startup.phase("graphs captured", f"{len(plan)} kinds x {per_family} batch sizes and KV widths"):

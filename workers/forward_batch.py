@@ -1,4 +1,5 @@
-"""`ForwardBatch`: the tensors of one forward pass, built from the scheduler's plan.
+"""`ForwardBatch`: the tensors of one forward pass, built from the scheduler's plan, and
+`ForwardOutput`, what the pass returns.
 
 Implements `attention.AttentionBatch`; the model and the sampler read the rest. The integer
 inputs are laid out on the host first (`HostInputs`, numpy) and reach the device in one copy
@@ -163,3 +164,13 @@ class ForwardBatch:
         """The device input ids, gathered (`ids_on_device` batches)."""
         ids, rows = self.device_ids
         return ids if rows is None else ids[upload(np.asarray(rows, dtype=np.int64), ids.device)]
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [len(logits_indices), vocab] float32
+    hidden: torch.Tensor | None  # [T, *], the hidden states this model hands on (None: a greedy decode graph's)
+    tokens: torch.Tensor | None = None  # [T] the logits' argmax, when a greedy decode graph took it
+    # [len(logits_indices), columns] the target id of each logits column, per row: a draft head
+    # scoring a subset of the vocabulary of each row's own (`scores_subset`: a centroid head)
+    ids: torch.Tensor | None = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -13,27 +12,22 @@ from torch import nn
 from attention import AttentionLayer, KVPool, create_backend
 from workers.cuda_graphs import CudaGraphRunner
 from workers.distributed import SINGLE_RANK, TPGroup
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, ForwardOutput
 from workers.memory import KVAllocator, build_pool, kv_layouts
 from workers.models import ModelConfig, build_model
 from workers.step_record import ForwardRecord
 
 
 class RunnableModel(Protocol):
-    """What a model runner drives: targets (`CausalLM`) and draft heads alike."""
+    """What a model runner drives: targets (`CausalLM`) and draft heads alike. A head whose
+    rows each score a subset of the vocabulary of their own sets `scores_subset` and scores with
+    `subset_logits(hidden) -> (logits, target ids of their columns)` instead (a centroid head)."""
 
     attention_layers: list[AttentionLayer]
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclasses.dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [len(logits_indices), vocab] float32
-    hidden: torch.Tensor | None  # [T, *], the hidden states this model hands on (None: a greedy decode graph's)
-    tokens: torch.Tensor | None = None  # [T] the logits' argmax, when a greedy decode graph took it
 
 
 class ModelRunner:
@@ -98,10 +92,10 @@ class ModelRunner:
         graphed = self.graphs is not None and self.graphs.can_run(batch, into)
         pool, start = self._begin(batch, pool, not graphed or self.graphs.reads_tables(batch, into))
         if graphed:
-            out = ForwardOutput(*self.graphs.run(batch, pool))
+            out = self.graphs.run(batch, pool)
         else:
             self.backend.init_forward_metadata(batch, pool)
-            out = ForwardOutput(*self.run_model(batch))
+            out = self.run_model(batch)
         self._record(batch, start, 1)
         return out
 
@@ -112,7 +106,7 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.can_run(batch, self.pool):
             return None
         pool, start = self._begin(batch, None)
-        out = ForwardOutput(*self.graphs.run(batch, pool, ahead, most))
+        out = self.graphs.run(batch, pool, ahead, most)
         self._record(batch, start, 1)
         return out
 
@@ -165,14 +159,16 @@ class ModelRunner:
             )
         )
 
-    def run_model(
-        self, batch: ForwardBatch, greedy: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model on a batch whose attention metadata is in place: (float32 logits of the
-        requested rows, hidden states handed on). What a CUDA graph captures. `greedy` (a
-        target's greedy decode graph): buffers the logits and their argmax go to."""
+    def run_model(self, batch: ForwardBatch, greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardOutput:
+        """The model on a batch whose attention metadata is in place: float32 logits of the
+        requested rows (and their columns' target ids, for a head scoring a subset of each row's
+        own), hidden states handed on. What a CUDA graph captures. `greedy` (a target's greedy
+        decode graph): buffers the logits and their argmax go to."""
         hidden, handed_on = self.model(batch)
         rows = hidden if batch.logits_of_every_row(hidden.shape[0]) else hidden[batch.logits_indices]
         if greedy is not None:
-            return self.model.greedy_logits(rows, *greedy), handed_on
-        return self.model.compute_logits(rows), handed_on
+            return ForwardOutput(self.model.greedy_logits(rows, *greedy), handed_on)
+        if getattr(self.model, "scores_subset", False):
+            logits, ids = self.model.subset_logits(rows)
+            return ForwardOutput(logits, handed_on, ids=ids)
+        return ForwardOutput(self.model.compute_logits(rows), handed_on)

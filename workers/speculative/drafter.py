@@ -19,6 +19,13 @@ rejected positions, which the round gives back right after; their logits are not
   starts at the pending token's position, with the verify's hidden states (drafting used the
   draft's own).
 - frozen_kv_mtp: no KV; no catch-up: the first draft step reads the target's hidden state.
+  Step j's query sits j positions past the target's KV, or, for a draft whose steps stay in
+  place (`drafts_in_place`: the Gemma 4 assistant), every step at the pending token's position.
+
+A draft's logits may cover a subset of the target's vocabulary: a fixed one (`token_map`: an
+EAGLE-3 draft vocabulary or a hot-token list) or one per row (`ForwardOutput.ids`: a centroid
+head). Greedy drafts map their argmax to target ids; sampling sees target-wide logits, -inf
+off the subset.
 """
 
 from __future__ import annotations
@@ -73,17 +80,22 @@ class Drafter:
         self.token_map: torch.Tensor | None = getattr(runner.model, "draft_to_target", None)
         self.vocab_size = target.model.cfg.vocab_size
 
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's most likely draft token, as a target id (on the device)."""
+    def greedy(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's most likely draft token, as a target id (on the device); `ids`: the target
+        id of each row's logits columns (a subset head's `ForwardOutput.ids`)."""
         best = logits.argmax(dim=-1)
+        if ids is not None:
+            return ids.gather(1, best[:, None]).squeeze(1)
         return best if self.token_map is None else self.token_map[best]
 
-    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary, -inf outside a draft vocabulary: what
-        sampling and rejection sampling read."""
-        if self.token_map is None:
+    def target_logits(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft logits over the target's vocabulary, -inf outside a draft vocabulary or a row's
+        subset (`ids`): what sampling and rejection sampling read."""
+        if ids is None and self.token_map is None:
             return logits
         full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        if ids is not None:
+            return full.scatter_(1, ids, logits)
         full[:, self.token_map] = logits
         return full
 
@@ -117,7 +129,7 @@ class Drafter:
         proposing = [r for (r, _, _), p in zip(todo, proposes) if p]
         for r, _, b in todo:
             r.spec.draft_len = b
-        self._propose(proposing, out.logits, out.hidden, [e for e, p in zip(ends, proposes) if p])
+        self._propose(proposing, out.logits, out.hidden, [e for e, p in zip(ends, proposes) if p], out.ids)
 
     def catch_up_verified(
         self,
@@ -158,12 +170,13 @@ class Drafter:
         out = self.runner.forward(batch)
         if isinstance(accepted, torch.Tensor):
             rows = torch.arange(len(reqs), device=accepted.device) * width + accepted
-            self._propose(reqs, out.logits.index_select(0, rows), out.hidden.index_select(0, rows), range(len(reqs)))
+            logits, ids = _logit_rows(out, rows)
+            self._propose(reqs, logits, out.hidden.index_select(0, rows), range(len(reqs)), ids)
             return
         self.settle_verified(reqs, starts, accepted)
         rows = [i * width + n for i, n in enumerate(accepted)]
-        logits = out.logits.index_select(0, upload(np.asarray(rows, dtype=np.int64), out.logits.device))
-        self._propose(reqs, logits, out.hidden, rows)
+        logits, ids = _logit_rows(out, upload(np.asarray(rows, dtype=np.int64), out.logits.device))
+        self._propose(reqs, logits, out.hidden, rows, ids)
 
     def settle_verified(self, reqs: list[Request], starts: list[int], accepted: list[int]) -> None:
         """The catch-up after a verify left valid draft KV up to each request's pending token."""
@@ -249,18 +262,26 @@ class Drafter:
         locs = self.scheduler.slots(reqs, positions, [q + 1 for q in positions], [q + reach for q in positions])
         return positions, 0, locs
 
-    def _propose(self, reqs: list[Request], logits: torch.Tensor, hidden: torch.Tensor, rows: list[int]) -> None:
+    def _propose(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        rows: list[int],
+        ids: torch.Tensor | None = None,
+    ) -> None:
         """The first draft token of the next round for each request, from its row of `logits`
-        (one per request), and the draft hidden state of its row `rows[i]` of `hidden`."""
+        (one per request; `ids`: their columns' target ids, for a subset head), and the draft
+        hidden state of its row `rows[i]` of `hidden`."""
         if not reqs:
             return
         if all(r.sampling.greedy for r in reqs):  # argmax stays on the device: no host sync
-            best = self.greedy(logits)
+            best = self.greedy(logits, ids)
             for i, (r, row) in enumerate(zip(reqs, rows)):
                 r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, hidden[row]
             return
         tokens, probs, errors = draw_each(
-            self.target_logits(logits), [r.sampling for r in reqs], [r.generator for r in reqs]
+            self.target_logits(logits, ids), [r.sampling for r in reqs], [r.generator for r in reqs]
         )
         for i, (r, t, p, row) in enumerate(zip(reqs, tokens, probs, rows)):
             if i in errors:
@@ -280,6 +301,17 @@ class FrozenKVDrafter(Drafter):
     fixed_window = False  # step 1 of the next round sits at the new pending token's position
     reads_hidden = True
 
+    def __init__(
+        self, algorithm: str, pool_kind: str, runner: ModelRunner, target: ModelRunner, scheduler: Scheduler
+    ) -> None:
+        super().__init__(algorithm, pool_kind, runner, target, scheduler)
+        self.in_place = getattr(runner.model, "drafts_in_place", False)
+
+    def query_offset(self, j: int) -> int:
+        """How far past the target's KV end draft step j's query sits: j, or 1 (the pending
+        token's position) for every step of a draft whose steps stay in place."""
+        return 1 if self.in_place else j
+
     def goal(self, req: Request) -> int:
         return 0
 
@@ -291,7 +323,7 @@ class FrozenKVDrafter(Drafter):
             return
         rows = torch.cat([_rows(hidden[r.rid], r.kv_len - 1, r.kv_len) for r in ready])
         out = self.step(ready, 1, [r.output_ids[-1] for r in ready], rows)
-        self._propose(ready, out.logits, out.hidden, list(range(len(ready))))
+        self._propose(ready, out.logits, out.hidden, list(range(len(ready))), out.ids)
 
     def catch_up_verified(
         self, reqs: list[Request], starts: list[int], accepted: list[int], width: int, hidden: torch.Tensor
@@ -331,9 +363,9 @@ class FrozenKVDrafter(Drafter):
     def _step_where(
         self, reqs: list[Request], j: int, reach: int, next_round: bool
     ) -> tuple[list[int], int, torch.Tensor]:
-        """Read-only queries j positions past each request's target KV (of the next round: the
-        KV one token longer); nothing written."""
-        return [r.kv_len - 1 + next_round for r in reqs], j, torch.zeros(0, dtype=torch.int64)
+        """Read-only queries `query_offset(j)` positions past each request's target KV (of the
+        next round: the KV one token longer); nothing written."""
+        return [r.kv_len - 1 + next_round for r in reqs], self.query_offset(j), torch.zeros(0, dtype=torch.int64)
 
 
 def _single_rows(tokens: Tokens) -> list[list[int]]:
@@ -347,6 +379,11 @@ def _with_device_ids(batch: ForwardBatch, tokens: Tokens) -> ForwardBatch:
     if isinstance(tokens, torch.Tensor):
         batch.use_device_ids(tokens)
     return batch
+
+
+def _logit_rows(out: ForwardOutput, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of a forward's logits and of their target ids (a subset head's)."""
+    return out.logits.index_select(0, rows), None if out.ids is None else out.ids.index_select(0, rows)
 
 
 def _rows(hidden: tuple[int, torch.Tensor], start: int, end: int) -> torch.Tensor:

@@ -261,7 +261,7 @@ class SpecWorker:
         drafts = [tokens]
         for j in range(2, self.num_steps + 1):
             out = self.drafter.step(reqs, j, drafts[-1], hidden)
-            drafts.append(self.drafter.greedy(out.logits))
+            drafts.append(self.drafter.greedy(out.logits, out.ids))
             hidden = out.hidden
         return reqs, torch.stack(drafts, dim=1), no_probs
 
@@ -274,7 +274,7 @@ class SpecWorker:
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
         for j in range(2, self.num_steps + 1):
             out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
-            logits = self.drafter.target_logits(out.logits)
+            logits = self.drafter.target_logits(out.logits, out.ids)
             tokens, probs, errors = draw_each(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
             for d, dp, t, p in zip(drafts, draft_probs, tokens, probs):
                 d.append(t)
