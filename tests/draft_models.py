@@ -1,5 +1,6 @@
 """Draft models for speculative decoding tests, written in their checkpoint layouts with random
-weights: EAGLE-1 and EAGLE-3 heads, frozen-KV MTP heads, and (perturbed) copies of a target."""
+weights: EAGLE-1 and EAGLE-3 heads, frozen-KV MTP heads, Gemma 4 assistants (built and saved with
+transformers' own classes), and (perturbed) copies of a target."""
 
 from __future__ import annotations
 
@@ -165,6 +166,91 @@ def make_frozen_kv_head(target_dir: str, out_dir: str, seed: int = 0, kv_source_
         for n in norms:
             tensors[f"{p}.{n}.weight"] = norm()
     return _save(out_dir, config, tensors)
+
+
+def make_gemma4_assistant(
+    target_dir: str,
+    out_dir: str,
+    ordered: bool = True,
+    seed: int = 0,
+    centroids: int = 16,
+    top_k: int = 4,
+    copies: float = 0.0,
+) -> str:
+    """A `Gemma4AssistantForCausalLM` for a Gemma 4 target (transformers' classes, random weights,
+    norms and layer scalars perturbed off identity): three layers of its own width (sliding,
+    sliding, full) whose head shapes are the target's, and with `ordered` a centroid head of
+    `centroids` centroids, `top_k` of them active, over a random token ordering.
+
+    `copies` > 0 adds a path that proposes the input token again, that many times stronger than
+    the embedding's random projection: its layers still read the target's KV, and on a target
+    that repeats tokens (random tiny ones do) some drafts are accepted, some not."""
+    import transformers
+
+    target = transformers.AutoConfig.from_pretrained(target_dir)
+    tc = target.to_dict()
+    full = next(i for i, t in enumerate(target.layer_types) if t == "full_attention")
+    text = transformers.Gemma4TextConfig(
+        vocab_size=target.vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=tc["head_dim"],
+        num_key_value_heads=tc["num_key_value_heads"],
+        global_head_dim=tc["per_layer_config"][str(full)]["head_dim"],
+        num_global_key_value_heads=tc["per_layer_config"][str(full)]["num_key_value_heads"],
+        attention_k_eq_v=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=target.sliding_window,
+        max_position_embeddings=target.max_position_embeddings,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        final_logit_softcapping=30.0,  # transformers' assistant does not soft-cap: neither may slidespec
+        initializer_range=0.08,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    config = transformers.Gemma4AssistantConfig(
+        text_config=text,
+        backbone_hidden_size=target.hidden_size,
+        use_ordered_embeddings=ordered,
+        num_centroids=centroids,
+        centroid_intermediate_top_k=top_k,
+    )
+    config.architectures = ["Gemma4AssistantForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma4AssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.add_(torch.randn_like(b) * 0.1)
+        if ordered:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(target.vocab_size))
+        if copies:
+            _copy_path(model, transformers.AutoModelForCausalLM.from_pretrained(target_dir), copies)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def _copy_path(model, target, strength: float) -> None:
+    """Make `model` (an assistant) favour its input token: the embedding half of its input
+    projection becomes `strength` x a random map A, and the LM-head row of token t the unit
+    vector along A e_t (each centroid the sum of its tokens' rows), so that the normed state of
+    input t scores t highest unless its layers outweigh the path."""
+    embed = target.get_input_embeddings().weight.detach()
+    h, b = model.pre_projection.weight.shape[0], embed.shape[1]
+    a = torch.randn(h, b) / b**0.5
+    rows = torch.nn.functional.normalize(embed @ a.T, dim=-1)
+    model.pre_projection.weight[:, :b] = strength * a
+    model.lm_head.weight.copy_(rows)  # tied to the embedding table the checkpoint stores
+    if model.masked_embedding is not None:
+        members = model.masked_embedding.token_ordering.view(model.config.num_centroids, -1)
+        model.masked_embedding.centroids.weight.copy_(rows[members].sum(dim=1))
 
 
 def make_perturbed_copy(target_dir: str, out_dir: str, noise: float, seed: int = 0) -> str:

@@ -6,7 +6,8 @@ layers with double-wide MLPs and proportional RoPE. Greedy tokens equal `generat
 generated token's logits are within float32 noise of the full forward's, on both backends (the
 CPU reference kernels behind trtllm_mha), page sizes 16 and 64, chunked prefill, prompts longer
 than the window, a second wave hitting the prefix cache, emulated CUDA graphs and speculative
-decoding; no KV leaks.
+decoding (its own assistant among the drafts: tests/workers/test_gemma4_assistant.py); no KV
+leaks.
 """
 
 import json
@@ -21,7 +22,7 @@ import transformers
 from attention import AttentionLayer
 from attention.kernels import KERNEL_SETS
 from attention.trtllm_mha import TRTLLMMHABackend
-from tests.draft_models import make_eagle_head, make_perturbed_copy
+from tests.draft_models import make_eagle_head, make_gemma4_assistant, make_perturbed_copy
 from tests.hf_models import COMMON, TINY_MODELS, WINDOW, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
 from workers.models.config import model_config_from_hf
@@ -100,14 +101,17 @@ def test_emulated_graphs_match_transformers(reference):
     eng.check_no_leak()
 
 
-@pytest.mark.parametrize("draft", ["standalone-swa", "standalone-full", "eagle3"])
+@pytest.mark.parametrize("draft", ["standalone-swa", "standalone-full", "eagle3", "assistant"])
 def test_speculative_decoding_keeps_transformers_tokens(reference, tmp_path, draft):
     """A Gemma 4 target verifying drafts (a perturbed copy of itself in an SWA or a full-only
-    pool, or an EAGLE-3 head reading three of its layers) under emulated graphs: the target's
-    greedy tokens and logits, and the copy's drafts are accepted."""
+    pool, an EAGLE-3 head reading three of its layers, or a Gemma 4 assistant reading its KV)
+    under emulated graphs: the target's greedy tokens and logits, and the copy's drafts (and
+    some of the assistant's, which favours repeating its input token) are accepted."""
     path, expected = reference
     if draft == "eagle3":
         spec = dict(algorithm="eagle", draft_model=make_eagle_head(path, str(tmp_path / "eagle"), 3))
+    elif draft == "assistant":
+        spec = dict(algorithm="mtp", draft_model=make_gemma4_assistant(path, str(tmp_path / "assistant"), copies=10.0))
     else:
         copy = make_perturbed_copy(path, str(tmp_path / "copy"), noise=0.1)
         spec = dict(algorithm="standalone", draft_model=copy, draft_pool=draft.split("-")[1])
@@ -124,7 +128,10 @@ def test_speculative_decoding_keeps_transformers_tokens(reference, tmp_path, dra
     outs = eng.generate(prompt_token_ids=FIRST, sampling=GREEDY)
     assert_matches(outs, expected, f"{draft} draft")
     lengths = [n for o in outs for n in o.spec.accept_lengths]
-    assert draft == "eagle3" or sum(lengths) / len(lengths) > 1.2, lengths
+    if draft == "assistant":
+        assert max(lengths) > 1, lengths
+    else:
+        assert draft == "eagle3" or sum(lengths) / len(lengths) > 1.2, lengths
     eng.check_no_leak()
 
 

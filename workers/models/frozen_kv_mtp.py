@@ -46,7 +46,10 @@ def frozen_kv_config(model_dir: str, target: ModelConfig) -> tuple[ModelConfig, 
     """(the head's layer shapes: the target's with the head's MLP width, source layer ids)."""
     raw = json.load(open(os.path.join(model_dir, "config.json")))
     if ARCHITECTURE not in (raw.get("architectures") or []):
-        raise ValueError(f"speculative.draft_model: architectures {raw.get('architectures')} is not {ARCHITECTURE}")
+        raise ValueError(
+            f"speculative.draft_model: architectures {raw.get('architectures')} is not a frozen-KV MTP draft "
+            f"({ARCHITECTURE} or Gemma4AssistantForCausalLM)"
+        )
     sources = raw.get("kv_source_layers") or default_kv_source_layers(target)
     bad = [i for i in sources if not isinstance(i, int) or not 0 <= i < target.num_layers]
     if bad:

@@ -43,11 +43,13 @@ UNUSED_SHARED_KV = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 class Gemma4DecoderLayer(DecoderLayer):
     """A Gemma decoder layer, then the per-layer-input branch and the layer's scalar:
-    `stream = (s + norm(up(act(gate(s)) * per_layer_input))) * layer_scalar`."""
+    `stream = (s + norm(up(act(gate(s)) * per_layer_input))) * layer_scalar`. `reads_kv_only`:
+    a query-only layer whatever its config says (the Gemma 4 assistant's, reading the target's KV)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False) -> None:
         wide = cfg.double_wide_mlp and cfg.layers[layer_id].kv_layer != layer_id
-        super().__init__(cfg, layer_id, tp, mlp=MLP(cfg, tp, cfg.intermediate_size * (2 if wide else 1)))
+        mlp = MLP(cfg, tp, cfg.intermediate_size * (2 if wide else 1))
+        super().__init__(cfg, layer_id, tp, reads_kv_only=reads_kv_only, mlp=mlp)
         self.output_norm = None  # the scalar scales the whole stream: it leaves the layer whole
         h, width, eps = cfg.hidden_size, cfg.per_layer_input_size, cfg.rms_norm_eps
         self.act = cfg.hidden_act

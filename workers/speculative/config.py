@@ -7,8 +7,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from workers.models.gemma4_assistant import is_assistant
+
 MAX_NUM_STEPS = 16
-ALGORITHM_ALIASES = {"nextn": "eagle"}
+# Other engines' names: `nextn` is eagle, except for a Gemma 4 assistant draft, which is frozen-KV
+# MTP as in SGLang (`resolve_algorithm`); `mtp` is frozen-KV MTP.
+ALGORITHM_ALIASES = {"nextn": "eagle", "mtp": "frozen_kv_mtp"}
 # Draft pool kinds each algorithm supports; the first is the default.
 #   swa: the draft's sliding-window layers in an SWA pool on the target's allocator
 #   full: every draft layer in a full-only pool on the target's allocator
@@ -43,9 +47,7 @@ class SpecConfig:
         for required in ("algorithm", "draft_model"):
             if required not in options:
                 raise ValueError(f"speculative.{required}: required")
-        algorithm = options["algorithm"]
-        if isinstance(algorithm, str):
-            algorithm = ALGORITHM_ALIASES.get(algorithm, algorithm)
+        algorithm = resolve_algorithm(options["algorithm"], options["draft_model"])
         cfg = cls(**{**options, "algorithm": algorithm})
         cfg.validate()
         return cfg
@@ -69,3 +71,13 @@ class SpecConfig:
             raise ValueError(
                 f"speculative.draft_model: {self.draft_model!r} is not a model directory with a config.json"
             )
+
+
+def resolve_algorithm(name: Any, draft_model: Any) -> Any:
+    """The algorithm an alias names: `nextn` is frozen_kv_mtp for a Gemma 4 assistant
+    checkpoint (`Gemma4AssistantForCausalLM`), eagle for any other draft (as before)."""
+    if not isinstance(name, str):
+        return name
+    if name == "nextn" and isinstance(draft_model, str) and is_assistant(draft_model):
+        return "frozen_kv_mtp"
+    return ALGORITHM_ALIASES.get(name, name)

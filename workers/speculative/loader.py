@@ -14,6 +14,7 @@ from workers.model_runner import ModelRunner
 from workers.models import ModelConfig, load_model_config
 from workers.models.eagle import EagleHead, load_eagle_config
 from workers.models.frozen_kv_mtp import FrozenKVMTPHead, frozen_kv_config
+from workers.models.gemma4_assistant import Gemma4Assistant, assistant_config, is_assistant
 from workers.models.loader import build_module
 from workers.scheduler import Scheduler
 from workers.speculative.config import DRAFT_POOLS, SpecConfig
@@ -29,7 +30,7 @@ class DraftPlan:
     pool_kind: str  # swa | full | target
     cfg: ModelConfig  # the draft's layer shapes
     build: Callable[[nn.Module, TPGroup], nn.Module] | None  # (target model, tp) -> draft head; None: a causal LM
-    swa_window: int | None  # widest window the draft keeps in an SWA pool (sizes the allocator)
+    swa_window: int | None  # widest window the draft keeps or reads in an SWA pool (sizes the allocator)
     capture_layers: tuple[int, ...] = ()  # target layers whose outputs the draft reads (EAGLE-3)
     token_map: torch.Tensor | None = None  # target token ids the draft proposes from
 
@@ -49,6 +50,14 @@ def plan_draft(spec: SpecConfig, target: ModelConfig, context_length: int) -> Dr
     elif spec.algorithm == "eagle":
         ec = load_eagle_config(spec.draft_model, target, spec.draft_load_format)
         plan = DraftPlan(spec, "full", ec.cfg, lambda t, tp: EagleHead(ec, t, tp), None, ec.aux_layer_ids)
+    elif is_assistant(spec.draft_model):  # its steps all sit at the pending token: any window >= 2 serves
+        ac = assistant_config(spec.draft_model, target)
+        if ac.num_centroids and spec.token_map is not None:
+            raise ValueError(
+                "speculative.token_map: the draft's centroid head (use_ordered_embeddings) already scores a subset "
+                "of the vocabulary per row; leave token_map unset"
+            )
+        plan = DraftPlan(spec, "target", ac.cfg, lambda t, tp: Gemma4Assistant(ac, t, tp), ac.cfg.max_window)
     else:
         cfg, sources = frozen_kv_config(spec.draft_model, target)
         windows = [target.layer_windows[i] for i in sources if target.layer_windows[i] is not None]
