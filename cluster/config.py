@@ -23,10 +23,11 @@ class SpeculativeArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    algorithm: Literal["standalone", "eagle", "nextn", "frozen_kv_mtp"] = Field(
+    algorithm: Literal["standalone", "eagle", "nextn", "frozen_kv_mtp", "mtp"] = Field(
         description="how drafts are made: standalone (a small causal LM with the target's vocabulary), eagle "
-        "(an EAGLE-1 or EAGLE-3 head over the target's hidden states; nextn is its alias) or frozen_kv_mtp "
-        "(MTP layers that read the KV of named target layers)"
+        "(an EAGLE-1 or EAGLE-3 head over the target's hidden states) or frozen_kv_mtp (MTP layers that read the "
+        "target's KV: a FrozenKVMTPForCausalLM head, or a Gemma 4 target's assistant, Gemma4AssistantForCausalLM); "
+        "mtp is frozen_kv_mtp, nextn is eagle, or frozen_kv_mtp when the draft is a Gemma 4 assistant"
     )
     draft_model: str = Field(
         description="draft model directory, or the name of a shipped model (the in-process Engine takes a directory)"
