@@ -28,7 +28,7 @@ import torch.distributed as dist
 from cluster.config import TracingArgs
 from cluster.rank_channel import ChannelServer, Connection
 from cluster.tracing import context_from_carrier, engine_info, flush_all, record_step, tracer_for
-from workers.distributed import TPGroup
+from workers.distributed import SINGLE_RANK, TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import ErrorCode, RankLoop, Update
 from workers.startup import show_progress_logs
@@ -147,21 +147,24 @@ class RankActor:
         self._aio = asyncio.get_running_loop()
         device = self.engine_kwargs.get("device", "cpu")
         timeout = datetime.timedelta(seconds=self.control_timeout_s)
-        dist.init_process_group(
-            "nccl" if device == "cuda" else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank,
-            world_size=self.tp_size,
-            timeout=timeout,
-        )
-        control = dist.new_group(backend="gloo", timeout=timeout) if device == "cuda" else dist.group.WORLD
-        engine = Engine(**self.engine_kwargs, tp=TPGroup(self.rank, self.tp_size, dist.group.WORLD))
+        control, tp = None, SINGLE_RANK  # one rank: no process group, so no rendezvous port either
+        if self.tp_size > 1:
+            dist.init_process_group(
+                "nccl" if device == "cuda" else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.tp_size,
+                timeout=timeout,
+            )
+            control = dist.new_group(backend="gloo", timeout=timeout) if device == "cuda" else dist.group.WORLD
+            tp = TPGroup(self.rank, self.tp_size, dist.group.WORLD)
+        engine = Engine(**self.engine_kwargs, tp=tp)
         self.engine_info = engine_info(engine)
         self.num_steps = engine.spec.num_steps if engine.spec else 0
         self.loop = RankLoop(
             engine,
             self.rank,
-            control if self.tp_size > 1 else None,
+            control,
             self._on_updates,
             on_step=self._on_step if self.tracer is not None else None,
         )

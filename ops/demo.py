@@ -18,6 +18,7 @@ import time
 
 from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.cli import positive
+from ops.local_ray import keep_ray_on_loopback, start_local_ray
 
 logger = logging.getLogger("slidespec.demo")
 
@@ -98,6 +99,7 @@ def _openai_chat(base_url: str, model: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    keep_ray_on_loopback()
     import ray
     import requests
     from ray import serve
@@ -128,11 +130,8 @@ def run(args: argparse.Namespace) -> int:
         f"starting a local Ray cluster and the Serve app: {os.path.basename(DEFAULT_MODEL)} + {args.algorithm} draft "
         f"({args.num_steps} steps), {args.replicas} replica(s) x tp {args.tp_size}"
     )
-    ray.init(
-        address="local",  # a new local cluster, whatever a stale address file says
+    start_local_ray(
         num_cpus=max(8, 2 * args.replicas * (args.tp_size + 1) + 2),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
         log_to_driver=False,
         configure_logging=False,
         runtime_env={"env_vars": {"OTEL_BSP_SCHEDULE_DELAY": "500"}},

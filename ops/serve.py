@@ -1,6 +1,6 @@
 """`slidespec serve MODEL [options]`: serve a model in the foreground, as `vllm serve` does.
 
-Starts a local Ray head (or joins a cluster with `--address`), deploys the application with the
+Starts a local Ray head on loopback only (or joins a cluster with `--address`), deploys the application with the
 given settings at the route prefix `/` and stays until Ctrl-C or SIGTERM, then deletes the
 application and stops the Ray it started. The options are the application settings
 (`cluster.config.AppArgs`, docs/configuration.md) as flags: `a_b` is `--a-b`, a nested
@@ -27,6 +27,7 @@ import yaml
 from pydantic import ValidationError
 
 from cluster.config import AppArgs, Setting, settings
+from ops.local_ray import keep_ray_on_loopback, start_local_ray
 
 logger = logging.getLogger("slidespec.serve")
 
@@ -143,6 +144,9 @@ def _cuda() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     cfg, http = app_settings(args)
+    started_ray = args.address is None
+    if started_ray:
+        keep_ray_on_loopback()
     import ray
     from ray import serve
 
@@ -152,19 +156,11 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    started_ray = args.address is None
     level = logging.getLogger().level or logging.WARNING
     try:
         if started_ray:
             cpus = max(os.cpu_count() or 1, math.ceil(cfg.total_cpus()))
-            ray.init(
-                address="local",
-                num_cpus=cpus,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=True,
-                logging_level=level,
-            )
+            start_local_ray(num_cpus=cpus, log_to_driver=True, logging_level=level)
         else:
             ray.init(address=args.address, log_to_driver=True, logging_level=level)
         logging.getLogger("ray.serve").setLevel(max(level, logging.WARNING))

@@ -6,6 +6,10 @@ import sys
 import pytest
 import torch
 
+# Every local Ray cluster a test starts keeps its node address on loopback (ops/local_ray.py):
+# Ray reads this when it is imported.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOW_TO_FIX = "fix with `ruff check --fix . && ruff format .` from the repository root, then what remains by hand"
 

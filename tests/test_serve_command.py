@@ -1,6 +1,7 @@
 """`slidespec serve` as a user runs it: the shipped tiny model with its EAGLE draft on the CPU
 answers the official `openai` client (a completion, a streamed chat, a 400 for a bad
-temperature) and the gRPC client, prints its URLs once ready, and exits with status 0 on SIGINT
+temperature) and the gRPC client, prints its URLs once ready, listens on loopback only (the Ray
+it started too), and exits with status 0 on SIGINT
 leaving no Ray process of its own behind; bad settings end it at once with one line naming the
 flag and status 2."""
 
@@ -21,6 +22,7 @@ from cluster.client import GenerationClient
 from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.cli import main
 from tests.cluster.conftest import free_port
+from tests.cluster.sockets import descendants, is_loopback, sockets_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.basename(DEFAULT_MODEL)
@@ -83,7 +85,7 @@ class Served:
 
 
 def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
-    http, grpc_port = free_port(), free_port()
+    http = free_port()
     served = Served(
         [
             "ops/models/tiny-gemma3",
@@ -94,7 +96,7 @@ def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
             "--port",
             str(http),
             "--grpc-port",
-            str(grpc_port),
+            "0",  # any free port: the printed target names it
             "--max-total-tokens",
             "4096",
         ]
@@ -103,7 +105,9 @@ def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
         base = served.wait_for(r"OpenAI API\s+(http://\S+/v1)$", 240).group(1)
         assert base == f"http://127.0.0.1:{http}/v1"
         target = served.wait_for(r"gRPC\s+(\S+)$", 5).group(1)
-        assert target == f"127.0.0.1:{grpc_port}"
+        host, grpc_port = target.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(grpc_port) > 0
+        grpc_port = int(grpc_port)
         assert any("engine start-up: ready in" in line for line in served.lines)  # progress reached the terminal
 
         client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
@@ -127,6 +131,13 @@ def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
 
         own = psutil.Process(served.process.pid).children(recursive=True)
         assert any("raylet" in " ".join(p.cmdline()) for p in own if p.is_running())
+        sockets = sockets_of(descendants(served.process.pid))  # the Ray it started, Serve's proxy, gRPC
+        assert {http, grpc_port} <= {port for _, port in sockets}, sockets
+        wide = [name for (address, _), name in sockets.items() if not is_loopback(address)]
+        # the one documented exception (docs/deploy.md): each Serve replica's inter-deployment
+        # gRPC server, which Ray Serve 2.60 binds to [::] whatever the node's address
+        replicas = {"ray::ServeReplica:slidespec:GrpcIngress", "ray::ServeReplica:slidespec:LLMServer"}
+        assert sorted(wide) == sorted(replicas), f"listening beyond loopback: {sockets}"
     except BaseException:
         served.process.kill()
         raise

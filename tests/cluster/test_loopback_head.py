@@ -7,7 +7,6 @@ even on a machine with no interface but loopback."""
 
 import fcntl
 import ipaddress
-import os
 import socket
 import struct
 
@@ -15,8 +14,8 @@ import pytest
 
 from tests.cluster.conftest import free_port
 from tests.cluster.ray_head import LOOPBACK_ENV, Head, run_cli
+from tests.cluster.sockets import cmdline, descendants, is_loopback, listening, sockets_of
 
-LISTEN = "0A"  # the TCP state in /proc/net/tcp{,6}
 SIOCGIFADDR = 0x8915
 
 
@@ -43,73 +42,6 @@ def head():
         head.stop()
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except OSError:  # the process ended meanwhile
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p not in found:
-            found.add(p)
-            todo += children.get(p, [])
-    return found
-
-
-def _listening() -> dict[str, tuple[str, int]]:
-    """Socket inode -> (address, port) of every listening TCP socket of this machine."""
-    sockets = {}
-    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        with open(path) as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] != LISTEN:
-                    continue
-                address, port = fields[1].split(":")
-                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
-                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                sockets[fields[9]] = (socket.inet_ntop(family, raw), int(port, 16))
-    return sockets
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace").split("\0")
-    except OSError:  # the process ended meanwhile
-        return [""]
-
-
-def _sockets_of(pids: set[int]) -> dict[tuple[str, int], str]:
-    """(address, port) -> the process name, for the listening TCP sockets the processes hold."""
-    listening, found = _listening(), {}
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:  # the process ended meanwhile
-            continue
-        name = _cmdline(pid)[0]
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            inode = target[len("socket:[") : -1] if target.startswith("socket:[") else None
-            if inode in listening:
-                found[listening[inode]] = name
-    return found
-
-
-def _is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # ::ffff:127.0.0.1 is an IPv6 socket's
-
-
 def _other_addresses() -> list[str]:
     """This machine's IPv4 addresses other than loopback."""
     found = []
@@ -126,16 +58,16 @@ def _other_addresses() -> list[str]:
 
 
 def test_every_ray_process_listens_on_loopback_only(head):
-    sockets = _sockets_of(_descendants(head.process.pid))
+    sockets = sockets_of(descendants(head.process.pid))
     ports = {port for _, port in sockets}
     gcs, dashboard = int(head.gcs_address.rsplit(":", 1)[1]), int(head.address.rsplit(":", 1)[1])
     assert {gcs, dashboard} <= ports, sockets  # the scan sees the head's own sockets
     names = set(sockets.values())
     assert any(n.endswith("/raylet") for n in names) and any(n.startswith("ray::ServeController") for n in names), names
-    wide = {f"{address}:{port}": name for (address, port), name in sockets.items() if not _is_loopback(address)}
+    wide = {f"{address}:{port}": name for (address, port), name in sockets.items() if not is_loopback(address)}
     assert not wide, f"listening beyond loopback: {wide}"
     # nothing answers on this machine's other addresses (ports some other process holds there aside)
-    elsewhere = {port for address, port in _listening().values() if not _is_loopback(address)}
+    elsewhere = {port for address, port in listening().values() if not is_loopback(address)}
     for address in _other_addresses():
         for port in ports - elsewhere:
             with pytest.raises(ConnectionRefusedError):
@@ -149,5 +81,5 @@ def test_ray_and_serve_place_the_node_on_loopback(head):
     token_only = {k: v for k, v in head.env.items() if k not in LOOPBACK_ENV}
     status = run_cli("serve", "status", "-a", head.address, env=token_only)
     assert status.returncode == 0 and "proxies" in status.stdout, status.stdout + status.stderr
-    (gcs,) = [_cmdline(p) for p in _descendants(head.process.pid) if _cmdline(p)[0].endswith("/gcs_server")]
+    (gcs,) = [cmdline(p) for p in descendants(head.process.pid) if cmdline(p)[0].endswith("/gcs_server")]
     assert "--node-ip-address=127.0.0.1" in gcs
