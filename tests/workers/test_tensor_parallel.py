@@ -3,7 +3,8 @@ the same greedy tokens as one process, with and without speculative decoding (dr
 replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV heads). A second
 wave reuses the first's prefixes: every rank's prefix cache makes the same hits, and after a
 flush broadcast in the plan every rank's pools end full. Gemma 4 (two attention geometries, KV
-sharing, per-layer embeddings) on two ranks too. The same runs on GPUs with NCCL are in
+sharing, per-layer embeddings) on two ranks too, also drafted by its assistant (sharded, reading
+each rank's shard of the target's KV). The same runs on GPUs with NCCL are in
 test_gpu_tensor_parallel.py."""
 
 import datetime
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.draft_models import make_eagle_head, make_perturbed_copy
+from tests.draft_models import make_eagle_head, make_gemma4_assistant, make_perturbed_copy
 from tests.hf_models import make_tiny_model, random_prompts
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
@@ -140,21 +141,29 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
         assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]
 
 
-def test_gemma4_tensor_parallel_matches_one_rank(tmp_path):
+@pytest.mark.parametrize("draft", [None, "assistant"])
+def test_gemma4_tensor_parallel_matches_one_rank(tmp_path, draft):
     """Gemma 4's two geometries on two ranks: the sliding layers' 2 KV heads split, the full
     layers' one KV head replicated, the per-layer embedding table split by vocabulary, and the
-    KV-sharing layers reading their rank's shard of the layers they share."""
+    KV-sharing layers reading their rank's shard of the layers they share; its assistant (with
+    its centroid head) drafting from those shards gives the same accept lengths."""
     path = str(tmp_path / "gemma4")
     make_tiny_model("gemma4", path)
     kwargs = dict(
         model=path, page_size=16, chunked_prefill_size=8, max_total_tokens=2048, attention_backend="trtllm_mha"
     )
+    if draft == "assistant":
+        assistant = make_gemma4_assistant(path, str(tmp_path / "assistant"), copies=10.0)
+        kwargs["speculative"] = {"algorithm": "mtp", "draft_model": assistant, "num_steps": 3}
     single = Engine(**kwargs)
     ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
     ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
     got = run_tp(2, kwargs)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.cached_tokens for o in got] == [o.cached_tokens for o in ref]
+    if draft:
+        assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]
+        assert any(n > 1 for o in ref for n in o.spec.accept_lengths)
 
 
 def test_tp_all_reduce_setting_is_checked(model_dirs):
