@@ -64,6 +64,9 @@ class ForwardMetadata:
     mask: torch.Tensor | None  # packed chain mask for verify on kernels that need it
     query_offset: int  # read-only queries this far past the KV end (frozen-KV drafts)
     rows_per_req: int = 1  # a flat verify's: one decode row a query (lengths and tables per row)
+    # The same forward read one query a row (each row's KV ending at its query), which every
+    # layer reads in a model with layers too wide for the multi-query kernels; else None.
+    rows: ForwardMetadata | None = None
 
 
 class TRTLLMMHABackend(AttentionBackend):
@@ -81,6 +84,8 @@ class TRTLLMMHABackend(AttentionBackend):
         self._md: ForwardMetadata | None = None
         self._staging: StagedBuffers | None = None
         self._layout: dict[str, int] = {}
+        self._rows_layout: dict[str, int] = {}
+        self._has_wide = False  # a layer reads one query a row in multi-query forwards
         self._max_pages = 0
         self._page_size = 1
 
@@ -103,6 +108,24 @@ class TRTLLMMHABackend(AttentionBackend):
                     f"attention_backend: trtllm_mha on {ks.name} has no kernel with logit soft-capping "
                     f"(layer {layer.layer_id}, cap {layer.logit_softcap}); use torch_native"
                 )
+            if self._wide(layer) and layer.logit_softcap is not None and not ks.decode_softcap:
+                raise ValueError(
+                    f"attention_backend: trtllm_mha on {ks.name} reads heads of {layer.head_dim} through its "
+                    f"decode kernel, which has no logit soft-capping (layer {layer.layer_id}); use torch_native"
+                )
+        self._has_wide = any(self._wide(layer) for layer in layers)
+
+    def _split_decode_ok(self, md: ForwardMetadata) -> bool:
+        """Whether one-query calls of this forward may take the split-KV kernel: not the rows of
+        several queries a request in a model with wide layers (on an H200 such verify rows of
+        several requests gave wrong logits through it, and right ones through XQA)."""
+        return not (self._has_wide and (md.rows_per_req > 1 or md is not self._md))
+
+    def _wide(self, layer: AttentionLayer) -> bool:
+        """Whether the layer's heads are too wide for the multi-query kernels (it then reads one
+        query a row in every multi-query forward)."""
+        limit = self.kernels.multi_query_max_head_dim
+        return limit is not None and layer.head_dim > limit
 
     # -- per forward ---------------------------------------------------------------------------
     def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
@@ -126,12 +149,15 @@ class TRTLLMMHABackend(AttentionBackend):
         the first b * w entries of the table region and its SWA table right after), so a small
         batch writes a short prefix of the block."""
         b = max(max_batch_size, max_tokens)  # rows: a flat verify has one a query
-        self._layout = {"seq_lens": 0, "cu_seq_lens_q": b, "cu_seq_lens_kv": 2 * b + 1, "tables": 3 * b + 2}
+        self._layout = _int32_layout(b)
         self._max_pages = max_pages_per_req
         self._staging = staging if staging is not None else StagedBuffers(self.device)
         self._staging.add("swa_out_loc", max_tokens, torch.int64)
         self._staging.add("mask", max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), torch.uint16)
         self._staging.add("int32", 3 * b + 2 + 2 * b * max_pages_per_req, torch.int32)
+        if self._has_wide:  # the one-query-a-row view of a verify, for the wide layers
+            self._rows_layout = _int32_layout(max_tokens)
+            self._staging.add("int32_rows", 3 * max_tokens + 2 + 2 * max_tokens * max_pages_per_req, torch.int32)
         if staging is None:
             self._staging.allocate()
 
@@ -163,15 +189,16 @@ class TRTLLMMHABackend(AttentionBackend):
         if alone:
             self._staging.upload()
 
-    def _place_static(self, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Host metadata staged into the static buffers; views of them in the same shapes."""
-        at, (b, w) = self._layout, host["full_page_table"].shape
+    def _place_static(self, host: dict[str, np.ndarray], region: str = "int32") -> dict[str, torch.Tensor]:
+        """Host metadata staged into the static buffers (`int32_rows`: a one-query-a-row view's);
+        views of them in the same shapes."""
+        at, (b, w) = (self._rows_layout if region == "int32_rows" else self._layout), host["full_page_table"].shape
         staging = self._staging
         views = {
-            name: staging.put("int32", host[name], at[name]) for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv")
+            name: staging.put(region, host[name], at[name]) for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv")
         }
         for i, name in enumerate(["full_page_table", "swa_page_table"][: 1 + ("swa_page_table" in host)]):
-            views[name] = staging.put("int32", host[name], at["tables"] + i * b * w).view(b, w)
+            views[name] = staging.put(region, host[name], at["tables"] + i * b * w).view(b, w)
         if "swa_out_loc" in host:
             views["swa_out_loc"] = staging.put("swa_out_loc", host["swa_out_loc"])
         return views
@@ -195,10 +222,10 @@ class TRTLLMMHABackend(AttentionBackend):
         if md is None or md.kernel != "decode" or not (single or isinstance(by, torch.Tensor)):
             raise KernelContractError("advance_decode: decode metadata moves on by a step for single tokens only")
         if isinstance(by, torch.Tensor):  # per request: the KV grew by as much (read-only queries too)
-            if md.rows_per_req > 1:
-                by = by.repeat_interleave(md.rows_per_req)
-            md.seq_lens.add_(by.to(torch.int32))
-            md.cu_seq_lens_kv[1:].add_(by.cumsum(0).to(torch.int32))
+            for view in (md, md.rows) if md.rows is not None else (md,):
+                grown = by.repeat_interleave(view.rows_per_req) if view.rows_per_req > 1 else by
+                view.seq_lens.add_(grown.to(torch.int32))
+                view.cu_seq_lens_kv[1:].add_(grown.cumsum(0).to(torch.int32))
         elif md.query_offset:
             md.query_offset = batch.query_offset
         else:
@@ -234,15 +261,19 @@ class TRTLLMMHABackend(AttentionBackend):
         max_seq_len = max(seq_lens, default=0)
         pages_per_req = width or self.table_width(cdiv(max(max_seq_len + reach, 1), p))
         ks = self.kernels
-        flat = (
-            kernel == "decode"
-            and q_len_per_req > 1
-            and batch.batch_size <= ks.flat_verify_batch
-            and pages_per_req * p <= ks.flat_verify_kv
-        )
+        # A model with layers too wide for the multi-query kernels reads every multi-query
+        # forward one query a row, every layer (verify-shaped ones flat, prefills through the
+        # rows view): on an H200, forwards mixing FMHA-v2 or XQA's multi-query mode with
+        # one-query rows gave wrong logits, and all-rows through XQA was exact.
+        few = batch.batch_size <= ks.flat_verify_batch and pages_per_req * p <= ks.flat_verify_kv
+        flat = kernel == "decode" and q_len_per_req > 1 and (self._has_wide or few)
         rows_per_req = q_len_per_req if flat else 1
-        host = self._host_tables(batch, pool, pages_per_req, reach, rows_per_req)
+        uniform_rows = [q_len_per_req] * batch.batch_size if flat else None
+        host = self._host_tables(batch, pool, pages_per_req, reach, uniform_rows)
         dev = place(host) if place else dict(zip(host, _upload_int32(list(host.values()), self.device)))
+        rows = None
+        if self._has_wide and kernel is not None and not flat and (kernel == "context" or q_len_per_req > 1):
+            rows = self._rows_view(batch, pool, pages_per_req, reach, q_len_per_req, place)
         if flat:
             q_len_per_req, q_lens = 1, [1]
         mask = None
@@ -266,24 +297,68 @@ class TRTLLMMHABackend(AttentionBackend):
             mask=mask,
             query_offset=batch.query_offset,
             rows_per_req=rows_per_req,
+            rows=rows,
+        )
+
+    def _rows_view(
+        self,
+        batch: AttentionBatch,
+        pool: KVPool,
+        pages: int,
+        reach: int,
+        q_len_per_req: int,
+        place: Callable[[dict[str, np.ndarray]], dict[str, torch.Tensor]] | None,
+    ) -> ForwardMetadata:
+        """This forward read one query a row, each row's KV ending at its query: what every layer
+        of a model with a layer too wide for the multi-query kernels reads through the one-query
+        decode kernel. Its tables come from the same host tables as the forward's (§4.5); it
+        writes nothing (§4.4)."""
+        host = self._host_tables(batch, pool, pages, reach, batch.q_lens_cpu)
+        host.pop("swa_out_loc", None)
+        if place is not None:
+            dev = self._place_static(host, "int32_rows")
+        else:
+            dev = dict(zip(host, _upload_int32(list(host.values()), self.device)))
+        max_seq_len = int(host["seq_lens"].max(initial=0))
+        return ForwardMetadata(
+            mode=batch.forward_mode,
+            pool=pool,
+            kernel="decode",
+            q_len_per_req=1,
+            seq_lens=dev["seq_lens"],
+            max_seq_len=pages * pool.page_size if self._max_pages else max_seq_len,
+            cu_seq_lens_q=dev["cu_seq_lens_q"],
+            cu_seq_lens_kv=dev["cu_seq_lens_kv"],
+            max_q_len=1,
+            out_cache_loc=batch.out_cache_loc,
+            full_page_table=dev["full_page_table"],
+            swa_page_table=dev.get("swa_page_table"),
+            swa_out_loc=None,
+            mask=None,
+            query_offset=0,
+            rows_per_req=q_len_per_req,  # 0 for a ragged prefill (never advanced)
         )
 
     @staticmethod
     def _host_tables(
-        batch: AttentionBatch, pool: KVPool, pages: int, reach: int = 0, rows_per_req: int = 1
+        batch: AttentionBatch, pool: KVPool, pages: int, reach: int = 0, query_rows: list[int] | None = None
     ) -> dict[str, np.ndarray]:
         """Lengths, page tables `[B, pages]` and SWA write slots on the host. A page table holds
         each request's slot at the start of every page (allocation is page aligned, so slot //
-        page_size is the page); columns past a request's length (plus `reach`) are 0. A flat
-        verify (`rows_per_req` queries a request) has a row for each query, its KV ending there."""
-        p, r = pool.page_size, rows_per_req
+        page_size is the page); columns past a request's length (plus `reach`) are 0. With
+        `query_rows` (a flat verify: its uniform query length; a wide layer's rows: the batch's
+        query lengths) request i has that many rows, one a query, each row's KV ending there."""
+        p = pool.page_size
         table = batch.req_to_token_host
         seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
         req_rows = batch.host.req_pool_indices
         q_lens = batch.q_lens_cpu
-        if r > 1:
-            seq_lens = np.repeat(seq_lens, r) - (r - 1) + np.tile(np.arange(r), len(seq_lens))
-            req_rows, q_lens = np.repeat(req_rows, r), np.ones(len(seq_lens), dtype=np.int64)
+        if query_rows is not None:
+            n = np.asarray(query_rows, dtype=np.int64)
+            starts = np.repeat(seq_lens - n, n)  # KV before each request's first query
+            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            seq_lens, req_rows = starts + within + 1, np.repeat(req_rows, n)
+            q_lens = np.ones(len(seq_lens), dtype=np.int64)
         cols = np.arange(pages)
         first_slots = table[req_rows[:, None], np.minimum(cols * p, table.shape[1] - 1)[None, :]]
         used = cols[None, :] < ((seq_lens + reach + p - 1) // p)[:, None]
@@ -366,26 +441,29 @@ class TRTLLMMHABackend(AttentionBackend):
         window_left = self._window_left(md, layer)
         where = self._where(md, layer, is_swa)
         kv_cache = pool.kv_cache(layer.layer_id)
-        if k is not None:
+        if k is not None:  # written through the forward's own metadata, whatever reads it
             pool.set_kv(
                 layer.layer_id,
                 self._write_slots(md, layer, kv_cache, is_swa),
                 k.view(num_tokens, layer.num_kv_heads, layer.head_dim),
                 v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
             )
+        read = md.rows if md.rows is not None else md  # a model with wide layers: every layer (see _build_metadata)
         common = dict(
             query=q.view(num_tokens, layer.num_heads, layer.head_dim),
             kv_cache=kv_cache,
-            block_tables=md.swa_page_table if is_swa else md.full_page_table,
-            seq_lens=md.seq_lens,
+            block_tables=read.swa_page_table if is_swa else read.full_page_table,
+            seq_lens=read.seq_lens,
             bmm1_scale=layer.scaling,
             window_left=window_left,
             sinks=layer.sinks,
             where=where,
         )
+        if read is md.rows:
+            route = "decode"
         if route == "decode":
-            call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=md.q_len_per_req, mask=md.mask)
-            _, run = self.kernels.decode_kernel(call.batch_size, md.q_len_per_req)
+            call = DecodeCall(**common, max_seq_len=read.max_seq_len, q_len_per_req=read.q_len_per_req, mask=read.mask)
+            _, run = self.kernels.decode_kernel(call.batch_size, read.q_len_per_req, self._split_decode_ok(read))
         else:
             call = ContextCall(
                 **common,
@@ -409,7 +487,7 @@ class TRTLLMMHABackend(AttentionBackend):
             return None
         md = self._md
         if route == "decode" and md is not None and md.mode == mode:
-            return self.kernels.decode_kernel(md.seq_lens.shape[0], md.q_len_per_req)[0]
+            return self.kernels.decode_kernel(md.seq_lens.shape[0], md.q_len_per_req, self._split_decode_ok(md))[0]
         return getattr(self.kernels, f"{route}_name")
 
 
@@ -420,6 +498,12 @@ def uniform_query_len(mode: ForwardMode, kernel: str | None, q_lens: list[int]) 
     if kernel == "decode" and not q_len:
         raise KernelContractError(f"{mode.name}: the decode kernel needs one query length per batch, got {q_lens}")
     return q_len
+
+
+def _int32_layout(rows: int) -> dict[str, int]:
+    """Offsets in a static int32 region of `[seq_lens | cu_seq_lens_q | cu_seq_lens_kv | tables]`
+    for up to `rows` rows."""
+    return {"seq_lens": 0, "cu_seq_lens_q": rows, "cu_seq_lens_kv": 2 * rows + 1, "tables": 3 * rows + 2}
 
 
 def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

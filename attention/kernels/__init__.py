@@ -33,16 +33,21 @@ class KernelSet:
     page_sizes: tuple[int, ...] | None  # None: any page size
     self_checking: bool  # the kernel checks its own contract on every call (the CPU reference)
     # The widest head these kernels are tested with (tests/attention/test_gpu_kernels.py); None: any.
-    # Gemma 4's 512-wide full-attention heads are refused past it rather than risk garbage.
+    # Wider heads are refused at start-up rather than risk garbage.
     max_head_dim: int | None = None
+    # The widest head the multi-query kernels (context, decode with several queries a request)
+    # take. In a model with a wider layer, every layer reads every multi-query forward one query
+    # a row through the one-query decode kernel (XQA), each row's KV ending at its query (causal
+    # by lengths): forwards mixing the two gave wrong logits on an H200. None: any.
+    multi_query_max_head_dim: int | None = None
     # Decode calls of one query a row (decode, flat verify) and at most this many rows run the
     # split-KV Triton kernel instead of `decode` (0: never).
     split_decode_rows: int = 0
 
-    def decode_kernel(self, rows: int, q_len_per_req: int) -> tuple[str, Callable]:
+    def decode_kernel(self, rows: int, q_len_per_req: int, split_ok: bool = True) -> tuple[str, Callable]:
         """(name, function) of the kernel a decode-routed call of this shape runs: a function of
-        shapes only, so eager mode and every captured graph agree."""
-        if q_len_per_req == 1 and rows <= self.split_decode_rows:
+        shapes (and of the model, `split_ok`) only, so eager mode and every captured graph agree."""
+        if split_ok and q_len_per_req == 1 and rows <= self.split_decode_rows:
             return SPLIT_DECODE, _split_decode
         return self.decode_name, self.decode
 
@@ -84,6 +89,7 @@ KERNEL_SETS = {
         flat_verify_kv=FLAT_VERIFY[1],
         page_sizes=None,
         self_checking=True,
+        multi_query_max_head_dim=256,  # as on Hopper, so CI runs the layout the GPU does
     ),
     "sm90": KernelSet(
         "sm90",
@@ -98,7 +104,11 @@ KERNEL_SETS = {
         flat_verify_kv=FLAT_VERIFY[1],
         page_sizes=(16, 32, 64, 128),
         self_checking=False,
-        max_head_dim=256,
+        # XQA and the split-KV decode are exact at 512 dims with one query a row; XQA's
+        # multi-query mode refuses heads over 256 and FMHA-v2 gives wrong outputs at 512
+        # (tests/attention/test_gpu_kernels.py)
+        max_head_dim=512,
+        multi_query_max_head_dim=256,
         split_decode_rows=SPLIT_DECODE_ROWS,
     ),
     "sm100": KernelSet(

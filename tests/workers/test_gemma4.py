@@ -135,6 +135,34 @@ def test_speculative_decoding_keeps_transformers_tokens(reference, tmp_path, dra
     eng.check_no_leak()
 
 
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_layers_too_wide_for_the_multi_query_kernels_read_one_query_a_row(reference, tmp_path, monkeypatch, graphs):
+    """Hopper's multi-query kernels take heads of at most 256 (Gemma 4's full layers have 512):
+    a model with such a layer reads every prefill, verify and catch-up one query a row, every
+    layer, through the one-query decode kernel. Here the CPU kernel set draws that line at 16
+    dims (the full layers have 32): prefills, chunked and cached, and a standalone draft's verify
+    rounds of several requests (flat) still give transformers' tokens."""
+    import dataclasses
+
+    path, expected = reference
+    monkeypatch.setitem(KERNEL_SETS, "cpu", dataclasses.replace(KERNEL_SETS["cpu"], multi_query_max_head_dim=16))
+    copy = make_perturbed_copy(path, str(tmp_path / "copy"), noise=0.1)
+    eng = Engine(
+        model=path,
+        dtype="float32",
+        page_size=16,
+        attention_backend="trtllm_mha",
+        max_total_tokens=4096,
+        chunked_prefill_size=16,
+        speculative={"algorithm": "standalone", "draft_model": copy, "num_steps": 3},
+        cuda_graphs=graphs,
+        max_running_requests=4,
+    )
+    assert eng.runner.backend._has_wide and eng.spec.drafter.runner.backend._has_wide  # both have 32-dim full layers
+    assert_matches(generate_waves(eng), expected, f"one query a row, graphs {graphs}")
+    eng.check_no_leak()
+
+
 def test_kv_sharing_layers_take_no_pool_space(reference):
     """Layers 4 and 5 read layers 3 and 2's KV: only the four other layers have buffers, each in
     its own geometry, and the bytes a slot holds count those four only."""
@@ -226,11 +254,13 @@ def test_configs_it_cannot_serve_are_refused_naming_the_field(change, message):
 
 
 def test_heads_wider_than_the_gpu_kernels_are_tested_with_are_refused():
-    """On Hopper and Blackwell kernel sets a 512-wide head is refused at start-up, naming the
-    layer and its geometry; the CPU reference kernels take any head size."""
-    wide = AttentionLayer(5, num_heads=8, num_kv_heads=1, head_dim=512, scaling=1.0)
-    TRTLLMMHABackend(torch.device("cpu")).prepare([wide], 16)
-    for name in ("sm90", "sm100"):
+    """A head wider than a kernel set was tested with is refused at start-up, naming the layer
+    and its geometry: on Hopper past 512 dims (Gemma 4's full layers run there), on Blackwell
+    past 256; the CPU reference kernels take any head size."""
+    wide, wider = (AttentionLayer(5, num_heads=8, num_kv_heads=1, head_dim=d, scaling=1.0) for d in (512, 1024))
+    TRTLLMMHABackend(torch.device("cpu")).prepare([wider], 16)
+    TRTLLMMHABackend(torch.device("cpu"), kernels=KERNEL_SETS["sm90"]).prepare([wide], 16)
+    for name, layer in (("sm90", wider), ("sm100", wide)):
         backend = TRTLLMMHABackend(torch.device("cpu"), kernels=KERNEL_SETS[name])
-        with pytest.raises(ValueError, match="layer 5 reads 1 KV heads of 512 \\(full attention\\)"):
-            backend.prepare([wide], 16)
+        with pytest.raises(ValueError, match=f"layer 5 reads 1 KV heads of {layer.head_dim} \\(full attention\\)"):
+            backend.prepare([layer], 16)

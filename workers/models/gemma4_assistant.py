@@ -155,7 +155,8 @@ class CentroidHead(nn.Module):
         rows, loaded in token order, into it."""
         vocab = self.weight.shape[0]
         ordering = ordering.to(self.token_ordering.device, torch.int64)
-        if ordering.shape != (vocab,) or not torch.equal(ordering.sort().values, torch.arange(vocab)):
+        every = torch.arange(vocab, device=ordering.device)
+        if ordering.shape != (vocab,) or not torch.equal(ordering.sort().values, every):
             raise ValueError(f"weights: masked_embedding.token_ordering must list each of the {vocab} token ids once")
         self.token_ordering.copy_(ordering)
         self.weight.data.copy_(self.weight.data[ordering])
