@@ -83,7 +83,8 @@ def test_the_shipped_config_runs_on_two_cpus(laptop, tmp_path):
 
 
 def test_http_answers_503_at_once_while_no_replica_runs(laptop, tmp_path):
-    path, http, _ = _config(tmp_path, cpus_per_rank=4)  # a replica needs 8.5 CPUs: none can start
+    # a replica needs 8.5 CPUs: none starts (and the teardown need not wait 30 s for the one pending)
+    path, http, _ = _config(tmp_path, cpus_per_rank=4, graceful_shutdown_timeout_s=2)
     _serve_run(laptop, path)
     url = f"http://127.0.0.1:{http}/generate"
     deadline = time.monotonic() + 120
