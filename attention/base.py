@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +22,10 @@ class AttentionLayer:
     layer whose KV is read for frozen-KV draft layers.
     `sliding_window` counts the keys a query sees including itself (Hugging Face's meaning;
     flashinfer's `window_left` is `sliding_window - 1`); None means full attention.
+    `k_scale` / `v_scale`: the checkpoint's scales of the KV this layer stores, for an FP8 cache
+    (a stored value times its scale is the value; 1.0 when the checkpoint has none). The pool
+    built from the layer keeps them (`KVPool.kv_scales`) and every read and write takes them
+    from there, so a layer reading another's KV reads it with the writer's scales.
     """
 
     layer_id: int
@@ -32,6 +36,8 @@ class AttentionLayer:
     sliding_window: int | None = None
     logit_softcap: float | None = None
     sinks: torch.Tensor | None = None  # [num_heads] learned sink logits
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -41,6 +47,16 @@ class AttentionLayer:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"layer {self.layer_id}: sliding_window must be >= 1, got {self.sliding_window}")
+
+
+class KVDestination(NamedTuple):
+    """Where a forward's new K and V of one layer go, for a caller that writes them itself: the
+    layer's paged cache, the write slots in it, and the (K, V) scales an FP8 cache quantises
+    with ((1.0, 1.0) for a cache in the model's dtype)."""
+
+    cache: torch.Tensor
+    slots: torch.Tensor
+    scales: tuple[float, float]
 
 
 class AttentionBackend(abc.ABC):
@@ -60,17 +76,18 @@ class AttentionBackend(abc.ABC):
         """The kernel this backend runs for a forward mode (recorded in traces)."""
         return self.name
 
-    def prepare(self, layers: list[AttentionLayer], page_size: int) -> None:
-        """Check at start-up that this backend can run these layers; raise ValueError if not."""
+    def prepare(self, layers: list[AttentionLayer], page_size: int, kv_dtype: torch.dtype | None = None) -> None:
+        """Check at start-up that this backend can run these layers over a KV cache of
+        `kv_dtype` (None: the model's dtype); raise ValueError if not."""
 
     @abc.abstractmethod
     def init_forward_metadata(self, batch: AttentionBatch, pool: KVPool) -> None:
         """Prepare this forward's metadata from the batch and the pool its layers use."""
 
-    def kv_destination(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(paged cache, write slots) where this forward's new K and V of `layer` go, for a
-        caller that writes them itself (the fused RoPE kernel) and then calls `forward` with
-        k, v None; the slots are checked as `forward` checks them. None: pass k, v to `forward`."""
+    def kv_destination(self, layer: AttentionLayer) -> KVDestination | None:
+        """Where this forward's new K and V of `layer` go, for a caller that writes them itself
+        (the fused RoPE kernel) and then calls `forward` with k, v None; the slots are checked as
+        `forward` checks them. None: pass k, v to `forward`."""
         return None
 
     @abc.abstractmethod

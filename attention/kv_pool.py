@@ -10,6 +10,11 @@ Each layer's KV is one buffer in flashinfer's stacked paged "HND" layout, `[num_
 num_kv_heads, page_size, head_dim]` (index 0 of dim 1 is K, 1 is V), which XQA, FMHA-v2 and
 trtllm-gen all read without copies. Page 0 of every pool is a padding
 page that is never allocated: untranslatable (evicted) SWA entries point at it.
+
+A buffer holds K and V in the model's dtype, or quantised to FP8 (e4m3) with a scale per KV layer
+for K and one for V (`kv_scales`): a stored value times its scale is the value. Writes quantise
+in one function (`workers/memory/kv_write.py`); every read dequantises with `dequantize`
+(docs/design.md §4.7).
 """
 
 from __future__ import annotations
@@ -18,6 +23,15 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+FP8_E4M3 = torch.float8_e4m3fn  # the quantised KV format (`kv_cache_dtype: fp8_e4m3`)
+FP8_E4M3_MAX = float(torch.finfo(FP8_E4M3).max)  # 448: writes saturate here (the format has no infinity)
+
+
+def dequantize(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """What KV read from a buffer stands for: an FP8 entry as float32 times its layer's scale;
+    an entry in the model's dtype as it is (such a buffer has no scales)."""
+    return stored.float() * scale if stored.dtype == FP8_E4M3 else stored
 
 
 @runtime_checkable
@@ -45,9 +59,14 @@ class KVPool(Protocol):
     def kv_cache(self, layer_id: int) -> torch.Tensor:
         """A layer's KV buffer, `[num_pages, 2, num_kv_heads, page_size, head_dim]`."""
 
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """(K scale, V scale) of `layer_id`'s buffer when it is FP8: a stored value times its
+        scale is the value. Readers ask only of an FP8 buffer; a layer reading another layer's
+        KV reads it with the scales it was written with, the pool's."""
+
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write `k`, `v` (`[n, num_kv_heads, head_dim]`) at `locs`, given in the layer's own
-        index space."""
+        index space, quantised with the layer's scales when the buffer is FP8."""
 
     def write_slots(self, layer_id: int, locs: torch.Tensor) -> torch.Tensor:
         """The slots of `kv_cache(layer_id)` that `set_kv(layer_id, locs, ...)` writes: for a

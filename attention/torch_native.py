@@ -2,7 +2,8 @@
 
 It is the oracle every other backend is compared with, so it is written for clarity: one
 request at a time, explicit causal and sliding-window masks, logit soft-capping and attention
-sinks. SWA layers read keys through a full->SWA translation made once per forward.
+sinks. SWA layers read keys through a full->SWA translation made once per forward. An FP8
+cache is read dequantised with the pool's scales of the KV layer read (docs/design.md §4.7).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from attention.base import AttentionBackend, AttentionLayer
 from attention.batch import AttentionBatch
 from attention.dense import causal_window_mask, dense_attention
-from attention.kv_pool import KVPool
+from attention.kv_pool import FP8_E4M3, KVPool, dequantize
 
 
 @dataclasses.dataclass
@@ -83,6 +84,7 @@ class TorchNativeBackend(AttentionBackend):
                 v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
             )
         kv_buf = pool.kv_cache(layer.layer_id)
+        k_scale, v_scale = pool.kv_scales(layer.layer_id) if kv_buf.dtype == FP8_E4M3 else (1.0, 1.0)
         page_size = pool.page_size
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
@@ -104,8 +106,8 @@ class TorchNativeBackend(AttentionBackend):
                     f"{q_pos[0].item()}..{q_pos[-1].item()}, window {layer.sliding_window})"
                 )
             offs = locs % page_size
-            keys = kv_buf[pages, 0, :, offs, :]
-            values = kv_buf[pages, 1, :, offs, :]
+            keys = dequantize(kv_buf[pages, 0, :, offs, :], k_scale)
+            values = dequantize(kv_buf[pages, 1, :, offs, :], v_scale)
             out[req.q_start : req.q_end] = dense_attention(
                 q[req.q_start : req.q_end], keys, values, mask, layer.scaling, layer.logit_softcap, layer.sinks
             ).to(q.dtype)

@@ -22,12 +22,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from attention.base import AttentionBackend, AttentionLayer
+from attention.base import AttentionBackend, AttentionLayer, KVDestination
 from attention.batch import AttentionBatch, upload
 from attention.forward_mode import ForwardMode
 from attention.kernels import ContextCall, DecodeCall, KernelContractError, KernelSet, chain_mask, select_kernels
 from attention.kernels.calls import cdiv, check_write
-from attention.kv_pool import KVPool
+from attention.kv_pool import FP8_E4M3, KVPool
 from attention.staging import StagedBuffers
 
 # Forward mode -> kernel. The decode kernel only for modes whose batches have one query length
@@ -90,12 +90,18 @@ class TRTLLMMHABackend(AttentionBackend):
         self._page_size = 1
 
     # -- start-up ----------------------------------------------------------------------------
-    def prepare(self, layers: list[AttentionLayer], page_size: int) -> None:
+    def prepare(self, layers: list[AttentionLayer], page_size: int, kv_dtype: torch.dtype | None = None) -> None:
         """Fail at start-up on a feature combination the kernels of this device lack."""
         ks = self.kernels
         self._page_size = page_size
         if ks.page_sizes is not None and page_size not in ks.page_sizes:
             raise ValueError(f"page_size: trtllm_mha on {ks.name} supports {ks.page_sizes}, got {page_size}")
+        if kv_dtype == FP8_E4M3 and not ks.fp8_kv:
+            raise ValueError(
+                f"kv_cache_dtype: fp8_e4m3 is not wired into trtllm_mha's kernels on {ks.name} yet (the FP8 variants "
+                f"of {ks.decode_name} and {ks.context_name} and the fused RoPE + KV-write kernel); it runs on the CPU. "
+                "Use kv_cache_dtype auto"
+            )
         for layer in layers:
             if ks.max_head_dim is not None and layer.head_dim > ks.max_head_dim:
                 raise ValueError(
@@ -409,14 +415,21 @@ class TRTLLMMHABackend(AttentionBackend):
             check_write(locs, kv_cache, self._where(md, layer, is_swa))
         return locs
 
-    def kv_destination(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    @staticmethod
+    def _kv_scales(pool: KVPool, layer: AttentionLayer, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """The scales `layer`'s KV is stored with: the pool's, resolved at use (an FP8 cache
+        only; a frozen-KV draft reads the target's pool with the target's scales)."""
+        return pool.kv_scales(layer.layer_id) if kv_cache.dtype == FP8_E4M3 else (1.0, 1.0)
+
+    def kv_destination(self, layer: AttentionLayer) -> KVDestination | None:
         md = self._md
         if md is None or md.kernel is None:
             return None
         is_swa = md.pool.is_swa_layer(layer.layer_id)
         kv_cache = md.pool.kv_cache(layer.layer_id)
         locs = self._write_slots(md, layer, kv_cache, is_swa)
-        return kv_cache, md.pool.write_slots(layer.layer_id, locs)
+        scales = self._kv_scales(md.pool, layer, kv_cache)
+        return KVDestination(kv_cache, md.pool.write_slots(layer.layer_id, locs), scales)
 
     def forward(
         self,
@@ -449,6 +462,7 @@ class TRTLLMMHABackend(AttentionBackend):
                 v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
             )
         read = md.rows if md.rows is not None else md  # a model with wide layers: every layer (see _build_metadata)
+        k_scale, v_scale = self._kv_scales(pool, layer, kv_cache)
         common = dict(
             query=q.view(num_tokens, layer.num_heads, layer.head_dim),
             kv_cache=kv_cache,
@@ -458,6 +472,8 @@ class TRTLLMMHABackend(AttentionBackend):
             window_left=window_left,
             sinks=layer.sinks,
             where=where,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         if read is md.rows:
             route = "decode"

@@ -73,6 +73,13 @@ class EngineArgs(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of weights and activations; auto: bfloat16 on CUDA, float32 on CPU"
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="dtype of the KV cache (both pools, target and draft): auto is dtype; fp8_e4m3 stores K and V "
+        "in FP8 with per-layer scales from the checkpoint (self_attn.k_scale / v_scale, else 1.0), half a bfloat16 "
+        "slot's bytes, so the same memory holds twice the tokens (max_total_tokens stays in tokens); CPU only for "
+        "now: refused on CUDA until the fused RoPE + KV-write kernel and XQA's and FMHA-v2's FP8 variants are wired",
+    )
     attention_backend: str | None = Field(
         None,
         description="attention kernels: trtllm_mha (TensorRT-LLM kernels through flashinfer on CUDA, strict "

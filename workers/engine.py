@@ -22,12 +22,15 @@ import torch
 from attention import ForwardMode
 from workers.cuda_graphs import CudaGraphRunner, capture_sizes
 from workers.distributed import SINGLE_RANK, AllReduce, TPGroup
+from workers.logprobs import Logprobs, of_rows
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
+from workers.memory.kv_write import resolve_kv_cache_dtype
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
 from workers.models.decoder import RotaryTables
 from workers.overlap import InFlight, OverlapDecoder
+from workers.processors import TokenCounts
 from workers.radix_cache import RadixCache
 from workers.request import FinishReason, Request
 from workers.sampler import draw_each
@@ -73,6 +76,8 @@ class RequestOutput:
     finish_reason: str | None
     text: str | None = None
     logits: list[torch.Tensor] | None = None  # per generated token, when return_logits
+    logprobs: Logprobs | None = None  # per generated token, when sampling.logprobs is set
+    prompt_logprobs: Logprobs | None = None  # per prompt token after the first, when sampling.prompt_logprobs is set
     spec: SpecStats | None = None  # speculative decoding record (accept lengths, per position)
     error: str | None = None  # why the request failed, when finish_reason is "error"
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -86,6 +91,7 @@ class Engine:
         model: str,
         device: str = "cpu",
         dtype: str = "auto",
+        kv_cache_dtype: str = "auto",
         page_size: int = 16,
         attention_backend: str | None = None,
         max_total_tokens: int = 8192,
@@ -112,6 +118,7 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {device!r}, but torch sees no CUDA device (a CPU build, or no GPU visible)")
         self.dtype = _resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)
         for name, value, least in (
             ("page_size", page_size, 1),
             ("chunked_prefill_size", chunked_prefill_size, 1),  # None: off
@@ -171,6 +178,7 @@ class Engine:
                 tp=tp,
                 seed=seed,
                 debug_kv_checks=debug_kv_checks,
+                kv_dtype=self.kv_dtype,
             )
         self.scheduler = Scheduler(
             self.allocator,
@@ -179,6 +187,7 @@ class Engine:
             max_running_requests,
             self.cfg.eos_token_ids,
             lookahead,
+            token_counts=TokenCounts(self.cfg.vocab_size, max_running_requests, self.device),
         )
         self.last_step = StepRecord()
         self.spec: SpecWorker | None = None
@@ -196,6 +205,7 @@ class Engine:
                     tp=draft_tp,
                     seed=seed,
                     debug_kv_checks=debug_kv_checks,
+                    kv_dtype=self.kv_dtype,
                 )
             drafter.runner.recorder = self._record
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
@@ -229,11 +239,12 @@ class Engine:
         self.failed_steps = 0  # consecutive steps whose forward raised
         self.last_step = StepRecord()
         logger.info(
-            "engine: %s on %s/%s, backend %s, KV %s, speculative %s",
+            "engine: %s on %s/%s, backend %s, KV %s %s, speculative %s",
             self.cfg.architecture,
             self.device,
             self.dtype,
             backend,
+            self.kv_dtype,
             self.kv_stats(),
             f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
         )
@@ -334,6 +345,9 @@ class Engine:
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{field}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        problem = sampling.vocabulary_problem(vocab)
+        if problem is not None:
+            raise ValueError(problem)
         if len(prompt) >= self.context_length:
             raise ValueError(
                 f"{field}: prompt of {len(prompt)} tokens leaves no room in the context length {self.context_length}"
@@ -351,6 +365,10 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         req = Request(rid, prompt, sampling, generator, max_len)
+        if sampling.logprobs is not None:
+            req.logprobs = Logprobs()
+        if sampling.prompt_logprobs is not None:
+            req.prompt_logprobs = Logprobs()
         if self.spec is not None:
             self.spec.add_request(req)
         return req
@@ -425,24 +443,59 @@ class Engine:
             return events
         batch = self.scheduler.build(sb)
         out = self.runner.forward(batch)
+        rows = self.scheduler.logit_rows(sb)
+        ends = list(itertools.accumulate(len(r) for r in rows))  # each request's logits rows end there
         sampled = [r for r, s in zip(sb.reqs, sb.samples) if s]
-        tokens, _, errors = draw_each(out.logits, [r.sampling for r in sampled], [r.generator for r in sampled])
+        if sb.mode is ForwardMode.EXTEND and any(r.prompt_logprobs is not None for r in sb.reqs):
+            self._prompt_logprobs(sb, rows, ends, out.logits)
+        picks = [end - 1 for end, s in zip(ends, sb.samples) if s]
+        logits = out.logits if picks == list(range(ends[-1] if ends else 0)) else out.logits[picks]
+        drawn, errors = draw_each(
+            logits,
+            [r.sampling for r in sampled],
+            [r.generator for r in sampled],
+            self.scheduler.history(sampled),
+            logprobs=True,
+        )
         for i, exc in errors.items():
             self.scheduler.fail(sampled[i], exc)
-        if any(r.sampling.return_logits for r in sampled):
-            for req, logits in zip(sampled, out.logits):
-                if req.sampling.return_logits and not req.finished:  # a copy: graphs rewrite their rows
-                    req.logits.append(logits.to("cpu", copy=True))
+        for req, row, lp in zip(sampled, logits, drawn.logprobs):
+            if req.finished:
+                continue
+            if req.sampling.return_logits:  # a copy: graphs rewrite their rows
+                req.logits.append(row.to("cpu", copy=True))
+            if lp is not None:
+                req.logprobs.extend(lp)
         live = [(r, n, s) for r, n, s in zip(sb.reqs, sb.q_lens, sb.samples) if not r.finished]
         events = self.scheduler.process(
             ScheduledBatch(sb.mode, [r for r, _, _ in live], [n for _, n, _ in live], [s for _, _, s in live]),
-            [t for t in tokens if t is not None],
+            [t for t in drawn.tokens if t is not None],
         )
         if self.spec is not None:
             self.spec.after_extend(sb, out.hidden)
         if sb.mode is ForwardMode.EXTEND:
             self.scheduler.cache_prompts(sb.reqs)
         return events
+
+    def _prompt_logprobs(self, sb: ScheduledBatch, rows: list[range], ends: list[int], logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens this prefill chunk predicts: its row at position p
+        gives the model's log_softmax for the prompt token at p + 1 (the last prompt position's
+        row samples the first generated token instead)."""
+        picks, tokens, ks, owners = [], [], [], []
+        for req, n, r, end in zip(sb.reqs, sb.q_lens, rows, ends):
+            if req.prompt_logprobs is None or req.finished:
+                continue
+            first = end - len(r)  # the logits row of the chunk's first position, req.kv_len
+            count = min(n, len(req.prompt_ids) - 1 - req.kv_len)  # positions whose next token is a prompt token
+            picks += range(first, first + count)
+            tokens += req.prompt_ids[req.kv_len + 1 : req.kv_len + 1 + count]
+            ks += [req.sampling.prompt_logprobs] * count
+            owners.append((req, count))
+        got = of_rows(logits[picks], tokens, ks) if picks else Logprobs()
+        start = 0
+        for req, count in owners:
+            req.prompt_logprobs.extend(got.part(start, start + count))
+            start += count
 
     def _record(self, forward: ForwardRecord) -> None:
         self.last_step.forwards.append(forward)
@@ -472,6 +525,8 @@ class Engine:
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             text=self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer else None,
             logits=list(req.logits) if req.sampling.return_logits else None,
+            logprobs=req.logprobs.copy() if req.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs.copy() if req.prompt_logprobs is not None else None,
             spec=req.spec.stats.copy() if req.spec is not None else None,
             error=req.error,
             cached_tokens=req.cached_tokens,
@@ -487,6 +542,14 @@ class Engine:
         if not new_tokens or len(req.output_ids) != len(new_tokens):
             return None
         return req.phase_seconds()
+
+    def step_logprobs(self, request_id: str, new_tokens: list[int]) -> tuple[Logprobs | None, Logprobs | None]:
+        """(logprobs of `new_tokens`, the request's latest tokens; its prompt logprobs when these
+        are its first tokens): what a step's update carries for a request that asked."""
+        req = self._requests[request_id]
+        own = req.logprobs.tail(len(new_tokens)) if req.logprobs is not None and new_tokens else None
+        first = bool(new_tokens) and len(req.output_ids) == len(new_tokens)
+        return own, req.prompt_logprobs.copy() if req.prompt_logprobs is not None and first else None
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's record."""

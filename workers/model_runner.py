@@ -44,9 +44,11 @@ class ModelRunner:
         debug_kv_checks: bool = False,
         role: str = "target",
         allocator: KVAllocator | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """`allocator`: the one whose tables this model's forwards read (flushed to the device
-        before each forward)."""
+        before each forward); `kv_dtype`: the dtype of the KV it reads (its pool's, or the
+        target's for a draft reading that), None: the model's."""
         self.model = model
         self.pool = pool
         self.allocator = allocator
@@ -55,7 +57,7 @@ class ModelRunner:
         self.role = role  # "target" or "draft", in forward records
         self.recorder: Callable[[ForwardRecord], None] | None = None
         self.backend = create_backend(attention_backend, device, debug_kv_checks=debug_kv_checks)
-        self.backend.prepare(model.attention_layers, page_size)
+        self.backend.prepare(model.attention_layers, page_size, kv_dtype)
 
     @classmethod
     def load(
@@ -72,13 +74,18 @@ class ModelRunner:
         seed: int = 0,
         debug_kv_checks: bool = False,
         role: str = "target",
+        kv_dtype: torch.dtype | None = None,
     ) -> ModelRunner:
-        """A Hugging Face causal LM with its own pool on a (possibly shared) allocator."""
+        """A Hugging Face causal LM with its own pool on a (possibly shared) allocator, its KV in
+        `kv_dtype` (None: the model's dtype)."""
         model = build_model(cfg, model_dir, load_format, dtype, device, tp, seed)
         # The pool is chosen from this model's own layers; the allocator may be shared with
         # another model (docs/design.md §4.1). Layers reading another's KV add nothing (§4.6).
-        pool = build_pool(kv_layouts(model.attention_layers), allocator, dtype, device, use_swa_pool)
-        return cls(model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role, allocator)
+        kv_dtype = kv_dtype or dtype
+        pool = build_pool(kv_layouts(model.attention_layers), allocator, kv_dtype, device, use_swa_pool)
+        return cls(
+            model, pool, attention_backend, device, allocator.page_size, debug_kv_checks, role, allocator, kv_dtype
+        )
 
     def enable_graphs(self, graphs: CudaGraphRunner) -> None:
         """Replay captured CUDA graphs for the forwards they cover (`workers/cuda_graphs.py`)."""

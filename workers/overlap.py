@@ -10,7 +10,8 @@ the same stream run after the stale write). A request that step N's length limit
 of step N+1, since that is known on the host.
 
 Only greedy decode steps without speculation overlap (their next inputs are an argmax on the
-device); anything else, and any request waiting to be admitted, drains the pipeline first.
+device), and only for requests no logits processor acts on; anything else, and any request
+waiting to be admitted, drains the pipeline first.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
 from workers.model_runner import ForwardOutput
+from workers.processors import at_work
 from workers.request import Request
 from workers.scheduler import ScheduledBatch, Scheduler
 
@@ -65,8 +67,11 @@ class OverlapDecoder:
 
     @staticmethod
     def eligible(sb: ScheduledBatch) -> bool:
+        """A decode step whose every request takes the argmax of its raw logits and reads
+        nothing else (no processor at work, no logprobs or logits): the device's argmax serves
+        it. Requests stay eligible: a processor that stops acting (min_tokens) never starts again."""
         return sb.mode is ForwardMode.DECODE and all(
-            r.sampling.greedy and not r.sampling.return_logits for r in sb.reqs
+            r.sampling.greedy and not r.sampling.reads_logits and not at_work(r) for r in sb.reqs
         )
 
     def can_continue(self, flight: InFlight) -> list[Request]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from workers.engine import Engine, RequestOutput
+from workers.logprobs import Logprobs
 from workers.sampling_params import SamplingParams
 from workers.step_record import StepRecord
 
@@ -72,6 +73,8 @@ class Update:
     code: ErrorCode | None = None  # with `error`
     cached_tokens: int = 0  # its prompt tokens the prefix cache held
     phases: tuple[float | None, float | None] | None = None  # (queue, prefill) s, with its first token
+    logprobs: Logprobs | None = None  # of `token_ids`, when the request asks for logprobs
+    prompt_logprobs: Logprobs | None = None  # with its first token, when it asks for its prompt's
 
 
 class RankLoop:
@@ -245,24 +248,32 @@ class RankLoop:
                     False,
                     cached_tokens=hits.get(rid, 0),
                     phases=self.engine.first_token_phases(rid, tokens),
+                    **self._logprobs(rid, tokens),
                 )
                 for rid, tokens, finished in events
             ]
         )
+
+    def _logprobs(self, rid: str, tokens: list[int]) -> dict[str, Logprobs]:
+        """The update's logprob fields, where the request asks for them (none: no fields)."""
+        own, prompt = self.engine.step_logprobs(rid, tokens)
+        fields = {"logprobs": own, "prompt_logprobs": prompt}
+        return {k: v for k, v in fields.items() if v is not None}
 
     def _finish(self, rid: str, tokens: list[int]) -> Update:
         """A finished request's last update (its KV released); building it fails only this
         request."""
         try:
             output = self.engine.output(rid)
+            logprobs = self._logprobs(rid, tokens)
         except Exception as exc:  # noqa: BLE001 - e.g. detokenizing its output raised
             logger.warning("request %s: building its output failed: %s", rid, _describe(exc))
             update = Update(rid, tokens, True, error=_describe(exc), code=ErrorCode.INTERNAL)
         else:
             update = (
-                Update(rid, tokens, True, output, error=output.error, code=ErrorCode.INTERNAL)
+                Update(rid, tokens, True, output, error=output.error, code=ErrorCode.INTERNAL, **logprobs)
                 if output.error is not None
-                else Update(rid, tokens, True, output)
+                else Update(rid, tokens, True, output, **logprobs)
             )
         self.engine.release(rid)
         return self._end(update)

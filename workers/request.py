@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from workers.logprobs import Logprobs
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ class Request:
     kv_len: int = 0  # tokens whose KV is written
     finish_reason: FinishReason | None = None
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    logprobs: Logprobs | None = None  # of each generated token, when the sampling asks
+    prompt_logprobs: Logprobs | None = None  # of each prompt token after the first, when asked
     spec: DraftState | None = None  # speculative decoding state, when a draft model runs
     error: str | None = None  # why the request failed (finish reason ERROR)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -26,6 +26,7 @@ from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
 from workers.memory import KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv, expand_ranges
+from workers.processors import RequestHistory, TokenCounts
 from workers.radix_cache import RadixCache
 from workers.request import FinishReason, Request
 
@@ -56,9 +57,11 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         lookahead: int = 0,
         cache: RadixCache | None = None,
+        token_counts: TokenCounts | None = None,
     ) -> None:
         """`lookahead`: positions a decode step may hold past the next token (a speculative
-        round holds num_steps + 1 more)."""
+        round holds num_steps + 1 more); `token_counts`: the running requests' token counts the
+        penalties read, by request row (`workers/processors.py`)."""
         self.allocator = allocator
         self.lookahead = lookahead
         self.req_to_token = req_to_token
@@ -73,6 +76,7 @@ class Scheduler:
         self._shared: collections.Counter[int] = collections.Counter()  # cached pages running rows start on
         # Positions of a request whose draft KV is complete too (what may be cached); set by a drafter.
         self.cacheable_len: Callable[[Request], int] = lambda req: req.kv_len
+        self.token_counts = token_counts
 
     # -- admission ---------------------------------------------------------------------
     def kv_need(self, prompt_len: int, max_len: int, shared_pages: int = 0) -> KVBudget:
@@ -106,7 +110,11 @@ class Scheduler:
         swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
         while self.waiting and len(self.running) < self.max_running and self.req_to_token.num_free:
             req = self.waiting[0]
-            match = self.cache.match(req.prompt_ids) if self.cache is not None else None
+            # A request asking for its prompt's logprobs computes its whole prompt: the simplest
+            # exact choice (a hit's pages hold KV, not the logits of the positions they cover).
+            # It still enters its pages in the cache (`cache_prompts`).
+            matches = self.cache is not None and req.sampling.prompt_logprobs is None
+            match = self.cache.match(req.prompt_ids) if matches else None
             shared = len(match.nodes) if match is not None else 0
             need = self.kv_need(len(req.prompt_ids), req.max_len, shared)
             pinned = len(self._shared.keys() | set(match.pages)) if match is not None else len(self._shared)
@@ -177,9 +185,27 @@ class Scheduler:
     def _decode_batch(self, reqs: list[Request]) -> ScheduledBatch:
         return ScheduledBatch(ForwardMode.DECODE, list(reqs), [1] * len(reqs), [True] * len(reqs))
 
+    @staticmethod
+    def logit_rows(sb: ScheduledBatch) -> list[range]:
+        """Per request, the rows of the batch's tokens whose logits the forward computes: every
+        row of a prefill chunk whose request asks for its prompt's logprobs, else the last row
+        where the request samples. The forward's logits hold them in this order."""
+        rows, start = [], 0
+        for req, n, samples in zip(sb.reqs, sb.q_lens, sb.samples):
+            if sb.mode is ForwardMode.EXTEND and req.sampling.prompt_logprobs is not None:
+                rows.append(range(start, start + n))
+            else:
+                rows.append(range(start + n - 1, start + n) if samples else range(0))
+            start += n
+        return rows
+
+    def history(self, reqs: list[Request], drafts: list[list[int]] | None = None) -> RequestHistory:
+        """What the processors of these rows read (one request per row; `drafts`: each row's
+        uncommitted tokens before it)."""
+        return RequestHistory(self.token_counts, reqs, self.eos_token_ids, drafts)
+
     def build(self, sb: ScheduledBatch) -> ForwardBatch:
         """Give the batch's new tokens KV slots and lay out its forward."""
-        ends = [sum(sb.q_lens[: i + 1]) - 1 for i in range(len(sb.reqs))]
         return ForwardBatch.build(
             sb.mode,
             rows=[r.row for r in sb.reqs],
@@ -189,7 +215,7 @@ class Scheduler:
                 sb.reqs, [r.kv_len for r in sb.reqs], [r.kv_len + n for r, n in zip(sb.reqs, sb.q_lens)]
             ),
             req_to_token=self.req_to_token,
-            logits_rows=[end for end, s in zip(ends, sb.samples) if s],
+            logits_rows=[row for rows in self.logit_rows(sb) for row in rows],
         )
 
     def slots(

@@ -43,6 +43,10 @@ class KernelSet:
     # Decode calls of one query a row (decode, flat verify) and at most this many rows run the
     # split-KV Triton kernel instead of `decode` (0: never).
     split_decode_rows: int = 0
+    # Every kernel of the set reads an FP8 (e4m3) cache with the call's scales. On the GPUs this
+    # waits for XQA's and FMHA-v2's (and the split-KV kernel's) FP8 variants to be wired and
+    # measured: `kv_cache_dtype: fp8_e4m3` is refused at start-up there (docs/design.md §4.7).
+    fp8_kv: bool = False
 
     def decode_kernel(self, rows: int, q_len_per_req: int, split_ok: bool = True) -> tuple[str, Callable]:
         """(name, function) of the kernel a decode-routed call of this shape runs: a function of
@@ -90,6 +94,7 @@ KERNEL_SETS = {
         page_sizes=None,
         self_checking=True,
         multi_query_max_head_dim=256,  # as on Hopper, so CI runs the layout the GPU does
+        fp8_kv=True,
     ),
     "sm90": KernelSet(
         "sm90",

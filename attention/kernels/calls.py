@@ -7,6 +7,10 @@ so agreeing with `torch_native` proves these tensors right. `check()` verifies e
 precondition a real kernel would fault on (or silently read garbage under) and raises
 `KernelContractError` naming the forward mode, layer and tensor.
 
+The cache's dtype is part of the contract: the query's, or FP8 (e4m3) read with a K and a V scale
+(a stored value times its scale is the value; flashinfer takes them folded into `bmm1_scale` and
+as `bmm2_scale`, docs/design.md §4.7).
+
 Positions follow the kernels' convention: request b's KV holds positions [0, seq_lens[b]) and
 its q_len queries are the last q_len of them (bottom-right aligned causal mask).
 """
@@ -15,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
+
+from attention.kv_pool import FP8_E4M3
 
 
 class KernelContractError(RuntimeError):
@@ -76,6 +83,8 @@ class _Common:
     window_left: int  # keys left of the query that stay visible; -1 = no window
     sinks: torch.Tensor | None  # [H] float32
     where: str  # "<FORWARD_MODE> layer <id> (<pool space>)", for error messages
+    k_scale: float = 1.0  # an FP8 cache's scales (stored x scale = value); 1.0 for any other cache
+    v_scale: float = 1.0
 
     @property
     def batch_size(self) -> int:
@@ -95,6 +104,7 @@ class _Common:
             )
         if self.kv_cache.dim() != 5 or self.kv_cache.shape[1] != 2:
             raise self.fail("kv_cache", f"must be [pages, 2, kv_heads, page, dim], got {tuple(self.kv_cache.shape)}")
+        self._check_dtype()
         if (
             self.query.dim() != 3
             or self.query.shape[1] % self.kv_cache.shape[2]
@@ -135,6 +145,17 @@ class _Common:
                     "block_tables",
                     f"request {b} would read padding page 0 inside its window (an evicted or unassigned page)",
                 )
+
+    def _check_dtype(self) -> None:
+        """The cache holds the query's dtype, or FP8 with positive finite scales; scales other
+        than 1.0 on any other cache would be applied to values that were never quantised."""
+        cache, scales = self.kv_cache.dtype, (self.k_scale, self.v_scale)
+        if cache not in (self.query.dtype, FP8_E4M3):
+            raise self.fail("kv_cache", f"dtype {cache} is neither the query's ({self.query.dtype}) nor {FP8_E4M3}")
+        if cache == FP8_E4M3 and not all(math.isfinite(s) and s > 0 for s in scales):
+            raise self.fail("k_scale/v_scale", f"an FP8 cache needs positive finite scales, got {scales}")
+        if cache != FP8_E4M3 and scales != (1.0, 1.0):
+            raise self.fail("k_scale/v_scale", f"scales apply to an FP8 cache only, got {scales} for a {cache} cache")
 
 
 @dataclasses.dataclass

@@ -1,7 +1,8 @@
 """CPU reference kernels: the TensorRT-LLM kernels' contracts, float32 math.
 
 They read KV only through `block_tables` (never through the request->token table) and apply
-the window and the verify mask the way the GPU kernels do.
+the window and the verify mask the way the GPU kernels do; an FP8 cache is dequantised with the
+call's scales as it is read.
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ import torch
 
 from attention.dense import causal_window_mask, dense_attention
 from attention.kernels.calls import ContextCall, DecodeCall, _Common, cdiv, unpack_mask
+from attention.kv_pool import dequantize
 
 
 def _gather(call: _Common, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request b's K and V, `[seq_len, Hkv, D]`, read page by page from the block table."""
+    """Request b's K and V, `[seq_len, Hkv, D]`, read page by page from the block table (an FP8
+    cache's dequantised)."""
     kv_len, p = int(call.seq_lens[b]), call.page_size
     pages = call.block_tables[b, : cdiv(kv_len, p)].long()
     kv = call.kv_cache[pages]  # [n_pages, 2, Hkv, P, D]
     kv = kv.permute(1, 0, 3, 2, 4).reshape(2, -1, kv.shape[2], kv.shape[4])[:, :kv_len]
-    return kv[0], kv[1]
+    return dequantize(kv[0], call.k_scale), dequantize(kv[1], call.v_scale)
 
 
 def _attend(

@@ -1,5 +1,6 @@
 """A hand-built hybrid-SWA KV state shared by a target (hybrid pool) and a draft-like model
-(full-only pool) on one allocator, for driving attention backends forward by forward."""
+(full-only pool) on one allocator, for driving attention backends forward by forward; its KV in
+float32 or FP8 (each layer with its own K and V scales)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,38 @@ import torch
 
 from attention import AttentionLayer, ForwardMode, create_backend
 from workers.forward_batch import ForwardBatch
-from workers.memory import HybridSWAAllocator, KVLayout, ReqToTokenPool, build_pool
+from workers.memory import HybridSWAAllocator, ReqToTokenPool, build_pool, kv_layouts
 
 H, HKV, D = 4, 2, 8
+KV_DTYPES = {"auto": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_SCALES = {0: (0.5, 0.25), 1: (2.0, 1.0), 2: (0.125, 4.0)}  # (K, V) scale of each layer, in an FP8 cache
 
 
 class Scenario:
-    def __init__(self, page_size: int = 4, window: int = 6, full_pages: int = 96, swa_pages: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        page_size: int = 4,
+        window: int = 6,
+        full_pages: int = 96,
+        swa_pages: int = 16,
+        seed: int = 0,
+        kv_cache_dtype: str = "auto",
+    ):
         self.page_size, self.window = page_size, window
         self.gen = torch.Generator().manual_seed(seed)
         self.r2t = ReqToTokenPool(32, 512, "cpu")
         self.alloc = HybridSWAAllocator(self.r2t, full_pages, swa_pages, page_size, window)
         windows = {0: window, 1: None, 2: window}
-        layouts = {i: KVLayout(w, HKV, D) for i, w in windows.items()}
-        self.hybrid_pool = build_pool(layouts, self.alloc, torch.float32, "cpu")
-        self.full_pool = build_pool(layouts, self.alloc, torch.float32, "cpu", use_swa_pool=False)
-        self.layers = [AttentionLayer(i, H, HKV, D, scaling=D**-0.5, sliding_window=w) for i, w in windows.items()]
+        fp8 = kv_cache_dtype == "fp8_e4m3"
+        scales = {i: FP8_SCALES[i] if fp8 else (1.0, 1.0) for i in windows}
+        self.layers = [
+            AttentionLayer(i, H, HKV, D, scaling=D**-0.5, sliding_window=w, k_scale=scales[i][0], v_scale=scales[i][1])
+            for i, w in windows.items()
+        ]
+        layouts = kv_layouts(self.layers)
+        dtype = KV_DTYPES[kv_cache_dtype]
+        self.hybrid_pool = build_pool(layouts, self.alloc, dtype, "cpu")
+        self.full_pool = build_pool(layouts, self.alloc, dtype, "cpu", use_swa_pool=False)
 
     def push_full_ids_up(self, pages: int) -> None:
         """A long request holding the lowest full pages (and a window of SWA pages), so later

@@ -256,10 +256,10 @@ def test_kv_destination_names_the_pools_write_slots_and_checks_them():
     pool, backend = sc.hybrid_pool, TRTLLMMHABackend(CPU)
     backend.init_forward_metadata(batch, pool)
     for layer in sc.layers:
-        cache, slots = backend.kv_destination(layer)
+        cache, slots, scales = backend.kv_destination(layer)
         swa = pool.is_swa_layer(layer.layer_id)
         expected = pool.translate_full_to_swa(batch.out_cache_loc) if swa else batch.out_cache_loc
-        assert cache is pool.kv_cache(layer.layer_id) and torch.equal(slots, expected)
+        assert cache is pool.kv_cache(layer.layer_id) and torch.equal(slots, expected) and scales == (1.0, 1.0)
     batch.out_cache_loc[0] = 1  # inside padding page 0 of the full pool
     before = pool.kv_cache(1).clone()
     with pytest.raises(KernelContractError, match="DECODE layer 1 .*write slots"):

@@ -252,8 +252,8 @@ def test_fused_rope_writes_kv_like_the_reference(page, gemma):
         norms = (*((torch.randn(head_dim, device="cuda", generator=g) * 0.1).bfloat16() for _ in "qk"), 1e-6, True)
     slots = torch.randperm(8 * page, device="cuda", generator=g)[:tokens] + page
     ref_cache, out_cache = (torch.zeros(9, 2, k_heads, page, head_dim, device="cuda").bfloat16() for _ in "ro")
-    ref_q, _ = TORCH_OPS.rope(positions, q, k, cache, norms, (ref_cache, slots, v))
-    out_q, out_k = FLASHINFER_OPS.rope(positions, q, k, cache, norms, (out_cache, slots, v))
+    ref_q, _ = TORCH_OPS.rope(positions, q, k, cache, norms, (ref_cache, slots, v, (1.0, 1.0)))
+    out_q, out_k = FLASHINFER_OPS.rope(positions, q, k, cache, norms, (out_cache, slots, v, (1.0, 1.0)))
     assert out_k is None and _rel(out_q, ref_q) < 1e-2 and _rel(out_cache, ref_cache) < 1e-2
     assert torch.equal(out_cache[:, 1], ref_cache[:, 1])  # values are copied, not computed
     assert not out_cache[0].any()  # padding page 0 untouched

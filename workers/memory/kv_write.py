@@ -4,6 +4,12 @@ The buffer is flashinfer's stacked HND layout `[pages, 2, kv_heads, page_size, h
 slot s is page s // page_size, offset s % page_size. On CUDA one Triton kernel writes K and V
 of every (token, head) in a single launch (flashinfer's `append_paged_kv_cache` takes
 per-request page lists, not per-token slots); elsewhere the torch reference indexes twice.
+
+An FP8 buffer (`kv_cache_dtype: fp8_e4m3`) stores `quantize(value, scale)`; every write path
+goes through `quantize` (the pools' writer, and the torch RoPE op writing K and V itself), so
+that the cache holds one number format whoever wrote it (docs/design.md §4.7). The CUDA writers
+(this module's Triton kernel and the fused RoPE + KV-write kernel, `workers/models/rope.py`) do
+not quantise yet: an FP8 cache on CUDA is refused at start-up (`kv_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -13,16 +19,50 @@ from collections.abc import Callable
 
 import torch
 
-KVWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+from attention.kv_pool import FP8_E4M3, FP8_E4M3_MAX
+
+# (buffer, slots, k, v, k scale, v scale)
+KVWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], None]
+
+KV_CACHE_DTYPES = {"fp8_e4m3": FP8_E4M3}  # beside "auto": the model's dtype
+CUDA_FP8_REFUSAL = (
+    "kv_cache_dtype: fp8_e4m3 is not available on CUDA yet: the CUDA KV writer, the fused RoPE + KV-write "
+    "kernel (workers/models/rope.py) and the FP8 variants of XQA and FMHA-v2 are not wired; it runs on the CPU "
+    "(both attention backends). Use kv_cache_dtype auto on CUDA"
+)
 
 
-def write_kv_torch(buf: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The reference: `buf[page, 0, :, offset] = k`, `buf[page, 1, :, offset] = v`."""
+def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The KV buffers' dtype for the `kv_cache_dtype` setting: "auto" is the model's dtype;
+    refused where no write path quantises (CUDA), before any weight is loaded."""
+    if setting == "auto":
+        return model_dtype
+    if setting not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: unknown {setting!r}; choose from {['auto', *KV_CACHE_DTYPES]}")
+    dtype = KV_CACHE_DTYPES[setting]
+    kv_writer(device, dtype)
+    return dtype
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a buffer of `dtype` stores it: FP8 holds x / scale, saturated to the format's
+    range (a cast would turn an overflow into NaN: e4m3 has no infinity), rounded to nearest;
+    any other dtype holds x cast (no scale)."""
+    if dtype != FP8_E4M3:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+
+
+def write_kv_torch(
+    buf: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+) -> None:
+    """The reference: `buf[page, 0, :, offset] = k`, `buf[page, 1, :, offset] = v`, quantised
+    with the layer's scales when `buf` is FP8."""
     page_size = buf.shape[3]
     pages = torch.div(locs, page_size, rounding_mode="floor")
     offs = locs % page_size
-    buf[pages, 0, :, offs, :] = k.to(buf.dtype)
-    buf[pages, 1, :, offs, :] = v.to(buf.dtype)
+    buf[pages, 0, :, offs, :] = quantize(k, k_scale, buf.dtype)
+    buf[pages, 1, :, offs, :] = quantize(v, v_scale, buf.dtype)
 
 
 @functools.cache
@@ -61,7 +101,11 @@ def _triton_kernel():
     return write_kv, triton.next_power_of_2
 
 
-def write_kv_cuda(buf: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv_cuda(
+    buf: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+) -> None:
+    if buf.dtype == FP8_E4M3:  # the kernel casts; it does not quantise with the scales
+        raise ValueError(CUDA_FP8_REFUSAL)
     tokens, num_heads, head_dim = k.shape
     if tokens == 0:
         return
@@ -87,5 +131,9 @@ def write_kv_cuda(buf: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: tor
 KV_WRITERS: dict[str, KVWrite] = {"cpu": write_kv_torch, "cuda": write_kv_cuda}
 
 
-def kv_writer(device: torch.device | str) -> KVWrite:
-    return KV_WRITERS.get(torch.device(device).type, write_kv_torch)
+def kv_writer(device: torch.device | str, dtype: torch.dtype | None = None) -> KVWrite:
+    """The writer of KV buffers of `dtype` on `device`; an FP8 buffer on CUDA is refused."""
+    kind = torch.device(device).type
+    if kind == "cuda" and dtype == FP8_E4M3:
+        raise ValueError(CUDA_FP8_REFUSAL)
+    return KV_WRITERS.get(kind, write_kv_torch)

@@ -7,6 +7,10 @@ the allocator's `full_to_swa` map (the same tensor object for the pool's whole l
 Each layer's buffer has that layer's own KV heads and head size (`KVLayout`): Gemma 4's
 sliding and full layers differ. Only layers that store KV have one; a layer reading another's
 KV (KV sharing, frozen-KV drafts) names that layer and adds nothing (docs/design.md §4.6).
+
+Buffers are in the model's dtype or FP8 (`kv_cache_dtype: fp8_e4m3`, half a bf16 slot's bytes);
+an FP8 pool keeps each KV layer's K and V scales and quantises every write with them
+(docs/design.md §4.7).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 
 from attention import AttentionLayer
+from attention.kv_pool import FP8_E4M3
 from workers.memory.allocator import HybridSWAAllocator, KVAllocator
 from workers.memory.kv_write import kv_writer
 
@@ -25,11 +30,14 @@ from workers.memory.kv_write import kv_writer
 @dataclasses.dataclass(frozen=True)
 class KVLayout:
     """What one KV layer stores a token, as one rank sees it: K and V of `num_kv_heads` heads of
-    `head_dim`, for a window of `sliding_window` keys (None: full attention)."""
+    `head_dim`, for a window of `sliding_window` keys (None: full attention), and the scales an
+    FP8 cache stores them with."""
 
     sliding_window: int | None
     num_kv_heads: int
     head_dim: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def kv_layouts(layers: Iterable[AttentionLayer]) -> dict[int, KVLayout]:
@@ -37,7 +45,7 @@ def kv_layouts(layers: Iterable[AttentionLayer]) -> dict[int, KVLayout]:
     same KV layer must agree on its layout."""
     layouts: dict[int, KVLayout] = {}
     for layer in layers:
-        layout = KVLayout(layer.sliding_window, layer.num_kv_heads, layer.head_dim)
+        layout = KVLayout(layer.sliding_window, layer.num_kv_heads, layer.head_dim, layer.k_scale, layer.v_scale)
         if layouts.setdefault(layer.layer_id, layout) != layout:
             raise ValueError(
                 f"KV layer {layer.layer_id}: read as {layout} and as {layouts[layer.layer_id]}; "
@@ -57,8 +65,11 @@ class MHAPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        scales: dict[int, tuple[float, float]] | None = None,
     ) -> None:
-        """`layers`: KV layer id -> (KV heads, head size)."""
+        """`layers`: KV layer id -> (KV heads, head size); `scales`: KV layer id -> (K scale,
+        V scale) of an FP8 pool (default 1.0; a pool in the model's dtype has none)."""
+        self._write = kv_writer(device, dtype)  # first: refuses what no writer of the device stores
         self.page_size = page_size
         self.num_pages = num_pages  # page ids; buffers hold one more (padding page 0)
         self._index = {layer_id: i for i, layer_id in enumerate(layers)}
@@ -66,7 +77,8 @@ class MHAPool:
             torch.zeros((num_pages + 1, 2, heads, page_size, dim), dtype=dtype, device=device)
             for heads, dim in layers.values()
         ]
-        self._write = kv_writer(device)
+        fp8 = dtype == FP8_E4M3
+        self._scales = {i: (scales or {}).get(i, (1.0, 1.0)) if fp8 else (1.0, 1.0) for i in layers}
 
     @property
     def slot_bytes(self) -> int:
@@ -102,8 +114,12 @@ class MHAPool:
     def kv_cache(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffers[self._slot(layer_id)]
 
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        self._slot(layer_id)
+        return self._scales[layer_id]
+
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._write(self.kv_cache(layer_id), locs, k, v)
+        self._write(self.kv_cache(layer_id), locs, k, v, *self.kv_scales(layer_id))
 
     def write_slots(self, layer_id: int, locs: torch.Tensor) -> torch.Tensor:
         self._slot(layer_id)
@@ -165,6 +181,9 @@ class HybridSWAPool:
     def kv_cache(self, layer_id: int) -> torch.Tensor:
         return self._pool(layer_id).kv_cache(layer_id)
 
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        return self._pool(layer_id).kv_scales(layer_id)
+
     def set_kv(self, layer_id: int, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._pool(layer_id).set_kv(layer_id, locs, k, v)
 
@@ -180,15 +199,16 @@ def build_pool(
     use_swa_pool: bool = True,
 ) -> MHAPool | HybridSWAPool:
     """A pool for one model's KV layers (`kv_layouts` of its attention layers) on a (possibly
-    shared) allocator.
+    shared) allocator, its buffers in `dtype` (the model's, or FP8 with the layouts' scales).
 
     Sliding-window layers go to the SWA pool when the allocator keeps one and `use_swa_pool`;
     otherwise every layer is full (windows are then only a mask)."""
     p = allocator.page_size
     shapes = {i: (layout.num_kv_heads, layout.head_dim) for i, layout in layouts.items()}
+    scales = {i: (layout.k_scale, layout.v_scale) for i, layout in layouts.items()}
     swa_layers = [i for i, layout in layouts.items() if layout.sliding_window is not None]
     if not (use_swa_pool and swa_layers and isinstance(allocator, HybridSWAAllocator)):
-        return MHAPool(shapes, allocator.full.num_ids, p, dtype, device)
+        return MHAPool(shapes, allocator.full.num_ids, p, dtype, device, scales)
     windows = {i: layouts[i].sliding_window for i in swa_layers}
     too_wide = {i: w for i, w in windows.items() if w > allocator.sliding_window}
     if too_wide:
@@ -198,8 +218,8 @@ def build_pool(
         )
     full_layers = {i: shapes[i] for i in layouts if i not in swa_layers}
     return HybridSWAPool(
-        MHAPool(full_layers, allocator.full.num_ids, p, dtype, device),
-        MHAPool({i: shapes[i] for i in swa_layers}, allocator.swa.num_ids, p, dtype, device),
+        MHAPool(full_layers, allocator.full.num_ids, p, dtype, device, scales),
+        MHAPool({i: shapes[i] for i in swa_layers}, allocator.swa.num_ids, p, dtype, device, scales),
         allocator.full_to_swa,
         allocator.full_to_swa_host,
         allocator.sliding_window,

@@ -8,6 +8,7 @@ Parameter names follow the Hugging Face checkpoints (with q/k/v and gate/up fuse
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 import torch
@@ -121,7 +122,8 @@ class SelfAttention(nn.Module):
             v = self.v_norm(v.reshape(k.shape).contiguous()).reshape(v.shape[0], -1)
         # K and V straight into the paged cache where the backend names the slots
         dest = batch.attn_backend.kv_destination(a)
-        q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), None if dest is None else (*dest, v))
+        kv = None if dest is None else (dest.cache, dest.slots, v, dest.scales)
+        q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), kv)
         if dest is not None:
             return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
@@ -382,8 +384,10 @@ def load_weights(
     stacked: tuple = STACKED_PARAMS,
 ) -> None:
     """Copy checkpoint tensors into `module`'s parameters (fusing `stacked` ones); every
-    parameter must be set. `rename` maps checkpoint name prefixes to parameter prefixes."""
+    parameter must be set. `rename` maps checkpoint name prefixes to parameter prefixes. KV
+    scales (`load_kv_scale`) go to their attention layers."""
     params = dict(module.named_parameters())
+    modules = dict(module.named_modules())
     missing = {
         (name, shard)
         for name, param in params.items()
@@ -398,6 +402,9 @@ def load_weights(
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
+        if name.rpartition(".")[2] in KV_SCALES:
+            load_kv_scale(modules, name, tensor, what)
+            continue
         target, shard = name, None
         for fused, part, shard_id in stacked:
             if f".{part}." in name and name not in params:  # a layer may keep it unfused (q_proj alone)
@@ -414,3 +421,37 @@ def load_weights(
     if missing:
         names = sorted(f"{n}[{s}]" if s is not None else n for n, s in missing)
         raise ValueError(f"weights: checkpoint lacks {names[:8]}{' ...' if len(names) > 8 else ''}")
+    share_kv_scales(module)
+
+
+KV_SCALES = ("k_scale", "v_scale")
+
+
+def load_kv_scale(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor, what: str) -> None:
+    """A checkpoint's FP8 KV scale of one attention layer, as vLLM and SGLang read them
+    (`<layer>.self_attn.k_scale`, `.v_scale`, or under the attention's `attn.`): one positive
+    value a layer for K, one for V. A layer reading another layer's KV stores none, so its
+    scales are the writer's (`share_kv_scales`), not its own tensors."""
+    path, _, kind = name.rpartition(".")
+    attn = modules.get(path)
+    if not isinstance(attn, SelfAttention) and path.endswith(".attn"):
+        attn = modules.get(path[: -len(".attn")])
+    if not isinstance(attn, SelfAttention):
+        raise ValueError(f"weights: checkpoint tensor {name!r} has no attention layer in {what}")
+    value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
+    if value is None or not math.isfinite(value) or value <= 0:
+        got = tuple(tensor.shape) if value is None else value
+        raise ValueError(f"weights: checkpoint tensor {name!r}: a KV scale is one positive finite value, got {got}")
+    if attn.qkv_proj is not None:
+        setattr(attn.attn, kind, value)
+
+
+def share_kv_scales(module: nn.Module) -> None:
+    """Layers reading a KV layer of the same model (KV sharing) take its writer's scales: a KV
+    layer has one layout (`workers.memory.kv_layouts`)."""
+    attns = [m for m in module.modules() if isinstance(m, SelfAttention)]
+    writers = {m.attn.layer_id: m.attn for m in attns if m.qkv_proj is not None}
+    for m in attns:
+        source = writers.get(m.attn.layer_id)
+        if m.qkv_proj is None and source is not None:
+            m.attn.k_scale, m.attn.v_scale = source.k_scale, source.v_scale

@@ -37,7 +37,8 @@ from workers.memory.kv_write import write_kv_torch
 
 Tensor = torch.Tensor
 QKNorms = tuple[Tensor, Tensor | None, float, bool]
-KVDest = tuple[Tensor, Tensor, Tensor]  # (paged cache [pages, 2, Hk, page, D], write slots [T], v [T, Hk * D])
+# (paged cache [pages, 2, Hk, page, D], write slots [T], v [T, Hk * D], (K scale, V scale) of an FP8 cache)
+KVDest = tuple[Tensor, Tensor, Tensor, tuple[float, float]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,9 @@ class OpSet:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None], tuple[Tensor, Tensor]]
     # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms, kv) ->
     # (q, k) rotated, each head RMS-normalised first when norms = (q weight, k weight, eps, gemma);
-    # with kv = (cache, slots, v) the rotated keys and v go to the paged cache at the slots and k
-    # comes back None; q, k and v may be strided views of a fused projection, which stays as it was
+    # with kv = (cache, slots, v, scales) the rotated keys and v go to the paged cache at the slots
+    # (quantised with the scales when it is FP8) and k comes back None; q, k and v may be strided
+    # views of a fused projection, which stays as it was
     rope: Callable[[Tensor, Tensor, Tensor | None, Tensor, QKNorms | None, KVDest | None], tuple[Tensor, Tensor | None]]
     # (gate_up [..., 2 * d], activation name) -> act(gate) * up
     act_and_mul: Callable[[Tensor, str], Tensor]
@@ -148,8 +150,8 @@ def _rope(
     q, k = apply_rope(q, cos, sin), (apply_rope(k, cos, sin) if k is not None else None)
     if kv is None:
         return q, k
-    cache, locs, v = kv
-    write_kv_torch(cache, locs, k, v.view(k.shape))
+    cache, locs, v, (k_scale, v_scale) = kv
+    write_kv_torch(cache, locs, k, v.view(k.shape), k_scale, v_scale)
     return q, None
 
 

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from attention.kernels.launch import pdl_options, pdl_start
+from attention.kv_pool import FP8_E4M3
+from workers.memory.kv_write import CUDA_FP8_REFUSAL
 from workers.models.sandwich_norm import scaled
 
 
@@ -106,15 +108,19 @@ def rope(
     k: torch.Tensor | None,
     cos_sin_cache: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor | None, float, bool] | None = None,
-    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[float, float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated copies of q `[T, Hq, D]` and k `[T, Hk, D]` (or None), contiguous; each may be a
     view with any token and head strides and unit stride along D. `cos_sin_cache`: float32
     `[max_positions, rotary_dim]`, cos then sin. `norms`: (q weight, k weight, eps, gemma) of
-    per-head RMSNorms applied first. `kv`: (paged cache `[pages, 2, Hk, page, D]`, slots, v):
-    the rotated keys and v are written to the cache at the slots instead (k comes back None)."""
+    per-head RMSNorms applied first. `kv`: (paged cache `[pages, 2, Hk, page, D]`, slots, v,
+    scales): the rotated keys and v are written to the cache at the slots instead (k comes back
+    None); the kernel casts them to the cache's dtype and writes no FP8 cache (it does not
+    quantise with the scales: `kv_cache_dtype: fp8_e4m3` is refused on CUDA at start-up)."""
     if kv is not None and k is None:
         raise ValueError("rope: a KV destination needs the keys to write")
+    if kv is not None and kv[0].dtype == FP8_E4M3:
+        raise ValueError(CUDA_FP8_REFUSAL)
     tokens, q_heads, head_dim = q.shape
     k_heads = 0 if k is None else k.shape[1]
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -126,7 +132,7 @@ def rope(
     rotary = cos_sin_cache.shape[-1]
     kk = q if k is None else k  # no key heads: never read
     q_w, k_w, eps, gemma = norms or (q, None, 0.0, False)  # no norms: weights never read
-    kv_cache, locs, v = kv or (q_out if k_out is None else k_out, positions, q)  # no cache: never written
+    kv_cache, locs, v, _ = kv or (q_out if k_out is None else k_out, positions, q, None)  # no cache: never written
     if kv and (v.stride(-1) != 1 or kv_cache.stride(3) != head_dim or kv_cache.stride(4) != 1):
         raise ValueError("rope: v and the cache's heads need unit stride along the head dimension")
     v2 = v.view(tokens, k_heads, head_dim) if kv else v

@@ -41,6 +41,7 @@ from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
 from workers.model_runner import ForwardOutput, ModelRunner
+from workers.processors import at_work
 from workers.request import Request
 from workers.sampler import draw_each
 from workers.scheduler import Scheduler
@@ -275,15 +276,19 @@ class Drafter:
         hidden state of its row `rows[i]` of `hidden`."""
         if not reqs:
             return
-        if all(r.sampling.greedy for r in reqs):  # argmax stays on the device: no host sync
+        if all(r.sampling.greedy and not at_work(r) for r in reqs):  # argmax stays on the device: no host sync
             best = self.greedy(logits, ids)
             for i, (r, row) in enumerate(zip(reqs, rows)):
                 r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, hidden[row]
             return
-        tokens, probs, errors = draw_each(
-            self.target_logits(logits, ids), [r.sampling for r in reqs], [r.generator for r in reqs]
+        # through the processor stage, as the target will process the pending token's position
+        drawn, errors = draw_each(
+            self.target_logits(logits, ids),
+            [r.sampling for r in reqs],
+            [r.generator for r in reqs],
+            self.scheduler.history(reqs),
         )
-        for i, (r, t, p, row) in enumerate(zip(reqs, tokens, probs, rows)):
+        for i, (r, t, p, row) in enumerate(zip(reqs, drawn.tokens, drawn.probs, rows)):
             if i in errors:
                 self.scheduler.fail(r, errors[i])
             else:

@@ -90,8 +90,12 @@ def build_drafter(
     tp: TPGroup = SINGLE_RANK,
     seed: int = 0,
     debug_kv_checks: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> Drafter:
-    """Load the draft model on the target's allocator, with its own attention backend."""
+    """Load the draft model on the target's allocator, with its own attention backend; its own
+    pool (if any) holds `kv_dtype` as the target's does (None: the model's dtype), and a draft
+    reading the target's KV reads that."""
+    kv_dtype = kv_dtype or dtype
     spec = plan.spec
     if plan.build is None:
         runner = ModelRunner.load(
@@ -107,6 +111,7 @@ def build_drafter(
             seed=seed,
             debug_kv_checks=debug_kv_checks,
             role="draft",
+            kv_dtype=kv_dtype,
         )
     else:
         model = build_module(
@@ -121,7 +126,7 @@ def build_drafter(
         )
         pool = None
         if plan.pool_kind == "full":
-            pool = build_pool(kv_layouts(model.attention_layers), allocator, dtype, device, use_swa_pool=False)
+            pool = build_pool(kv_layouts(model.attention_layers), allocator, kv_dtype, device, use_swa_pool=False)
         runner = ModelRunner(
             model,
             pool,
@@ -131,6 +136,7 @@ def build_drafter(
             debug_kv_checks,
             role="draft",
             allocator=allocator,
+            kv_dtype=kv_dtype,
         )
     if plan.token_map is not None:
         apply_token_map(runner.model, target.model, plan.token_map, tp)

@@ -40,10 +40,12 @@ from attention import ForwardMode
 from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
+from workers.logprobs import of_rows
 from workers.model_runner import ForwardOutput, ModelRunner
 from workers.overlap import InFlight
+from workers.processors import at_work, process
 from workers.request import Request
-from workers.sampler import draw_each, sampling_probs
+from workers.sampler import distribution_logits, draw_each
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative.accept import verify_greedy, verify_sampling
 from workers.speculative.drafter import Drafter, DraftState, HiddenRows
@@ -106,22 +108,29 @@ class SpecWorker:
         k = self.num_steps
         ahead, self._ahead = self._ahead, None
         ahead = ahead if ahead is not None and ahead.serves(reqs) else None
-        logits = None  # the verify's, where the host may read them
+        logits = chosen = None  # the verify's, and its rows' distributions, where the host may read them
         if ahead is not None and ahead.verified is not None:  # verified already: straight to acceptance
             self.rounds_drafted_ahead += 1
             self.rounds_verified_ahead += 1
             drafts, best, hidden = ahead.verified.drafts, ahead.verified.best, ahead.verified.hidden
             draft_probs = [[None] * k for _ in reqs]
         else:
-            if all(r.sampling.greedy for r in reqs):
+            if all(r.sampling.greedy and not at_work(r) for r in reqs):
                 reqs, drafts, draft_probs = self._draft_on_device(reqs, ahead)
             else:
-                reqs, drafts, draft_probs = self._draft_sampled(reqs)
+                reqs, drafts, draft_probs = self._draft_on_host(reqs)
             if not reqs:
                 return []
             out = self._verify(reqs, drafts)
             logits, hidden = out.logits, out.hidden
-            best = logits.argmax(dim=-1).view(len(reqs), k + 1)
+            # Position j of a request is processed as plain decoding would process it there:
+            # after the pending token and drafts 1..j (the chain that reaches it).
+            params = [r.sampling for r in reqs for _ in range(k + 1)]
+            prefixes = None if isinstance(drafts, torch.Tensor) else [d[:j] for d in drafts for j in range(k + 1)]
+            history = self.scheduler.history([r for r in reqs for _ in range(k + 1)], prefixes)
+            processed = process(logits, params, history)
+            chosen = distribution_logits(processed, params)
+            best = processed.argmax(dim=-1).view(len(reqs), k + 1)
 
         starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
         on_device = isinstance(drafts, torch.Tensor)
@@ -144,15 +153,16 @@ class SpecWorker:
         self.last_accept_lengths = {}
         self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
         for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
-            rows = None if logits is None else logits[i * (k + 1) : (i + 1) * (k + 1)]
+            rows = slice(i * (k + 1), (i + 1) * (k + 1))
             try:
-                new = self._accept(req, start, d, dp, rows, best[i])
+                new = self._accept(req, start, d, dp, None if logits is None else logits[rows], chosen, rows, best[i])
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self.scheduler.fail(req, exc)
                 continue
             events.append((req, new))
             if not req.finished:
                 live.append((i, req, start, len(new) - 1))
+        self._logprobs(events, reqs, chosen)
         if self._ahead is not None and len(live) < len(reqs):  # good for a round of exactly these requests
             self._ahead = None
         if live:
@@ -265,18 +275,21 @@ class SpecWorker:
             hidden = out.hidden
         return reqs, torch.stack(drafts, dim=1), no_probs
 
-    def _draft_sampled(
+    def _draft_on_host(
         self, reqs: list[Request]
     ) -> tuple[list[Request], list[list[int]], list[list[torch.Tensor | None]]]:
-        """Drafts drawn on the host, step by step; a request whose draw raises fails alone."""
+        """Drafts drawn on the host, step by step, each through the processor stage as the target
+        will process its position (after the drafts before it); a request whose draw raises
+        fails alone."""
         drafts = [[int(r.spec.next_token)] for r in reqs]
         draft_probs = [[r.spec.next_probs] for r in reqs]
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
         for j in range(2, self.num_steps + 1):
             out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
             logits = self.drafter.target_logits(out.logits, out.ids)
-            tokens, probs, errors = draw_each(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
-            for d, dp, t, p in zip(drafts, draft_probs, tokens, probs):
+            history = self.scheduler.history(reqs, [list(d) for d in drafts])
+            drawn, errors = draw_each(logits, [r.sampling for r in reqs], [r.generator for r in reqs], history)
+            for d, dp, t, p in zip(drafts, draft_probs, drawn.tokens, drawn.probs):
                 d.append(t)
                 dp.append(p)
             hidden = out.hidden
@@ -299,16 +312,18 @@ class SpecWorker:
         drafts: list[int],
         draft_probs: list[torch.Tensor | None],
         logits: torch.Tensor | None,
+        chosen: torch.Tensor | None,
+        rows: slice,
         best: list[int],
     ) -> list[int]:
         """Verify one request's drafts, commit the accepted tokens and the bonus; its new tokens
-        (`logits`: the verify's rows, None where a round verified ahead of the host, which only
-        greedy requests that return no logits do)."""
-        k = self.num_steps
+        (`logits`: the verify's raw rows of this request, `chosen[rows]` their distributions'
+        logits after the processor stage; None where a round verified ahead of the host, which
+        only greedy requests that read no logits do; `best`: the processed argmax of each row)."""
         if req.sampling.greedy:
             accepted, bonus = verify_greedy(best, drafts)
         else:
-            target_probs = sampling_probs(logits, [req.sampling] * (k + 1))
+            target_probs = torch.softmax(chosen[rows], dim=-1)
             accepted, bonus = verify_sampling(target_probs, torch.stack(draft_probs), drafts, req.generator)
         req.spec.stats.record(accepted)
         self.last_accept_lengths[req.rid] = accepted + 1
@@ -316,3 +331,21 @@ class SpecWorker:
         if req.sampling.return_logits:  # a copy: graphs rewrite their rows
             req.logits.extend(logits[: len(new)].to("cpu", copy=True))
         return new
+
+    def _logprobs(
+        self, events: list[tuple[Request, list[int]]], reqs: list[Request], chosen: torch.Tensor | None
+    ) -> None:
+        """The logprobs of each committed token that a request asked for, from the target's
+        distribution at its position (the verify's processed rows: never the draft's), read to
+        the host in one copy for the round."""
+        asking = [(req, new) for req, new in events if req.logprobs is not None and new]
+        if not asking:
+            return
+        k, index = self.num_steps, {id(r): i for i, r in enumerate(reqs)}
+        picks = [index[id(req)] * (k + 1) + j for req, new in asking for j in range(len(new))]
+        ks = [req.sampling.logprobs for req, new in asking for _ in new]
+        got = of_rows(chosen[picks], [t for _, new in asking for t in new], ks)
+        start = 0
+        for req, new in asking:
+            req.logprobs.extend(got.part(start, start + len(new)))
+            start += len(new)
