@@ -1,14 +1,16 @@
 """The training attention backend computes what serving computes: a target forward over whole
 sequences gives the engine's prefill logits, and EAGLE and frozen-KV heads trained through it
 see exactly the inputs and attention they get when drafting (their first draft state after a
-prefill matches the engine's), so heads trained by ops/train_tiny_models serve as trained."""
+prefill matches the engine's), so heads trained by ops/train_tiny_models serve as trained. The
+same for Gemma 4 (two head sizes, KV-shared layers reading earlier layers' KV, per-layer inputs)
+and its assistant, whose whole chain of drafts over the target's KV trains as a round drafts."""
 
 import pytest
 import torch
 
 from attention.training import TrainingBackend
-from ops.train_tiny_models import training_batch
-from tests.draft_models import make_eagle_head, make_frozen_kv_head
+from ops.train_tiny_models import assistant_steps, target_pass, training_batch
+from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_gemma4_assistant
 from tests.hf_models import make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
 
@@ -70,3 +72,52 @@ def test_head_training_forward_matches_drafting(dirs, algorithm):
         out, handed_on = head(batch)
     torch.testing.assert_close(handed_on[-1], req.spec.next_hidden, atol=1e-4, rtol=1e-4)
     assert int(head.compute_logits(out[-1:]).argmax()) == req.spec.next_token
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_backend_gemma4")
+    target = str(root / "target")
+    make_tiny_model("gemma4", target)
+    return {"target": target, "assistant": make_gemma4_assistant(target, str(root / "assistant"), seed=1)}
+
+
+def test_gemma4_target_forward_matches_engine_prefill(gemma4):
+    prompt = random_prompts([40], seed=4)[0]
+    eng = Engine(model=gemma4["target"], page_size=4, chunked_prefill_size=None, max_total_tokens=1024)
+    eng.add_request(prompt, SamplingParams(max_new_tokens=1, temperature=0.0, return_logits=True))
+    eng.step()
+    (engine_logits,) = eng.output("req-0").logits
+    _, _, logits = _target_pass(eng, torch.tensor(prompt))
+    torch.testing.assert_close(logits[-1], engine_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma4_assistant_training_chain_matches_a_round_of_drafts(gemma4):
+    """After a prefill of x_0..x_{L-1} and the sampled x_L, the engine drafts K tokens at
+    position L over the target's KV; `assistant_steps` over x_0..x_L and those drafts gives each
+    draft's state and token at row L."""
+    k, prompt = 3, random_prompts([40], seed=5)[0]
+    eng = Engine(
+        model=gemma4["target"],
+        page_size=4,
+        chunked_prefill_size=None,
+        max_total_tokens=1024,
+        speculative={"algorithm": "mtp", "draft_model": gemma4["assistant"], "num_steps": k},
+    )
+    runner, seen = eng.spec.drafter.runner, []
+    forward = runner.forward
+    runner.forward = lambda batch, pool=None: seen.append(forward(batch, pool)) or seen[-1]
+    rid = eng.add_request(prompt, SamplingParams(max_new_tokens=8, temperature=0.0))
+    eng.step()  # prefill; the catch-up drafts the first token of the next round
+    eng.step()  # the round: drafts 2..k, then the verify
+    assistant = runner.model
+    drafts = [int(out.ids[0, out.logits[0].argmax()]) for out in seen[:k]]
+    tokens = torch.tensor(prompt + eng._requests[rid].output_ids[:1] + drafts[:-1])
+    backend = TrainingBackend(CPU)
+    with torch.no_grad():
+        hidden, _ = target_pass(eng.runner.model, backend, tokens[None, : len(prompt) + 1], "cpu")
+        chain = assistant_steps(assistant, tokens[None], hidden, backend, k)
+    for j, ((normed, state), out) in enumerate(zip(chain, seen[:k])):
+        torch.testing.assert_close(state[-1], out.hidden[0], atol=1e-4, rtol=1e-4, msg=f"draft {j + 1}")
+        logits, ids = assistant.subset_logits(normed[-1:])
+        assert int(ids[0, logits[0].argmax()]) == drafts[j], f"draft {j + 1}"
