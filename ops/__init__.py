@@ -10,3 +10,8 @@ DRAFT_MODELS = {
     "eagle": os.path.join(MODELS_DIR, "tiny-gemma3-eagle"),
     "frozen_kv_mtp": os.path.join(MODELS_DIR, "tiny-gemma3-mtp"),
 }
+# The shipped tiny sets (ops/train_tiny_models.py): a target and its drafts by speculative algorithm.
+TINY_SETS = {
+    "gemma4": (os.path.join(MODELS_DIR, "tiny-gemma4"), {"mtp": os.path.join(MODELS_DIR, "tiny-gemma4-assistant")}),
+    "gemma3": (DEFAULT_MODEL, DRAFT_MODELS),
+}

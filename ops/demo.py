@@ -1,9 +1,11 @@
 """`slidespec demo`: the whole system on one machine, in a few minutes on two CPU cores.
 
-Starts a local Ray cluster (loopback only), deploys the Serve application on the shipped tiny
-hybrid-SWA model with speculative decoding, sends concurrent gRPC requests, prints their
-completions, tokens/s and accept lengths, says where the traces and metrics went (and what
-`slidespec diagnose` makes of the traces), then shuts everything down.
+Starts a local Ray cluster (loopback only), deploys the Serve application on a shipped tiny
+hybrid-SWA set with speculative decoding on `trtllm_mha` (its reference kernels on a CPU): by
+default Gemma 4 drafted by its assistant over the target's frozen KV, the scenario of the upstream
+bugs (docs/design.md §4), or `--models gemma3` with its three drafts. Sends concurrent gRPC
+requests, prints their completions, tokens/s and accept lengths, says where the traces and
+metrics went (and what `slidespec diagnose` makes of the traces), then shuts everything down.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import socket
 import tempfile
 import time
 
-from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops import TINY_SETS
 from ops.cli import positive
 from ops.local_ray import keep_ray_on_loopback, start_local_ray
 
@@ -34,13 +36,21 @@ PROMPTS = [
 ]
 
 
+ALGORITHMS = {"gemma4": "mtp", "gemma3": "eagle"}  # each set's default draft
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--algorithm",
-        default="eagle",
-        choices=sorted(DRAFT_MODELS),
-        help="speculative decoding with the shipped draft for this algorithm",
+        "--models", default="gemma4", choices=list(TINY_SETS), help="the shipped tiny set: target and drafts"
     )
+    parser.add_argument(
+        "--algorithm",
+        default=None,
+        choices=sorted({a for _, drafts in TINY_SETS.values() for a in drafts}),
+        help="speculative decoding with the set's draft for this algorithm (gemma4: mtp, its assistant; "
+        "gemma3: standalone, eagle, frozen_kv_mtp; default mtp and eagle)",
+    )
+    parser.add_argument("--attention-backend", default="trtllm_mha", choices=["trtllm_mha", "torch_native"])
     parser.add_argument("--num-steps", type=positive, default=4, help="draft tokens per round")
     parser.add_argument("--requests", type=positive, default=len(PROMPTS), help="concurrent requests")
     parser.add_argument("--max-new-tokens", type=positive, default=96)
@@ -99,6 +109,10 @@ def _openai_chat(base_url: str, model: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    model, drafts = TINY_SETS[args.models]
+    algorithm = args.algorithm or ALGORITHMS[args.models]
+    if algorithm not in drafts:
+        raise ValueError(f"--algorithm: {algorithm!r} has no shipped {args.models} draft; choose from {sorted(drafts)}")
     keep_ray_on_loopback()
     import ray
     import requests
@@ -110,25 +124,23 @@ def run(args: argparse.Namespace) -> int:
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="slidespec-traces-")
     http_port = _free_port()
     app_args = dict(
-        model=DEFAULT_MODEL,
+        model=model,
+        attention_backend=args.attention_backend,
         tp_size=args.tp_size,
         num_replicas=args.replicas,
         page_size=16,
         max_total_tokens=16384,
         chunked_prefill_size=256,
         max_running_requests=32,
-        speculative={
-            "algorithm": args.algorithm,
-            "draft_model": DRAFT_MODELS[args.algorithm],
-            "num_steps": args.num_steps,
-        },
+        speculative={"algorithm": algorithm, "draft_model": drafts[algorithm], "num_steps": args.num_steps},
         router={"policy": "cache_aware"},
         grpc={"port": 0},
         tracing={"exporter": "file", "file_dir": trace_dir},
     )
     print(
-        f"starting a local Ray cluster and the Serve app: {os.path.basename(DEFAULT_MODEL)} + {args.algorithm} draft "
-        f"({args.num_steps} steps), {args.replicas} replica(s) x tp {args.tp_size}"
+        f"starting a local Ray cluster and the Serve app: {os.path.basename(model)} + {algorithm} draft "
+        f"({os.path.basename(drafts[algorithm])}, {args.num_steps} steps) on {args.attention_backend}, "
+        f"{args.replicas} replica(s) x tp {args.tp_size}"
     )
     start_local_ray(
         num_cpus=max(8, 2 * args.replicas * (args.tp_size + 1) + 2),
@@ -162,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(results)} requests, {total} tokens in {elapsed:.2f} s = {total / elapsed:.1f} tokens/s; "
             f"mean accept length {mean:.2f}"
         )
-        _openai_chat(f"http://127.0.0.1:{http_port}/v1", os.path.basename(DEFAULT_MODEL))
+        _openai_chat(f"http://127.0.0.1:{http_port}/v1", os.path.basename(model))
         metrics = requests.get(f"http://127.0.0.1:{http_port}/metrics", timeout=30).text
         shown = [
             line

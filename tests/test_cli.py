@@ -134,3 +134,8 @@ def test_counts_below_one_are_refused_before_anything_starts(capsys, argv):
         main(argv)
     assert exc.value.code == 2
     assert f"argument {argv[-2]}: must be at least 1, got {argv[-1]}" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_draft_its_model_set_does_not_ship_before_anything_starts(capsys):
+    assert main(["demo", "--models", "gemma4", "--algorithm", "eagle"]) == 2
+    assert capsys.readouterr().err == "error: --algorithm: 'eagle' has no shipped gemma4 draft; choose from ['mtp']\n"
