@@ -19,11 +19,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 from starlette.responses import JSONResponse, StreamingResponse
 
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.http_api import BodyTooLarge, read_json
+from cluster.openai_structured import Refused, Structured, ToolCalls, structured_outputs
 from cluster.protocol import InvalidRequest, clipped
 from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
@@ -41,10 +42,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (None, 1),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 # the generation API's field -> the OpenAI parameter it came from (the prompt's and the session's
 # depend on the route and the request: `_prepare` names them)
@@ -101,6 +99,8 @@ class _Request(BaseModel):
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM's extension
     return_token_ids: bool = False  # vLLM's extension: each choice (chunk) also carries its token ids
+    # response_format, structured_outputs, guided_*, tools and tool_choice (cluster/openai_structured.py)
+    _structured: Structured = PrivateAttr(default_factory=Structured)
 
     def sampling(self) -> dict[str, Any]:
         values = {
@@ -140,14 +140,24 @@ def _parse(model: type[_Request], body: Any) -> _Request:
             raise OpenAIError(400, f"{param}: not supported by this server (got {clipped(repr(value))})", param)
     if request.n != 1:
         raise OpenAIError(400, f"n: only 1 choice per prompt is supported (got {request.n})", "n")
+    try:
+        request._structured = structured_outputs(request.model_extra or {}, chat=model is ChatRequest)
+    except Refused as exc:
+        raise OpenAIError(400, str(exc), exc.param) from None
     return request
+
+
+def _structured_names(parsed: _Request) -> dict[str, str]:
+    """The OpenAI parameter this request's structured outputs came from, for its errors."""
+    source = parsed._structured.source
+    return {"structured_outputs": source} if source else {}
 
 
 def _openai_message(message: str, names: dict[str, str]) -> tuple[str, str]:
     """The gateway's `field: what` message in OpenAI's names, `names` (this request's) first:
     (message, param)."""
     field, _, what = message.partition(": ")
-    name = field.removeprefix("sampling.").split("[")[0].split(" ")[0]
+    name = field.removeprefix("sampling.").split("[")[0].split(" ")[0].split(".")[0]
     param = names.get(name) or PARAMS.get(name, name)
     return f"{param}: {what}" if what else message, param
 
@@ -233,8 +243,9 @@ class OpenAIApi:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, f"messages: the model {self.model_name!r} has no chat template", "messages")
         messages = [m.model_dump(exclude_none=True) for m in parsed.messages]
+        tools = {"tools": parsed._structured.template_tools} if parsed._structured.template_tools else {}
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
         except Exception as exc:  # noqa: BLE001 - the template's own complaint, e.g. roles out of order
             raise OpenAIError(400, f"messages: the chat template refused them: {exc}", "messages") from None
         if (problem := unicode_problem(text)) is not None:
@@ -251,6 +262,8 @@ class OpenAIApi:
             sampling["max_new_tokens"] = parsed.max_completion_tokens
         if not chat:
             sampling.setdefault("max_new_tokens", COMPLETIONS_MAX_TOKENS)
+        if parsed._structured.spec is not None:
+            sampling["structured_outputs"] = parsed._structured.spec
         body = {**prompt, "sampling": sampling, "stream": True}
         if session is not None:
             body["session_id"] = session[1]
@@ -258,7 +271,7 @@ class OpenAIApi:
             routed = await self.gateway.prepare(body, "OpenAI")
         except InvalidRequest as exc:
             door = "messages" if chat else "prompt"
-            names = {"prompt": door, "prompt_token_ids": door, "request": door}
+            names = {"prompt": door, "prompt_token_ids": door, "request": door, **_structured_names(parsed)}
             if session is not None:
                 names["session_id"] = session[0]
             message, param = _openai_message(str(exc), names)
@@ -284,6 +297,7 @@ class OpenAIApi:
         server = (request.url.hostname or "", request.url.port or 0)
         calls = [(r, self.telemetry(r, headers, server)) for r in routed]
         response = _Response(chat, self.model_name, parsed.stream_options, len(calls), parsed.return_token_ids)
+        response.tools = parsed._structured.tools
         events = _merge([_ended(self.gateway.generate(r, t), t) for r, t in calls])
         try:  # the first update before the answer starts: a failure until then has its own status
             first = await events.__anext__()
@@ -295,7 +309,8 @@ class OpenAIApi:
         except RequestFailed as failed:
             await events.aclose()
             status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1]
-            return error_response(status, failed.message, code=failed.code)
+            message, param = _openai_message(failed.message, _structured_names(parsed))  # e.g. a grammar's compile
+            return error_response(status, message, param if status == 400 else None, code=failed.code)
         return JSONResponse(response.whole())
 
 
@@ -370,6 +385,7 @@ class _Response:
         self.finish: list[str | None] = [None] * choices
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self.spec: list[dict[str, Any]] = []
+        self.tools: ToolCalls | None = None  # chat output carried as tool calls
 
     def add(self, index: int, update: dict[str, Any]) -> None:
         self.text[index] += update.get("text", "")
@@ -400,6 +416,10 @@ class _Response:
             body = (
                 {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
             )
+            calls = self._tool_calls(i)
+            if calls is not None:
+                body["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                finish = self.tools.finish_reason
             choices.append({"index": i, **body, "finish_reason": finish})
             if self.token_ids is not None:
                 choices[-1]["token_ids"] = self.token_ids[i]
@@ -408,11 +428,25 @@ class _Response:
             out["speculative"] = self.spec  # accept lengths per choice (an extension)
         return out
 
+    def _tool_calls(self, index: int) -> list[dict[str, Any]] | None:
+        """The choice's tool calls, once it finished as its grammar ends (None otherwise)."""
+        if self.tools is None or self.finish[index] != "stop":
+            return None
+        return self.tools.calls(self.text[index])
+
     def _chunk(
         self, index: int, text: str | None, finish: str | None, role: bool = False, ids: list[int] | None = None
     ) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            calls = self._tool_calls(index) if finish else None
+            if self.tools is not None and not finish and not role:
+                text = None  # the arguments come as tool calls with the last chunk
+            elif calls is not None:
+                delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]
+                text, finish = None, self.tools.finish_reason
+            elif self.tools is not None and finish:
+                text = self.text[index]  # not complete JSON: the output as text
             if text:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "finish_reason": finish}

@@ -43,6 +43,19 @@ class InvalidRequest(ValueError):
     """A request that can never be served as sent; the message names the field."""
 
 
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs`: set exactly one (`workers.grammar.StructuredOutputs` checks
+    them; a JSON schema may be an object or its text)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_by_name=True, serialize_by_alias=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")  # `json` would shadow BaseModel's
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class SamplingBody(BaseModel):
     """Sampling fields; unset ones take `SamplingParams`' defaults."""
 
@@ -56,12 +69,13 @@ class SamplingBody(BaseModel):
     ignore_eos: bool | None = None
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    structured_outputs: StructuredOutputsBody | None = None
 
     def params(self) -> SamplingParams:
         """The engine's sampling parameters, range-checked (InvalidRequest names the field)."""
         fields = self.model_dump(exclude_none=True, exclude={"stop"})
-        params = SamplingParams(**fields)
         try:
+            params = SamplingParams(**fields)
             params.validate()
         except ValueError as exc:
             raise InvalidRequest(f"sampling.{exc}") from None
@@ -199,6 +213,10 @@ def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
         sampling["stop"] = list(s.stop)
     if s.stop_token_ids:
         sampling["stop_token_ids"] = list(s.stop_token_ids)
+    if s.HasField("structured_outputs"):
+        kind = s.structured_outputs.WhichOneof("kind")
+        value = getattr(s.structured_outputs, kind) if kind else None
+        sampling["structured_outputs"] = {kind: list(value.values) if kind == "choice" else value} if kind else {}
     if sampling:
         body["sampling"] = sampling
     return body

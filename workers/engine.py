@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from attention import ForwardMode
 from workers.cuda_graphs import CudaGraphRunner, capture_sizes
 from workers.distributed import SINGLE_RANK, AllReduce, TPGroup
+from workers.grammar import Compilation, GrammarCompiler, Matcher
 from workers.logprobs import Logprobs, of_rows
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
@@ -225,6 +227,8 @@ class Engine:
         pools = [runner.pool.kv_bytes for runner in runners if runner.pool is not None]
         self.kv_slot_bytes = {space: sum(p[space] for p in pools) for space in ("full", "swa")}
         self._requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
+        self._grammars_lock = threading.Lock()
         self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
         self._inflight: InFlight | None = None
         if warmup if warmup is not None else self.device.type == "cuda":
@@ -324,9 +328,17 @@ class Engine:
 
     # -- request lifecycle -------------------------------------------------------------
     def add_request(
-        self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        grammar: Any = None,
     ) -> str:
-        req = self._make_request(prompt_token_ids, sampling or SamplingParams(), request_id, "prompt_token_ids")
+        """`grammar`: its structured outputs compiled already (`start_grammar`); otherwise they
+        are compiled here, waiting for it."""
+        req = self._make_request(
+            prompt_token_ids, sampling or SamplingParams(), request_id, "prompt_token_ids", grammar
+        )
         self._requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
@@ -335,6 +347,24 @@ class Engine:
         """Raise ValueError naming the field if this request could never run; changes nothing,
         so a front end may call it from another thread before queuing the request."""
         self._validate(list(prompt), sampling, field)
+        if sampling.structured_outputs is not None:
+            self._grammar_compiler()
+
+    def start_grammar(self, sampling: SamplingParams, bounded: bool = True) -> Compilation | None:
+        """Start compiling the request's structured outputs off this thread (None: it has none);
+        thread-safe. `bounded`: with the compile time bound."""
+        if sampling.structured_outputs is None:
+            return None
+        return self._grammar_compiler().start(sampling.structured_outputs, bounded)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs: this model directory has no tokenizer to compile them for")
+                cfg = self.cfg
+                self._grammars = GrammarCompiler.of_tokenizer(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+            return self._grammars
 
     def _validate(self, prompt: list[int], sampling: SamplingParams, field: str) -> int:
         """The request's maximum length, after checking it."""
@@ -356,15 +386,22 @@ class Engine:
         self.scheduler.check_fits(len(prompt), max_len)
         return max_len
 
-    def _make_request(self, prompt: Sequence[int], sampling: SamplingParams, rid: str | None, field: str) -> Request:
+    def _make_request(
+        self, prompt: Sequence[int], sampling: SamplingParams, rid: str | None, field: str, grammar: Any = None
+    ) -> Request:
         prompt = list(prompt)
         max_len = self._validate(prompt, sampling, field)
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
+        if sampling.structured_outputs is not None and grammar is None:
+            # bounded on rank 0 (and alone); the other ranks follow its decision however long it takes
+            grammar = self.start_grammar(sampling, bounded=self.tp.rank == 0).result()
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         req = Request(rid, prompt, sampling, generator, max_len)
+        if grammar is not None:
+            req.grammar = Matcher(grammar)
         if sampling.logprobs is not None:
             req.logprobs = Logprobs()
         if sampling.prompt_logprobs is not None:
@@ -661,6 +698,8 @@ class Engine:
             if not req.finished:
                 self.abort(rid)
         self._requests.clear()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
 
 def _graph_mode(setting: bool | str, device: torch.device, backend: str) -> bool | str:

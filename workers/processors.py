@@ -4,6 +4,7 @@
 (`workers/sampler.py` applies temperature, min_p, top-k and top-p after it; greedy rows take its
 argmax). Its processors run in vLLM's order on the raw float32 logits:
 
+    GrammarMask structured outputs: -inf outside the tokens the request's grammar allows
     MinTokens   EOS (unless ignore_eos) and stop_token_ids at -inf while fewer than min_tokens
                 tokens were generated before the row's token
     LogitBias   OpenAI's logit_bias added
@@ -22,10 +23,11 @@ a verify, and every draft step, is processed as plain decoding would process it 
 Which rows need work is decided on the host from their parameters and histories; rows without
 processors are not touched, and a batch without any comes back as it is (no copy, no kernel).
 
-A per-request token mask (structured outputs) is one more `Processor` at the front of `STAGE`
-(vLLM applies allowed-token masks first): `rows` picks the rows whose request has a grammar,
-`apply` sets -inf outside each row's mask, the grammar advanced over the row's history (the
-committed tokens, then `RequestHistory.drafts[row]`).
+The grammar mask of structured outputs (`GrammarMask`, `workers/grammar.py`) runs first, as in
+vLLM: -inf outside the tokens the request's grammar allows after the row's history (its matcher
+holds the committed tokens; it is advanced over `RequestHistory.drafts[row]` and rolled back).
+The mask is filled on the host and applied on the device; on a GPU the host fills it while the
+forward that made the logits still runs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from attention.batch import upload
+from workers.grammar import Matcher, apply_token_bitmask, token_bitmask
 from workers.request import Request
 from workers.sampling_params import SamplingParams
 
@@ -54,6 +57,11 @@ class History(Protocol):
     def counts(self, rows: list[int], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """For these rows: how often each token was generated before the row's token (int32
         `[n, vocab]`), and which tokens the prompt or those generated tokens hold (bool)."""
+        ...
+
+    def grammar(self, row: int) -> tuple[Matcher | None, Sequence[int]]:
+        """The row's structured-output matcher (None: none) and the uncommitted tokens before the
+        row that it must be advanced over."""
         ...
 
 
@@ -77,6 +85,9 @@ class TokenHistory:
         counts = _bincounts([self.outputs[r] for r in rows], vocab, device)
         prompt = _bincounts([self.prompts[r] for r in rows], vocab, device)
         return counts, (counts > 0) | (prompt > 0)
+
+    def grammar(self, row: int) -> tuple[Matcher | None, Sequence[int]]:
+        return None, ()
 
 
 class TokenCounts:
@@ -151,6 +162,9 @@ class RequestHistory:
             counts += _bincounts([self.drafts[r] for r in rows], vocab, device)
         return counts, prompt | (counts > 0)
 
+    def grammar(self, row: int) -> tuple[Matcher | None, Sequence[int]]:
+        return self.reqs[row].grammar, self.drafts[row] if self.drafts is not None else ()
+
 
 class Processor(Protocol):
     """One step of the stage: on the host, the rows it acts on; on the device, its change to
@@ -161,6 +175,18 @@ class Processor(Protocol):
     def apply(
         self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], history: History
     ) -> None: ...
+
+
+class GrammarMask:
+    def rows(self, params: Sequence[SamplingParams], history: History) -> list[int]:
+        return [i for i in range(len(params)) if history.grammar(i)[0] is not None]
+
+    def apply(self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], history: History) -> None:
+        bitmask = token_bitmask(logits.shape[0], logits.shape[-1])
+        for row in rows:
+            matcher, drafts = history.grammar(row)
+            matcher.fill(bitmask, row, drafts)
+        apply_token_bitmask(logits, bitmask, rows)
 
 
 class MinTokens:
@@ -210,7 +236,7 @@ class Penalties:
         logits.index_copy_(0, index, x)
 
 
-STAGE: tuple[Processor, ...] = (MinTokens(), LogitBias(), Penalties())
+STAGE: tuple[Processor, ...] = (GrammarMask(), MinTokens(), LogitBias(), Penalties())
 
 
 def process(logits: torch.Tensor, params: Sequence[SamplingParams], history: History | None = None) -> torch.Tensor:
@@ -231,7 +257,7 @@ def at_work(req: Request) -> bool:
     """Whether a processor may still change this request's next tokens (a minimum length acts
     only until it is reached): decided on the host, for choosing a round's path."""
     p = req.sampling
-    return p.penalized or bool(p.logit_bias) or p.min_tokens > len(req.output_ids)
+    return p.penalized or bool(p.logit_bias) or p.min_tokens > len(req.output_ids) or req.grammar is not None
 
 
 def _stops(params: SamplingParams, history: History) -> set[int]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from workers.engine import Engine, RequestOutput
+from workers.grammar import Compilation, StructuredOutputs
 from workers.logprobs import Logprobs
 from workers.sampling_params import SamplingParams
 from workers.step_record import StepRecord
@@ -45,12 +46,15 @@ class NewRequest:
 class StepPlan:
     new: list[NewRequest] = dataclasses.field(default_factory=list)
     aborts: list[str] = dataclasses.field(default_factory=list)
+    # structured outputs rank 0 started compiling: the other ranks start too, so that theirs are
+    # ready (or nearly) when rank 0's request joins a later plan
+    grammars: list[StructuredOutputs] = dataclasses.field(default_factory=list)
     flush_cache: bool = False  # drop the prefix cache's unused pages, on every rank at once
     stop: bool = False
 
     @property
     def changes(self) -> bool:
-        return bool(self.new or self.aborts or self.flush_cache or self.stop)
+        return bool(self.new or self.aborts or self.grammars or self.flush_cache or self.stop)
 
 
 class ErrorCode(str, enum.Enum):
@@ -101,6 +105,9 @@ class RankLoop:
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._rng = random.Random()
+        # rank 0's requests whose structured outputs compile off the loop: they join a plan when ready
+        self._compiling: dict[str, tuple[NewRequest, Compilation]] = {}
+        self._compiled: dict[str, object] = {}  # their compiled grammars, for `_apply`
         self.steps = 0
         self._step_started: float | None = None  # monotonic time the step under way began
         self.error: BaseException | None = None
@@ -118,7 +125,10 @@ class RankLoop:
             self._in_flight.add(rid)
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=self._rng.getrandbits(63))
-        self._inbox.put(("new", NewRequest(rid, list(prompt_ids), sampling)))
+        grammar = self.engine.start_grammar(sampling)
+        if grammar is not None:  # the loop takes it when compiled: wake it then
+            grammar.future.add_done_callback(lambda _: self._inbox.put(("compiled", None)))
+        self._inbox.put(("new", (NewRequest(rid, list(prompt_ids), sampling), grammar)))
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -180,18 +190,44 @@ class RankLoop:
             try:
                 kind, item = self._inbox.get(block=block, timeout=self.idle_wait_s if block else None)
             except queue.Empty:
-                return plan  # idle: an empty plan keeps the other ranks' broadcast alive
+                break  # idle: an empty plan keeps the other ranks' broadcast alive
             block = False
             if kind == "new":  # an earlier abort of its id was for a request that has ended
-                plan.aborts = [rid for rid in plan.aborts if rid != item.rid]
-                plan.new.append(item)
+                new, grammar = item
+                plan.aborts = [rid for rid in plan.aborts if rid != new.rid]
+                if grammar is None:
+                    plan.new.append(new)
+                else:
+                    self._compiling[new.rid] = (new, grammar)
+                    plan.grammars.append(grammar.spec)
             elif kind == "abort":
-                plan.aborts.append(item)
+                if item in self._compiling:  # never reached the engine
+                    new, _ = self._compiling.pop(item)
+                    output = RequestOutput(item, new.prompt_ids, [], "abort")
+                    self._hand_over([self._end(Update(item, [], True, output))])
+                else:
+                    plan.aborts.append(item)
             elif kind == "flush":
                 plan.flush_cache = True
-            else:
+            elif kind == "stop":
                 plan.stop = True
                 return plan
+        self._take_compiled(plan)
+        return plan
+
+    def _take_compiled(self, plan: StepPlan) -> None:
+        """Requests whose grammar is ready join the plan; one that failed to compile, or not
+        within its time bound, ends with INVALID_ARGUMENT and never reaches the engine."""
+        for rid, (new, grammar) in list(self._compiling.items()):
+            if not grammar.ready:
+                continue
+            del self._compiling[rid]
+            try:
+                self._compiled[rid] = grammar.result()
+            except ValueError as exc:
+                self._hand_over([self._end(Update(rid, [], True, error=str(exc), code=ErrorCode.INVALID_ARGUMENT))])
+                continue
+            plan.new.append(new)
 
     def _broadcast(self, plan: StepPlan | None) -> StepPlan:
         """Rank 0's plan on every rank: one small broadcast when nothing changed (most steps),
@@ -210,9 +246,13 @@ class RankLoop:
     def _apply(self, plan: StepPlan) -> None:
         """Admit and abort as rank 0 decided. A request that cannot be admitted fails alone."""
         updates = []
+        if self.rank != 0:
+            for spec in plan.grammars:
+                self.engine.start_grammar(SamplingParams(structured_outputs=spec), bounded=False)
         for new in plan.new:
             try:
-                self.engine.add_request(new.prompt_ids, new.sampling, request_id=new.rid)
+                grammar = self._compiled.pop(new.rid, None)
+                self.engine.add_request(new.prompt_ids, new.sampling, request_id=new.rid, grammar=grammar)
             except Exception as exc:  # noqa: BLE001 - the same on every rank: this request fails
                 code = ErrorCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL
                 updates.append(self._end(Update(new.rid, [], True, error=_describe(exc), code=code)))
@@ -299,6 +339,8 @@ class RankLoop:
         where the engine still can, gives its KV back."""
         with self._lock:
             rids, self._in_flight = sorted(self._in_flight), set()
+        self._compiling.clear()
+        self._compiled.clear()
         for rid in rids:
             try:
                 self.engine.abort(rid)

@@ -13,6 +13,7 @@ from workers.logprobs import Logprobs
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from workers.grammar import Matcher
     from workers.speculative.drafter import DraftState
 
 
@@ -38,6 +39,7 @@ class Request:
     logprobs: Logprobs | None = None  # of each generated token, when the sampling asks
     prompt_logprobs: Logprobs | None = None  # of each prompt token after the first, when asked
     spec: DraftState | None = None  # speculative decoding state, when a draft model runs
+    grammar: Matcher | None = None  # its structured outputs' matcher, over its committed tokens
     error: str | None = None  # why the request failed (finish reason ERROR)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     cache_match: Any = None  # the prefix cache's match it holds locked while it runs

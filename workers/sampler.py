@@ -168,3 +168,6 @@ class _RowOf:
 
     def counts(self, rows: list[int], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return self.history.counts([self.row + r for r in rows], vocab, device)
+
+    def grammar(self, row: int):
+        return self.history.grammar(self.row + row)

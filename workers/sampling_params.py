@@ -12,6 +12,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from workers.grammar import StructuredOutputs
+
 MIN_TEMPERATURE = 1e-5  # below this (and above 0) logits / temperature overflows float32
 MAX_TEMPERATURE = 1e4
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
@@ -42,6 +44,8 @@ class SamplingParams:
     logprobs: int | None = None  # k: each generated token's logprob and the k most likely; None: none
     prompt_logprobs: int | None = None  # k: the same for every prompt token after the first; None: none
     return_logits: bool = False  # keep each sampled step's float32 logits on the output
+    # the output matches this JSON schema, regex, choice or grammar (`workers/grammar.py`); a mapping is taken too
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         ids = () if self.stop_token_ids is None else self.stop_token_ids  # None: none, as vLLM reads it
@@ -49,6 +53,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: must be a list of token ids, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "structured_outputs", StructuredOutputs.of(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:
@@ -61,9 +66,10 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether a logits processor may change this request's argmax: penalties, a logit bias,
-        or a minimum length (`workers/processors.py`); such rows never take a fused device argmax."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether a logits processor may change this request's argmax: a grammar, penalties, a
+        logit bias or a minimum length (`workers/processors.py`); such rows never take a fused
+        device argmax."""
+        return self.structured_outputs is not None or self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def reads_logits(self) -> bool:
@@ -125,6 +131,8 @@ class SamplingParams:
         for name in ("ignore_eos", "return_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     def vocabulary_problem(self, vocab_size: int) -> str | None:
         """What names a token id outside [0, vocab_size) (a message naming the field), or None."""

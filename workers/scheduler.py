@@ -76,6 +76,11 @@ class Scheduler:
         self._shared: collections.Counter[int] = collections.Counter()  # cached pages running rows start on
         # Positions of a request whose draft KV is complete too (what may be cached); set by a drafter.
         self.cacheable_len: Callable[[Request], int] = lambda req: req.kv_len
+        # The first position a later query of a request reads (its SWA window ends there), and
+        # how far past it a request may run meanwhile: a draft catching up after plain decode
+        # steps reads its SWA window from where it fell behind (set by the engine).
+        self.window_from: Callable[[Request], int] = lambda req: req.kv_len
+        self.draft_lag = 0
         self.token_counts = token_counts
 
     # -- admission ---------------------------------------------------------------------
@@ -87,7 +92,7 @@ class Scheduler:
         if not self.allocator.is_hybrid:
             return KVBudget(full, 0)
         chunk = max(1, min(self.chunk or prompt_len, prompt_len)) + (1 if self.lookahead else 0)
-        per_forward = max(chunk, self.lookahead + 1)
+        per_forward = max(chunk, self.lookahead + 1 + self.draft_lag)
         window = self.allocator.sliding_window
         return KVBudget(full, min(full, cdiv(window - 1 + per_forward, p) + 1))
 
@@ -262,6 +267,9 @@ class Scheduler:
             req.first_token_at = time.monotonic()
         emitted = []
         for token in tokens:
+            if req.grammar is not None and not req.grammar.accept(token):  # masked out: never drawn
+                self.fail(req, f"structured_outputs: the grammar refused token {token}")
+                break
             req.output_ids.append(token)
             emitted.append(token)
             reason = self._finish_reason(req, token)
@@ -274,11 +282,13 @@ class Scheduler:
         """Give back the SWA slots that no later query of these requests can see."""
         for req in reqs:
             if not req.finished:
-                self.allocator.release_window(req.row, req.kv_len)
+                self.allocator.release_window(req.row, self.window_from(req))
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
         if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if req.grammar is not None and req.grammar.finished:  # its grammar took a stop token
             return FinishReason.STOP
         if len(req.output_ids) >= sp.max_new_tokens or req.num_tokens >= req.max_len:
             return FinishReason.LENGTH

@@ -1,0 +1,325 @@
+"""Structured outputs (workers/grammar.py) on the shipped tiny models, against independent
+references: `json.loads` and the schema's own constraints, `re.fullmatch`, the choices, and
+xgrammar's own matcher accepting every output token; greedy tokens under speculative decoding
+(every draft of the shipped models, eager and with emulated CUDA graphs) equal plain greedy
+decoding's under the same grammar; sampled JSON always parses and validates; rejection sampling
+under a grammar is exact in distribution; a hostile grammar is refused within its bound, naming
+its field, while other requests decode, and leaves no KV behind."""
+
+import collections
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from ops import MODELS_DIR
+from tests.draft_models import make_perturbed_copy
+from tests.hf_models import make_tiny_model
+from workers.engine import Engine, SamplingParams
+from workers.grammar import GrammarCompiler, Matcher, StructuredOutputs, token_bitmask, xgrammar
+from workers.rank_loop import ErrorCode, RankLoop
+from workers.tokenizer import load_tokenizer
+
+TARGET = os.path.join(MODELS_DIR, "tiny-gemma3")
+DRAFTS = {
+    "standalone": os.path.join(MODELS_DIR, "tiny-gemma3-draft"),
+    "eagle": os.path.join(MODELS_DIR, "tiny-gemma3-eagle"),
+    "frozen_kv_mtp": os.path.join(MODELS_DIR, "tiny-gemma3-mtp"),
+}
+TEXTS = [
+    "def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\ndef ",
+    "import os\nimport sys\n\n\nif __name__ == '__main__':\n    ",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["file", "dir"]},
+    },
+    "required": ["name", "count", "ok", "kind"],
+}
+REGEX = r"[a-z_]+\([a-z, ]*\):"
+CHOICE = ["alpha", "beta", "gamma delta"]
+GRAMMAR = 'root ::= "x = " [0-9] [0-9]? ";"'
+SPECS = [
+    StructuredOutputs(json=SCHEMA),
+    StructuredOutputs(regex=REGEX),
+    StructuredOutputs(choice=CHOICE),
+    StructuredOutputs(grammar=GRAMMAR),
+    StructuredOutputs(json_object=True),
+]
+N = 40
+# a schema that takes seconds to compile (xgrammar's work grows with its alternatives)
+SLOW_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {f"k{i}": {"type": "string", "pattern": "(a|b){200}"} for i in range(50)},
+            "required": [f"k{i}" for i in range(50)],
+        }
+    ]
+    * 3
+}
+
+
+def _engine(speculative: str | None = None, graphs: bool | str = False, **kwargs) -> Engine:
+    spec = None if speculative is None else {"algorithm": speculative, "draft_model": DRAFTS[speculative]}
+    return Engine(
+        model=TARGET,
+        page_size=4,
+        attention_backend="trtllm_mha",
+        max_total_tokens=4096,
+        context_length=256,
+        chunked_prefill_size=9,
+        max_running_requests=kwargs.pop("max_running_requests", 16),
+        speculative=None if spec is None else spec | {"num_steps": 3},
+        cuda_graphs=graphs,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    tokenizer = load_tokenizer(TARGET)
+    return [tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def plain() -> Engine:
+    return _engine()
+
+
+def _greedy(spec: StructuredOutputs, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=N, temperature=0.0, structured_outputs=spec, **kwargs)
+
+
+def _run(eng: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+    batch = [(p, sp) for sp in params for p in prompts]
+    return eng.generate(prompt_token_ids=[p for p, _ in batch], sampling=[sp for _, sp in batch])
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain, prompts):
+    params = [_greedy(s) for s in SPECS]
+    return params, _run(plain, prompts, params)
+
+
+def _check_schema(value: object) -> None:
+    assert isinstance(value, dict) and set(value) == set(SCHEMA["required"]), value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 10
+    assert type(value["count"]) is int and 0 <= value["count"] <= 999
+    assert type(value["ok"]) is bool and value["kind"] in ("file", "dir")
+
+
+def _matches(spec: StructuredOutputs, text: str) -> bool:
+    """The independent reference of each kind."""
+    if spec.json is not None:
+        _check_schema(json.loads(text))
+        return True
+    if spec.json_object:
+        return isinstance(json.loads(text), dict)
+    if spec.regex is not None:
+        return re.fullmatch(REGEX, text) is not None
+    if spec.choice is not None:
+        return text in CHOICE
+    return re.fullmatch(r"x = [0-9][0-9]?;", text) is not None
+
+
+def test_each_kind_of_output_matches_its_reference_and_xgrammars_matcher(plain, prompts, plain_outputs):
+    params, outs = plain_outputs
+    eos = plain.cfg.eos_token_ids
+    compiler = GrammarCompiler.of_tokenizer(plain.tokenizer, plain.cfg.vocab_size, eos)
+    unconstrained = _run(plain, prompts, [SamplingParams(max_new_tokens=N, temperature=0.0)])
+    for i, out in enumerate(outs):
+        spec = params[i // len(prompts)].structured_outputs
+        assert out.finish_reason == "stop" or spec.json_object, (spec.kind, out.text)  # json_object may run long
+        if out.finish_reason == "stop":
+            assert out.token_ids[-1] in eos and _matches(spec, out.text), (spec.kind, out.text)
+        matcher = xgrammar().GrammarMatcher(compiler.compile(spec))
+        assert all(matcher.accept_token(t) for t in out.token_ids), (spec.kind, out.token_ids)
+        assert matcher.is_terminated() == (out.finish_reason == "stop")
+    assert all(not _matches(StructuredOutputs(regex=REGEX), o.text) for o in unconstrained)  # the mask did it
+    plain.check_no_leak()
+
+
+@pytest.mark.parametrize(
+    "algorithm, graphs", [(a, False) for a in sorted(DRAFTS)] + [("eagle", "emulate"), ("frozen_kv_mtp", "emulate")]
+)
+def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, algorithm, graphs):
+    """Every draft step masked after the drafts before it, every verify position after its draft
+    prefix, acceptance over the masked distributions: the tokens are plain decoding's."""
+    params, want = plain_outputs
+    eng = _engine(algorithm, graphs)
+    got = _run(eng, prompts, params)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), (i, a.text, b.text)
+    accepted = [n for o in got for n in o.spec.accept_lengths]
+    assert max(accepted) > 2 and min(accepted) < 4, f"drafts never partly accepted: {accepted}"
+    eng.check_no_leak()
+
+
+def test_sampled_json_always_parses_and_validates_under_speculation(prompts):
+    eng = _engine("eagle", max_running_requests=64)
+    n = 128
+    sp = [
+        SamplingParams(max_new_tokens=64, temperature=1.0, seed=s, structured_outputs=StructuredOutputs(json=SCHEMA))
+        for s in range(n)
+    ]
+    outs = eng.generate(prompt_token_ids=[prompts[s % 2] for s in range(n)], sampling=sp)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        _check_schema(json.loads(out.text))
+    assert len({o.text for o in outs}) > n // 4, "sampling drew too few distinct outputs to test anything"
+    assert any(n > 1 for o in outs for n in o.spec.accept_lengths)
+    eng.check_no_leak()
+
+
+def test_matcher_rolls_back_what_a_mask_advanced_over(plain):
+    """A mask after drafts leaves the matcher where it was; drafts the grammar refuses, or that
+    pass its end, leave the row unmasked (acceptance never reaches it)."""
+    tokenizer = plain.tokenizer
+    compiler = GrammarCompiler.of_tokenizer(tokenizer, plain.cfg.vocab_size, plain.cfg.eos_token_ids)
+    matcher = Matcher(compiler.compile(StructuredOutputs(choice=CHOICE)))
+    mask = token_bitmask(4, plain.cfg.vocab_size)
+    gamma = tokenizer.encode("gamma delta")
+    matcher.fill(mask, 0)
+    matcher.fill(mask, 1, gamma[:1])
+    matcher.fill(mask, 2, tokenizer.encode("zzz"))
+    matcher.fill(mask, 3)
+    assert torch.equal(mask[0], mask[3]) and not torch.equal(mask[0], mask[1])
+    assert (mask[2] == -1).all() and not (mask[0] == -1).all()
+    assert all(matcher.accept(t) for t in gamma) and matcher.accept(plain.cfg.eos_token_ids[0])
+    assert matcher.finished
+
+
+@pytest.mark.parametrize(
+    "spec, field, words",
+    [
+        (StructuredOutputs(regex="[a-"), "structured_outputs.regex", "cannot be compiled"),
+        (StructuredOutputs(json='{"type": "nonsense"}'), "structured_outputs.json", "cannot be compiled"),
+        (StructuredOutputs(json="{not json"), "structured_outputs.json", "not a JSON schema"),
+        (StructuredOutputs(grammar="root ::= undefined_rule"), "structured_outputs.grammar", "cannot be compiled"),
+        (StructuredOutputs(regex="a" * 70000), "structured_outputs.regex", "over the limit"),
+        (StructuredOutputs(choice=[]), "structured_outputs.choice", "non-empty strings"),
+        (StructuredOutputs(regex="a", choice=["a"]), "structured_outputs", "exactly one"),
+    ],
+)
+def test_bad_structured_outputs_are_refused_naming_the_field(plain, prompts, spec, field, words):
+    with pytest.raises(ValueError) as err:
+        plain.generate(prompt_token_ids=prompts[:1], sampling=_greedy(spec))
+    assert str(err.value).startswith(field + ":") and words in str(err.value), str(err.value)
+    plain.check_no_leak()
+    plain.flush_cache()
+    stats = plain.kv_stats()
+    assert (stats["full_free"], stats["swa_free"]) == (stats["full_total"], stats["swa_total"])
+
+
+def test_a_grammar_past_its_size_bound_is_refused(prompts):
+    eng = _engine()
+    eng.check_request(prompts[0], _greedy(StructuredOutputs(json=SCHEMA)))  # builds the compiler
+    eng._grammar_compiler().max_bytes = 1024
+    with pytest.raises(ValueError, match=r"^structured_outputs.json: compiles to .* over the limit"):
+        eng.generate(prompt_token_ids=prompts[:1], sampling=_greedy(StructuredOutputs(json=SCHEMA)))
+    eng.check_no_leak()
+
+
+def test_a_slow_grammar_is_refused_off_the_loop_while_others_decode(prompts):
+    """Through the rank loop: the hostile request ends INVALID_ARGUMENT naming its field at its
+    time bound, a plain request and a cheap grammar submitted after it finish meanwhile, the
+    loop never waits for the compile, and the pools are whole again."""
+    eng = _engine()
+    compiler = eng._grammar_compiler()
+    compiler.timeout_s = 0.3
+    updates: dict[str, list] = collections.defaultdict(list)
+    done = {}
+    loop = RankLoop(eng, rank=0, on_updates=lambda us: [updates[u.rid].append(u) for u in us], idle_wait_s=0.05)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    slow = StructuredOutputs(json=SLOW_SCHEMA)
+    try:
+        start = time.monotonic()
+        loop.submit("hostile", prompts[0], _greedy(slow))
+        loop.submit("plain", prompts[1], SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True))
+        loop.submit("choice", prompts[1], _greedy(StructuredOutputs(choice=CHOICE)))
+        while len(done) < 3 and time.monotonic() - start < 60:
+            for rid in ("hostile", "plain", "choice"):
+                if rid not in done and updates[rid] and updates[rid][-1].finished:
+                    done[rid] = time.monotonic() - start
+            time.sleep(0.01)
+        hostile = updates["hostile"][-1]
+        assert hostile.code is ErrorCode.INVALID_ARGUMENT and hostile.error.startswith("structured_outputs.json:")
+        assert "not compiled within 0.3 s" in hostile.error
+        assert not compiler.start(slow).future.done(), "the slow schema compiled too fast to test the bound"
+        assert sum(len(u.token_ids) for u in updates["plain"]) == N
+        assert updates["choice"][-1].output.text in CHOICE
+        assert done["hostile"] < 5
+    finally:
+        loop.stop()
+        thread.join(30)
+    eng.check_no_leak()
+
+
+def test_compiled_grammars_are_cached_by_content(plain):
+    compiler = GrammarCompiler.of_tokenizer(plain.tokenizer, plain.cfg.vocab_size, plain.cfg.eos_token_ids)
+    first = compiler.compile(StructuredOutputs(json=SCHEMA))
+    assert compiler.compile(StructuredOutputs(json=json.dumps(SCHEMA))) is first
+    assert compiler.compile(StructuredOutputs(json={**SCHEMA, "required": ["name"]})) is not first
+
+
+# -- rejection sampling under a grammar ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small_vocab")
+    target = str(root / "target")
+    hf = make_tiny_model("gemma3", target, vocab_size=8)
+    return hf, target, make_perturbed_copy(target, str(root / "draft"), noise=0.6)
+
+
+def test_rejection_sampling_under_a_grammar_is_exact_in_distribution(small_vocab):
+    """Tokens 0..6 spell a..g: the grammar `[a-d][c-g]` allows four first and five second tokens.
+    Over many seeds the first two tokens' joint distribution is the target's masked
+    p(t1) p(t2 | t1), renormalised over what the grammar allows at each position."""
+    hf, target, draft = small_vocab
+    vocab = [*"abcdefg", "</s>"]
+    info = xgrammar().TokenizerInfo(vocab, vocab_type=xgrammar().VocabType.RAW, stop_token_ids=[7])
+    compiled = GrammarCompiler(info).compile(StructuredOutputs(regex="[a-d][c-g]"))
+    prompt = [1, 5, 2, 7, 3, 0, 4, 6, 1, 2, 3]
+    n = 2000
+    eng = Engine(
+        model=target,
+        page_size=4,
+        max_running_requests=64,
+        max_total_tokens=8192,
+        speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": 3},
+    )
+    spec = StructuredOutputs(regex="[a-d][c-g]")
+    params = [SamplingParams(max_new_tokens=2, seed=s, ignore_eos=True, structured_outputs=spec) for s in range(n)]
+    rids = [eng.add_request(prompt, sp, grammar=compiled) for sp in params]
+    while eng.has_unfinished():
+        eng.step()
+    outs = [eng.output(rid) for rid in rids]
+    eng.check_no_leak()
+    counts = collections.Counter(tuple(o.token_ids) for o in outs)
+    assert set(counts) <= {(a, b) for a in range(4) for b in range(2, 7)}, counts
+    with torch.no_grad():
+        first = torch.full((8,), float("-inf"))
+        first[:4] = hf(torch.tensor([prompt])).logits[0, -1, :4]
+        second = torch.full((8, 8), float("-inf"))
+        second[:, 2:7] = hf(torch.tensor([prompt + [t] for t in range(8)])).logits[:, -1, 2:7]
+    joint = (torch.softmax(first, -1)[:, None] * torch.softmax(second, -1)).flatten().double()
+    observed = torch.tensor([counts[(a, b)] for a in range(8) for b in range(8)], dtype=torch.float64)
+    expected = joint * n
+    rare = expected < 5
+    obs = torch.cat([observed[~rare], observed[rare].sum().view(1)])
+    exp = torch.cat([expected[~rare], expected[rare].sum().view(1)])
+    stat = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item())
+    accepted = sum(o.spec.accept_lengths[0] > 1 for o in outs)
+    assert 0.05 * n < accepted < 0.95 * n, "the test needs both accepted and rejected drafts"
+    assert stat.pvalue > 0.01, stat
