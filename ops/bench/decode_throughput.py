@@ -5,11 +5,15 @@
 1. Ceilings measured here: device-to-device copy bandwidth (bytes read + written) and the bf16
    matrix-product rate (8192^3, random data), each the median of timed repeats.
 2. slidespec decode with dummy weights of real model shapes (Llama-3-8B, Gemma-3-1B,
-   Gemma-3-12B; bf16, greedy, prompt 128, 128 new tokens) at batches 1, 8 and 64, CUDA graphs on
-   and off: tokens/s of the decode steps, ms/step, against the weight-read roofline (copy
-   bandwidth / weight bytes; at batch 64 weights + the KV the step reads) and HF `generate`.
+   Gemma-3-12B by default; Gemma-4-E4B and Gemma-4-31B on request; bf16, greedy, prompt 128, 128
+   new tokens) at batches 1, 8 and 64, CUDA graphs on and off: tokens/s of the decode steps,
+   ms/step, against the roofline of the bytes a step reads (copy bandwidth / (weights read
+   whole + the KV the step reads): a token reads one row of an embedding table, Gemma 4's
+   per-layer table too, so those count only where the table is also the LM head) and HF
+   `generate`.
 3. Prefill: 8 x 2,048-token prompts on the 8B shape, model FLOPs over the matmul rate.
-4. Speculation on the 8B shape at batch 1: an EAGLE round and a frozen-KV MTP round (4 steps)
+4. Speculation at batch 1: on the 8B shape an EAGLE round and a frozen-KV MTP round (4 steps),
+   on the Gemma-4-31B shape (`--spec-shape gemma4-31b`) a round of its assistant's shape, each
    against a plain decode step, and the host synchronisations per step.
 5. The shipped tiny models with their three trained drafts at batches 1 and 16: speculation
    against plain decoding with the measured accept lengths.
@@ -37,11 +41,16 @@ import torch
 from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
+from workers.models.layers import ParallelLMHead, VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
 PROMPT, NEW = 128, 128
 BATCHES = (1, 8, 64)
+GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+}
 SHAPES = {
     "llama3-8b": dict(
         model_type="llama",
@@ -103,7 +112,97 @@ SHAPES = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
         },
     ),
+    # google/gemma-4-E4B-it's text model: per-layer embeddings (a 262144 x 42 x 256 table), the
+    # last 18 layers reading the KV of layers 22 (sliding) and 23 (full), 512-wide full heads.
+    "gemma4-e4b": dict(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=42,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        attention_k_eq_v=False,
+        num_kv_shared_layers=18,
+        hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144,
+        use_double_wide_mlp=False,
+        vocab_size=262144,
+        sliding_window=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+        rope_parameters=GEMMA4_ROPE,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+    # google/gemma-4-31B-it's text model: full layers of 4 KV heads of 512 with V from the K
+    # projection, no per-layer embeddings, no KV sharing.
+    "gemma4-31b": dict(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=60,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        num_global_key_value_heads=4,
+        head_dim=256,
+        global_head_dim=512,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=262144,
+        use_double_wide_mlp=False,
+        vocab_size=262144,
+        sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+        rope_parameters=GEMMA4_ROPE,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
 }
+DEFAULT_SHAPES = ("llama3-8b", "gemma3-1b", "gemma3-12b")
+# google/gemma-4-31B-it-assistant: four query-only layers (three sliding, one full) of the
+# target's head shapes reading its KV, 1024 wide, its own 262144-token LM head.
+GEMMA4_31B_ASSISTANT = dict(
+    model_type="gemma4_assistant",
+    architectures=["Gemma4AssistantForCausalLM"],
+    backbone_hidden_size=5376,
+    use_ordered_embeddings=False,
+    num_centroids=2048,
+    centroid_intermediate_top_k=32,
+    tie_word_embeddings=True,
+    text_config=dict(
+        model_type="gemma4_text",
+        hidden_size=1024,
+        intermediate_size=8192,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        num_global_key_value_heads=4,
+        head_dim=256,
+        global_head_dim=512,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=4,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        vocab_size=262144,
+        sliding_window=1024,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters=GEMMA4_ROPE,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+)
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -142,11 +241,16 @@ def ceilings() -> dict:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes of the weights a decode step reads: all but tables read a row a token (`read_by_row`:
-    Gemma 4's per-layer embeddings)."""
+    """Bytes of the weights a decode step reads whole: every weight but the tables a token reads
+    one row of (embedding tables, `read_by_row` ones such as Gemma 4's per-layer table), unless
+    the table is also an LM head (tied), which every step reads whole for the logits."""
     models = [engine.runner.model] + ([engine.spec.drafter.runner.model] if engine.spec else [])
-    seen = {id(p): p for m in models for p in m.parameters() if not getattr(p, "read_by_row", False)}
-    return sum(p.numel() * p.element_size() for p in seen.values())
+    modules = [mod for m in models for mod in m.modules()]
+    heads = {id(mod.weight) for mod in modules if isinstance(mod, ParallelLMHead)}
+    tables = {id(mod.weight) for mod in modules if type(mod) is VocabParallelEmbedding}
+    weights = {id(p): p for m in models for p in m.parameters()}
+    by_row = {i for i, p in weights.items() if i in tables or getattr(p, "read_by_row", False)} - heads
+    return sum(p.numel() * p.element_size() for i, p in weights.items() if i not in by_row)
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
@@ -373,20 +477,33 @@ def draft_specs(root: str) -> dict[str, dict]:
     return specs
 
 
-def spec_part(root: str, batch: int, drafts: list[str] | None) -> dict:
-    """Rounds against plain steps at `batch` requests; `drafts`: a subset of `draft_specs`'
-    names (default all); EAGLE-3 also runs with the verify ahead off, for comparison."""
-    target = write_config(root, "llama3-8b", SHAPES["llama3-8b"])
+def assistant_specs(root: str) -> dict[str, dict]:
+    """Gemma-4-31B's assistant (dummy weights of google/gemma-4-31B-it-assistant's shape), 4
+    drafts a round."""
+    draft = write_config(root, "gemma4-31b-assistant", GEMMA4_31B_ASSISTANT)
+    return {"assistant": {"algorithm": "mtp", "draft_model": draft, "num_steps": 4, "draft_load_format": "dummy"}}
+
+
+# shape -> (case prefix, its drafts' settings)
+SPEC_TARGETS = {"llama3-8b": ("spec", draft_specs), "gemma4-31b": ("spec/gemma4-31b", assistant_specs)}
+
+
+def spec_part(root: str, batch: int, drafts: list[str] | None, shape: str = "llama3-8b") -> dict:
+    """Rounds against plain steps at `batch` requests on `shape` (one of `SPEC_TARGETS`);
+    `drafts`: a subset of its drafts' names (default all); EAGLE-3 also runs with the verify
+    ahead off, for comparison."""
+    prefix, specs_of = SPEC_TARGETS[shape]
+    target = write_config(root, shape, SHAPES[shape])
     out = {}
-    prompts = random_prompts(SHAPES["llama3-8b"]["vocab_size"], batch, PROMPT)
+    prompts = random_prompts(SHAPES[shape]["vocab_size"], batch, PROMPT)
     at = "" if batch == 1 else f" b{batch}"
     plain = engine_for(target, True, max_batch=max(8, batch))
     run_batch(plain, prompts, 8)  # warm-up: first replays, lazy library state
     plain_r = {**run_batch(plain, prompts, NEW), "syncs_per_step": syncs_per_step(plain, prompts)}
-    out[f"spec/plain{at}"] = plain_r
+    out[f"{prefix}/plain{at}"] = plain_r
     free(plain)
     del plain
-    specs = {name: spec for name, spec in draft_specs(root).items() if drafts is None or name in drafts}
+    specs = {name: spec for name, spec in specs_of(root).items() if drafts is None or name in drafts}
     runs = [(name, spec, True) for name, spec in specs.items()]
     if "eagle3" in specs:
         runs.append(("eagle3 (no verify ahead)", specs["eagle3"], False))
@@ -398,7 +515,7 @@ def spec_part(root: str, batch: int, drafts: list[str] | None) -> dict:
         r["syncs_per_step"] = syncs_per_step(engine, prompts)
         r["round_over_plain_step"] = r["ms_per_step"] / plain_r["ms_per_step"]
         r["rounds_verified_ahead"] = engine.spec.rounds_verified_ahead
-        out[f"spec/{name}{at}"] = r
+        out[f"{prefix}/{name}{at}"] = r
         free(engine)
         del engine
     return out
@@ -502,10 +619,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--parts", default="ceilings,decode,hf,prefill,spec,tiny")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--modes", default="graphs,eager", help="decode with CUDA graphs, eagerly, or both")
     parser.add_argument("--spec-batch", type=int, default=1, help="requests a speculative round serves")
     parser.add_argument("--spec-drafts", default=None, help="the spec part's drafts, comma-separated (default all)")
+    parser.add_argument("--spec-shape", default="llama3-8b", choices=sorted(SPEC_TARGETS), help="spec part target")
     add_record_args(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -515,9 +633,11 @@ def main() -> None:
     results["ceilings"] = ceilings()
     steps = {
         "decode": lambda: decode_part(root, results["ceilings"], shapes, args.modes.split(",")),
-        "hf": lambda: hf_part(root, [s for s in shapes if s != "gemma3-12b"]),
+        "hf": lambda: hf_part(root, [s for s in shapes if s in ("llama3-8b", "gemma3-1b")]),
         "prefill": lambda: prefill_part(root, results["ceilings"]),
-        "spec": lambda: spec_part(root, args.spec_batch, args.spec_drafts and args.spec_drafts.split(",")),
+        "spec": lambda: spec_part(
+            root, args.spec_batch, args.spec_drafts and args.spec_drafts.split(","), args.spec_shape
+        ),
         "tiny": tiny_part,
     }
     for part in parts:

@@ -1,0 +1,97 @@
+"""The decode benchmark's roofline counts the bytes a step reads: on a tiny Gemma 4 (per-layer
+embeddings, KV-shared layers, full layers of another head size), every weight but the per-layer
+table and the token embedding, which a token reads one row of, unless the embedding is also the
+LM head; and the KV of the layers that store it. Both counted here from config.json alone."""
+
+import json
+
+import pytest
+
+from ops.bench.decode_throughput import SHAPES, kv_bytes_per_token, weight_bytes
+from workers.engine import Engine
+
+FLOAT32 = 4
+CONFIG = dict(
+    architectures=["Gemma4ForCausalLM"],
+    model_type="gemma4_text",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=512,
+    max_position_embeddings=1024,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def step_parameters(c: dict) -> int:
+    """Parameters a decode step reads whole, from the config: each layer's query and output
+    projections and q-norm, K/V projections and k-norm where it stores KV, MLP, four norms,
+    per-layer-input gate, projection and norm, and scalar; the per-layer-input projection of the
+    embedding and its norm, the final norm; the LM head (the tied embedding table)."""
+    h, n, width = c["hidden_size"], c["num_hidden_layers"], c["hidden_size_per_layer_input"]
+    total = 0
+    for i, kind in enumerate(c["layer_types"]):
+        d = c["global_head_dim"] if kind == "full_attention" else c["head_dim"]
+        q = c["num_attention_heads"] * d
+        total += 2 * h * q + d + 3 * h * c["intermediate_size"] + 4 * h + 2 * h * width + h + 1
+        if i < n - c["num_kv_shared_layers"]:
+            total += 2 * h * c["num_key_value_heads"] * d + d
+    return total + h * n * width + width + h + c["vocab_size"] * h
+
+
+def kv_bytes(c: dict) -> int:
+    """K and V of one token over the layers that store KV, float32."""
+    stored = c["layer_types"][: c["num_hidden_layers"] - c["num_kv_shared_layers"]]
+    dims = [c["global_head_dim"] if kind == "full_attention" else c["head_dim"] for kind in stored]
+    return sum(2 * c["num_key_value_heads"] * d * FLOAT32 for d in dims)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_roofline_bytes_leave_out_the_tables_a_token_reads_a_row_of(tmp_path, tied):
+    config = {**CONFIG, "tie_word_embeddings": tied}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(model=str(tmp_path), load_format="dummy", dtype="float32", max_total_tokens=256)
+    every = sum(p.numel() for p in engine.runner.model.parameters()) * FLOAT32
+    per_layer_table = config["vocab_size_per_layer_input"] * config["num_hidden_layers"] * 8 * FLOAT32
+    embedding = 0 if tied else config["vocab_size"] * config["hidden_size"] * FLOAT32
+    assert weight_bytes(engine) == step_parameters(config) * FLOAT32 == every - per_layer_table - embedding
+    assert kv_bytes_per_token(engine) == kv_bytes(config)
+
+
+@pytest.mark.parametrize(
+    "shape, kv_layers, full", [("gemma4-e4b", 24, (512, 2, False, 23)), ("gemma4-31b", 60, (512, 4, True, 59))]
+)
+def test_gemma4_shapes_have_the_published_geometry(tmp_path, shape, kv_layers, full):
+    """The real shapes read as the published models are built: 256-wide sliding heads, the
+    last full layer's head size, KV heads, V from K and the layer whose KV it reads, and how
+    many layers store KV (E4B: the last 18 of 42 read layers 22 and 23's)."""
+    from ops.bench.decode_throughput import write_config
+    from workers.models import load_model_config
+
+    cfg = load_model_config(write_config(str(tmp_path), shape, SHAPES[shape]))
+    last = cfg.layers[-1]
+    assert (last.head_dim, last.num_kv_heads, last.k_eq_v, last.kv_layer) == full
+    assert cfg.layers[0].head_dim == 256 and sum(layer.kv_layer == i for i, layer in enumerate(cfg.layers)) == kv_layers
+
+
+def test_the_31b_assistant_shape_drafts_for_the_31b_shape(tmp_path):
+    """The spec part's assistant passes the checks a draft meets at start-up against the 31B
+    shape: its layers read the target's last sliding and full KV layers in their geometry."""
+    from ops.bench.decode_throughput import GEMMA4_31B_ASSISTANT, write_config
+    from workers.models import load_model_config
+    from workers.models.gemma4_assistant import assistant_config
+
+    target = load_model_config(write_config(str(tmp_path), "t", SHAPES["gemma4-31b"]))
+    ac = assistant_config(write_config(str(tmp_path), "a", GEMMA4_31B_ASSISTANT), target)
+    assert [layer.kv_layer for layer in ac.cfg.layers] == [58, 58, 58, 59] and ac.num_centroids == 0
