@@ -672,7 +672,8 @@ def evaluate(
     num_steps: int,
     models_dir: str = MODELS_DIR,
 ) -> dict:
-    """Mean accept length per set and algorithm with `num_steps` drafts, greedy, on held-out files."""
+    """Mean accept length per set and algorithm with `num_steps` drafts, greedy, on held-out
+    files (engines on the CPU, float32)."""
     from workers.engine import Engine, SamplingParams
 
     held = np.load(data_path)["held_out"].astype(np.int64)
@@ -767,14 +768,15 @@ def main() -> None:
     elif args.command == "train":
         budget = {"target": args.target_seconds, "standalone": args.draft_seconds, "heads": args.head_seconds}
         figures = train(args.data, args.out, args.device, budget, args.models, args.max_steps)
-        _record(args, figures, args.device, "CPython standard library sources, the shipped BPE; bf16 autocast")
+        precision = "bf16 autocast" if args.device == "cuda" else "float32"
+        _record(args, figures, args.device, f"CPython standard library sources, the shipped BPE; {precision}")
     elif args.command == "install":
         install(args.out, args.models)
     else:
         result = evaluate(args.data, args.models, args.prompts, args.prompt_len, args.new_tokens, args.num_steps)
         print(json.dumps(result, indent=1))
         note = f"{args.prompts} held-out prompts of {args.prompt_len} tokens, {args.new_tokens} greedy new tokens"
-        _record(args, result, "cuda" if torch.cuda.is_available() else "cpu", note)
+        _record(args, result, "cpu", note)  # the engines run on the CPU, float32
 
 
 if __name__ == "__main__":
