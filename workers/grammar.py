@@ -1,6 +1,6 @@
 """Structured outputs: what a request's text must match, compiled for the model's tokenizer, and
 the per-request matcher whose token mask the processor stage applies (`workers/processors.py`,
-`GrammarMask`; docs/design.md §13).
+`GrammarMask`; docs/design.md §12.1).
 
 Grammars are xgrammar's: a JSON schema, any JSON object, a regular expression, a choice of
 strings or an EBNF grammar, each compiled once per tokenizer into per-state token masks.
