@@ -98,10 +98,17 @@ class TRTLLMMHABackend(AttentionBackend):
             raise ValueError(f"page_size: trtllm_mha on {ks.name} supports {ks.page_sizes}, got {page_size}")
         if kv_dtype == FP8_E4M3 and not ks.fp8_kv:
             raise ValueError(
-                f"kv_cache_dtype: fp8_e4m3 is not wired into trtllm_mha's kernels on {ks.name} yet (the FP8 variants "
-                f"of {ks.decode_name} and {ks.context_name} and the fused RoPE + KV-write kernel); it runs on the CPU. "
-                "Use kv_cache_dtype auto"
+                f"kv_cache_dtype: fp8_e4m3 is not available with trtllm_mha's kernels on {ks.name} "
+                f"({ks.decode_name}, {ks.context_name}): their FP8 variants are not wired there; use "
+                "kv_cache_dtype auto"
             )
+        if kv_dtype == FP8_E4M3 and not ks.fp8_kv_softcap_with_sinks:
+            both = [a.layer_id for a in layers if a.logit_softcap and a.sinks is not None]
+            if both:
+                raise ValueError(
+                    f"kv_cache_dtype: fp8_e4m3 with {ks.context_name} on {ks.name} gives wrong outputs for layers with "
+                    f"both logit soft-capping and attention sinks (layers {both[:8]}); use kv_cache_dtype auto"
+                )
         for layer in layers:
             if ks.max_head_dim is not None and layer.head_dim > ks.max_head_dim:
                 raise ValueError(

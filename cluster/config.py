@@ -77,8 +77,8 @@ class EngineArgs(BaseModel):
         "auto",
         description="dtype of the KV cache (both pools, target and draft): auto is dtype; fp8_e4m3 stores K and V "
         "in FP8 with per-layer scales from the checkpoint (self_attn.k_scale / v_scale, else 1.0), half a bfloat16 "
-        "slot's bytes, so the same memory holds twice the tokens (max_total_tokens stays in tokens); CPU only for "
-        "now: refused on CUDA until the fused RoPE + KV-write kernel and XQA's and FMHA-v2's FP8 variants are wired",
+        "slot's bytes, so the same memory holds twice the tokens (max_total_tokens stays in tokens); on the CPU, "
+        "and on Hopper through trtllm_mha (XQA, FMHA-v2, split-KV) or torch_native; refused by Blackwell's kernel set",
     )
     attention_backend: str | None = Field(
         None,

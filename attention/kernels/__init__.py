@@ -43,10 +43,12 @@ class KernelSet:
     # Decode calls of one query a row (decode, flat verify) and at most this many rows run the
     # split-KV Triton kernel instead of `decode` (0: never).
     split_decode_rows: int = 0
-    # Every kernel of the set reads an FP8 (e4m3) cache with the call's scales. On the GPUs this
-    # waits for XQA's and FMHA-v2's (and the split-KV kernel's) FP8 variants to be wired and
-    # measured: `kv_cache_dtype: fp8_e4m3` is refused at start-up there (docs/design.md §4.7).
+    # Every kernel of the set reads an FP8 (e4m3) cache with the call's scales (docs/design.md
+    # §4.7); a set without it refuses `kv_cache_dtype: fp8_e4m3` at start-up.
     fp8_kv: bool = False
+    # Whether the FP8 context kernel is right for layers with both logit soft-capping and sinks
+    # (no published model has both; FMHA-v2's FP8 variant measured 0.3 relative error there).
+    fp8_kv_softcap_with_sinks: bool = True
 
     def decode_kernel(self, rows: int, q_len_per_req: int, split_ok: bool = True) -> tuple[str, Callable]:
         """(name, function) of the kernel a decode-routed call of this shape runs: a function of
@@ -115,6 +117,8 @@ KERNEL_SETS = {
         max_head_dim=512,
         multi_query_max_head_dim=256,
         split_decode_rows=SPLIT_DECODE_ROWS,
+        fp8_kv=True,  # XQA beside a bf16 query, FMHA-v2 with the query quantised too, split-KV widening
+        fp8_kv_softcap_with_sinks=False,
     ),
     "sm100": KernelSet(
         "sm100",

@@ -9,7 +9,8 @@ of its visible keys, each slice handled by its own program, and the program that
 sinks in the denominator; `arrival.py`): one kernel a call. Slices past a row's keys (a graph's
 grid is sized for its table's width) store nothing and take no part in the merge.
 
-It reads exactly a `DecodeCall`'s tensors: paged HND cache `[pages, 2, Hkv, page, D]`, page
+It reads exactly a `DecodeCall`'s tensors: paged HND cache `[pages, 2, Hkv, page, D]` (the
+query's dtype, or FP8 read with the call's K and V scales), page
 tables, KV lengths (the query is the last position), `window_left` and sinks; one query a row
 (decode and flat verify). The grid depends only on shapes, so a captured graph replays it for
 any lengths up to its table's width.
@@ -41,6 +42,7 @@ def _slices_kernel(
     sinks_ptr,
     out_ptr,
     scale,
+    v_scale,
     window_left,
     stride_q_row,
     stride_q_head,
@@ -96,8 +98,10 @@ def _slices_kernel(
         valid = tokens < hi
         pages = tl.load(tables_ptr + row * stride_table + tokens // PAGE, mask=valid, other=0)
         offs = pages.to(tl.int64)[:, None] * stride_page + ((tokens % PAGE) * HEAD_DIM)[:, None] + dims[None, :]
-        k = tl.load(head_base + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(head_base + stride_kv + offs, mask=valid[:, None], other=0.0)
+        # an FP8 cache's entries widen exactly to the query's dtype; its scales are folded into
+        # `scale` (K) and `v_scale` (V, applied to the slice's output)
+        k = tl.load(head_base + offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(head_base + stride_kv + offs, mask=valid[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -107,7 +111,7 @@ def _slices_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
     has = denom > 0
-    out = tl.where(has[:, None], acc / tl.where(has, denom, 1.0)[:, None], 0.0)
+    out = tl.where(has[:, None], acc * v_scale / tl.where(has, denom, 1.0)[:, None], 0.0)
     lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
     slot = (row * num_heads + q_head) * SPLITS + split
     if split < active:
@@ -228,7 +232,8 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
         counters(q.device, rows * kv_heads),
         sinks if sinks is not None else part_lse,
         out,
-        call.bmm1_scale,
+        call.bmm1_scale * call.k_scale,
+        call.v_scale,
         call.window_left,
         q.stride(0),
         q.stride(1),

@@ -6,6 +6,7 @@ The fused kernels match their torch references."""
 import pytest
 import torch
 
+from attention.kv_pool import FP8_E4M3
 from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_perturbed_copy
 from tests.hf_models import make_tiny_model, random_prompts
 from tests.workers.test_gpu_engine import compare_bf16_runs
@@ -108,7 +109,7 @@ def test_batch_one_replay_gives_the_eager_tokens(models, name, spec):
     GEMV's path, in the graph and eagerly."""
     if spec is not None and name != "gemma3":
         pytest.skip("the draft heads are built for the gemma3 target")
-    setting = {"algorithm": spec, "draft_model": models[spec], "num_steps": 3} if spec else None
+    setting = {"algorithm": spec, "draft_model": models[spec], "num_steps": 3, "adaptive": False} if spec else None
     eager, _ = _run(models[name], False, 16, setting, prompts=PROMPTS[:1])
     replayed, replays = _run(models[name], True, 16, setting, prompts=PROMPTS[:1])
     assert replays > 0
@@ -132,7 +133,7 @@ def test_gemv_decodes_within_bf16_noise_of_cublas(models, name, spec, monkeypatc
             return _launch(x, *args, **kwargs)
 
         monkeypatch.setattr(gemv, kernel, counted)
-    setting = {"algorithm": spec, "draft_model": models[spec], "num_steps": 3} if spec else None
+    setting = {"algorithm": spec, "draft_model": models[spec], "num_steps": 3, "adaptive": False} if spec else None
     runs = {}
     for enabled in (False, True):
         monkeypatch.setattr(ops, "GEMV_ENABLED", enabled)
@@ -148,7 +149,7 @@ def test_gemv_decodes_within_bf16_noise_of_cublas(models, name, spec, monkeypatc
 
 @pytest.mark.parametrize("algorithm", ["standalone", "eagle", "frozen_kv_mtp"])
 def test_speculative_rounds_replay_graphs(models, algorithm):
-    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": 4}
+    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": 4, "adaptive": False}
     eager, _ = _run(models["gemma3"], False, 16, spec)
     replayed, replays = _run(models["gemma3"], True, 16, spec)
     assert replays > 0
@@ -234,11 +235,15 @@ def test_fused_rope_matches_the_reference(head_dim, rotary, norms):
     assert none is None and _rel(only_q, TORCH_OPS.rope(positions, q, None, cache, q_norms)[0]) < 1e-2
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("gemma", [False, True])
-def test_fused_rope_writes_kv_like_the_reference(page, gemma):
+def test_fused_rope_writes_kv_like_the_reference(page, gemma, kv):
     """RoPE (with q/k norms on Gemma) writing the rotated keys and the values into a paged cache
-    at scattered slots, against the torch ops' rotate-then-write: same queries, same cache."""
+    at scattered slots, against the torch ops' rotate-then-write: same queries, same cache. An
+    FP8 cache quantises with K scale 0.5 and V scale 2 (values bit for bit as the reference;
+    keys rotate in float32 here and in bf16 there, so a rare key rounds to the neighbouring FP8
+    value)."""
     g = torch.Generator(device="cuda").manual_seed(3)
     head_dim, tokens, q_heads, k_heads = 256 if gemma else 128, 41, 8, 2
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
@@ -251,12 +256,36 @@ def test_fused_rope_writes_kv_like_the_reference(page, gemma):
     if gemma:
         norms = (*((torch.randn(head_dim, device="cuda", generator=g) * 0.1).bfloat16() for _ in "qk"), 1e-6, True)
     slots = torch.randperm(8 * page, device="cuda", generator=g)[:tokens] + page
-    ref_cache, out_cache = (torch.zeros(9, 2, k_heads, page, head_dim, device="cuda").bfloat16() for _ in "ro")
-    ref_q, _ = TORCH_OPS.rope(positions, q, k, cache, norms, (ref_cache, slots, v, (1.0, 1.0)))
-    out_q, out_k = FLASHINFER_OPS.rope(positions, q, k, cache, norms, (out_cache, slots, v, (1.0, 1.0)))
-    assert out_k is None and _rel(out_q, ref_q) < 1e-2 and _rel(out_cache, ref_cache) < 1e-2
-    assert torch.equal(out_cache[:, 1], ref_cache[:, 1])  # values are copied, not computed
-    assert not out_cache[0].any()  # padding page 0 untouched
+    dtype, scales = (torch.bfloat16, (1.0, 1.0)) if kv == "bf16" else (FP8_E4M3, (0.5, 2.0))
+    ref_cache, out_cache = (torch.zeros(9, 2, k_heads, page, head_dim, device="cuda").to(dtype) for _ in "ro")
+    ref_q, _ = TORCH_OPS.rope(positions, q, k, cache, norms, (ref_cache, slots, v, scales))
+    out_q, out_k = FLASHINFER_OPS.rope(positions, q, k, cache, norms, (out_cache, slots, v, scales))
+    assert out_k is None and _rel(out_q, ref_q) < 1e-2
+    keys, ref_keys = out_cache[:, 0].float(), ref_cache[:, 0].float()
+    if kv == "bf16":
+        assert _rel(keys, ref_keys) < 1e-2
+    else:  # a key differs by at most one FP8 step (1/8 relative; 2^-9 among subnormals), and rarely
+        assert torch.isclose(keys, ref_keys, rtol=0.125, atol=2**-9).all()
+        differ = (keys != ref_keys).float().sum().item() / max(1, (ref_keys != 0).sum().item())
+        assert differ < 0.02, f"{differ:.2%} of the FP8 keys differ from the reference's"
+    assert torch.equal(out_cache[:, 1].view(torch.uint8), ref_cache[:, 1].view(torch.uint8))  # values: copied
+    assert not out_cache[0].view(torch.uint8).any()  # padding page 0 untouched
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_kv_writer_stores_what_the_reference_stores(kv):
+    """The Triton KV writer against the torch reference, bit for bit: a cast into a bf16 cache,
+    `quantize` (scale, saturate at 448, round to nearest) into an FP8 one, values past the
+    range included."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    tokens, heads, head_dim, page = 37, 4, 128, 16
+    k, v = (torch.randn(tokens, heads, head_dim, device="cuda", generator=g).bfloat16() * 200 for _ in "kv")
+    slots = torch.randperm(6 * page, device="cuda", generator=g)[:tokens] + page
+    dtype, scales = (torch.bfloat16, (1.0, 1.0)) if kv == "bf16" else (FP8_E4M3, (0.5, 2.0))
+    ref, out = (torch.zeros(7, 2, heads, page, head_dim, device="cuda").to(dtype) for _ in "ro")
+    write_kv_torch(ref, slots, k, v, *scales)
+    write_kv_cuda(out, slots, k, v, *scales)
+    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("cap", [None, 30.0])
@@ -429,7 +458,7 @@ def test_prefix_cache_hits_under_graph_replay(models, spec, page_size):
     criterion; the hits are page aligned and hit both pools."""
     system = random_prompts([200], seed=21)[0]
     first = [system + [240 + i] + tail for i, tail in enumerate(random_prompts([5, 9, 17, 30, 2, 11, 40, 7], seed=22))]
-    draft = None if spec is None else {"algorithm": spec, "draft_model": models[spec], "num_steps": 3}
+    draft = {"algorithm": spec, "draft_model": models[spec], "num_steps": 3, "adaptive": False} if spec else None
     runs = {}
     for caching in (False, True):
         eng = Engine(

@@ -5,11 +5,10 @@ slot s is page s // page_size, offset s % page_size. On CUDA one Triton kernel w
 of every (token, head) in a single launch (flashinfer's `append_paged_kv_cache` takes
 per-request page lists, not per-token slots); elsewhere the torch reference indexes twice.
 
-An FP8 buffer (`kv_cache_dtype: fp8_e4m3`) stores `quantize(value, scale)`; every write path
-goes through `quantize` (the pools' writer, and the torch RoPE op writing K and V itself), so
-that the cache holds one number format whoever wrote it (docs/design.md §4.7). The CUDA writers
-(this module's Triton kernel and the fused RoPE + KV-write kernel, `workers/models/rope.py`) do
-not quantise yet: an FP8 cache on CUDA is refused at start-up (`kv_cache_dtype`).
+An FP8 buffer (`kv_cache_dtype: fp8_e4m3`) stores `quantize(value, scale)`: value / scale,
+saturated to +-448, rounded to nearest. Every writer does exactly that (the torch reference
+here, this module's Triton kernel, the fused RoPE + KV-write kernel in `workers/models/rope.py`),
+so the cache holds one number format whoever wrote it (docs/design.md §4.7).
 """
 
 from __future__ import annotations
@@ -25,23 +24,16 @@ from attention.kv_pool import FP8_E4M3, FP8_E4M3_MAX
 KVWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], None]
 
 KV_CACHE_DTYPES = {"fp8_e4m3": FP8_E4M3}  # beside "auto": the model's dtype
-CUDA_FP8_REFUSAL = (
-    "kv_cache_dtype: fp8_e4m3 is not available on CUDA yet: the CUDA KV writer, the fused RoPE + KV-write "
-    "kernel (workers/models/rope.py) and the FP8 variants of XQA and FMHA-v2 are not wired; it runs on the CPU "
-    "(both attention backends). Use kv_cache_dtype auto on CUDA"
-)
 
 
 def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The KV buffers' dtype for the `kv_cache_dtype` setting: "auto" is the model's dtype;
-    refused where no write path quantises (CUDA), before any weight is loaded."""
+    checked before any weight is loaded (the attention backend checks its kernels take it)."""
     if setting == "auto":
         return model_dtype
     if setting not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: unknown {setting!r}; choose from {['auto', *KV_CACHE_DTYPES]}")
-    dtype = KV_CACHE_DTYPES[setting]
-    kv_writer(device, dtype)
-    return dtype
+    return KV_CACHE_DTYPES[setting]
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -50,7 +42,7 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     any other dtype holds x cast (no scale)."""
     if dtype != FP8_E4M3:
         return x.to(dtype)
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)  # as the Triton writers
 
 
 def write_kv_torch(
@@ -70,6 +62,8 @@ def _triton_kernel():
     import triton
     import triton.language as tl
 
+    from attention.kernels.fp8 import fp8_saturate
+
     @triton.jit
     def write_kv(
         buf,
@@ -82,8 +76,11 @@ def _triton_kernel():
         stride_vh,
         page_size,
         num_heads,
+        k_inv_scale,
+        v_inv_scale,
         head_dim: tl.constexpr,
         block_d: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -93,10 +90,13 @@ def _triton_kernel():
         mask = d < head_dim
         head_block = page_size * head_dim
         dst = page * (2 * num_heads * head_block) + h * head_block + offset * head_dim + d
-        tl.store(buf + dst, tl.load(k + t * stride_kt + h * stride_kh + d, mask=mask), mask=mask)
-        tl.store(
-            buf + dst + num_heads * head_block, tl.load(v + t * stride_vt + h * stride_vh + d, mask=mask), mask=mask
-        )
+        kk = tl.load(k + t * stride_kt + h * stride_kh + d, mask=mask)
+        vv = tl.load(v + t * stride_vt + h * stride_vh + d, mask=mask)
+        if FP8:
+            kk = fp8_saturate(kk, k_inv_scale)
+            vv = fp8_saturate(vv, v_inv_scale)
+        tl.store(buf + dst, kk.to(buf.dtype.element_ty), mask=mask)
+        tl.store(buf + dst + num_heads * head_block, vv.to(buf.dtype.element_ty), mask=mask)
 
     return write_kv, triton.next_power_of_2
 
@@ -104,12 +104,13 @@ def _triton_kernel():
 def write_kv_cuda(
     buf: torch.Tensor, locs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
 ) -> None:
-    if buf.dtype == FP8_E4M3:  # the kernel casts; it does not quantise with the scales
-        raise ValueError(CUDA_FP8_REFUSAL)
     tokens, num_heads, head_dim = k.shape
     if tokens == 0:
         return
-    if k.dtype != buf.dtype or v.dtype != buf.dtype or k.stride(2) != 1 or v.stride(2) != 1:
+    fp8 = buf.dtype == FP8_E4M3
+    if fp8:  # quantised in the kernel from the model's dtype
+        k, v = k.contiguous() if k.stride(2) != 1 else k, v.contiguous() if v.stride(2) != 1 else v
+    elif k.dtype != buf.dtype or v.dtype != buf.dtype or k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.to(buf.dtype).contiguous(), v.to(buf.dtype).contiguous()
     kernel, next_pow2 = _triton_kernel()
     kernel[(tokens, num_heads)](
@@ -123,17 +124,17 @@ def write_kv_cuda(
         v.stride(1),
         buf.shape[3],
         num_heads,
+        1.0 / k_scale,
+        1.0 / v_scale,
         head_dim,
         next_pow2(head_dim),
+        fp8,
     )
 
 
 KV_WRITERS: dict[str, KVWrite] = {"cpu": write_kv_torch, "cuda": write_kv_cuda}
 
 
-def kv_writer(device: torch.device | str, dtype: torch.dtype | None = None) -> KVWrite:
-    """The writer of KV buffers of `dtype` on `device`; an FP8 buffer on CUDA is refused."""
-    kind = torch.device(device).type
-    if kind == "cuda" and dtype == FP8_E4M3:
-        raise ValueError(CUDA_FP8_REFUSAL)
-    return KV_WRITERS.get(kind, write_kv_torch)
+def kv_writer(device: torch.device | str) -> KVWrite:
+    """The writer of KV buffers on `device` (any dtype the pools hold)."""
+    return KV_WRITERS.get(torch.device(device).type, write_kv_torch)

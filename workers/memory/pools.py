@@ -69,7 +69,7 @@ class MHAPool:
     ) -> None:
         """`layers`: KV layer id -> (KV heads, head size); `scales`: KV layer id -> (K scale,
         V scale) of an FP8 pool (default 1.0; a pool in the model's dtype has none)."""
-        self._write = kv_writer(device, dtype)  # first: refuses what no writer of the device stores
+        self._write = kv_writer(device)
         self.page_size = page_size
         self.num_pages = num_pages  # page ids; buffers hold one more (padding page 0)
         self._index = {layer_id: i for i, layer_id in enumerate(layers)}

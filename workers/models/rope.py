@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.fp8 import fp8_saturate
 from attention.kernels.launch import pdl_options, pdl_start
 from attention.kv_pool import FP8_E4M3
-from workers.memory.kv_write import CUDA_FP8_REFUSAL
 from workers.models.sandwich_norm import scaled
 
 
@@ -47,12 +47,15 @@ def _rope_kernel(
     stride_page,
     stride_kv,
     stride_head,
+    k_inv_scale,
+    v_inv_scale,
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     NORM: tl.constexpr,  # 0: none; 1: RMSNorm scaled by w (Qwen 3); 2: by 1 + w (Gemma 3)
     WRITE_KV: tl.constexpr,  # keys go to the paged cache at k_out (with v), not to a [T, Hk, D] tensor
+    FP8: tl.constexpr,  # the cache is FP8: keys and values quantised with their scales (`fp8.py`)
     PDL: tl.constexpr,
 ):
     """Program (t, h): head h of token t, a query head for h < q_heads, else a key head."""
@@ -61,20 +64,12 @@ def _rope_kernel(
     h = tl.program_id(1)
     j = tl.arange(0, BLOCK_DIM)
     pos = tl.load(pos_ptr + t).to(tl.int64)  # first: the cos/sin loads wait for it
-    if h < q_heads:
+    is_query = h < q_heads
+    if is_query:
         src = q_ptr + t.to(tl.int64) * stride_qt + h * stride_qh
-        dst = q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM
         norm_w = q_norm_ptr
     else:
         src = k_ptr + t.to(tl.int64) * stride_kt + (h - q_heads) * stride_kh
-        if WRITE_KV:
-            loc = tl.load(locs_ptr + t).to(tl.int64)
-            dst = k_out + (loc // page_size) * stride_page + (h - q_heads) * stride_head + (loc % page_size) * HEAD_DIM
-            v_src = v_ptr + t.to(tl.int64) * stride_vt + (h - q_heads) * stride_vh
-            in_head = j < HEAD_DIM
-            tl.store(dst + stride_kv + j, tl.load(v_src + j, mask=in_head).to(dst.dtype.element_ty), mask=in_head)
-        else:
-            dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
         norm_w = k_norm_ptr
     half: tl.constexpr = ROTARY // 2
     i = tl.arange(0, BLOCK_HALF)
@@ -86,20 +81,47 @@ def _rope_kernel(
     x1 = tl.load(src + i, mask=in_half, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + i, mask=in_half, other=0.0).to(tl.float32)
     xp = tl.load(src + j, mask=passes, other=0.0).to(tl.float32)
+    dtype = q_out.dtype.element_ty  # the model's
     if NORM:
         # the weights' loads go out with the head's, before the statistics wait for them
         w1 = tl.load(norm_w + i, mask=in_half, other=0.0)
         w2 = tl.load(norm_w + half + i, mask=in_half, other=0.0)
         wp = tl.load(norm_w + j, mask=passes, other=0.0)
         rstd = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2) + tl.sum(xp * xp)) / HEAD_DIM + eps)
-        dtype = dst.dtype.element_ty
         x1 = scaled(x1 * rstd, w1, NORM == 2, dtype).to(tl.float32)
         x2 = scaled(x2 * rstd, w2, NORM == 2, dtype).to(tl.float32)
         xp = scaled(xp * rstd, wp, NORM == 2, dtype).to(tl.float32)
-    tl.store(dst + i, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=in_half)
-    tl.store(dst + half + i, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=in_half)
+    # rounded to the model's dtype as the torch op's rotated head is (an FP8 cache quantises that)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    yp = xp.to(dtype)
+    if is_query:
+        q_dst = q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM
+        _store_head(q_dst, y1, y2, yp, i, j, in_half, passes, ROTARY, HEAD_DIM)
+    elif WRITE_KV:
+        loc = tl.load(locs_ptr + t).to(tl.int64)
+        dst = k_out + (loc // page_size) * stride_page + (h - q_heads) * stride_head + (loc % page_size) * HEAD_DIM
+        value = tl.load(v_ptr + t.to(tl.int64) * stride_vt + (h - q_heads) * stride_vh + j, mask=j < HEAD_DIM)
+        if FP8:  # new names: a branch may not change a variable's type
+            v_out = fp8_saturate(value, v_inv_scale)
+            k1, k2, kp = fp8_saturate(y1, k_inv_scale), fp8_saturate(y2, k_inv_scale), fp8_saturate(yp, k_inv_scale)
+        else:
+            v_out, k1, k2, kp = value, y1, y2, yp
+        tl.store(dst + stride_kv + j, v_out.to(dst.dtype.element_ty), mask=j < HEAD_DIM)
+        _store_head(dst, k1, k2, kp, i, j, in_half, passes, ROTARY, HEAD_DIM)
+    else:
+        dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
+        _store_head(dst, y1, y2, yp, i, j, in_half, passes, ROTARY, HEAD_DIM)
+
+
+@triton.jit
+def _store_head(dst, y1, y2, yp, i, j, in_half, passes, ROTARY: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A rotated head at `dst`: the rotary halves, then the features past them, in dst's dtype."""
+    half: tl.constexpr = ROTARY // 2
+    tl.store(dst + i, y1.to(dst.dtype.element_ty), mask=in_half)
+    tl.store(dst + half + i, y2.to(dst.dtype.element_ty), mask=in_half)
     if ROTARY < HEAD_DIM:
-        tl.store(dst + j, xp.to(dst.dtype.element_ty), mask=passes)
+        tl.store(dst + j, yp.to(dst.dtype.element_ty), mask=passes)
 
 
 def rope(
@@ -114,13 +136,11 @@ def rope(
     view with any token and head strides and unit stride along D. `cos_sin_cache`: float32
     `[max_positions, rotary_dim]`, cos then sin. `norms`: (q weight, k weight, eps, gemma) of
     per-head RMSNorms applied first. `kv`: (paged cache `[pages, 2, Hk, page, D]`, slots, v,
-    scales): the rotated keys and v are written to the cache at the slots instead (k comes back
-    None); the kernel casts them to the cache's dtype and writes no FP8 cache (it does not
-    quantise with the scales: `kv_cache_dtype: fp8_e4m3` is refused on CUDA at start-up)."""
+    (K scale, V scale)): the rotated keys and v are written to the cache at the slots instead (k
+    comes back None), cast to the cache's dtype, or quantised with the scales into an FP8 cache
+    exactly as `workers.memory.kv_write.quantize` does."""
     if kv is not None and k is None:
         raise ValueError("rope: a KV destination needs the keys to write")
-    if kv is not None and kv[0].dtype == FP8_E4M3:
-        raise ValueError(CUDA_FP8_REFUSAL)
     tokens, q_heads, head_dim = q.shape
     k_heads = 0 if k is None else k.shape[1]
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -132,7 +152,8 @@ def rope(
     rotary = cos_sin_cache.shape[-1]
     kk = q if k is None else k  # no key heads: never read
     q_w, k_w, eps, gemma = norms or (q, None, 0.0, False)  # no norms: weights never read
-    kv_cache, locs, v, _ = kv or (q_out if k_out is None else k_out, positions, q, None)  # no cache: never written
+    no_cache = (q_out if k_out is None else k_out, positions, q, (1.0, 1.0))  # never written
+    kv_cache, locs, v, scales = kv or no_cache
     if kv and (v.stride(-1) != 1 or kv_cache.stride(3) != head_dim or kv_cache.stride(4) != 1):
         raise ValueError("rope: v and the cache's heads need unit stride along the head dimension")
     v2 = v.view(tokens, k_heads, head_dim) if kv else v
@@ -160,12 +181,15 @@ def rope(
         kv_cache.stride(0),
         kv_cache.stride(1) if kv else 0,
         kv_cache.stride(2) if kv else 0,
+        1.0 / scales[0],
+        1.0 / scales[1],
         HEAD_DIM=head_dim,
         ROTARY=rotary,
         BLOCK_HALF=triton.next_power_of_2(rotary // 2),
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         NORM=0 if norms is None else 2 if gemma else 1,
         WRITE_KV=kv is not None,
+        FP8=kv is not None and kv_cache.dtype == FP8_E4M3,
         **pdl_options(tokens * (q_heads + k_heads)),
     )
     return q_out, k_out
