@@ -225,7 +225,7 @@ class SpecWorker:
         `accepted` on the device. None (the next round verifies) without a graph for it, when a
         request may read its logits, or without room for the furthest outcome."""
         k = self.num_steps
-        if not self.verify_ahead or any(r.sampling.return_logits for r in reqs):
+        if not self.verify_ahead or any(r.sampling.reads_logits for r in reqs):
             return None
         firsts = [r.num_tokens for r in reqs]  # the next pending token's position, nothing accepted
         ends = [f + 2 * k + 1 for f in firsts]  # the furthest outcome: k accepted, k + 1 positions on
