@@ -92,6 +92,61 @@ TINY_MODELS = {
             final_logit_softcapping=30.0,
         ),
     ),
+    # Gemma 4's mixture of experts beside every layer's MLP (as in 26B-A4B) on the model above:
+    # 8 experts, 2 a token.
+    "gemma4_moe": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=256,
+            final_logit_softcapping=30.0,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
+    # gpt-oss: sliding and full layers alternating, sinks, biases, YaRN, 8 experts (2 a token)
+    # whose SwiGLU clamp (0.5) the activations reach.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size=32,
+            sliding_window=WINDOW,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            swiglu_limit=0.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+    ),
+}
+
+# Parameters transformers initialises at zero or one, perturbed so that they are tested too:
+# model -> (parameter-name ending, noise std).
+PERTURB = {
+    "gemma4_moe": (("router.scale", 0.3), ("per_expert_scale", 0.3)),
+    "gpt_oss": (("sinks", 1.0), ("bias", 0.02), ("router.weight", 0.3)),
 }
 
 
@@ -109,6 +164,10 @@ def make_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> tran
         for pname, b in model.named_buffers():
             if pname.endswith("layer_scalar"):
                 b.add_(torch.randn_like(b) * 0.1)
+        for pname, p in model.named_parameters():
+            for ending, std in PERTURB.get(name, ()):
+                if pname.endswith(ending):
+                    p.add_(torch.randn_like(p) * std)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     model.config._attn_implementation = "eager"

@@ -236,10 +236,6 @@ def test_random_weights_keep_layer_scalars_at_identity(reference, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (
-            {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
-            "enable_moe_block True is not supported",
-        ),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention 'all' is not supported"),
         ({"vocab_size_per_layer_input": 128}, "vocab_size_per_layer_input 128 is below vocab_size 256"),
         ({"num_kv_shared_layers": 6}, r"num_kv_shared_layers: must be an integer in \[0, 6\)"),

@@ -4,8 +4,8 @@ replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV hea
 wave reuses the first's prefixes: every rank's prefix cache makes the same hits, and after a
 flush broadcast in the plan every rank's pools end full. Gemma 4 (two attention geometries, KV
 sharing, per-layer embeddings) on two ranks too, also drafted by its assistant (sharded, reading
-each rank's shard of the target's KV). The same runs on GPUs with NCCL are in
-test_gpu_tensor_parallel.py."""
+each rank's shard of the target's KV), and the mixtures of experts of Gemma 4 and gpt-oss. The
+same runs on GPUs with NCCL are in test_gpu_tensor_parallel.py."""
 
 import datetime
 import os
@@ -164,6 +164,24 @@ def test_gemma4_tensor_parallel_matches_one_rank(tmp_path, draft):
     if draft:
         assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]
         assert any(n > 1 for o in ref for n in o.spec.accept_lengths)
+
+
+@pytest.mark.parametrize("name", ["gemma4_moe", "gpt_oss"])
+def test_mixture_of_experts_tensor_parallel_matches_one_rank(tmp_path, name):
+    """Experts split by their intermediate dimension over two ranks (the router on every rank,
+    gpt-oss's down-projection bias added by one rank), gpt-oss's sinks split with the heads: the
+    same tokens as one rank."""
+    path = str(tmp_path / name)
+    make_tiny_model(name, path)
+    kwargs = dict(
+        model=path, page_size=16, chunked_prefill_size=8, max_total_tokens=2048, attention_backend="trtllm_mha"
+    )
+    single = Engine(**kwargs)
+    ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
+    ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
+    got = run_tp(2, kwargs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in ref]
 
 
 def test_tp_all_reduce_setting_is_checked(model_dirs):

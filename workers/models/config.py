@@ -4,7 +4,9 @@ Architectures differ by a handful of switches (biases, q/k norms, Gemma's sandwi
 soft-caps); those live in the `ARCHITECTURES` table instead of in branches across the code.
 Each layer's attention geometry (window, RoPE variant, head size, KV heads, the layer whose KV
 it reads) is data in `LayerConfig`: Gemma 4 mixes two geometries in one model and lets its
-last layers read earlier layers' KV (docs/design.md §4.6).
+last layers read earlier layers' KV (docs/design.md §4.6). A mixture of experts is data too
+(`MoEConfig`, read by the family's `MoEStyle`): Gemma 4's and gpt-oss's differ in their router,
+activation, biases and checkpoint layout, not in how they run (docs/design.md §4.8).
 """
 
 from __future__ import annotations
@@ -22,6 +24,50 @@ from workers.models.geometry import global_field, kv_layers, layer_geometry
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEStyle:
+    """How one family's config states its mixture of experts, and the block's fixed traits."""
+
+    experts: str  # config field: how many experts
+    top_k: str  # config field: experts a token is routed to
+    width: str  # config field: each expert's intermediate size
+    switch: str | None = None  # config field turning the block on (Gemma 4); None: every layer has one
+    activation: str | None = None  # the experts' activation; None: the config's hidden activation
+    router_norm: bool = False  # Gemma 4: the router reads an RMS-normalised, scaled input and scales each expert
+    bias: bool = False  # gpt-oss: the router and the experts carry biases
+    layout: str = "packed"  # the checkpoint's expert tensors (`workers.models.moe.LAYOUTS`)
+
+
+GEMMA4_MOE = MoEStyle(
+    "num_experts", "top_k_experts", "moe_intermediate_size", switch="enable_moe_block", router_norm=True
+)
+GPT_OSS_MOE = MoEStyle(
+    "num_local_experts",
+    "num_experts_per_tok",
+    "intermediate_size",
+    activation="swiglu_clamped",
+    bias=True,
+    layout="interleaved_transposed",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Each MoE layer's experts: `top_k` of `num_experts` gated MLPs `intermediate_size` wide per
+    token, with the family's router and activation (`swiglu_alpha`/`swiglu_limit`: gpt-oss's
+    clamped SwiGLU)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    activation: str
+    router_norm: bool
+    bias: bool
+    layout: str
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ArchSpec:
     """How one Hugging Face architecture differs from a plain Llama decoder."""
 
@@ -35,6 +81,9 @@ class ArchSpec:
     attention_scale: float | None = None  # query scale whatever the head size (Gemma 4: 1; its q/k norms scale)
     model: str = "decoder"  # the module that builds it (`workers.models.loader.MODELS`)
     text_prefix: str | None = None  # multimodal checkpoints: the text model's tensors sit under `model.<prefix>.`
+    sinks: bool = False  # a learned sink logit per attention head (gpt-oss)
+    moe: MoEStyle | None = None  # how the config states a mixture of experts, if the family has one
+    quantizations: tuple[str, ...] = ()  # checkpoint `quantization_config.quant_method`s it loads
 
     @property
     def norm_one_plus(self) -> bool:
@@ -50,9 +99,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma2ForCausalLM": ArchSpec(gemma=True),
     "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),
 }
-GEMMA4 = ArchSpec(qk_norm=True, gemma=True, one_plus_norms=False, v_norm=True, attention_scale=1.0, model="gemma4")
+GEMMA4 = ArchSpec(
+    qk_norm=True, gemma=True, one_plus_norms=False, v_norm=True, attention_scale=1.0, model="gemma4", moe=GEMMA4_MOE
+)
 ARCHITECTURES["Gemma4ForCausalLM"] = GEMMA4
 ARCHITECTURES["Gemma4ForConditionalGeneration"] = dataclasses.replace(GEMMA4, text_prefix="language_model")
+ARCHITECTURES["GptOssForCausalLM"] = ArchSpec(sinks=True, model="gpt_oss", moe=GPT_OSS_MOE, quantizations=("mxfp4",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +155,8 @@ class ModelConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
     double_wide_mlp: bool = False  # layers reading another layer's KV have MLPs twice as wide (Gemma 4)
+    moe: MoEConfig | None = None  # every layer's mixture of experts, or None
+    quantization: str | None = None  # the checkpoint's quant_method (mxfp4: experts dequantised at load)
 
     @property
     def layer_windows(self) -> dict[int, int | None]:
@@ -211,10 +265,53 @@ SIZES = (
     ("head_dim", False),
 )
 # Config switches with values slidespec does not implement: (field, values it serves, why).
-UNSUPPORTED = (
-    ("use_bidirectional_attention", (None, False, "vision"), "text tokens attend causally"),
-    ("enable_moe_block", (None, False), "mixture-of-experts layers are not implemented"),
-)
+UNSUPPORTED = (("use_bidirectional_attention", (None, False, "vision"), "text tokens attend causally"),)
+
+
+def _moe(hf: PretrainedConfig, arch: ArchSpec) -> MoEConfig | None:
+    """The experts of an architecture with a mixture of experts (when its switch is on), sizes
+    checked: positive, and no more experts chosen than exist."""
+    style = arch.moe
+    if style is None or (style.switch is not None and not getattr(hf, style.switch, False)):
+        return None
+    sizes = {}
+    for field in (style.experts, style.top_k, style.width):
+        value = getattr(hf, field, None)
+        if type(value) is not int or value < 1:
+            raise ValueError(
+                f"config.json: {field} must be a positive integer for a mixture of experts, got {value!r:.40}"
+            )
+        sizes[field] = value
+    if sizes[style.top_k] > sizes[style.experts]:
+        raise ValueError(
+            f"config.json: {style.top_k} {sizes[style.top_k]} exceeds {style.experts} {sizes[style.experts]}"
+        )
+    return MoEConfig(
+        num_experts=sizes[style.experts],
+        top_k=sizes[style.top_k],
+        intermediate_size=sizes[style.width],
+        activation=style.activation or getattr(hf, "hidden_activation", None) or hf.hidden_act,
+        router_norm=style.router_norm,
+        bias=style.bias,
+        layout=style.layout,
+        swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+    )
+
+
+def _quantization(top: PretrainedConfig, arch: ArchSpec, name: str) -> str | None:
+    """The checkpoint's `quantization_config.quant_method`, if the architecture loads it."""
+    quant = getattr(top, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' enum
+    if method not in arch.quantizations:
+        raise ValueError(
+            f"config.json: quantization_config.quant_method {method!r} is not supported for {name}; "
+            f"allowed: {list(arch.quantizations) or 'none (unquantised checkpoints)'}"
+        )
+    return method
 
 
 def model_config_from_hf(
@@ -283,6 +380,8 @@ def model_config_from_hf(
         per_layer_input_size=per_layer,
         per_layer_vocab_size=per_layer_vocab if per_layer else 0,
         double_wide_mlp=bool(getattr(hf, "use_double_wide_mlp", False)),
+        moe=_moe(hf, arch),
+        quantization=_quantization(top, arch, name),
     )
 
 

@@ -25,6 +25,7 @@ from workers.models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    head_param,
     rope_cache,
 )
 from workers.models.ops import QKNorms, float_logits, ops_for, scale_rows
@@ -45,7 +46,9 @@ class SelfAttention(nn.Module):
     `input_size` overrides the width fed to the q/k/v projection (EAGLE-3 feeds 2 x hidden).
     With `reads_kv_only`, or when the layer reads another layer's KV (`LayerConfig.kv_layer`:
     KV sharing), the layer has only a query projection and attends KV that layer wrote:
-    frozen-KV draft layers read layer `layer_id` of the target.
+    frozen-KV draft layers read layer `layer_id` of the target. Architectures with attention
+    sinks (gpt-oss) hold this rank's heads' sink logits (`sinks`), which every backend reads
+    from the `AttentionLayer`.
     """
 
     def __init__(
@@ -80,6 +83,9 @@ class SelfAttention(nn.Module):
             sliding_window=layer.sliding_window,
             logit_softcap=cfg.attn_logit_softcap,
         )
+        if cfg.arch.sinks:
+            self.sinks = head_param(cfg.num_heads, tp)
+            self.attn.sinks = self.sinks
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
         a = self.attn

@@ -16,7 +16,12 @@ What differs from Gemma 3, and where it lives:
   each layer whole (no output norm handed to the next layer's input norm).
 - The last `num_kv_shared_layers` layers have only a query projection and read the KV of an
   earlier layer (`SelfAttention` with `kv_layer`); with `use_double_wide_mlp` their MLPs are
-  twice as wide. A mixture-of-experts block would replace the `mlp` a layer is built with.
+  twice as wide.
+- With `enable_moe_block` (26B-A4B) every layer's MLP runs beside a mixture of experts
+  (`workers/models/moe.py`): the router reads the stream before the MLP, the experts its own
+  norm of it (`pre_feedforward_layernorm_2`), and the two branches, each normed
+  (`post_feedforward_layernorm_1`, `_2`), add up to the block's output, which the layer's
+  post-feedforward norm takes as it takes the dense MLP's.
 - Multimodal checkpoints (`Gemma4ForConditionalGeneration`) load their language model only.
 """
 
@@ -33,6 +38,7 @@ from workers.forward_batch import ForwardBatch
 from workers.models.config import ModelConfig
 from workers.models.decoder import MLP, CausalLM, DecoderLayer, DecoderModel, RopeInputs, load_weights, stream
 from workers.models.layers import ReplicatedLinear, RMSNorm, VocabParallelEmbedding, default_weight_loader
+from workers.models.moe import Experts, Router
 from workers.models.ops import ops_for, scale_rows
 
 logger = logging.getLogger(__name__)
@@ -60,12 +66,22 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.layer_scalar.weight_loader = default_weight_loader  # type: ignore[attr-defined]
         self.layer_scalar.identity = 1.0  # type: ignore[attr-defined]  # its value in random-weight models
+        if cfg.moe is not None:
+            self.router = Router(h, cfg.moe, eps)
+            self.experts = Experts(h, cfg.moe, tp)
+            one_plus = cfg.arch.norm_one_plus
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps, one_plus)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps, one_plus)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps, one_plus)
 
     def forward(  # type: ignore[override]
         self, hidden: torch.Tensor, per_layer_input: torch.Tensor | None, rope: RopeInputs, batch: ForwardBatch
     ) -> torch.Tensor:
         """The residual stream after this layer, from the stream before it."""
         out, residual = super().forward(hidden, None, rope, batch)
+        if hasattr(self, "experts"):
+            experts = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
         hidden = stream(out, residual, self.post_feedforward_layernorm)
         if per_layer_input is not None:
             gate = self.per_layer_input_gate(hidden)

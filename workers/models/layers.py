@@ -17,13 +17,13 @@ from workers.memory.allocator import cdiv
 from workers.models.ops import ops_for
 
 
-def _param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
+def weight_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     return p
 
 
-def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     """The whole checkpoint tensor against the shape the config implies, before any rank takes
     its slice (a larger tensor would otherwise slice cleanly into wrong weights)."""
     if tuple(loaded.shape) != tuple(expected):
@@ -31,8 +31,22 @@ def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-    _check_shape(loaded, param.shape)
+    check_shape(loaded, param.shape)
     param.data.copy_(loaded)
+
+
+def head_param(num_heads: int, tp: TPGroup, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+    """One value per attention head (gpt-oss's sink logits, float32 as the kernels read them):
+    this rank's heads of the checkpoint's vector."""
+    local = num_heads // tp.size
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        check_shape(loaded, (num_heads,))
+        param.data.copy_(loaded.narrow(0, tp.rank * local, local))
+
+    p = nn.Parameter(torch.zeros(local, dtype=dtype), requires_grad=False)
+    p.weight_loader = load  # type: ignore[attr-defined]
+    return p
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -44,10 +58,10 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.shard = cdiv(vocab_size, tp.size)
         self.start = tp.rank * self.shard
-        self.weight = _param((self.shard, hidden_size), self._load)
+        self.weight = weight_param((self.shard, hidden_size), self._load)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        _check_shape(loaded, (self.vocab_size, param.shape[1]))
+        check_shape(loaded, (self.vocab_size, param.shape[1]))
         rows = loaded[self.start : self.start + self.shard]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
@@ -84,8 +98,8 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [self._local_size(i, size) for i, size in enumerate(output_sizes)]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
         out = sum(self.local_sizes)
-        self.weight = _param((out, input_size), self._load)
-        self.bias = _param((out,), self._load) if bias else None
+        self.weight = weight_param((out, input_size), self._load)
+        self.bias = weight_param((out,), self._load) if bias else None
 
     def _local_size(self, shard: int, size: int) -> int:
         if size % self.tp.size:
@@ -98,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         idx = self._shard_index(shard_id)
-        _check_shape(loaded, (self.output_sizes[idx], *param.shape[1:]))
+        check_shape(loaded, (self.output_sizes[idx], *param.shape[1:]))
         param.data.narrow(0, self.offsets[idx], self.local_sizes[idx]).copy_(self._rows(idx, loaded))
 
     def _shard_index(self, shard_id: int | str | None) -> int:
@@ -192,11 +206,11 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp.size}")
         self.tp = tp
         self.local_in = input_size // tp.size
-        self.weight = _param((output_size, self.local_in), self._load)
-        self.bias = _param((output_size,), default_weight_loader) if bias else None
+        self.weight = weight_param((output_size, self.local_in), self._load)
+        self.bias = weight_param((output_size,), default_weight_loader) if bias else None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        _check_shape(loaded, (param.shape[0], self.local_in * self.tp.size))
+        check_shape(loaded, (param.shape[0], self.local_in * self.tp.size))
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,8 +223,8 @@ class ReplicatedLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
-        self.weight = _param((output_size, input_size), default_weight_loader)
-        self.bias = _param((output_size,), default_weight_loader) if bias else None
+        self.weight = weight_param((output_size, input_size), default_weight_loader)
+        self.bias = weight_param((output_size,), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops_for(x).linear(x, self.weight, self.bias)
@@ -226,7 +240,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.gemma = gemma
         if scaled:
-            self.weight = _param((size,), default_weight_loader)
+            self.weight = weight_param((size,), default_weight_loader)
         else:
             self.register_buffer("weight", torch.empty(size), persistent=False)
         self.reset_parameters()

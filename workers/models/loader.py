@@ -19,12 +19,17 @@ from workers.distributed import SINGLE_RANK, TPGroup
 from workers.models.config import ModelConfig
 from workers.models.decoder import CausalLM
 from workers.models.gemma4 import Gemma4CausalLM
+from workers.models.gpt_oss import GptOssCausalLM
 from workers.models.layers import RMSNorm
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-MODELS: dict[str, type[CausalLM]] = {"decoder": CausalLM, "gemma4": Gemma4CausalLM}  # by `ArchSpec.model`
+MODELS: dict[str, type[CausalLM]] = {  # by `ArchSpec.model`
+    "decoder": CausalLM,
+    "gemma4": Gemma4CausalLM,
+    "gpt_oss": GptOssCausalLM,
+}
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -71,15 +76,16 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
-    """Normal(0, std) matrices, zero biases, norms and scalars (`identity`) at their identity;
-    drawn on the parameters' device (a GPU fills an 8B model in a moment)."""
+    """Normal(0, std) matrices (a `weight`, or any parameter of two or more dimensions: stacked
+    experts), zero biases, norms and scalars (`identity`) at their identity; drawn on the
+    parameters' device (a GPU fills an 8B model in a moment)."""
     gens: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.reset_parameters()
             continue
         for name, param in module.named_parameters(recurse=False):
-            if name != "weight":
+            if name != "weight" and param.dim() < 2:
                 param.data.fill_(getattr(param, "identity", 0.0))
                 continue
             gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))

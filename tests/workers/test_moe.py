@@ -1,0 +1,241 @@
+"""Mixtures of experts against Hugging Face transformers, float32 on CPU.
+
+Two tiny random models (`tests/hf_models.py`): Gemma 4 with its MoE block beside every layer's
+MLP (26B-A4B's layer, on the tiny Gemma 4 with both geometries, KV sharing and per-layer
+embeddings; router scales perturbed off one), and gpt-oss (sliding and full layers alternating,
+random non-zero sinks, attention and expert biases, YaRN, experts whose SwiGLU clamp the
+activations reach). Greedy tokens equal `generate`'s and every generated token's logits are within
+float32 noise of the full forward's, on both attention backends (the CPU reference kernels behind
+trtllm_mha), page sizes 16 and 64, prompts past the window; every expert of every layer is chosen
+by some token; no KV leaks. gpt-oss loads from an MXFP4 checkpoint made by quantising it in
+OpenAI's format (transformers' own dequantisation of the file is the reference) and verifies a
+standalone draft's tokens under emulated graphs. The routing never reads the device back: the
+block runs on fake tensors, whose values no one can read.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tests.draft_models import make_perturbed_copy
+from tests.hf_models import COMMON, TINY_MODELS, WINDOW, make_tiny_model, random_prompts
+from workers.distributed import SINGLE_RANK
+from workers.engine import Engine, SamplingParams
+from workers.models.config import model_config_from_hf
+from workers.models.moe import Experts, Router, SparseMoE
+from workers.models.mxfp4 import FP4_VALUES, SCALE_BIAS
+
+NEW_TOKENS = 16
+PROMPTS = random_prompts([40, WINDOW + 3, 2 * WINDOW + 1], seed=3)
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True)
+MODELS = ["gemma4_moe", "gpt_oss"]
+
+
+def hf_reference(model: transformers.PreTrainedModel, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """(greedy continuation, logits of every generated token) of each prompt, the experts run by
+    transformers' plain loop over them."""
+    model.set_experts_implementation("eager")
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+            logits = model(gen[:, :-1]).logits[0].float()[len(prompt) - 1 :]
+            out.append((gen[0, len(prompt) :].tolist(), logits))
+    return out
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def reference(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    return request.param, path, hf_reference(make_tiny_model(request.param, path), PROMPTS)
+
+
+def assert_matches(outs, expected, what: str) -> None:
+    for i, (out, (tokens, logits)) in enumerate(zip(outs, expected)):
+        diff = (torch.stack(out.logits) - logits).abs().max().item()
+        assert diff <= 1e-4, f"{what} prompt {i}: max |logit diff| {diff:.2e}"
+        assert out.token_ids == tokens, f"{what} prompt {i}: greedy tokens differ from transformers"
+
+
+def record_routes(model: torch.nn.Module) -> dict[str, set[int]]:
+    """Every expert each router chooses from now on, by router."""
+    chosen: dict[str, set[int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Router):
+            seen = chosen.setdefault(name, set())
+            module.register_forward_hook(lambda m, args, out, seen=seen: seen.update(out[1].flatten().tolist()))
+    return chosen
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "trtllm_mha"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_matches_transformers(reference, backend, page_size):
+    name, path, expected = reference
+    eng = Engine(
+        model=path,
+        dtype="float32",
+        page_size=page_size,
+        attention_backend=backend,
+        max_total_tokens=4096,
+        chunked_prefill_size=16,
+    )
+    chosen = record_routes(eng.runner.model)
+    assert_matches(eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY), expected, f"{name} {backend} {page_size}")
+    experts = eng.cfg.moe.num_experts
+    assert len(chosen) == eng.cfg.num_layers
+    assert all(seen == set(range(experts)) for seen in chosen.values()), {k: sorted(v) for k, v in chosen.items()}
+    eng.check_no_leak()
+
+
+@pytest.mark.parametrize("reference", ["gpt_oss"], indirect=True)
+def test_draft_verify_routes_every_token_under_emulated_graphs(reference, tmp_path):
+    """A perturbed copy drafting for gpt-oss: every verify forward routes its tokens (several a
+    request) independently, and the tokens stay transformers'."""
+    name, path, expected = reference
+    copy = make_perturbed_copy(path, str(tmp_path / "copy"), noise=0.05)
+    eng = Engine(
+        model=path,
+        dtype="float32",
+        page_size=16,
+        attention_backend="trtllm_mha",
+        max_total_tokens=4096,
+        speculative={"algorithm": "standalone", "draft_model": copy, "num_steps": 3},
+        cuda_graphs="emulate",
+        max_running_requests=4,
+    )
+    outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+    assert_matches(outs, expected, f"{name} drafted")
+    lengths = [n for o in outs for n in o.spec.accept_lengths]
+    assert sum(lengths) / len(lengths) > 1.2, lengths
+    eng.check_no_leak()
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenAI's MXFP4 of a `[..., rows, cols]` matrix: per 32 values of a row an E8M0 scale (the
+    power of two that brings the largest magnitude to at most 6, biased by 127) and E2M1 codes
+    rounded to the nearest value, two a byte with the even column in the low nibble:
+    (blocks `[..., rows, cols / 32, 16]`, scales `[..., rows, cols / 32]`)."""
+    groups = weight.float().unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0))
+    magnitudes = torch.tensor(FP4_VALUES[:8])
+    scaled = groups / torch.exp2(exp)
+    code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    pairs = code.to(torch.uint8).unflatten(-1, (16, 2))
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    return blocks, (exp[..., 0] + SCALE_BIAS).to(torch.uint8)
+
+
+def test_mxfp4_checkpoint_gives_the_dequantised_models_tokens(tmp_path):
+    """A random gpt-oss with its experts quantised to MXFP4 (`*_blocks`, `*_scales`, the config's
+    quantization_config) loads, dequantised, and gives the tokens and logits of transformers'
+    model dequantising the same file; transformers' weights are the originals within FP4's error,
+    so the file is in its format."""
+    path = str(tmp_path / "gpt_oss")
+    original = make_tiny_model("gpt_oss", path)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(weights.pop(name).transpose(1, 2))  # stored [E, in, out]: rows are outputs
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    hf.config._attn_implementation = "eager"
+    for layer, ref in zip(hf.model.layers, original.model.layers):
+        for part in ("gate_up_proj", "down_proj"):
+            got, want = getattr(layer.mlp.experts, part), getattr(ref.mlp.experts, part)
+            err = (got - want).abs().max() / want.abs().max()
+            assert 0 < err <= 0.25, f"{part}: transformers dequantised the file to {err:.3f} of the original's range"
+    expected = hf_reference(hf, PROMPTS)
+    eng = Engine(model=path, dtype="float32", page_size=16, attention_backend="trtllm_mha", max_total_tokens=2048)
+    assert eng.cfg.quantization == "mxfp4"
+    sinks = [layer.self_attn.attn.sinks for layer in eng.runner.model.model.layers]
+    assert all(s.dtype == torch.float32 and s.shape == (COMMON["num_attention_heads"],) for s in sinks)
+    assert min(s.abs().min().item() for s in sinks) > 0, "every head's sink is random and non-zero"
+    assert_matches(eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY), expected, "mxfp4")
+    eng.check_no_leak()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_routing_reads_nothing_back_from_the_device(name):
+    """Router and experts on fake tensors (no values at all): a forward that read a routing
+    result back to the host (`.item()`, `.tolist()`, a data-dependent shape) would raise here,
+    and a CUDA graph could not capture it."""
+    cfg = model_config_from_hf(tiny_config(name))
+    block = SparseMoE(cfg.hidden_size, cfg.moe, cfg.rms_norm_eps, SINGLE_RANK)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = block(torch.randn(5, cfg.hidden_size))
+    assert out.shape == (5, cfg.hidden_size)
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("gemma4_moe", {"top_k_experts": 9}, "top_k_experts 9 exceeds num_experts 8"),
+        ("gemma4_moe", {"moe_intermediate_size": None}, "moe_intermediate_size must be a positive integer"),
+        ("gpt_oss", {"num_local_experts": 0}, "num_local_experts must be a positive integer"),
+        ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
+        ("gemma4_moe", {"quantization_config": {"quant_method": "mxfp4"}}, "quant_method 'mxfp4' is not supported"),
+    ],
+)
+def test_configs_it_cannot_serve_are_refused_naming_the_field(name, change, message):
+    hf = tiny_config(name)
+    for field, value in change.items():
+        setattr(hf, field, value)
+    with pytest.raises(ValueError, match=message):
+        model_config_from_hf(hf)
+
+
+def test_experts_refuse_a_width_the_ranks_cannot_split():
+    cfg = model_config_from_hf(tiny_config("gpt_oss", intermediate_size=30))
+    with pytest.raises(ValueError, match="moe intermediate size 30 is not divisible by tp_size 4"):
+        Experts(cfg.hidden_size, cfg.moe, _FakeGroup(4))
+
+
+def tiny_config(name: str, **overrides) -> transformers.PretrainedConfig:
+    config_cls, model_cls, kwargs = TINY_MODELS[name]
+    hf = getattr(transformers, config_cls)(**{**COMMON, **kwargs, **overrides})
+    hf.architectures = [model_cls]
+    return hf
+
+
+class _FakeGroup:
+    """Rank 0 of a group of `size`, for building layers (no collective is called)."""
+
+    def __init__(self, size: int) -> None:
+        self.rank, self.size = 0, size
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_random_weights_fill_the_experts_and_keep_router_scales_at_one(name, tmp_path):
+    """`load_format="dummy"` (benchmarks): stacked expert matrices are drawn like any matrix, the
+    router's scales stay at one."""
+    tiny_config(name).save_pretrained(str(tmp_path))
+    eng = Engine(model=str(tmp_path), load_format="dummy", page_size=16, max_total_tokens=512)
+    routers = [m for m in eng.runner.model.modules() if isinstance(m, Router)]
+    experts = [m for m in eng.runner.model.modules() if isinstance(m, Experts)]
+    assert len(routers) == len(experts) == eng.cfg.num_layers
+    assert all(e.gate_up_proj.std() > 0 and e.down_proj.std() > 0 for e in experts)
+    assert all(float(r.per_expert_scale.min()) == 1.0 == float(r.scale.max()) for r in routers if r.norm is not None)
+    (out,) = eng.generate(prompt_token_ids=PROMPTS[1:2], sampling=SamplingParams(max_new_tokens=4))
+    assert len(out.token_ids) == 4
+    eng.check_no_leak()

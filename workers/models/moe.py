@@ -1,0 +1,184 @@
+"""The mixture-of-experts block of Gemma 4 (26B-A4B) and gpt-oss (docs/design.md §4.8).
+
+A router scores every expert for each token and keeps the `top_k` best; the token's output is
+the routing-weighted sum of those experts, each a gated MLP. The two families differ only in
+data (`MoEConfig`):
+
+| | Gemma 4 | gpt-oss |
+| --- | --- | --- |
+| router input | RMS-normed (no weight), x learned scale x hidden^-1/2 | the MLP's input |
+| router | softmax over all, top-k, renormalised, x per-expert scale | logits + bias, top-k, softmax |
+| experts | `gelu_tanh(gate) * up` | clamped SwiGLU, biases |
+| gate/up in checkpoint | `[E, 2I, H]`, gate rows then up rows | `[E, H, 2I]`, gate and up alternating |
+| down in checkpoint | `[E, H, I]` | `[E, I, H]` |
+
+The two routers are one function: a softmax over all experts renormalised over the top k is the
+softmax of the top-k logits. Weights are held in one layout whatever the checkpoint's
+(`gate_up_proj [E, 2 * I/tp, H]` gate rows then up rows, `down_proj [E, H, I/tp]`): under tensor
+parallelism each rank keeps its slice of every expert's intermediate dimension (the column/row
+scheme of the dense MLP, `workers/models/layers.py`), and the partial outputs are all-reduced.
+
+The torch path below is the CPU path and the oracle of fused kernels: it runs every expert over
+every token, weighted by its routing weight (zero where not chosen), so its shapes never depend
+on the routing and nothing is read back to the host (a CUDA graph can capture it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from workers.distributed import TPGroup
+from workers.models.config import MoEConfig
+from workers.models.layers import ReplicatedLinear, RMSNorm, check_shape, default_weight_loader, weight_param
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a checkpoint stores the stacked expert matrices."""
+
+    transposed: bool  # [E, in, out] (the input multiplies from the left), not [E, out, in]
+    interleaved: bool  # gate and up alternate along the gate/up outputs, not all gates then all ups
+
+
+LAYOUTS = {"packed": Layout(False, False), "interleaved_transposed": Layout(True, True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """The experts' gated activation, `act(gate, up)` (alpha and limit: the clamped SwiGLU's)."""
+
+    name: str
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.name == "swiglu_clamped":
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return ACT2FN[self.name](gate) * up
+
+
+def route(
+    logits: torch.Tensor, top_k: int, expert_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights `[T, k]`, expert ids `[T, k]`): the softmax of each token's top-k logits,
+    times each chosen expert's scale where the router has them."""
+    top, ids = torch.topk(logits.float(), top_k, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    return (weights if expert_scale is None else weights * expert_scale[ids]), ids
+
+
+def experts_torch(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: Activation,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, experts in ascending order as transformers
+    adds them, accumulated in float32; every expert runs over every token and an unchosen one adds
+    zero, so no shape depends on the routing."""
+    num_experts = gate_up.shape[0]
+    combine = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device).scatter_(1, ids, weights)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        h = F.linear(x, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+        y = F.linear(act(*h.chunk(2, dim=-1)), down[e], None if down_bias is None else down_bias[e])
+        out += combine[:, e, None] * y
+    return out.to(x.dtype)
+
+
+class Router(nn.Module):
+    """Chooses each token's experts: `forward(x) -> (weights, ids)` (`route`)."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, eps: float) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.proj = ReplicatedLinear(hidden_size, moe.num_experts, bias=moe.bias)
+        self.input_scale = hidden_size**-0.5
+        self.norm = RMSNorm(hidden_size, eps, False, scaled=False) if moe.router_norm else None
+        if moe.router_norm:
+            self.scale = weight_param((hidden_size,), default_weight_loader)
+            self.per_expert_scale = weight_param((moe.num_experts,), default_weight_loader)
+            for p in (self.scale, self.per_expert_scale):
+                p.identity = 1.0  # type: ignore[attr-defined]  # its value in random-weight models
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.norm is None:
+            return route(self.proj(x), self.top_k)
+        x = self.norm(x) * self.scale * self.input_scale
+        return route(self.proj(x), self.top_k, self.per_expert_scale)
+
+
+class Experts(nn.Module):
+    """The stacked experts, each rank holding its slice of every expert's intermediate dimension;
+    `forward(x, weights, ids)` is the all-reduced weighted sum of the chosen experts' outputs. The
+    down projection's bias is whole on every rank and added by rank 0 alone, before the sum."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup) -> None:
+        super().__init__()
+        width = moe.intermediate_size
+        if width % tp.size:
+            raise ValueError(f"moe intermediate size {width} is not divisible by tp_size {tp.size}")
+        self.tp = tp
+        self.layout = LAYOUTS[moe.layout]
+        self.num_experts, self.hidden_size, self.width, self.local = (
+            moe.num_experts,
+            hidden_size,
+            width,
+            width // tp.size,
+        )
+        self.act = Activation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
+        e, h, n = moe.num_experts, hidden_size, self.local
+        self.gate_up_proj = weight_param((e, 2 * n, h), self._load_gate_up)
+        self.down_proj = weight_param((e, h, n), self._load_down)
+        self.gate_up_proj_bias = weight_param((e, 2 * n), self._load_gate_up) if moe.bias else None
+        self.down_proj_bias = weight_param((e, h), default_weight_loader) if moe.bias else None
+
+    def _canonical(self, loaded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The checkpoint tensor, its whole shape checked in the checkpoint's layout, as `shape`
+        (`[E, out, in]` matrices)."""
+        if self.layout.transposed and len(shape) == 3:
+            check_shape(loaded, (shape[0], shape[2], shape[1]))
+            return loaded.transpose(1, 2)
+        check_shape(loaded, shape)
+        return loaded
+
+    def _load_gate_up(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        shape = (self.num_experts, 2 * self.width, *param.shape[2:])
+        full = self._canonical(loaded, shape)
+        gate, up = (full[:, 0::2], full[:, 1::2]) if self.layout.interleaved else full.chunk(2, dim=1)
+        start = self.tp.rank * self.local
+        param.data.copy_(torch.cat([gate.narrow(1, start, self.local), up.narrow(1, start, self.local)], dim=1))
+
+    def _load_down(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        full = self._canonical(loaded, (self.num_experts, self.hidden_size, self.width))
+        param.data.copy_(full.narrow(2, self.tp.rank * self.local, self.local))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        down_bias = self.down_proj_bias if self.tp.rank == 0 else None
+        out = experts_torch(
+            x, self.gate_up_proj, self.down_proj, weights, ids, self.act, self.gate_up_proj_bias, down_bias
+        )
+        return self.tp.all_reduce(out)
+
+
+class SparseMoE(nn.Module):
+    """A feed-forward block that is only experts (gpt-oss's MLP): the router reads its input."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, eps: float, tp: TPGroup) -> None:
+        super().__init__()
+        self.router = Router(hidden_size, moe, eps)
+        self.experts = Experts(hidden_size, moe, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self.router(x))
