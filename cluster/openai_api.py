@@ -309,8 +309,10 @@ class OpenAIApi:
         except RequestFailed as failed:
             await events.aclose()
             status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1]
-            message, param = _openai_message(failed.message, _structured_names(parsed))  # e.g. a grammar's compile
-            return error_response(status, message, param if status == 400 else None, code=failed.code)
+            names = _structured_names(parsed)  # a grammar that did not compile is named as the client sent it
+            field = failed.message.partition(": ")[0].split(".")[0]
+            message, param = _openai_message(failed.message, names) if field in names else (failed.message, None)
+            return error_response(status, message, param, code=failed.code)
         return JSONResponse(response.whole())
 
 

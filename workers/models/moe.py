@@ -18,14 +18,20 @@ softmax of the top-k logits. Weights are held in one layout whatever the checkpo
 parallelism each rank keeps its slice of every expert's intermediate dimension (the column/row
 scheme of the dense MLP, `workers/models/layers.py`), and the partial outputs are all-reduced.
 
-The torch path below is the CPU path and the oracle of fused kernels: it runs every expert over
-every token, weighted by its routing weight (zero where not chosen), so its shapes never depend
-on the routing and nothing is read back to the host (a CUDA graph can capture it).
+The torch path below is the CPU path and the oracle of the CUDA kernels (`fused_moe.py`): it
+runs every expert over every token, weighted by its routing weight (zero where not chosen), so
+its shapes never depend on the routing and nothing is read back to the host (a CUDA graph can
+capture it). CUDA runs the kernels unless fused ops are off or autograd records
+(`workers/models/ops.py`), or `SLIDESPEC_FUSED_MOE=0`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib
+import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +41,7 @@ from transformers.activations import ACT2FN
 from workers.distributed import TPGroup
 from workers.models.config import MoEConfig
 from workers.models.layers import ReplicatedLinear, RMSNorm, check_shape, default_weight_loader, weight_param
+from workers.models.ops import FUSED_ENABLED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +64,19 @@ class Activation:
     limit: float = 7.0
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.name == "swiglu_clamped":
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return ACT2FN[self.name](gate) * up
+        special = GATED.get(self.name)
+        return special(gate, up, self) if special is not None else ACT2FN[self.name](gate) * up
+
+
+def _swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, act: Activation) -> torch.Tensor:
+    """gpt-oss's SwiGLU: the gate clamped from above and up on both sides at `limit`, a sigmoid
+    of gain `alpha`, and up offset by one."""
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
+GATED = {"swiglu_clamped": _swiglu_clamped}  # activations that are not transformers' act(gate) * up
 
 
 def route(
@@ -95,6 +110,24 @@ def experts_torch(
         y = F.linear(act(*h.chunk(2, dim=-1)), down[e], None if down_bias is None else down_bias[e])
         out += combine[:, e, None] * y
     return out.to(x.dtype)
+
+
+ExpertsFn = Callable[..., torch.Tensor]  # `experts_torch`'s signature
+
+
+@functools.cache
+def _fused() -> ExpertsFn:
+    return importlib.import_module("workers.models.fused_moe").fused_experts  # Triton: CUDA builds only
+
+
+def experts_for(x: torch.Tensor) -> ExpertsFn:
+    """The experts' implementation for `x`: the Triton kernels on CUDA, else the torch path."""
+    if x.is_cuda and FUSED_MOE and FUSED_ENABLED and not torch.is_grad_enabled():
+        return _fused()
+    return experts_torch
+
+
+FUSED_MOE = os.environ.get("SLIDESPEC_FUSED_MOE", "1") != "0"
 
 
 class Router(nn.Module):
@@ -166,9 +199,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         down_bias = self.down_proj_bias if self.tp.rank == 0 else None
-        out = experts_torch(
-            x, self.gate_up_proj, self.down_proj, weights, ids, self.act, self.gate_up_proj_bias, down_bias
-        )
+        experts = experts_for(x)
+        out = experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.act, self.gate_up_proj_bias, down_bias)
         return self.tp.all_reduce(out)
 
 

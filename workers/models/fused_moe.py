@@ -1,0 +1,318 @@
+"""The experts of a mixture of experts on CUDA: Triton kernels over the routed (token, expert)
+pairs, the torch path of `workers/models/moe.py` their oracle (docs/design.md §4.8).
+
+Two shapes of work, chosen by how many pairs a forward routes (`GEMV_MAX_PAIRS`, data):
+- **Few pairs** (decode steps, small verifies): one program per (pair, block of outputs) reads
+  its expert's weight rows and the pair's input row, GEMV-like. Only the chosen experts'
+  weights are read, once per pair that chose them.
+- **Many pairs** (prefills, large batches): a grouped GEMM. The pairs are sorted by expert on
+  the device and each expert's run padded to the tile height (`align`); each program multiplies
+  one tile of one expert's pairs with `tl.dot`, reading that expert's weights once per tile.
+  The grid is the most tiles the pairs could fill, so its size depends only on the batch; tiles
+  past the experts' runs exit at once.
+
+Either way the gate/up projection and the activation are one kernel (`act(gate) * up`, the
+family's activation by code, `ACTIVATIONS`) writing the intermediate rows in the model's dtype,
+and the down projection a second, which adds the expert's bias and scales by the pair's routing
+weight into float32 rows; each token's top-k rows are then summed. Nothing is read back to the
+host and no shape depends on the routing, so CUDA graphs capture both paths. Float32 inputs
+multiply in full precision (`tl.dot` would round them to TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.models.moe import Activation
+
+ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
+GEMV_MAX_PAIRS = 64  # routed pairs up to which the GEMV-like kernels run (batch 8 at top-8)
+GEMV_BLOCK_N, GEMV_BLOCK_K = 32, 128
+GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64, 64
+
+
+@triton.jit
+def _act(gate, up, ACT: tl.constexpr, alpha, limit):
+    """`act(gate) * up` in float32: GELU-tanh (Gemma), clamped SwiGLU (gpt-oss), SiLU."""
+    if ACT == 0:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0)) * up
+    elif ACT == 1:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _gemv_gate_up(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    h_ptr,
+    ids_ptr,
+    top_k,
+    K,
+    N,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_h,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of `act(gate) * up` for pair p. The
+    expert's gate rows are rows [0, N) of its `[2N, K]` weight, its up rows [N, 2N)."""
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    x_row = x_ptr + (p // top_k).to(tl.int64) * stride_x
+    w_gate = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
+    w_up = w_gate + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.sum(tl.load(w_gate + k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        acc_up += tl.sum(tl.load(w_up + k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+    if HAS_BIAS:
+        acc_gate += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        acc_up += tl.load(b_ptr + e * stride_be + N + n, mask=n_ok, other=0.0).to(tl.float32)
+    out = _act(acc_gate, acc_up, ACT, alpha, limit)
+    tl.store(h_ptr + p.to(tl.int64) * stride_h + n, out.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_down(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    ids_ptr,
+    weights_ptr,
+    K,
+    N,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of pair p's expert's down projection of
+    its intermediate row, plus the expert's bias, times the pair's routing weight (float32)."""
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    h_row = h_ptr + p.to(tl.int64) * stride_h
+    w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * h, 1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+    acc *= tl.load(weights_ptr + p)
+    tl.store(y_ptr + p.to(tl.int64) * stride_y + n, acc, mask=n_ok)
+
+
+@triton.jit
+def _gemm_gate_up(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    h_ptr,
+    pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    top_k,
+    K,
+    N,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_h,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (m, n): tile m of the expert-sorted pairs (one expert's, `align`) times that
+    expert's gate and up rows [n * BLOCK_N, +BLOCK_N), activated, into the pairs' rows of h."""
+    e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if e >= num_experts:
+        return
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ptr + rows)
+    valid = pairs < num_pairs
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    x_rows = x_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_x
+    w_gate = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn
+    w_up = w_gate + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(x_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w_g = tl.load(w_gate + k[:, None], mask=w_mask, other=0.0)
+        w_u = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, w_g, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, w_u, acc_up, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc_gate += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptr + e * stride_be + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = _act(acc_gate, acc_up, ACT, alpha, limit)
+    h_rows = h_ptr + pairs.to(tl.int64)[:, None] * stride_h
+    tl.store(h_rows + n[None, :], out.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemm_down(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    pair_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    num_pairs,
+    num_experts,
+    K,
+    N,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (m, n): tile m of the expert-sorted pairs' intermediate rows times that expert's
+    down rows [n * BLOCK_N, +BLOCK_N), plus its bias, times each pair's routing weight."""
+    e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    if e >= num_experts:
+        return
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ptr + rows)
+    valid = pairs < num_pairs
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    h_rows = h_ptr + pairs.to(tl.int64)[:, None] * stride_h
+    w_cols = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(h_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    y_rows = y_ptr + pairs.to(tl.int64)[:, None] * stride_y
+    tl.store(y_rows + n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair of each row `[R]`, expert of each tile `[R / block_m]`): the routed pairs (flattened
+    `ids`) sorted by expert, each expert's run padded to a multiple of `block_m` with the pair
+    count as filler, and tiles past the runs marked `num_experts`. `R` is the most rows the pairs
+    could fill, a function of their number alone; all on the device, no host read."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    rows = min(pairs * block_m, triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m)
+    pair_of_row = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
+    pair_of_row[(ends - padded)[expert] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    return pair_of_row, block_expert
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    act: Activation,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`experts_torch`'s result (same arguments) from the Triton kernels."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, width = gate_up.shape[0], gate_up.shape[1] // 2
+    pairs = tokens * top_k
+    if pairs == 0:
+        return x.new_zeros(x.shape)
+    x = x.contiguous()
+    ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous()
+    h = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    gu_bias = gate_up if gate_up_bias is None else gate_up_bias  # no bias: never read
+    d_bias = down if down_bias is None else down_bias
+    code = ACTIVATIONS[act.name]
+    if pairs <= GEMV_MAX_PAIRS:
+        bn, bk = GEMV_BLOCK_N, GEMV_BLOCK_K
+        _gemv_gate_up[(pairs, triton.cdiv(width, bn))](
+            x, gate_up, gu_bias, h, ids, top_k, hidden, width,
+            x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
+            HAS_BIAS=gate_up_bias is not None, ACT=code, BLOCK_N=bn, BLOCK_K=bk,
+        )  # fmt: skip
+        _gemv_down[(pairs, triton.cdiv(hidden, bn))](
+            h, down, d_bias, y, ids, weights, width, hidden,
+            h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
+            HAS_BIAS=down_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+        )  # fmt: skip
+    else:
+        bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models: no TF32 rounding
+        pair_of_row, block_expert = align(ids, num_experts, bm)
+        tiles = block_expert.shape[0]
+        _gemm_gate_up[(tiles, triton.cdiv(width, bn))](
+            x, gate_up, gu_bias, h, pair_of_row, block_expert, pairs, num_experts, top_k, hidden, width,
+            x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
+            HAS_BIAS=gate_up_bias is not None, ACT=code, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        )  # fmt: skip
+        _gemm_down[(tiles, triton.cdiv(hidden, bn))](
+            h, down, d_bias, y, pair_of_row, block_expert, weights, pairs, num_experts, width, hidden,
+            h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
+            HAS_BIAS=down_bias is not None, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        )  # fmt: skip
+    return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
