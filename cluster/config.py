@@ -59,6 +59,12 @@ class SpeculativeArgs(BaseModel):
         "LM head keeps only their rows, for faster draft steps over a large vocabulary; lossless, the target "
         "verifies; null: the whole vocabulary",
     )
+    adaptive: bool = Field(
+        True,
+        description="choose every decode step's draft steps in 0..num_steps for the batch from measured acceptance "
+        "and measured step cost (0: a plain decode step), so that speculation never runs slower than plain decoding; "
+        "false: num_steps every step (as with tp_size > 1, whose ranks do not share the choice yet)",
+    )
 
 
 class EngineArgs(BaseModel):

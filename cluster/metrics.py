@@ -6,7 +6,9 @@ Names: vLLM's metric set and labels where a counterpart exists (`model_name`;
 `num_requests_running` / `num_requests_waiting`, `kv_cache_usage_perc`, `prompt_tokens_total`,
 `generation_tokens_total`, `prefix_cache_queries_total` / `prefix_cache_hits_total` (tokens),
 `request_success_total{finished_reason}`, the latency histograms, the `spec_decode_*`
-counters), SGLang's accept-length gauges, under the prefix `slidespec_`.
+counters), SGLang's accept-length gauges, under the prefix `slidespec_`; and
+`spec_decode_num_draft_steps_total{draft_steps}`, the decode steps of finished requests by the
+draft steps the controller chose for them (0: a plain decode step; docs/design.md §6.1).
 Not vLLM's `vllm:` colon: prometheus_client renders a colon name differently in the
 OpenMetrics format (samples with `_`, HELP/TYPE with `:`), so Prometheus, which negotiates
 OpenMetrics, would store untyped series under other names. With `slidespec_` the names and
@@ -93,6 +95,11 @@ class ServingMetrics:
         self.accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position", ("position",)
         )
+        self.draft_steps = counter(
+            "spec_decode_num_draft_steps",
+            "Decode steps of finished requests by the draft steps each ran (0: a plain decode step)",
+            ("draft_steps",),
+        )
         self.accept_length = gauge(
             "spec_accept_length",
             f"Mean accept length (accepted drafts + 1) over the last {RECENT_VERIFY_STEPS} verify steps",
@@ -126,15 +133,20 @@ class ServingMetrics:
         if completion > 1:
             self.tpot.labels(self.model).observe(decode_s / (completion - 1))
         spec = update.get("spec")
+        if spec:
+            steps = collections.Counter(spec["draft_steps"])
+            steps[0] += spec["plain_steps"]
+            for k, count in sorted(steps.items()):
+                if count:
+                    self.draft_steps.labels(self.model, str(k)).inc(count)
         if spec and spec["verify_steps"]:
-            num_steps = len(spec["accepted_per_position"])
             accepted = sum(spec["accept_lengths"]) - spec["verify_steps"]
             self.num_drafts.labels(self.model).inc(spec["verify_steps"])
-            self.num_draft_tokens.labels(self.model).inc(spec["verify_steps"] * num_steps)
+            self.num_draft_tokens.labels(self.model).inc(sum(spec["draft_steps"]))
             self.num_accepted_tokens.labels(self.model).inc(accepted)
             for position, count in enumerate(spec["accepted_per_position"]):
                 self.accepted_per_pos.labels(self.model, str(position)).inc(count)
-            self._recent.extend((n, num_steps) for n in spec["accept_lengths"])
+            self._recent.extend(zip(spec["accept_lengths"], spec["draft_steps"]))
             self.accept_length.labels(self.model).set(sum(n for n, _ in self._recent) / len(self._recent))
             self.accept_rate.labels(self.model).set(
                 sum(n - 1 for n, _ in self._recent) / sum(k for _, k in self._recent)

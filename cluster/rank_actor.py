@@ -90,6 +90,8 @@ def update_to_wire(update: Update) -> dict[str, Any]:
                 "accept_lengths": o.spec.accept_lengths,
                 "accepted_per_position": o.spec.accepted_per_position,
                 "mean_accept_length": o.spec.mean_accept_length,
+                "draft_steps": o.spec.draft_steps,
+                "plain_steps": o.spec.plain_steps,
             }
     return out
 

@@ -3,8 +3,9 @@ a router span, and a span per engine step from rank 0 with a child span per forw
 
 Step spans carry what an operator needs to see why speculative decoding's accept length moved:
 forward modes in order, batch size, tokens, attention kernels, full/SWA pool use, draft pool
-kind, algorithm, accept lengths, accepted drafts per position, sequence lengths relative to the
-window and the time spent drafting, verifying and catching up. `slidespec diagnose` reads them
+kind, algorithm, the draft steps the step ran (the controller's choice), accept lengths, accepted
+drafts per position, sequence lengths relative to the window and the time spent drafting,
+verifying and catching up. `slidespec diagnose` reads them
 back (ops/diagnose.py). The W3C trace context travels with each request to the rank actors.
 """
 
@@ -141,6 +142,8 @@ def step_attributes(
         attrs["slidespec.spec.algorithm"] = engine_info["speculative"]
         attrs["slidespec.draft.pool"] = engine_info.get("draft_pool", "")
         attrs["slidespec.spec.num_steps"] = num_steps
+    if step.draft_steps is not None:
+        attrs["slidespec.spec.draft_steps"] = step.draft_steps
     if lengths:
         attrs["slidespec.spec.request_ids"] = verified
         attrs["slidespec.spec.accept_lengths"] = lengths

@@ -7,7 +7,10 @@ takes the engine-step spans that verified drafts, and reports
   context length relative to the window, prefix-cache hit, batch size and request; acceptance by
   draft position;
 - drops: the change point where the mean accept length falls most (a two-segment split tested
-  like Welch's t), with the span attributes whose values changed there;
+  like Welch's t), with the span attributes whose values changed there, and its cause: the
+  drafts (acceptance fell at a draft position both sides drafted: the text, or the draft) or
+  the draft-length controller (fewer draft steps a round, acceptance per position as before);
+- decode steps by the draft steps they ran (0: plain decode steps, which verify nothing);
 - a PNG plot of accept length per step with the change point marked.
 """
 
@@ -35,6 +38,7 @@ DESCRIPTIVE = (
     "slidespec.attention.kernel",
     "slidespec.spec.algorithm",
     "slidespec.spec.num_steps",
+    "slidespec.spec.draft_steps",
     "slidespec.forward_mode",
     "service.name",
     "slidespec.component",
@@ -43,6 +47,10 @@ MIN_SEGMENT = 5
 MIN_T = 4.0
 MIN_DROP = 0.5
 MIN_RELATIVE_DROP = 0.15
+# A draft position's acceptance fell across a drop when it fell by this much, tested like a
+# two-proportion z test at this z.
+MIN_RATE_DROP = 0.1
+MIN_RATE_Z = 3.0
 
 
 @dataclasses.dataclass
@@ -55,6 +63,11 @@ class StepPoint:
     def mean(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths)
 
+    @property
+    def draft_steps(self) -> int:
+        """The drafts each of the step's requests verified (older traces: num_steps, always)."""
+        return self.attrs.get("slidespec.spec.draft_steps", self.attrs.get("slidespec.spec.num_steps") or 0)
+
 
 @dataclasses.dataclass
 class Drop:
@@ -63,6 +76,7 @@ class Drop:
     after: float
     t: float
     changed: list[tuple[str, Any, Any]]  # (attribute, dominant value before, after)
+    cause: str = ""
 
 
 def _value(v: dict[str, Any]) -> Any:
@@ -169,7 +183,59 @@ def find_drop(points: list[StepPoint]) -> Drop | None:
             best = Drop(i, ma, mb, t, [])
     if best is not None:
         best.changed = changed_attributes(points[: best.index], points[best.index :])
+        best.cause = drop_cause(points[: best.index], points[best.index :])
     return best
+
+
+def position_counts(points: list[StepPoint]) -> tuple[list[int], list[int]]:
+    """Per draft position: the verify results that judged it (it was drafted and every draft
+    before it accepted) and those that accepted it."""
+    k = max((p.draft_steps for p in points), default=0)
+    judged, accepted = [0] * k, [0] * k
+    for p in points:
+        for n in p.accept_lengths:
+            for i in range(min(n, p.draft_steps)):
+                judged[i] += 1
+                accepted[i] += i < n - 1
+    return judged, accepted
+
+
+def drop_cause(before: list[StepPoint], after: list[StepPoint]) -> str:
+    """Why accept length fell: acceptance fell at a draft position both sides drafted (the
+    drafts met other text, or the draft changed), or the rounds drafted less (the controller
+    chose fewer draft steps) with acceptance per position as before."""
+    (jb, ab), (ja, aa) = position_counts(before), position_counts(after)
+    fell = [
+        (i, ab[i] / jb[i], aa[i] / ja[i])
+        for i in range(min(len(jb), len(ja)))
+        if jb[i] and ja[i] and _rate_fell(ab[i], jb[i], aa[i], ja[i])
+    ]
+    steps = [statistics.fmean(p.draft_steps for p in side) for side in (before, after)]
+    if fell:
+        rates = ", ".join(f"position {i + 1}: {b:.2f} -> {a:.2f}" for i, b, a in fell)
+        return f"the drafts: acceptance fell ({rates}); the text, or the draft"
+    if steps[1] < steps[0]:
+        return (
+            f"the draft-length controller: {steps[0]:.2f} -> {steps[1]:.2f} draft steps a round, "
+            "acceptance per draft position as before"
+        )
+    return "neither acceptance per draft position nor the draft steps changed significantly"
+
+
+def _rate_fell(accepted_a: int, judged_a: int, accepted_b: int, judged_b: int) -> bool:
+    a, b = accepted_a / judged_a, accepted_b / judged_b
+    pooled = (accepted_a + accepted_b) / (judged_a + judged_b)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / judged_a + 1 / judged_b))
+    return a - b >= MIN_RATE_DROP and (se == 0 or (a - b) / se >= MIN_RATE_Z)
+
+
+def draft_step_counts(spans: list[dict[str, Any]]) -> Counter:
+    """Engine steps by the draft steps they ran, plain decode steps (0) included."""
+    return Counter(
+        s["attrs"]["slidespec.spec.draft_steps"]
+        for s in spans
+        if s["name"] == STEP_SPAN and "slidespec.spec.draft_steps" in s["attrs"]
+    )
 
 
 def _key(value: Any) -> Any:
@@ -237,13 +303,16 @@ def position_rates(points: list[StepPoint]) -> list[float]:
     return [sum(n - 1 > i for p in points for n in p.accept_lengths) / total for i in range(k)] if total else []
 
 
-def report(points: list[StepPoint], drop: Drop | None) -> str:
+def report(points: list[StepPoint], drop: Drop | None, steps_by_drafts: Counter | None = None) -> str:
     lines = []
     lengths = [n for p in points for n in p.accept_lengths]
     lines.append(
         f"{len(lengths)} verify results in {len(points)} engine steps; mean accept length "
         f"{statistics.fmean(lengths):.2f}"
     )
+    if steps_by_drafts:
+        counts = ", ".join(f"{k}: {n}" for k, n in sorted(steps_by_drafts.items()))
+        lines.append(f"decode steps by draft steps (0: plain): {counts}")
     for dim, groups in breakdowns(points).items():
         if dim == "request" and len(groups) > 20:
             continue
@@ -267,6 +336,7 @@ def report(points: list[StepPoint], drop: Drop | None) -> str:
             lines += [f"  {key}: {before} -> {after}" for key, before, after in drop.changed]
         else:
             lines.append("no step attribute changed at the drop (look at the requests' content)")
+        lines.append(f"cause: {drop.cause}")
     return "\n".join(lines)
 
 
@@ -294,13 +364,14 @@ def plot(points: list[StepPoint], drop: Drop | None, path: str) -> None:
 
 
 def diagnose(paths: list[str], plot_path: str | None = None) -> tuple[str, Drop | None]:
-    points = step_points(load_spans(paths))
+    spans = load_spans(paths)
+    points = step_points(spans)
     if not points:
         raise ValueError("TRACES: no engine-step spans with accept lengths (was speculative decoding on?)")
     drop = find_drop(points)
     if plot_path:
         plot(points, drop, plot_path)
-    return report(points, drop), drop
+    return report(points, drop, draft_step_counts(spans)), drop
 
 
 def main(argv: list[str] | None = None) -> int:

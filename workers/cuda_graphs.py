@@ -14,7 +14,8 @@ A greedy decode graph (`argmax=True`) also takes its tokens' argmax into a stati
 block, and reads its input ids through a static index into the block: either this replay's
 staged ids or the tokens an earlier replay sampled (overlapped decoding, whose next step's ids
 are the last step's tokens, in any row order). Such a step costs the device one copy in, the
-replay and one copy of the tokens out; its hidden states are not kept (nothing reads them).
+replay and one copy of the tokens out; its hidden states are kept only when asked
+(`keep_hidden`: plain steps between speculative rounds, whose draft reads them to catch up).
 
 A *chain* graph runs a draft model's greedy decode steps back to back in one launch: between
 steps it moves the batch on, on the device (positions, write slots gathered from the device
@@ -86,6 +87,7 @@ class _Family:
     pool: KVPool
     spec_hidden: torch.Tensor | None
     argmax: bool = False  # a greedy decode graph: tokens into the runner's static tokens, ids through `select`
+    keep_hidden: bool = True  # hidden states copied out (an argmax graph's only when asked)
     logits: torch.Tensor | None = None  # [max rows, vocab] float32
     hidden: torch.Tensor | None = None  # [max rows, hidden handed on]
     ids: torch.Tensor | None = None  # [max rows, columns] the logits' target ids (a subset head's)
@@ -146,12 +148,13 @@ class CudaGraphRunner:
         hidden_in: int | None = None,
         chain: int = 0,
         argmax: bool = False,
+        keep_hidden: bool = False,
     ) -> None:
         """Capture this key's graphs for every page-table width and batch size (largest first);
         `hidden_in` overrides the width of the hidden states read per token (a draft head's
         catch-up reads the target's, its decode steps its own); `chain`: that many greedy
         draft decode steps in each graph instead of one forward; `argmax`: a greedy decode
-        graph (see the module's docstring)."""
+        graph (see the module's docstring), which keeps its hidden states if `keep_hidden`."""
         key = GraphKey(mode, q_len, query_offset, id(pool), chain)
         if key in self.families:
             return
@@ -164,7 +167,7 @@ class CudaGraphRunner:
         rows = self.max_batch_size * q_len
         width = hidden_in or self.hidden_in
         spec_hidden = torch.zeros(rows, width, dtype=self.dtype, device=self.device) if width else None
-        family = _Family(pool, spec_hidden, argmax)
+        family = _Family(pool, spec_hidden, argmax, keep_hidden=not argmax or keep_hidden)
         if argmax:  # written by the graph's last kernel, which takes the argmax too
             vocab = self.runner.model.lm_head.vocab_size
             family.logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
@@ -207,7 +210,7 @@ class CudaGraphRunner:
                 out = self._forward(key, family, prepare())
         torch.cuda.current_stream().wait_stream(stream)
         rows = self.max_batch_size * key.q_len
-        if family.hidden is None and not family.argmax:
+        if family.hidden is None and family.keep_hidden:
             family.hidden = torch.empty(rows, out.hidden.shape[-1], dtype=out.hidden.dtype, device=self.device)
         if family.logits is None and not key.chain:
             family.logits = torch.empty(rows, out.logits.shape[-1], dtype=out.logits.dtype, device=self.device)
@@ -303,9 +306,9 @@ class CudaGraphRunner:
         if self.emulate:
             out = self._forward(key, family, static)
             ids = None if out.ids is None else out.ids[:rows]
-            return ForwardOutput(out.logits[:rows], None if family.argmax else out.hidden[:rows], tokens, ids)
+            return ForwardOutput(out.logits[:rows], out.hidden[:rows] if family.keep_hidden else None, tokens, ids)
         graph.replay()
-        hidden = None if family.argmax else family.hidden[:rows].clone()
+        hidden = family.hidden[:rows].clone() if family.keep_hidden else None
         return ForwardOutput(family.logits[:rows], hidden, tokens, None if family.ids is None else family.ids[:rows])
 
     def run_chain(
@@ -323,6 +326,30 @@ class CudaGraphRunner:
             graph.replay()
         b = batch.batch_size
         return family.drafts[:b].clone(), family.hidden[:b].clone()
+
+    def replayer(
+        self,
+        mode: ForwardMode,
+        q_len: int,
+        pool: KVPool,
+        query_offset: int = 0,
+        chain: int = 0,
+        batch_size: int = 1,
+    ) -> Callable[[], None]:
+        """A replay of this key's graph for `batch_size` rows of padding (in the smallest captured
+        size holding them) at the narrowest page-table width, staged anew every call as a step
+        stages its batch: what the start-up timing of a round replays."""
+        key = GraphKey(mode, q_len, query_offset, id(pool), chain)
+        family = self.families[key]
+        bs = next(b for b in self.batch_sizes if b >= batch_size)
+        width = min(self.runner.backend.graph_table_widths())
+        graph = family.graphs[(bs, width)]
+
+        def replay() -> None:
+            self._prepare(key, family, bs, self._padding(key, bs, 0), width, _reach(key))
+            graph.replay()
+
+        return replay
 
     @staticmethod
     def _set_ahead(family: _Family, batch_size: int, ahead: torch.Tensor | None) -> None:

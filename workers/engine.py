@@ -39,7 +39,10 @@ from workers.sampler import draw_each
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative import SpecConfig, SpecStats
+from workers.speculative.controller import AdaptiveDraftSteps
+from workers.speculative.cost_model import CostModel
 from workers.speculative.loader import build_drafter, plan_draft
+from workers.speculative.round_timing import time_rounds
 from workers.speculative.worker import SpecWorker
 from workers.startup import StartupProgress
 from workers.step_record import ForwardRecord, StepRecord
@@ -211,6 +214,15 @@ class Engine:
                 )
             drafter.runner.recorder = self._record
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
+        # Draft lengths chosen per step from this rank's timings: one rank alone (ranks of a tensor-parallel
+        # group would have to share the choice to stay in lockstep: they run fixed rounds).
+        self.adaptive = spec is not None and spec.adaptive and tp.size == 1
+        if spec is not None and spec.adaptive and tp.size > 1:
+            logger.info("speculative.adaptive: fixed rounds of %d drafts with tensor parallelism", spec.num_steps)
+        if self.adaptive and self.spec.drafter.runner.pool is not None and self.spec.drafter.runner.pool.has_swa:
+            # a draft behind by plain decode steps catches up reading its SWA window from there
+            self.scheduler.window_from = lambda req: min(req.kv_len, req.spec.draft_len)
+            self.scheduler.draft_lag = self.spec.max_lag
         self.cache: RadixCache | None = None
         if enable_prefix_caching:
             shift = self.spec.drafter.shift if self.spec is not None else 0
@@ -234,10 +246,16 @@ class Engine:
         if warmup if warmup is not None else self.device.type == "cuda":
             self._rng, self._ids, self.failed_steps = random.Random(seed), itertools.count(), 0
             self._warm_up()
+        graph_sizes = capture_sizes(min(cuda_graph_max_batch_size or max_running_requests, max_running_requests))
         if graphs:
-            self._capture_graphs(
-                graphs == "emulate", min(cuda_graph_max_batch_size or max_running_requests, max_running_requests)
-            )
+            self._capture_graphs(graphs == "emulate", graph_sizes[-1])
+        if self.adaptive:  # after the warm-up and the capture: their steps would teach it nothing
+            costs = CostModel(sorted({*capture_sizes(max_running_requests), *graph_sizes}), spec.num_steps)
+            if graphs is True:
+                with self.startup.phase("rounds timed", f"k in 0..{spec.num_steps} x {len(graph_sizes)} batch sizes"):
+                    for (size, k), seconds in time_rounds(self.runner, self.spec.drafter, spec.num_steps).items():
+                        costs.set_prior(size, k, seconds)
+            self.spec.controller = AdaptiveDraftSteps(costs)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.failed_steps = 0  # consecutive steps whose forward raised
@@ -250,7 +268,9 @@ class Engine:
             backend,
             self.kv_dtype,
             self.kv_stats(),
-            f"{spec.algorithm} x{spec.num_steps} ({draft.pool_kind} draft pool)" if spec else "off",
+            f"{spec.algorithm} x{'0..' if spec.adaptive else ''}{spec.num_steps} ({draft.pool_kind} draft pool)"
+            if spec
+            else "off",
         )
         self.startup.ready()
 
@@ -277,7 +297,9 @@ class Engine:
 
     def _capture_graphs(self, emulate: bool, max_batch_size: int) -> None:
         """Capture the target's decode (or verify), the draft's decode steps (one by one for
-        sampled rounds, chained for greedy ones) and its catch-up over the verified window."""
+        sampled rounds, chained for greedy ones) and its catch-up over the verified window; with
+        adaptive draft lengths, the verifies, catch-ups and chains of every k <= num_steps and
+        the target's plain decode step (docs/design.md §6.1)."""
         sizes = capture_sizes(max_batch_size)
         k = self.spec.num_steps if self.spec is not None else 0
         max_q = k + 1 if self.spec is not None else 1
@@ -295,8 +317,13 @@ class Engine:
         if self.spec is None:
             plan.append((target, (ForwardMode.DECODE, 1, self.runner.pool), {"argmax": True}, "target decode"))
         else:
-            plan.append((target, (ForwardMode.TARGET_VERIFY, k + 1, self.runner.pool), {}, "target verify"))
             drafter = self.spec.drafter
+            ks = range(1, k + 1) if self.adaptive else [k]  # the draft lengths a round may run
+            if self.adaptive:  # plain decode steps between rounds keep the hidden states a draft catches up from
+                kwargs = {"argmax": True, "keep_hidden": drafter.reads_hidden}
+                plan.append((target, (ForwardMode.DECODE, 1, self.runner.pool), kwargs, "target decode"))
+            for n in ks:
+                plan.append((target, (ForwardMode.TARGET_VERIFY, n + 1, self.runner.pool), {}, f"target verify x{n}"))
             head = drafter.runner.model  # the state its steps read: its own width, or the target's (an assistant's)
             draft = graphs_for(
                 drafter.runner, getattr(head, "handed_on_size", head.cfg.hidden_size) if drafter.reads_hidden else None
@@ -308,14 +335,16 @@ class Engine:
             else:
                 plan.append((draft, (ForwardMode.DECODE, 1, drafter.runner.pool), {}, "draft decode"))
                 reads = self.runner.model.handed_on_size if drafter.reads_hidden else None
-                args = (ForwardMode.DRAFT_EXTEND_V2, k + 1, drafter.runner.pool)
-                plan.append((draft, args, {"hidden_in": reads}, "draft catch-up"))
-            if k > 1:  # greedy rounds: drafts 2..k in one graph
+                for n in ks:
+                    args = (ForwardMode.DRAFT_EXTEND_V2, n + 1, drafter.runner.pool)
+                    plan.append((draft, args, {"hidden_in": reads}, f"draft catch-up x{n}"))
+            for n in (n for n in ks if n > 1):  # greedy rounds: drafts 2..n in one graph
                 offset = drafter.query_offset(2) if frozen else 0
                 args = (ForwardMode.DECODE, 1, drafter.step_pool, offset)
-                plan.append((draft, args, {"chain": k - 1}, f"draft steps 2..{k} chained"))
-            if k > 1 and frozen:  # steps 1..k, launched a round ahead
-                plan.append((draft, (ForwardMode.DECODE, 1, drafter.step_pool, 1), {"chain": k}, "draft round ahead"))
+                plan.append((draft, args, {"chain": n - 1}, f"draft steps 2..{n} chained"))
+                if frozen:  # steps 1..n, launched a round ahead
+                    args = (ForwardMode.DECODE, 1, drafter.step_pool, 1)
+                    plan.append((draft, args, {"chain": n}, f"draft round of {n} ahead"))
         per_family = len(sizes) * len(self.runner.backend.graph_table_widths())
         with self.startup.phase("graphs captured", f"{len(plan)} kinds x {per_family} batch sizes and KV widths"):
             for done, (graphs, args, kwargs, what) in enumerate(plan, 1):
@@ -426,16 +455,19 @@ class Engine:
         batch's requests fail and the engine goes on, unless it is one rank of several (the
         ranks may have diverged) or steps keep failing: then the exception propagates."""
         self.last_step = StepRecord(start_ns=time.time_ns())
+        self._catch_ups = self.spec.catch_ups if self.spec is not None else 0
         if self._inflight is not None:
             return self._overlapped_step()
         sb = self.scheduler.schedule()
         if sb is None:
             return []
-        if self.overlap and self.spec is None and self._overlap.eligible(sb):
+        k = self.spec.draft_steps(sb.reqs) if self.spec is not None and sb.mode is ForwardMode.DECODE else None
+        self.last_step.draft_steps = k
+        if self.overlap and not k and self._overlap.eligible(sb):
             self._inflight = self._overlap.launch(sb.reqs, None)
-            return self._end_step(sb.reqs, [])
+            return self._end_step(sb.reqs, [], timed=False)  # a launch alone: not a step's time
         try:
-            events = self._run(sb)
+            events = self._run(sb, k)
             self.failed_steps = 0
         except Exception as exc:
             self.failed_steps += 1
@@ -445,6 +477,7 @@ class Engine:
             for req in sb.reqs:
                 self.scheduler.fail(req, f"the batch's forward failed: {type(exc).__name__}: {exc}")
             events = []
+            self.last_step.draft_steps = None
         self.scheduler.release_windows(sb.reqs)
         return self._end_step(sb.reqs, events)
 
@@ -453,28 +486,41 @@ class Engine:
         flight, self._inflight = self._inflight, None
         live = [r for r in flight.reqs if not r.finished]  # the others ended (and were reported) already
         following = self._overlap.can_continue(flight)
+        if following and self.spec is not None and self.spec.draft_steps(following):
+            following = []  # the next step drafts: the pipeline drains first
         if following:
             self._inflight = self._overlap.launch(following, flight)
+            self.last_step.draft_steps = 0 if self.spec is not None else None
         events = self._overlap.collect(flight)
+        if self.spec is not None:
+            self.spec.after_plain(flight.reqs, flight.hidden)
         self.scheduler.release_windows(live)
         return self._end_step(live, events)
 
     def _end_step(
-        self, reqs: list[Request], events: list[tuple[Request, list[int]]]
+        self, reqs: list[Request], events: list[tuple[Request, list[int]]], timed: bool = True
     ) -> list[tuple[str, list[int], bool]]:
+        """Close the step's record; a decode step of a speculative engine tells the controller
+        what it ran and, where its time is that of its kind (`timed`, and no draft caught up
+        after plain steps in it), how long it took."""
         step = self.last_step
         step.request_ids = [r.rid for r in reqs]
         step.seq_lens = [r.num_tokens for r in reqs]
         step.cached_tokens = [r.cached_tokens for r in reqs]
         step.end_ns = time.time_ns()
+        if step.draft_steps is not None:
+            timed = timed and self.spec.catch_ups == self._catch_ups
+            seconds = (step.end_ns - step.start_ns) / 1e9 if timed else None
+            self.spec.controller.observe(len(reqs), step.draft_steps, seconds)
         reported = {req.rid for req, _ in events}
         return [(req.rid, new, req.finished) for req, new in events] + [
             (req.rid, [], True) for req in reqs if req.finished and req.rid not in reported
         ]
 
-    def _run(self, sb: ScheduledBatch) -> list[tuple[Request, list[int]]]:
-        if sb.mode is ForwardMode.DECODE and self.spec is not None:
-            events = self.spec.decode_round(sb.reqs)
+    def _run(self, sb: ScheduledBatch, k: int | None) -> list[tuple[Request, list[int]]]:
+        """One forward (or a speculative round of `k` draft steps) and its commits."""
+        if k:
+            events = self.spec.decode_round(sb.reqs, k)
             self.last_step.accept_lengths = self.spec.last_accept_lengths
             self.last_step.drafts = self.spec.last_drafts
             return events
@@ -508,7 +554,9 @@ class Engine:
             ScheduledBatch(sb.mode, [r for r, _, _ in live], [n for _, n, _ in live], [s for _, _, s in live]),
             [t for t in drawn.tokens if t is not None],
         )
-        if self.spec is not None:
+        if self.spec is not None and sb.mode is ForwardMode.DECODE:
+            self.spec.after_plain(sb.reqs, out.hidden)
+        elif self.spec is not None:
             self.spec.after_extend(sb, out.hidden)
         if sb.mode is ForwardMode.EXTEND:
             self.scheduler.cache_prompts(sb.reqs)

@@ -9,9 +9,10 @@ once more; that row's result is dropped and its KV was freed with the request (l
 the same stream run after the stale write). A request that step N's length limit ends is left out
 of step N+1, since that is known on the host.
 
-Only greedy decode steps without speculation overlap (their next inputs are an argmax on the
-device), and only for requests no logits processor acts on; anything else, and any request
-waiting to be admitted, drains the pipeline first.
+Only greedy decode steps without drafts overlap (their next inputs are an argmax on the
+device: plain decoding, or the plain steps an adaptive speculative engine runs between rounds,
+whose hidden states the draft keeps to catch up), and only for requests no logits processor acts
+on; anything else, and any request waiting to be admitted, drains the pipeline first.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class InFlight:
     tokens: torch.Tensor  # [B] int64 on the device, one per request (a graph's: valid until its next replay)
     host_tokens: torch.Tensor  # [B] int64 on the host (pinned on a GPU), filled when `copied` is reached
     copied: torch.cuda.Event | None  # None on a CPU: the copy is done when queued
+    hidden: torch.Tensor | None = None  # the step's hidden states, a row per request, where its forward kept them
 
     @classmethod
     def of(cls, reqs: list[Request], tokens: torch.Tensor) -> InFlight:
@@ -106,7 +108,9 @@ class OverlapDecoder:
             index = None if previous.reqs == reqs else np.array([previous.reqs.index(r) for r in reqs])
             batch.use_device_ids(previous.tokens, index)
         out = self.forward(batch)
-        return InFlight.of(list(reqs), out.tokens if out.tokens is not None else out.logits.argmax(dim=-1))
+        flight = InFlight.of(list(reqs), out.tokens if out.tokens is not None else out.logits.argmax(dim=-1))
+        flight.hidden = out.hidden
+        return flight
 
     def collect(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
         """Read a launched step's tokens (the step's one device-to-host copy, queued at launch) and

@@ -28,5 +28,6 @@ class StepRecord:
     cached_tokens: list[int] = dataclasses.field(default_factory=list)  # their prompt tokens the prefix cache held
     accept_lengths: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> accept length
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # request id -> verified drafts
+    draft_steps: int | None = None  # a decode step's drafts per request (0: plain); None: no decode, or no draft model
     start_ns: int = 0
     end_ns: int = 0

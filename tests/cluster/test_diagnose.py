@@ -19,6 +19,7 @@ from workers.engine import Engine, SamplingParams
 from workers.scheduler import Scheduler
 
 K = 3
+FIXED = {"adaptive": False}  # rounds of K drafts every step
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def _engine(target: str, draft: str, pool: str) -> Engine:
         attention_backend="trtllm_mha",
         chunked_prefill_size=16,
         max_total_tokens=4096,
-        speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K, "draft_pool": pool},
+        speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K, "draft_pool": pool} | FIXED,
     )
 
 

@@ -49,7 +49,7 @@ def _args(target: str, **extra) -> dict:
 def apps(ray_serve, models):
     """Engine deployment handles of two applications (the ingress in front is not used here)."""
     target, draft = models
-    spec = {"algorithm": "standalone", "draft_model": draft, "num_steps": 3}
+    spec = {"algorithm": "standalone", "draft_model": draft, "num_steps": 3, "adaptive": False}
     for name, extra in (("plain", {}), ("spec", {"speculative": spec})):
         serve.run(build_app(_args(target, grpc={"port": 0}, **extra)), name=name, route_prefix=f"/{name}")
     return {name: serve.get_deployment_handle("LLMServer", app_name=name) for name in ("plain", "spec")}
@@ -67,7 +67,8 @@ async def _generate(handle, prompt, max_new=NEW):
 @pytest.mark.parametrize("app", ["plain", "spec"])
 def test_tp2_replica_matches_the_in_process_engine(apps, models, app):
     target, draft = models
-    spec = {"algorithm": "standalone", "draft_model": draft, "num_steps": 3} if app == "spec" else None
+    spec = {"algorithm": "standalone", "draft_model": draft, "num_steps": 3, "adaptive": False}
+    spec = spec if app == "spec" else None
     ref = Engine(
         model=target, page_size=4, chunked_prefill_size=8, max_total_tokens=2048, context_length=1024, speculative=spec
     ).generate(prompt_token_ids=PROMPTS, sampling=SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))

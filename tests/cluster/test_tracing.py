@@ -56,7 +56,7 @@ def app(ray_serve, receiver, tmp_path_factory):
                 chunked_prefill_size=16,
                 max_total_tokens=2048,
                 context_length=512,
-                speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K},
+                speculative={"algorithm": "standalone", "draft_model": draft, "num_steps": K, "adaptive": False},
                 tracing={"exporter": "otlp_grpc", "endpoint": f"127.0.0.1:{receiver[1]}"},
                 grpc={"port": 0},
             )

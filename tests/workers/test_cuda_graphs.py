@@ -49,7 +49,7 @@ def _engine(models, variant: str, page_size: int, graphs) -> Engine:
     spec = None
     if SPECS[variant] is not None:
         algorithm, draft, pool = SPECS[variant]
-        spec = {"algorithm": algorithm, "draft_model": models[draft], "num_steps": 3}
+        spec = {"algorithm": algorithm, "draft_model": models[draft], "num_steps": 3, "adaptive": False}
         if pool:
             spec["draft_pool"] = pool
     # A small SWA pool: more than 85% of it is in use while the five requests run.

@@ -63,7 +63,7 @@ def baselines():
 
 
 def _spec(draft: str, algorithm: str = "mtp", **extra) -> dict:
-    return {"algorithm": algorithm, "draft_model": draft, "num_steps": K, **extra}
+    return {"algorithm": algorithm, "draft_model": draft, "num_steps": K, "adaptive": False, **extra}
 
 
 def _recording(runner, seen: list):

@@ -63,7 +63,7 @@ def models(tmp_path_factory):
 
 def _engine(models, backend: str, draft: str | None, page_size: int) -> Engine:
     algorithm = {"standalone": "standalone", "assistant": "mtp"}.get(draft)
-    spec = {"algorithm": algorithm, "draft_model": models[draft], "num_steps": 4} if draft else None
+    spec = {"algorithm": algorithm, "draft_model": models[draft], "num_steps": 4, "adaptive": False} if draft else None
     return Engine(
         model=models["target"],
         device="cuda",

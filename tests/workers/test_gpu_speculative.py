@@ -43,7 +43,7 @@ def test_speculative_trtllm_mha_on_gpu(models, algorithm):
     )
     base = Engine(model=models["target"], **common)
     ref = base.generate(prompt_token_ids=prompts, sampling=sp)
-    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": K}
+    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": K, "adaptive": False}
     if algorithm == "standalone":
         spec["draft_pool"] = "full"
     eng = Engine(model=models["target"], speculative=spec, **common)
@@ -66,7 +66,7 @@ def test_greedy_round_reads_the_device_once(models, algorithm):
     device once per round (the verified tokens), as in a plain decode step."""
     from ops.bench.decode_throughput import sync_sites
 
-    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": K}
+    spec = {"algorithm": algorithm, "draft_model": models[algorithm], "num_steps": K, "adaptive": False}
     eng = Engine(model=models["target"], device="cuda", dtype="bfloat16", page_size=16, speculative=spec)
     sp = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
     rids = [eng.add_request(p, sp) for p in random_prompts([150, 40, 97])]

@@ -31,7 +31,7 @@ def models(tmp_path_factory):
 
 
 def _engine(models, warmup: bool, draft: bool) -> Engine:
-    spec = {"algorithm": "eagle", "draft_model": models["eagle"], "num_steps": 3} if draft else None
+    spec = {"algorithm": "eagle", "draft_model": models["eagle"], "num_steps": 3, "adaptive": False} if draft else None
     return Engine(
         model=models["target"],
         device="cuda",

@@ -40,7 +40,13 @@ def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative, all_redu
     )
     if speculative:
         draft = make_perturbed_copy(target, str(tmp_path / "draft"), noise=0.0)
-        kwargs["speculative"] = {"algorithm": "standalone", "draft_model": draft, "num_steps": 4, "draft_pool": "full"}
+        kwargs["speculative"] = {
+            "algorithm": "standalone",
+            "draft_model": draft,
+            "num_steps": 4,
+            "draft_pool": "full",
+            "adaptive": False,  # one rank's rounds as the group's (a group runs fixed rounds)
+        }
     ref = Engine(**kwargs).generate(prompt_token_ids=PROMPTS, sampling=SAMPLING)
     got = run_tp(2, {**kwargs, "tp_all_reduce": all_reduce}, SAMPLING)
     diverged, worst = compare_bf16_runs(ref, got, f"tp2 {all_reduce} speculative={speculative}")

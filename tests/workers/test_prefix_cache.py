@@ -33,7 +33,7 @@ def _engine(m: dict, backend: str, page_size: int, variant: str = "plain", **kw)
     spec = None
     if VARIANTS[variant] is not None:
         algorithm, pool, draft = VARIANTS[variant]
-        spec = {"algorithm": algorithm, "draft_model": m[draft], "num_steps": 3, "draft_pool": pool}
+        spec = {"algorithm": algorithm, "draft_model": m[draft], "num_steps": 3, "draft_pool": pool, "adaptive": False}
     kw = {"chunked_prefill_size": 5, "max_total_tokens": 4096, **kw}
     return Engine(
         model=m["target"],

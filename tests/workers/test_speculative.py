@@ -43,7 +43,7 @@ def _engine(target: str, backend: str, page_size: int, speculative=None, **kw) -
 
 
 def _spec(algorithm: str, draft: str, pool: str | None = None, num_steps: int = K) -> dict:
-    spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": num_steps}
+    spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": num_steps, "adaptive": False}  # fixed rounds
     if pool is not None:
         spec["draft_pool"] = pool
     return spec

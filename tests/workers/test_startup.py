@@ -41,7 +41,9 @@ def _engine(models, draft: str | None, warmup: bool, graphs=False) -> Engine:
         max_total_tokens=1024,
         context_length=256,
         max_running_requests=4,
-        speculative={"algorithm": algorithm, "draft_model": models[draft], "num_steps": 3} if draft else None,
+        speculative={"algorithm": algorithm, "draft_model": models[draft], "num_steps": 3, "adaptive": False}
+        if draft
+        else None,
         cuda_graphs=graphs,
         warmup=warmup,
     )

@@ -127,9 +127,11 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
             "draft_model": model_dirs["draft"],
             "num_steps": 3,
             "draft_tp": "replicate" if speculative.endswith("replicated") else "shard",
+            "adaptive": False,  # one rank's rounds as the group's (a group runs fixed rounds)
         }
     elif speculative == "eagle":
         kwargs["speculative"] = {"algorithm": "eagle", "draft_model": model_dirs["eagle"], "num_steps": 3}
+        kwargs["speculative"]["adaptive"] = False
     single = Engine(**kwargs)
     ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
     ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
@@ -154,7 +156,7 @@ def test_gemma4_tensor_parallel_matches_one_rank(tmp_path, draft):
     )
     if draft == "assistant":
         assistant = make_gemma4_assistant(path, str(tmp_path / "assistant"), copies=10.0)
-        kwargs["speculative"] = {"algorithm": "mtp", "draft_model": assistant, "num_steps": 3}
+        kwargs["speculative"] = {"algorithm": "mtp", "draft_model": assistant, "num_steps": 3, "adaptive": False}
     single = Engine(**kwargs)
     ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
     ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)

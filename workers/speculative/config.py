@@ -37,6 +37,9 @@ class SpecConfig:
     # A file of target token ids the draft proposes from (its LM head keeps their rows only):
     # `workers/speculative/token_map.py`.
     token_map: str | None = None
+    # Choose each decode step's draft length in 0..num_steps from measured acceptance and cost
+    # (`workers/speculative/controller.py`); False: num_steps every step.
+    adaptive: bool = True
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpecConfig:
@@ -65,6 +68,8 @@ class SpecConfig:
                 f"speculative.draft_pool: {self.algorithm} supports {list(DRAFT_POOLS[self.algorithm])}, "
                 f"got {self.draft_pool!r}"
             )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative.adaptive: true or false, got {self.adaptive!r}")
         if self.draft_tp not in ("shard", "replicate"):
             raise ValueError(f"speculative.draft_tp: 'shard' or 'replicate', got {self.draft_tp!r}")
         if not os.path.isfile(os.path.join(str(self.draft_model), "config.json")):

@@ -60,12 +60,16 @@ class DraftState:
     next_token: int | torch.Tensor | None = None  # first draft token of the next round (0-d on the device: greedy)
     next_probs: torch.Tensor | None = None  # the distribution it was drawn from (None: greedy)
     next_hidden: torch.Tensor | None = None  # the draft hidden state the next step reads
+    behind: int = 0  # plain decode steps since the draft last proposed (next_token is stale when > 0)
 
 
 class Drafter:
     """Standalone and EAGLE drafts: draft models with KV of their own."""
 
     fixed_window = True  # the catch-up after a verify has the same shape whatever was accepted
+    # The last plain decode steps whose target hidden states a catch-up after them reads (None:
+    # every one since the draft last caught up).
+    hidden_kept: int | None = 0
     shift = 0  # the entry consuming the token at position p sits at draft position p - shift
     reads_hidden = False  # entries read the target's hidden states
 
@@ -104,6 +108,11 @@ class Drafter:
         """Draft positions that should hold entries once the target has run: the entries of
         the tokens the target has KV for and of the token after them (the pending token)."""
         return req.kv_len + 1 - self.shift
+
+    def hidden_from(self, req: Request) -> int:
+        """The first position whose target hidden state the next catch-up reads (an EAGLE
+        entry at q reads the state at q)."""
+        return req.spec.draft_len
 
     def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
         """Run the draft over each request's entries [draft_len, goal)."""
@@ -298,6 +307,7 @@ class Drafter:
 class EagleDrafter(Drafter):
     shift = 1
     reads_hidden = True
+    hidden_kept = None
 
 
 class FrozenKVDrafter(Drafter):
@@ -305,6 +315,7 @@ class FrozenKVDrafter(Drafter):
 
     fixed_window = False  # step 1 of the next round sits at the new pending token's position
     reads_hidden = True
+    hidden_kept = 1
 
     def __init__(
         self, algorithm: str, pool_kind: str, runner: ModelRunner, target: ModelRunner, scheduler: Scheduler
@@ -319,6 +330,10 @@ class FrozenKVDrafter(Drafter):
 
     def goal(self, req: Request) -> int:
         return 0
+
+    def hidden_from(self, req: Request) -> int:
+        """Step 1 reads the target's state at the position before the pending token."""
+        return req.kv_len - 1
 
     def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
         """Draft step 1 for requests whose pending token follows the target's KV: the pending

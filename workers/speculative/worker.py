@@ -27,6 +27,14 @@ starts from its results, and the round's trim keeps the slots it writes. Anythin
 learns at the read that changes the batch (a request finished or failed) discards both.
 Sampled rounds draw each draft on the host, since rejection sampling needs every draft's
 distribution.
+
+How many draft steps a round runs is chosen every decode step (`draft_steps`: the controller,
+`workers/speculative/controller.py`; k = num_steps every step unless `speculative.adaptive`).
+k = 0 is a plain decode step: the draft falls a token behind (`after_plain` keeps the target's
+hidden states its catch-up reads), and catches up on the committed tokens as after a prefill
+chunk before the next round (`_resume`), or once it is `max_lag` behind if it keeps KV of its
+own. A round of k < num_steps is the same round with fewer drafts, replaying graphs captured for
+its k (docs/design.md §6.1).
 """
 
 from __future__ import annotations
@@ -48,8 +56,15 @@ from workers.request import Request
 from workers.sampler import distribution_logits, draw_each
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative.accept import verify_greedy, verify_sampling
+from workers.speculative.acceptance import AcceptanceModel
+from workers.speculative.controller import DraftSteps, FixedDraftSteps
 from workers.speculative.drafter import Drafter, DraftState, HiddenRows
 from workers.speculative.stats import SpecStats
+
+# Plain decode steps a draft with KV of its own may fall behind before it catches up: bounds the
+# target hidden states kept for an EAGLE draft and the window an SWA draft pool keeps (admission
+# reserves it: `Scheduler.draft_lag`), and amortises one catch-up forward over that many steps.
+MAX_LAG = 32
 
 
 @dataclasses.dataclass
@@ -71,9 +86,9 @@ class _Ahead:
     num_tokens: list[int] | None = None  # each request's length once this round has committed
     verified: _Verified | None = None
 
-    def serves(self, reqs: list[Request]) -> bool:
-        """Launched for a round of exactly these requests at their current lengths."""
-        return self.reqs == reqs and self.num_tokens == [r.num_tokens for r in reqs]
+    def serves(self, reqs: list[Request], k: int) -> bool:
+        """Launched for a round of exactly these requests at their current lengths, of k drafts."""
+        return self.reqs == reqs and self.num_tokens == [r.num_tokens for r in reqs] and self.drafts.shape[1] == k - 1
 
 
 class SpecWorker:
@@ -88,6 +103,13 @@ class SpecWorker:
         self.rounds_drafted_ahead = 0  # rounds whose drafts 2..k the previous round launched
         self.rounds_verified_ahead = 0  # rounds whose verify the previous round launched
         self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
+        self.acceptance = AcceptanceModel(num_steps, scheduler.req_to_token.max_requests)
+        self.controller: DraftSteps = FixedDraftSteps(num_steps)
+        self.max_lag = MAX_LAG
+        self.catch_ups = 0  # catch-ups after plain decode steps (a step running one is not timed)
+        # Plain decode steps since the draft last caught up, with the target's hidden states the
+        # catch-up may read: (the step's requests, their positions, hidden states a row each).
+        self._plain: list[tuple[list[Request], list[int], torch.Tensor | None]] = []
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -99,15 +121,83 @@ class SpecWorker:
         for req, n in zip(sb.reqs, sb.q_lens):
             rows[req.rid] = (req.kv_len - n, hidden[start : start + n])
             start += n
-        self.drafter.catch_up(ForwardMode.EXTEND, [r for r in sb.reqs if not r.finished], rows)
+        live = [r for r in sb.reqs if not r.finished]
+        first = [r.row for r, n in zip(sb.reqs, sb.q_lens) if r in live and r.kv_len == n + r.cached_tokens]
+        self.acceptance.start(first)  # the first chunk of these requests: their acceptance counts start afresh
+        self.drafter.catch_up(ForwardMode.EXTEND, live, rows)
 
-    def decode_round(self, reqs: list[Request]) -> list[tuple[Request, list[int]]]:
-        """One round for every request; a request whose sampling or verification raises fails
-        alone (`Scheduler.fail`) and leaves the round. When every request is greedy, drafts
-        stay on the device until verification, and the round reads the device once."""
-        k = self.num_steps
+    def draft_steps(self, reqs: list[Request]) -> int:
+        """How many draft steps a decode step of `reqs` runs (0: a plain decode step), as the
+        controller chooses; a round launched ahead is dropped before a plain step (its slots
+        given back)."""
+        k = self.controller.choose(len(reqs), lambda: self.acceptance.expected_tokens([r.row for r in reqs]))
+        if k == 0 and self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            for req in ahead.reqs:
+                if not req.finished:
+                    self.scheduler.trim(req)
+        return k
+
+    def after_plain(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
+        """A plain decode step committed a token for each of `reqs` (`hidden`: the target's
+        hidden states, a row each): the draft falls a token behind and keeps the rows its
+        catch-up reads; a draft with KV of its own catches up once `max_lag` behind (every
+        running request takes part in every decode step, so the step count says how far)."""
+        for req in reqs:
+            if not req.finished:
+                req.spec.behind += 1
+                req.spec.stats.plain_steps += 1
+        kept = self.drafter.hidden_kept
+        self._plain.append((reqs, [r.kv_len - 1 for r in reqs], hidden if kept != 0 else None))
+        if kept:
+            self._plain = self._plain[-kept:]
+        if self.drafter.runner.pool is not None and len(self._plain) >= self.max_lag:
+            self._resume([r for r in reqs if not r.finished])
+
+    def _resume(self, reqs: list[Request]) -> None:
+        """Catch the draft up on the tokens plain decode steps committed since it last proposed
+        (`Drafter.catch_up`, as after a prefill chunk), which proposes each request's next
+        first draft."""
+        behind = [r for r in reqs if not r.finished and r.spec.behind]
+        if behind:
+            rows = self._plain_hidden(behind) if self.drafter.reads_hidden else {}
+            self.drafter.catch_up(ForwardMode.EXTEND, behind, rows)
+            for req in behind:
+                req.spec.behind = 0
+            self.catch_ups += 1
+        self._plain = []
+
+    def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
+        """Each request's target hidden states from the plain steps since the draft last caught
+        up, from the first position its catch-up reads (`Drafter.hidden_from`): one gather."""
+        firsts = {id(r): self.drafter.hidden_from(r) for r in reqs}
+        picks: dict[int, list[int]] = {id(r): [] for r in reqs}
+        base = 0
+        for step, positions, hidden in self._plain:
+            for i, (req, position) in enumerate(zip(step, positions)):
+                if id(req) in picks and position >= firsts[id(req)]:
+                    picks[id(req)].append(base + i)
+            base += hidden.shape[0]
+        every = torch.cat([hidden for _, _, hidden in self._plain])
+        order = np.array([i for r in reqs for i in picks[id(r)]], dtype=np.int64)
+        rows = every.index_select(0, upload(order, every.device))
+        out, start = {}, 0
+        for req in reqs:
+            n = len(picks[id(req)])
+            out[req.rid], start = (firsts[id(req)], rows[start : start + n]), start + n
+        return out
+
+    def decode_round(self, reqs: list[Request], k: int) -> list[tuple[Request, list[int]]]:
+        """One round of `k` draft steps for every request; a request whose sampling or
+        verification raises fails alone (`Scheduler.fail`) and leaves the round. When every
+        request is greedy, drafts stay on the device until verification, and the round reads
+        the device once."""
+        self._resume(reqs)
+        reqs = [r for r in reqs if not r.finished]  # (a catch-up's draw may fail one)
+        if not reqs:
+            return []
         ahead, self._ahead = self._ahead, None
-        ahead = ahead if ahead is not None and ahead.serves(reqs) else None
+        ahead = ahead if ahead is not None and ahead.serves(reqs, k) else None
         logits = chosen = None  # the verify's, and its rows' distributions, where the host may read them
         if ahead is not None and ahead.verified is not None:  # verified already: straight to acceptance
             self.rounds_drafted_ahead += 1
@@ -116,12 +206,12 @@ class SpecWorker:
             draft_probs = [[None] * k for _ in reqs]
         else:
             if all(r.sampling.greedy and not at_work(r) for r in reqs):
-                reqs, drafts, draft_probs = self._draft_on_device(reqs, ahead)
+                reqs, drafts, draft_probs = self._draft_on_device(reqs, ahead, k)
             else:
-                reqs, drafts, draft_probs = self._draft_on_host(reqs)
+                reqs, drafts, draft_probs = self._draft_on_host(reqs, k)
             if not reqs:
                 return []
-            out = self._verify(reqs, drafts)
+            out = self._verify(reqs, drafts, k)
             logits, hidden = out.logits, out.hidden
             # Position j of a request is processed as plain decoding would process it there:
             # after the pending token and drafts 1..j (the chain that reaches it).
@@ -149,20 +239,23 @@ class SpecWorker:
         else:  # one device sync for every greedy request
             best = best.tolist()
 
-        events, live = [], []
+        events, live, judged = [], [], []
         self.last_accept_lengths = {}
         self.last_drafts = {r.rid: d for r, d in zip(reqs, drafts)}
         for i, (req, start, d, dp) in enumerate(zip(reqs, starts, drafts, draft_probs)):
-            rows = slice(i * (k + 1), (i + 1) * (k + 1))
+            rows, row = slice(i * (k + 1), (i + 1) * (k + 1)), req.row
             try:
                 new = self._accept(req, start, d, dp, None if logits is None else logits[rows], chosen, rows, best[i])
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 self.scheduler.fail(req, exc)
                 continue
             events.append((req, new))
+            judged.append((row, self.last_accept_lengths[req.rid] - 1))
             if not req.finished:
                 live.append((i, req, start, len(new) - 1))
-        self._logprobs(events, reqs, chosen)
+        if judged:
+            self.acceptance.record([row for row, _ in judged], k, [n for _, n in judged])
+        self._logprobs(events, reqs, chosen, k)
         if self._ahead is not None and len(live) < len(reqs):  # good for a round of exactly these requests
             self._ahead = None
         if live:
@@ -186,11 +279,15 @@ class SpecWorker:
         return events
 
     def _verify_batch(
-        self, reqs: list[Request], starts: list[int], input_ids: list[list[int]], allocate_to: list[int] | None = None
+        self,
+        reqs: list[Request],
+        k: int,
+        starts: list[int],
+        input_ids: list[list[int]],
+        allocate_to: list[int] | None = None,
     ) -> ForwardBatch:
         """A verify of k + 1 positions from each request's `starts` (slots allocated up to
         `allocate_to`, by default those positions)."""
-        k = self.num_steps
         return ForwardBatch.build(
             ForwardMode.TARGET_VERIFY,
             rows=[r.row for r in reqs],
@@ -201,13 +298,13 @@ class SpecWorker:
             logits_rows=range(len(reqs) * (k + 1)),
         )
 
-    def _verify(self, reqs: list[Request], drafts: torch.Tensor | list[list[int]]) -> ForwardOutput:
-        """The target over each request's pending token and its drafts (on the device or the host)."""
-        k = self.num_steps
+    def _verify(self, reqs: list[Request], drafts: torch.Tensor | list[list[int]], k: int) -> ForwardOutput:
+        """The target over each request's pending token and its k drafts (on the device or the host)."""
         starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
         on_device = isinstance(drafts, torch.Tensor)
         batch = self._verify_batch(
             reqs,
+            k,
             starts,
             [r.tokens(s, s + 1) + ([PADDING_TOKEN] * k if on_device else d) for r, s, d in zip(reqs, starts, drafts)],
         )
@@ -224,14 +321,14 @@ class SpecWorker:
         and drafts 2..k, all on the device; staged as if nothing were accepted and moved on by
         `accepted` on the device. None (the next round verifies) without a graph for it, when a
         request may read its logits, or without room for the furthest outcome."""
-        k = self.num_steps
+        k = best.shape[1] - 1
         if not self.verify_ahead or any(r.sampling.reads_logits for r in reqs):
             return None
         firsts = [r.num_tokens for r in reqs]  # the next pending token's position, nothing accepted
         ends = [f + 2 * k + 1 for f in firsts]  # the furthest outcome: k accepted, k + 1 positions on
         if not self.scheduler.has_room_ahead(reqs, ends):
             return None
-        batch = self._verify_batch(reqs, firsts, [[PADDING_TOKEN] * (k + 1)] * len(reqs), ends)
+        batch = self._verify_batch(reqs, k, firsts, [[PADDING_TOKEN] * (k + 1)] * len(reqs), ends)
         bonus = best.gather(1, accepted[:, None])
         drafts = torch.cat([torch.stack([r.spec.next_token for r in reqs])[:, None], drafts_ahead], dim=1)
         batch.use_device_ids(torch.cat([bonus, drafts], dim=1).flatten())
@@ -244,13 +341,13 @@ class SpecWorker:
         self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, hidden: torch.Tensor
     ) -> _Ahead | None:
         """The next round's drafts 2..k, launched before this round's read (`Drafter.draft_ahead`)."""
-        if self.num_steps < 2:
+        if best.shape[1] < 3:  # k < 2: no drafts 2..k
             return None
         drafts = self.drafter.draft_ahead(reqs, accepted, best, hidden)
         return None if drafts is None else _Ahead(reqs, drafts)
 
     def _draft_on_device(
-        self, reqs: list[Request], ahead: _Ahead | None
+        self, reqs: list[Request], ahead: _Ahead | None, k: int
     ) -> tuple[list[Request], torch.Tensor, list[list[None]]]:
         """Greedy drafts 1..k as a device tensor `[B, k]`: each step's argmax feeds the next
         (drafts 2..k: `ahead`'s, when the round before launched them for these requests)."""
@@ -260,23 +357,23 @@ class SpecWorker:
         else:  # proposed by a sampled batch: on the host
             tokens = upload(np.array([int(t) for t in first], dtype=np.int64), reqs[0].spec.next_hidden.device)
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
-        no_probs = [[None] * self.num_steps for _ in reqs]
+        no_probs = [[None] * k for _ in reqs]
         if ahead is not None:
             self.rounds_drafted_ahead += 1
             return reqs, torch.cat([tokens[:, None], ahead.drafts], dim=1), no_probs
-        if self.num_steps > 1:
-            chained = self.drafter.chain(reqs, tokens, hidden, self.num_steps - 1)
+        if k > 1:
+            chained = self.drafter.chain(reqs, tokens, hidden, k - 1)
             if chained is not None:  # drafts 2..k in one graph replay
                 return reqs, torch.cat([tokens[:, None], chained[0]], dim=1), no_probs
         drafts = [tokens]
-        for j in range(2, self.num_steps + 1):
+        for j in range(2, k + 1):
             out = self.drafter.step(reqs, j, drafts[-1], hidden)
             drafts.append(self.drafter.greedy(out.logits, out.ids))
             hidden = out.hidden
         return reqs, torch.stack(drafts, dim=1), no_probs
 
     def _draft_on_host(
-        self, reqs: list[Request]
+        self, reqs: list[Request], k: int
     ) -> tuple[list[Request], list[list[int]], list[list[torch.Tensor | None]]]:
         """Drafts drawn on the host, step by step, each through the processor stage as the target
         will process its position (after the drafts before it); a request whose draw raises
@@ -284,7 +381,7 @@ class SpecWorker:
         drafts = [[int(r.spec.next_token)] for r in reqs]
         draft_probs = [[r.spec.next_probs] for r in reqs]
         hidden = torch.stack([r.spec.next_hidden for r in reqs])
-        for j in range(2, self.num_steps + 1):
+        for j in range(2, k + 1):
             out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
             logits = self.drafter.target_logits(out.logits, out.ids)
             history = self.scheduler.history(reqs, [list(d) for d in drafts])
@@ -325,7 +422,7 @@ class SpecWorker:
         else:
             target_probs = torch.softmax(chosen[rows], dim=-1)
             accepted, bonus = verify_sampling(target_probs, torch.stack(draft_probs), drafts, req.generator)
-        req.spec.stats.record(accepted)
+        req.spec.stats.record(accepted, len(drafts))
         self.last_accept_lengths[req.rid] = accepted + 1
         new = self.scheduler.commit(req, drafts[:accepted] + [bonus], start + accepted + 1)
         if req.sampling.return_logits:  # a copy: graphs rewrite their rows
@@ -333,7 +430,7 @@ class SpecWorker:
         return new
 
     def _logprobs(
-        self, events: list[tuple[Request, list[int]]], reqs: list[Request], chosen: torch.Tensor | None
+        self, events: list[tuple[Request, list[int]]], reqs: list[Request], chosen: torch.Tensor | None, k: int
     ) -> None:
         """The logprobs of each committed token that a request asked for, from the target's
         distribution at its position (the verify's processed rows: never the draft's), read to
@@ -341,7 +438,7 @@ class SpecWorker:
         asking = [(req, new) for req, new in events if req.logprobs is not None and new]
         if not asking:
             return
-        k, index = self.num_steps, {id(r): i for i, r in enumerate(reqs)}
+        index = {id(r): i for i, r in enumerate(reqs)}
         picks = [index[id(req)] * (k + 1) + j for req, new in asking for j in range(len(new))]
         ks = [req.sampling.logprobs for req, new in asking for _ in new]
         got = of_rows(chosen[picks], [t for _, new in asking for t in new], ks)

@@ -1,0 +1,271 @@
+"""Adaptive draft length against plain decoding and every fixed draft length, in one run.
+
+    python -m ops.bench.adaptive_spec --out adaptive.json [--parts tiny,shapes] [--record]
+
+1. `tiny`: the shipped tiny target with each of its drafts (standalone, EAGLE, frozen-KV MTP)
+   at batches 1, 4, 16 and 64: plain decoding, rounds of a fixed num_steps 1..4, and the adaptive
+   controller (num_steps 4). Prompts are Python source text, which the drafts were trained on.
+2. `shapes`: the Llama-3-8B and Gemma-3-1B shapes with dummy weights at batches 1, 8 and 64:
+   the same modes with a dummy EAGLE head and a dummy frozen-KV MTP head (drafts are not accepted:
+   speculation cannot pay), and on the 8B shape a self-draft canary (a standalone draft with the
+   target's own dummy weights: drafts accepted, each draft step as dear as a target step).
+
+Every case runs a warm-up at its batch size (kernels, first replays and, adaptive, the
+controller's first measurements), then times greedy decoding of `--new` tokens per request
+after a `--prompt`-token prompt (tokens/s of the decode steps). For each model, draft and batch
+the table sets adaptive against max(plain, best fixed): the goal is to be within 3% of it
+(`of_best`), and at least 97% of plain where drafts are not accepted (`of_plain`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+
+import torch
+
+from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops.bench.decode_throughput import SHAPES, random_prompts, write_config
+from ops.bench.record import add_record_args, record_run
+from workers.engine import Engine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+TINY_BATCHES = (1, 4, 16, 64)
+SHAPE_BATCHES = (1, 8, 64)
+MAX_STEPS = 4
+TOLERANCE = 0.03
+COLUMNS = ["tok_per_s", "ms_per_step", "accept_length", "draft_steps", "plain_share", "of_best", "of_plain"]
+
+
+def modes(max_steps: int) -> list[tuple[str, dict | None]]:
+    """(name, speculative options without the draft) of every mode; None: no draft."""
+    fixed = [(f"k{k}", {"num_steps": k, "adaptive": False}) for k in range(1, max_steps + 1)]
+    return [("plain", None), *fixed, ("adaptive", {"num_steps": max_steps, "adaptive": True})]
+
+
+def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
+    """Submit, prefill, then time the decode steps: tokens/s, ms per step, accept length, and the
+    draft steps the requests' decode steps ran (mean, and the share of plain steps)."""
+    sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, sampling) for p in prompts]
+    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    _sync(engine)
+    start, steps, tokens = time.perf_counter(), 0, 0
+    while engine.has_unfinished():
+        tokens += sum(len(t) for _, t, _ in engine.step())
+        steps += 1
+    _sync(engine)
+    elapsed = time.perf_counter() - start
+    outs = [engine.output(r) for r in rids]
+    for r in rids:
+        engine.release(r)
+    stats = [o.spec for o in outs if o.spec is not None]
+    lengths = [n for s in stats for n in s.accept_lengths]
+    drafted = [k for s in stats for k in s.draft_steps + [0] * s.plain_steps]
+    return {
+        "tok_per_s": tokens / elapsed,
+        "ms_per_step": 1e3 * elapsed / max(1, steps),
+        "accept_length": sum(lengths) / len(lengths) if lengths else None,
+        "draft_steps": sum(drafted) / len(drafted) if drafted else None,
+        "plain_share": drafted.count(0) / len(drafted) if drafted else None,
+    }
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_modes(
+    name: str, build, draft: dict | None, batches, prompts_for, new: int, max_steps: int, done: set[str]
+) -> dict:
+    """Every mode of one model and draft (`draft`: its speculative options; plain once per model,
+    `done` says whether it ran): one engine per mode, each batch warmed up, then timed."""
+    out = {}
+    for mode, options in modes(max_steps):
+        if (options is None) != (draft is None) or (mode == "plain" and name in done):
+            continue
+        engine = build(None if options is None else {**draft, **options})
+        for batch in batches:
+            prompts = prompts_for(batch)
+            decode(engine, prompts, max(8, new // 4))  # warm-up
+            r = decode(engine, prompts, new)
+            draft_name = draft["name"] if draft else "none"
+            out[f"{name}/b{batch}/{draft_name}/{mode}"] = r
+            logger.info("%s batch %d %s %s: %.1f tok/s", name, batch, draft_name, mode, r["tok_per_s"])
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    done.add(name)
+    return out
+
+
+def compare(results: dict) -> dict:
+    """Adaptive against plain and the best fixed draft length of its model, batch and draft."""
+    for key, r in results.items():
+        model, batch, draft, mode = key.split("/")
+        if mode != "adaptive":
+            continue
+        plain = results[f"{model}/{batch}/none/plain"]["tok_per_s"]
+        fixed = [v["tok_per_s"] for k, v in results.items() if k.startswith(f"{model}/{batch}/{draft}/k")]
+        r["of_best"] = r["tok_per_s"] / max([plain, *fixed])
+        r["of_plain"] = r["tok_per_s"] / plain
+    return results
+
+
+def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str], max_steps: int) -> dict:
+    from workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(DEFAULT_MODEL)
+    sources = [open(m.__file__).read() for m in (argparse, json.decoder, logging, warnings, tempfile)]
+
+    def prompts_for(batch: int) -> list[list[int]]:
+        texts = [sources[i % len(sources)][(i // len(sources)) * 1500 :] for i in range(batch)]
+        return [tok.encode(t)[:prompt_len] for t in texts]
+
+    def build(spec: dict | None) -> Engine:
+        return Engine(
+            model=DEFAULT_MODEL,
+            device=device,
+            page_size=16,
+            max_total_tokens=max(batches) * (prompt_len + new + 64),
+            max_running_requests=max(batches),
+            speculative=None if spec is None else {k: v for k, v in spec.items() if k != "name"},
+        )
+
+    out, done = {}, set()
+    for draft in [None, *drafts]:
+        spec = None if draft is None else {"name": draft, "algorithm": draft, "draft_model": DRAFT_MODELS[draft]}
+        out.update(run_modes("tiny", build, spec, batches, prompts_for, new, max_steps, done))
+    return out
+
+
+def shape_drafts(root: str, shape: str) -> dict[str, dict]:
+    """Dummy drafts of a shape: a one-layer EAGLE head, a frozen-KV MTP head (the target's
+    default source layers), and on the 8B a self-draft (the target's config and seed)."""
+    t = SHAPES[shape]
+    eagle = {
+        "architectures": ["LlamaForCausalLMEagle"],
+        "model_type": "llama",
+        "hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "head_dim": t["head_dim"],
+        "vocab_size": t["vocab_size"],
+        "rms_norm_eps": t["rms_norm_eps"],
+        "max_position_embeddings": t["max_position_embeddings"],
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+    mtp = {**t, "architectures": ["FrozenKVMTPForCausalLM"]}
+    drafts = {
+        "eagle": {"algorithm": "eagle", "draft_model": write_config(root, f"{shape}-eagle", eagle)},
+        "frozen_kv_mtp": {"algorithm": "frozen_kv_mtp", "draft_model": write_config(root, f"{shape}-mtp", mtp)},
+    }
+    if shape == "llama3-8b":
+        drafts["self"] = {"algorithm": "standalone", "draft_model": os.path.join(root, shape), "draft_pool": "full"}
+    return {name: {"name": name, "draft_load_format": "dummy", **d} for name, d in drafts.items()}
+
+
+def shapes_part(shapes: list[str], batches, new: int, prompt_len: int, drafts: list[str] | None, max_steps: int):
+    root = tempfile.mkdtemp(prefix="adaptive-shapes-")
+    out, done = {}, set()
+    for shape in shapes:
+        path = write_config(root, shape, SHAPES[shape])
+        vocab = SHAPES[shape]["vocab_size"]
+
+        def build(spec: dict | None, path: str = path) -> Engine:
+            return Engine(
+                model=path,
+                device="cuda",
+                dtype="bfloat16",
+                load_format="dummy",
+                page_size=16,
+                swa_full_tokens_ratio=1.0,
+                max_total_tokens=max(batches) * (prompt_len + new + 64),
+                max_running_requests=max(batches),
+                chunked_prefill_size=8192,
+                speculative=None if spec is None else {k: v for k, v in spec.items() if k != "name"},
+            )
+
+        specs = shape_drafts(root, shape)
+        for draft in [None, *(d for d in specs if drafts is None or d in drafts)]:
+            out.update(
+                run_modes(
+                    shape,
+                    build,
+                    None if draft is None else specs[draft],
+                    batches,
+                    lambda b, vocab=vocab: random_prompts(vocab, b, prompt_len),
+                    new,
+                    max_steps,
+                    done,
+                )
+            )
+    return out
+
+
+def table(results: dict) -> str:
+    lines = [f"{'case':<40} {'tok/s':>9} {'ms/step':>8} {'accept':>7} {'k':>5} {'plain':>6} {'of best':>8}"]
+    for key, r in results.items():
+        if not isinstance(r, dict) or "tok_per_s" not in r:
+            continue
+        cells = [
+            f"{r['accept_length']:.2f}" if r.get("accept_length") else "",
+            f"{r['draft_steps']:.2f}" if r.get("draft_steps") is not None else "",
+            f"{100 * r['plain_share']:.0f}%" if r.get("plain_share") is not None else "",
+            f"{100 * r['of_best']:.1f}%{'' if r['of_best'] >= 1 - TOLERANCE else ' LOW'}" if "of_best" in r else "",
+        ]
+        lines.append(
+            f"{key:<40} {r['tok_per_s']:>9.1f} {r['ms_per_step']:>8.3f} {cells[0]:>7} {cells[1]:>5} "
+            f"{cells[2]:>6} {cells[3]:>8}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", default="tiny,shapes")
+    parser.add_argument("--shapes", default="llama3-8b,gemma3-1b")
+    parser.add_argument("--drafts", default=None, help="drafts to run, comma-separated (default all of each part)")
+    parser.add_argument("--batches", default=None, help="batch sizes, comma-separated (default: each part's)")
+    parser.add_argument("--new", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="the largest num_steps (adaptive's)")
+    parser.add_argument("--device", default="cuda", help="the tiny part's device (cpu: a smoke run)")
+    add_record_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    chosen = args.drafts.split(",") if args.drafts else None
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    results: dict = {}
+    if "tiny" in args.parts.split(","):
+        drafts = [d for d in DRAFT_MODELS if chosen is None or d in chosen]
+        results.update(tiny_part(args.device, batches or TINY_BATCHES, args.new, args.prompt, drafts, args.max_steps))
+    if "shapes" in args.parts.split(","):
+        results.update(
+            shapes_part(args.shapes.split(","), batches or SHAPE_BATCHES, args.new, args.prompt, chosen, args.max_steps)
+        )
+    compare(results)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(table(results))
+    record_run(args, "adaptive_spec", results, COLUMNS, device=args.device if args.parts == "tiny" else None)
+
+
+if __name__ == "__main__":
+    main()

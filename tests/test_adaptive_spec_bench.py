@@ -1,0 +1,20 @@
+"""`ops.bench.adaptive_spec` runs end to end (a CPU smoke run of its tiny part): every mode of a
+draft, adaptive set against plain and the best fixed draft length, the table and the JSON."""
+
+import json
+
+from ops.bench import adaptive_spec
+
+
+def test_the_benchmark_compares_adaptive_with_plain_and_each_fixed_length(tmp_path, capsys):
+    out = tmp_path / "adaptive.json"
+    argv = ["--out", str(out), "--parts", "tiny", "--device", "cpu", "--batches", "1", "--new", "4"]
+    adaptive_spec.main([*argv, "--prompt", "8", "--drafts", "frozen_kv_mtp", "--max-steps", "2"])
+    results = json.loads(out.read_text())
+    cases = {"tiny/b1/none/plain", *(f"tiny/b1/frozen_kv_mtp/{m}" for m in ("k1", "k2", "adaptive"))}
+    assert set(results) == cases
+    adaptive = results["tiny/b1/frozen_kv_mtp/adaptive"]
+    best = max(r["tok_per_s"] for k, r in results.items() if not k.endswith("adaptive"))
+    assert adaptive["of_best"] == adaptive["tok_per_s"] / best
+    assert results["tiny/b1/frozen_kv_mtp/k2"]["draft_steps"] == 2.0
+    assert "tiny/b1/frozen_kv_mtp/adaptive" in capsys.readouterr().out

@@ -1,0 +1,273 @@
+"""Adaptive draft length (`workers/speculative/controller.py`, docs/design.md §6.1): the controller
+on synthetic cost and acceptance tables (it picks the fastest k, does not flap, tries what it has
+not measured, probes deeper), the cost and acceptance models, and engines whose draft length
+switches between 0 and k on a forced schedule: greedy output equals plain decoding for every
+algorithm on the shipped tiny models, eager and under emulated graph replay, and a draft that
+fell behind by plain decode steps catches up exactly."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from attention import ForwardMode
+from ops import DEFAULT_MODEL, DRAFT_MODELS
+from tests.draft_models import SPEC_VARIANTS
+from tests.hf_models import WINDOW, random_prompts
+from workers.engine import Engine, SamplingParams
+from workers.speculative.acceptance import AcceptanceModel
+from workers.speculative.controller import AdaptiveDraftSteps
+from workers.speculative.cost_model import CostModel
+
+K = 3
+BUCKETS = [1, 4, 16, 64]
+
+
+class Schedule:
+    """A controller forced through `ks` in turn, one decode step each."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self._ks = itertools.cycle(ks)
+        self.k = next(self._ks)
+
+    def choose(self, batch_size, expected_tokens) -> int:
+        return self.k
+
+    def observe(self, batch_size, k, seconds) -> None:
+        assert k == self.k
+        self.k = next(self._ks)
+
+
+def _costs(rows: dict[int, list[float]]) -> CostModel:
+    costs = CostModel(BUCKETS, K)
+    for bucket, row in rows.items():
+        for k, seconds in enumerate(row):
+            costs.set_prior(bucket, k, seconds)
+    return costs
+
+
+def _tokens(batch: int, rate: float) -> np.ndarray:
+    """A batch's expected tokens for k = 0..K when every position accepts at `rate`."""
+    return batch * np.array([sum(rate**i for i in range(k + 1)) for k in range(K + 1)])
+
+
+def _drive(ctrl: AdaptiveDraftSteps, batch: int, tokens, steps: int, seconds=None) -> list[int]:
+    """`steps` decode steps: choose, then observe (seconds(k): the step's time; default the
+    model's own estimate)."""
+    chosen = []
+    for _ in range(steps):
+        k = ctrl.choose(batch, lambda: tokens)
+        assert ctrl.choose(batch, lambda: tokens) == k, "a second ask before the step changed the answer"
+        took = seconds(k) if seconds is not None else ctrl.costs.seconds(batch)[k]
+        ctrl.observe(batch, k, took)
+        chosen.append(k)
+    return chosen
+
+
+# -- the models and the controller on synthetic tables ----------------------------------------------
+def test_the_cost_model_buckets_averages_and_carries_what_priors_miss():
+    costs = _costs({4: [1.0, 2.0, 3.0, 4.0], 16: [2.0, 3.0, 4.0, 5.0]})
+    assert [costs.bucket(b) for b in (1, 2, 4, 5, 64, 200)] == [1, 4, 4, 16, 64, 64]
+    assert costs.seconds(3) == [1.0, 2.0, 3.0, 4.0] and costs.seconds(1) == [None] * (K + 1)
+    costs.observe(3, 1, 2.5)  # measured: 0.5 s more than the prior at bucket 4
+    assert costs.seconds(4) == [1.5, 2.5, 3.5, 4.5]
+    costs.observe(4, 1, 3.5)  # a moving average, weight 0.2
+    assert costs.seconds(4)[1] == pytest.approx(2.7)
+    assert costs.seconds(16) == pytest.approx([2.7, 3.7, 4.7, 5.7])  # the nearest bucket's gap
+    for bad in (
+        lambda: costs.observe(4, K + 1, 1.0),
+        lambda: costs.observe(4, 0, 0.0),
+        lambda: costs.set_prior(3, 0, 1),
+    ):
+        with pytest.raises(ValueError, match="cost model"):
+            bad()
+
+
+def test_acceptance_counts_judge_positions_up_to_the_first_rejection():
+    model = AcceptanceModel(K, rows=4, prior=1.0, pseudo_counts=4.0)
+    model.start([0, 1])
+    model.record([0, 1], 3, [1, 3])  # row 0: accepted draft 1, rejected 2, never judged 3
+    assert model.judged[0].tolist() == [1, 1, 0] and model.accepted[0].tolist() == [1, 0, 0]
+    assert model.judged[1].tolist() == [1, 1, 1] and model.accepted[1].tolist() == [1, 1, 1]
+    assert model.draft_rates().tolist() == pytest.approx([1.0, 2 / 3, 1.0])
+    for _ in range(50):  # row 0 keeps rejecting its first draft: it expects less than the draft
+        model.record([0], 2, [0])
+    low, high = model.expected_tokens([0])[K], model.expected_tokens([1])[K]
+    assert 1.0 <= low < 1.5 < high
+    assert model.expected_tokens([0, 1])[0] == 2.0  # k = 0: one token each
+    rates = model.rates([1])[0]
+    assert model.expected_tokens([1])[2] == pytest.approx(1 + rates[0] + rates[0] * rates[1])
+    model.start([0])  # a new request on row 0 starts at the draft's rates
+    assert model.rates([0])[0] == pytest.approx(model.draft_rates())
+    with pytest.raises(ValueError, match="acceptance"):
+        model.record([0], 2, [3])
+
+
+def test_the_controller_picks_the_fastest_draft_length_per_batch_size():
+    """Rounds cost little more than a plain step at batch 1 and several at batch 64 (as on a
+    GPU): with acceptance 0.8 the controller runs K drafts at batch 1 and plain steps at 64, and
+    plain steps at batch 1 too once drafts are never accepted."""
+    rows = {1: [1.0, 1.2, 1.4, 1.6], 4: [1.0, 1.3, 1.6, 1.9], 16: [1.0, 2.0, 3.0, 4.0], 64: [1.0, 3.0, 5.0, 7.0]}
+    for batch, rate, want in ((1, 0.8, K), (64, 0.8, 0), (1, 0.0, 0), (4, 0.5, 1)):
+        ctrl = AdaptiveDraftSteps(_costs(rows))
+        chosen = _drive(ctrl, batch, _tokens(batch, rate), 40)
+        assert chosen[:4] == [K] * 4  # num_steps first, for `dwell` steps
+        assert ctrl.k == want and chosen[-10:].count(want) >= 9, (batch, rate, chosen)  # (a probe, at most)
+
+
+def test_the_controller_does_not_flap_between_near_equals():
+    """k = 1 and k = 2 within 2% of each other, step times noisy by 5%: once settled the
+    controller keeps one of them, leaving it only for single probes a step deeper (ever rarer);
+    a clear winner (25% faster) it takes."""
+    rows = {4: [1.0, 1.0, 1.0, 3.0]}
+    tokens = np.array([4.0, 7.0, 7.14, 7.2])
+    rng = np.random.default_rng(0)
+    ctrl = AdaptiveDraftSteps(_costs(rows))
+    settled = _drive(ctrl, 4, tokens, 240, lambda k: rows[4][k] * rng.uniform(0.95, 1.05))[10:]
+    k = ctrl.k
+    assert k in (1, 2) and settled.count(k) >= len(settled) - 4
+    probes = [i for i, n in enumerate(settled) if n != k]
+    assert all(settled[i] == k + 1 and settled[i + 1] == k for i in probes)
+    assert _drive(ctrl, 4, np.array([4.0, 9.0, 7.2, 7.2]), 10)[-1] == 1
+
+
+def test_the_controller_measures_what_it_has_not_and_probes_deeper():
+    """Without start-up timing (a CPU) every k is tried for `dwell` steps, deepest first, before
+    the fastest is chosen; a step right after a change is not timed. At k = 0 it probes k = 1
+    after `probe_after` steps, and waits twice as long after a probe that changed nothing."""
+    times = [1.0, 1.5, 2.0, 2.5]
+    ctrl = AdaptiveDraftSteps(CostModel(BUCKETS, K), dwell=3, probe_after=8, max_probe_after=32)
+    chosen = _drive(ctrl, 4, _tokens(4, 0.1), 14, lambda k: times[k])
+    assert chosen[:12] == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0] and chosen[12:] == [0, 0]
+    assert ctrl.costs.seconds(4) == times  # each measured, the first step after a change left out
+    chosen = _drive(ctrl, 4, _tokens(4, 0.1), 120, lambda k: times[k])
+    probes = [i for i, k in enumerate(chosen[:-1]) if k == 1]
+    assert len(probes) >= 3 and all(chosen[i + 1] == 0 for i in probes) and set(chosen) == {0, 1}
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[1] > gaps[0] and gaps[-1] <= 32 + 2 * 3  # (decisions come every `dwell` steps)
+    assert _drive(ctrl, 4, _tokens(4, 0.99), 8, lambda k: times[k])[-1] == K  # drafts accepted: they pay now
+
+
+# -- engines on a forced schedule ------------------------------------------------------------------
+SCHEDULE = [K, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0, K, 2, 2, 0]  # rounds of every k, plain runs past max_lag
+PROMPTS = [[5, 17, 99, 3, 250, 1000, 7, 8, 9, 10] * 2, [11, 12, 13, 14] * 3]
+GREEDY = SamplingParams(max_new_tokens=28, temperature=0.0, ignore_eos=True)
+
+
+def _tiny(graphs, speculative=None, **kw) -> Engine:
+    return Engine(
+        model=DEFAULT_MODEL,
+        page_size=16,
+        attention_backend="trtllm_mha",
+        max_total_tokens=2048,
+        context_length=96,
+        max_running_requests=2,
+        cuda_graphs=graphs,
+        speculative=speculative,
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    return [o.token_ids for o in _tiny(False).generate(prompt_token_ids=PROMPTS, sampling=GREEDY)]
+
+
+@pytest.mark.parametrize("graphs, overlap", [(False, False), ("emulate", False), ("emulate", True)])
+@pytest.mark.parametrize("algorithm", sorted(DRAFT_MODELS))
+def test_switching_between_plain_steps_and_rounds_is_lossless(plain_tokens, algorithm, graphs, overlap):
+    """The shipped tiny target and each of its drafts, the draft length forced through every k
+    and runs of plain steps longer than `max_lag`: greedy tokens equal plain decoding's; rounds
+    of each k ran (under replay, from graphs captured for that k), plain steps ran (overlapped:
+    each launched before the last one's read, the hidden states the draft reads kept by the
+    decode graph) and the draft caught up after them; every pool is back at its free count."""
+    spec = {"algorithm": algorithm, "draft_model": DRAFT_MODELS[algorithm], "num_steps": K}
+    eng = _tiny(graphs, spec, overlap_schedule=overlap)
+    eng.spec.controller, eng.spec.max_lag = Schedule(SCHEDULE), 4
+    outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+    assert [o.token_ids for o in outs] == plain_tokens
+    assert {k for o in outs for k in o.spec.draft_steps} == {1, 2, K}
+    assert all(o.spec.plain_steps > 0 and len(o.spec.draft_steps) == o.spec.verify_steps for o in outs)
+    assert all(n <= k + 1 for o in outs for n, k in zip(o.spec.accept_lengths, o.spec.draft_steps))
+    assert eng.spec.catch_ups > 0
+    if graphs:
+        verifies = {key.q_len for key in eng.runner.graphs.families if key.mode is ForwardMode.TARGET_VERIFY}
+        assert verifies == {2, 3, K + 1}
+    eng.check_no_leak()
+
+
+@pytest.mark.parametrize("variant", ["standalone-swa", "eagle1-full", "frozen_kv_mtp-target"])
+def test_a_draft_behind_by_more_than_its_window_catches_up_exactly(models, variant):
+    """Plain steps put the draft WINDOW + 4 tokens behind before each round (its SWA window keeps
+    the slots its catch-up reads: `Scheduler.window_from`), over a chunked prefill: every round's
+    drafts equal those of a fresh engine that prefilled the same tokens at once, so the draft's
+    state after catching up is exact (losslessness alone would not show it)."""
+    m = models["gemma3"]
+    algorithm, pool, draft = SPEC_VARIANTS[variant]
+    spec = {"algorithm": algorithm, "draft_model": m[draft], "num_steps": K, "draft_pool": pool}
+    eng = Engine(model=m["target"], page_size=4, chunked_prefill_size=5, max_total_tokens=4096, speculative=spec)
+    eng.spec.controller, eng.spec.max_lag = Schedule([K, *[0] * (WINDOW + 4)]), 2 * WINDOW
+    sampling = SamplingParams(max_new_tokens=3 * (WINDOW + 5), temperature=0.0, ignore_eos=True)
+    for p in random_prompts([3 * WINDOW + 5, WINDOW + 3], seed=8):
+        eng.add_request(p, sampling)
+    rounds = []  # (tokens before the pending one, drafts)
+    while eng.has_unfinished():
+        before = {r.rid: r.tokens(0, r.num_tokens - 1) for r in eng.scheduler.running if r.prefilled}
+        eng.step()
+        rounds += [(before[rid], d) for rid, d in eng.last_step.drafts.items()]
+    assert len(rounds) >= 4 and eng.spec.catch_ups >= 2
+    fresh = Engine(model=m["target"], page_size=16, chunked_prefill_size=None, max_total_tokens=4096, speculative=spec)
+    fresh.spec.controller = Schedule([K])
+    for tokens, drafts in rounds[2:]:  # past the first round: each after a catch-up
+        rid = fresh.add_request(tokens, SamplingParams(max_new_tokens=K + 2, temperature=0.0, ignore_eos=True))
+        while not fresh.last_step.drafts:
+            fresh.step()
+        assert fresh.last_step.drafts[rid] == drafts
+        fresh.abort(rid)
+        fresh.step()
+    eng.check_no_leak()
+
+
+def test_the_adaptive_engine_records_its_choices_and_stays_lossless(models):
+    """The adaptive controller itself on a CPU (nothing timed at start-up: it measures each k),
+    with an EAGLE head that random weights make a poor draft: greedy output is plain decoding's,
+    each decode step's record names its draft steps, the requests' records agree with them, and
+    plain steps outnumber rounds once measured (a round costs more and adds almost nothing)."""
+    m = models["gemma3"]
+    prompts = random_prompts([2 * WINDOW + 1, WINDOW + 3], seed=3)
+    sampling = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    plain = Engine(model=m["target"], page_size=4, max_total_tokens=2048).generate(
+        prompt_token_ids=prompts, sampling=sampling
+    )
+    eng = Engine(
+        model=m["target"],
+        page_size=4,
+        max_total_tokens=2048,
+        speculative={"algorithm": "eagle", "draft_model": m["eagle1"], "num_steps": K},
+    )
+    assert isinstance(eng.spec.controller, AdaptiveDraftSteps)
+    rids = [eng.add_request(p, sampling) for p in prompts]
+    steps = []
+    while eng.has_unfinished():
+        eng.step()
+        if eng.last_step.draft_steps is not None:
+            steps.append(eng.last_step.draft_steps)
+            assert bool(eng.last_step.accept_lengths) == (eng.last_step.draft_steps > 0)
+    outs = [eng.output(r) for r in rids]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for o in outs:
+        assert o.spec.plain_steps + o.spec.verify_steps <= len(steps)
+        assert sum(o.spec.accepted_per_position) == sum(n - 1 for n in o.spec.accept_lengths)
+    assert steps.count(0) > len(steps) // 2, steps
+    eng.check_no_leak()
+
+
+def test_fixed_rounds_when_adaptive_is_off(models):
+    m = models["gemma3"]
+    spec = {"algorithm": "standalone", "draft_model": m["exact_copy"], "num_steps": K, "adaptive": False}
+    eng = Engine(model=m["target"], page_size=4, max_total_tokens=2048, speculative=spec)
+    (out,) = eng.generate(prompt_token_ids=random_prompts([11]), sampling=GREEDY)
+    assert out.spec.draft_steps == [K] * out.spec.verify_steps and out.spec.plain_steps == 0
+    assert set(out.spec.accept_lengths[:-1]) == {K + 1}
+    with pytest.raises(ValueError, match="speculative.adaptive"):
+        Engine(model=m["target"], max_total_tokens=256, speculative={**spec, "adaptive": "yes"})
