@@ -95,3 +95,33 @@ def test_the_31b_assistant_shape_drafts_for_the_31b_shape(tmp_path):
     target = load_model_config(write_config(str(tmp_path), "t", SHAPES["gemma4-31b"]))
     ac = assistant_config(write_config(str(tmp_path), "a", GEMMA4_31B_ASSISTANT), target)
     assert [layer.kv_layer for layer in ac.cfg.layers] == [58, 58, 58, 59] and ac.num_centroids == 0
+
+
+def test_roofline_counts_the_share_of_experts_a_batch_chooses(tmp_path):
+    """A mixture of experts' experts count as the share a batch's tokens choose at uniform
+    routing (1 - (1 - k/E)^batch); everything else as for a dense model."""
+    from tests.hf_models import COMMON, TINY_MODELS
+
+    _, model_cls, kwargs = TINY_MODELS["gpt_oss"]
+    config = {**COMMON, **kwargs, "architectures": [model_cls], "model_type": "gpt_oss"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(model=str(tmp_path), load_format="dummy", dtype="float32", max_total_tokens=256)
+    experts, top_k, width, h = 8, 2, config["intermediate_size"], config["hidden_size"]
+    per_layer_experts = experts * (2 * width * h + 2 * width + width * h + h)
+    dense = sum(p.numel() for p in engine.runner.model.parameters()) - config["num_hidden_layers"] * per_layer_experts
+    embedding = config["vocab_size"] * h  # untied: a token reads one row
+    for batch in (1, 8, 64):
+        share = 1 - (1 - top_k / experts) ** batch
+        expected = (dense - embedding + config["num_hidden_layers"] * per_layer_experts * share) * FLOAT32
+        assert abs(weight_bytes(engine, batch) - expected) <= 1, batch
+
+
+@pytest.mark.parametrize("shape, experts, top_k", [("gemma4-26b-a4b", 128, 8), ("gpt-oss-20b", 32, 4)])
+def test_moe_shapes_have_the_published_experts(tmp_path, shape, experts, top_k):
+    from ops.bench.decode_throughput import write_config
+    from workers.models import load_model_config
+
+    cfg = load_model_config(write_config(str(tmp_path), shape, SHAPES[shape]))
+    assert (cfg.moe.num_experts, cfg.moe.top_k) == (experts, top_k)
+    windows = {layer.sliding_window for layer in cfg.layers}
+    assert windows == ({1024, None} if shape.startswith("gemma4") else {128, None})

@@ -5,12 +5,13 @@
 1. Ceilings measured here: device-to-device copy bandwidth (bytes read + written) and the bf16
    matrix-product rate (8192^3, random data), each the median of timed repeats.
 2. slidespec decode with dummy weights of real model shapes (Llama-3-8B, Gemma-3-1B,
-   Gemma-3-12B by default; Gemma-4-E4B and Gemma-4-31B on request; bf16, greedy, prompt 128, 128
-   new tokens) at batches 1, 8 and 64, CUDA graphs on and off: tokens/s of the decode steps,
-   ms/step, against the roofline of the bytes a step reads (copy bandwidth / (weights read
-   whole + the KV the step reads): a token reads one row of an embedding table, Gemma 4's
-   per-layer table too, so those count only where the table is also the LM head) and HF
-   `generate`.
+   Gemma-3-12B by default; Gemma-4-E4B, Gemma-4-31B, Gemma-4-26B-A4B and gpt-oss-20b on request;
+   bf16, greedy, prompt 128, 128 new tokens) at batches 1, 8 and 64, CUDA graphs on and off:
+   tokens/s of the decode steps, ms/step, against the roofline of the bytes a step reads (copy
+   bandwidth / (weights read whole + the KV the step reads): a token reads one row of an
+   embedding table, Gemma 4's per-layer table too, so those count only where the table is also
+   the LM head; a mixture of experts' experts count as the share a batch's tokens choose, at
+   uniform routing) and HF `generate`.
 3. Prefill: 8 x 2,048-token prompts on the 8B shape, model FLOPs over the matmul rate.
 4. Speculation at batch 1: on the 8B shape an EAGLE round and a frozen-KV MTP round (4 steps),
    on the Gemma-4-31B shape (`--spec-shape gemma4-31b`) a round of its assistant's shape, each
@@ -42,6 +43,7 @@ from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 from workers.models.layers import ParallelLMHead, VocabParallelEmbedding
+from workers.models.moe import Experts
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,70 @@ SHAPES = {
         hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
     ),
+    # google/gemma-4-26B-A4B's text model: 128 experts (8 a token, 704 wide) beside each layer's
+    # 2112-wide MLP, full layers of 2 KV heads of 512 with V from the K projection.
+    "gemma4-26b-a4b": dict(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        hidden_size=2816,
+        intermediate_size=2112,
+        num_hidden_layers=30,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        num_global_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=262144,
+        use_double_wide_mlp=False,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        moe_intermediate_size=704,
+        vocab_size=262144,
+        sliding_window=1024,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        rope_parameters=GEMMA4_ROPE,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+    # openai/gpt-oss-20b: 32 experts (4 a token, 2880 wide, clamped SwiGLU with biases), sliding
+    # layers of 128 keys alternating with full ones, sinks, YaRN; its MXFP4 experts are dummy
+    # bf16 weights here (slidespec dequantises them at load).
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss",
+        architectures=["GptOssForCausalLM"],
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        swiglu_limit=7.0,
+        attention_bias=True,
+        vocab_size=201088,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
 }
 DEFAULT_SHAPES = ("llama3-8b", "gemma3-1b", "gemma3-12b")
 # google/gemma-4-31B-it-assistant: four query-only layers (three sliding, one full) of the
@@ -240,17 +306,25 @@ def ceilings() -> dict:
     return {"copy_bytes_per_s": 2 * n * 2 / copy_s, "matmul_flops_per_s": 2 * 8192**3 / mm_s}
 
 
-def weight_bytes(engine: Engine) -> int:
-    """Bytes of the weights a decode step reads whole: every weight but the tables a token reads
-    one row of (embedding tables, `read_by_row` ones such as Gemma 4's per-layer table), unless
-    the table is also an LM head (tied), which every step reads whole for the logits."""
+def weight_bytes(engine: Engine, batch: int = 1) -> int:
+    """Bytes of the weights a decode step of `batch` tokens reads: every weight whole but the
+    tables a token reads one row of (embedding tables, `read_by_row` ones such as Gemma 4's
+    per-layer table), unless the table is also an LM head (tied), which every step reads whole
+    for the logits; of a mixture of experts, the share of experts the batch's tokens choose, at
+    uniform routing (`1 - (1 - k / E)^batch`)."""
     models = [engine.runner.model] + ([engine.spec.drafter.runner.model] if engine.spec else [])
     modules = [mod for m in models for mod in m.modules()]
     heads = {id(mod.weight) for mod in modules if isinstance(mod, ParallelLMHead)}
     tables = {id(mod.weight) for mod in modules if type(mod) is VocabParallelEmbedding}
     weights = {id(p): p for m in models for p in m.parameters()}
     by_row = {i for i, p in weights.items() if i in tables or getattr(p, "read_by_row", False)} - heads
-    return sum(p.numel() * p.element_size() for i, p in weights.items() if i not in by_row)
+    share = {
+        id(p): 1.0 - (1.0 - e.top_k / e.num_experts) ** batch
+        for e in modules
+        if isinstance(e, Experts)
+        for p in e.parameters()
+    }
+    return round(sum(p.numel() * p.element_size() * share.get(i, 1.0) for i, p in weights.items() if i not in by_row))
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
@@ -372,7 +446,7 @@ def decode_part(root: str, limits: dict, shapes: list[str], modes: list[str]) ->
             run_batch(engine, random_prompts(engine.cfg.vocab_size, 1, 16), 4)  # warm-up, as the other parts
             for batch in BATCHES:
                 r = run_batch(engine, random_prompts(engine.cfg.vocab_size, batch, PROMPT), NEW)
-                read = wb + batch * kvb * (PROMPT + NEW // 2)
+                read = weight_bytes(engine, batch) + batch * kvb * (PROMPT + NEW // 2)
                 r["roofline_tok_per_s"] = batch * limits["copy_bytes_per_s"] / read
                 r["of_roofline"] = r["tok_per_s"] / r["roofline_tok_per_s"]
                 out[f"{name}/b{batch}/{'graphs' if graphs else 'eager'}"] = r

@@ -164,12 +164,8 @@ class Experts(nn.Module):
             raise ValueError(f"moe intermediate size {width} is not divisible by tp_size {tp.size}")
         self.tp = tp
         self.layout = LAYOUTS[moe.layout]
-        self.num_experts, self.hidden_size, self.width, self.local = (
-            moe.num_experts,
-            hidden_size,
-            width,
-            width // tp.size,
-        )
+        self.num_experts, self.top_k, self.hidden_size = moe.num_experts, moe.top_k, hidden_size
+        self.width, self.local = width, width // tp.size  # the intermediate size, whole and this rank's
         self.act = Activation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
         e, h, n = moe.num_experts, hidden_size, self.local
         self.gate_up_proj = weight_param((e, 2 * n, h), self._load_gate_up)
