@@ -8,9 +8,10 @@ activations reach). Greedy tokens equal `generate`'s and every generated token's
 float32 noise of the full forward's, on both attention backends (the CPU reference kernels behind
 trtllm_mha), page sizes 16 and 64, prompts past the window; every expert of every layer is chosen
 by some token; no KV leaks. gpt-oss loads from an MXFP4 checkpoint made by quantising it in
-OpenAI's format (transformers' own dequantisation of the file is the reference) and verifies a
-standalone draft's tokens under emulated graphs. The routing never reads the device back: the
-block runs on fake tensors, whose values no one can read.
+OpenAI's format (transformers' own dequantisation of the file is the reference). Drafted under
+emulated graphs (a perturbed copy or an EAGLE-3 head for gpt-oss, its assistant for Gemma 4
+MoE), the tokens stay transformers'. The routing never reads the device back: the block runs on
+fake tensors, whose values no one can read.
 """
 
 import json
@@ -22,7 +23,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.draft_models import make_perturbed_copy
+from tests.draft_models import make_eagle_head, make_gemma4_assistant, make_perturbed_copy
 from tests.hf_models import COMMON, TINY_MODELS, WINDOW, make_tiny_model, random_prompts
 from workers.distributed import SINGLE_RANK
 from workers.engine import Engine, SamplingParams
@@ -93,26 +94,53 @@ def test_matches_transformers(reference, backend, page_size):
     eng.check_no_leak()
 
 
-@pytest.mark.parametrize("reference", ["gpt_oss"], indirect=True)
-def test_draft_verify_routes_every_token_under_emulated_graphs(reference, tmp_path):
-    """A perturbed copy drafting for gpt-oss: every verify forward routes its tokens (several a
-    request) independently, and the tokens stay transformers'."""
+@pytest.mark.parametrize("reference", ["gemma4_moe"], indirect=True)
+def test_gemma4_assistant_drafts_for_the_moe_target(reference, tmp_path):
+    """Gemma 4's assistant (query-only layers reading the MoE target's KV) drafting for it under
+    emulated graphs: transformers' tokens, and some drafts accepted."""
     name, path, expected = reference
-    copy = make_perturbed_copy(path, str(tmp_path / "copy"), noise=0.05)
+    assistant = make_gemma4_assistant(path, str(tmp_path / "assistant"), copies=10.0)
     eng = Engine(
         model=path,
         dtype="float32",
         page_size=16,
         attention_backend="trtllm_mha",
         max_total_tokens=4096,
-        speculative={"algorithm": "standalone", "draft_model": copy, "num_steps": 3},
+        speculative={"algorithm": "mtp", "draft_model": assistant, "num_steps": 3},
         cuda_graphs="emulate",
         max_running_requests=4,
     )
     outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
-    assert_matches(outs, expected, f"{name} drafted")
+    assert_matches(outs, expected, f"{name} drafted by its assistant")
+    assert max(n for o in outs for n in o.spec.accept_lengths) > 1
+    eng.check_no_leak()
+
+
+@pytest.mark.parametrize("reference", ["gpt_oss"], indirect=True)
+@pytest.mark.parametrize("draft", ["standalone", "eagle3"])
+def test_drafts_keep_transformers_tokens_under_emulated_graphs(reference, tmp_path, draft):
+    """A perturbed copy, or an EAGLE-3 head reading three of its layers, drafting for gpt-oss:
+    every verify forward routes its tokens (several a request) independently, and the tokens stay
+    transformers'."""
+    name, path, expected = reference
+    if draft == "eagle3":
+        spec = {"algorithm": "eagle", "draft_model": make_eagle_head(path, str(tmp_path / "eagle"), 3)}
+    else:
+        spec = {"algorithm": "standalone", "draft_model": make_perturbed_copy(path, str(tmp_path / "copy"), noise=0.05)}
+    eng = Engine(
+        model=path,
+        dtype="float32",
+        page_size=16,
+        attention_backend="trtllm_mha",
+        max_total_tokens=4096,
+        speculative={**spec, "num_steps": 3},
+        cuda_graphs="emulate",
+        max_running_requests=4,
+    )
+    outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+    assert_matches(outs, expected, f"{name} drafted by {draft}")
     lengths = [n for o in outs for n in o.spec.accept_lengths]
-    assert sum(lengths) / len(lengths) > 1.2, lengths
+    assert draft == "eagle3" or sum(lengths) / len(lengths) > 1.2, lengths
     eng.check_no_leak()
 
 
