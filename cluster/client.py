@@ -7,7 +7,7 @@ for response in client.generate("Once upon a time", max_new_tokens=32, temperatu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -29,14 +29,17 @@ def build_request(
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest: text or token ids, and sampling fields (temperature, top_p, top_k,
-    max_new_tokens, seed, ignore_eos) left unset unless given."""
+    max_new_tokens, seed, ignore_eos, logprobs, n, ...; `logit_bias` a mapping) left unset
+    unless given."""
     request = pb.GenerateRequest(request_id=request_id, session_id=session_id, stream=stream)
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
         request.prompt_token_ids.extend(prompt)
     for name, value in sampling.items():
-        if value is not None:
+        if isinstance(value, Mapping):
+            getattr(request.sampling, name).update(value)
+        elif value is not None:
             setattr(request.sampling, name, value)
     request.sampling.stop.extend(stop)
     request.sampling.stop_token_ids.extend(stop_token_ids)

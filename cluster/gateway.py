@@ -35,6 +35,7 @@ from cluster.routing.load_board import BOARD
 from cluster.routing.serve_router import route_request
 from cluster.telemetry import RequestTelemetry
 from workers.rank_loop import ErrorCode
+from workers.sampling_params import MAX_SEED
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class Gateway:
         self.was_ready = False  # an engine replica has run: a gap is a redeploy or a replacement
         self._calls: dict[str, Any] = {}  # live request id -> its Serve call (None before it is sent)
         self._aborted: set[str] = set()
+        self._groups: dict[str, list[str]] = {}  # a live request of n choices -> its choices' ids
         self.retried = 0  # attempts repeated on another replica
 
     # -- before routing -------------------------------------------------------------------------
@@ -141,7 +143,29 @@ class Gateway:
 
     # -- streaming -------------------------------------------------------------------------------
     async def generate(self, routed: dict[str, Any], telemetry: RequestTelemetry) -> AsyncIterator[dict[str, Any]]:
-        """The request's updates; the last is finished. Raises RequestFailed."""
+        """The request's updates; the last of each choice is finished (`index` names the choice
+        when `sampling.n` > 1: each is its own request, `choices`). Raises RequestFailed; the
+        first choice to fail ends the others."""
+        group = choices(routed)
+        if len(group) == 1:
+            async with contextlib.aclosing(self._generate(routed, telemetry)) as updates:
+                async for update in updates:
+                    yield update
+            return
+        ids = [choice["request_id"] for choice in group]
+        if any(rid in self._calls for rid in ids):
+            raise RequestFailed(ErrorCode.INVALID_ARGUMENT.value, f"request_id: {ids[0]!r} is already in use")
+        self._groups[ids[0]] = ids
+        try:
+            streams = [self._generate(choice, telemetry) for choice in group]
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for index, update in merged:
+                    yield {**update, "index": index}
+        finally:
+            self._groups.pop(ids[0], None)
+
+    async def _generate(self, routed: dict[str, Any], telemetry: RequestTelemetry) -> AsyncIterator[dict[str, Any]]:
+        """One request's updates, retried on another replica when one fails before its first token."""
         rid = routed["request_id"]
         if rid in self._calls:
             raise RequestFailed(ErrorCode.INVALID_ARGUMENT.value, f"request_id: {rid!r} is already in use")
@@ -259,7 +283,13 @@ class Gateway:
     async def abort(self, rid: str) -> bool:
         """End a live request. The replica holding it aborts it in its engine, so the stream ends
         with its own last update (finish reason "abort", the usage it consumed); a request not
-        yet on a replica is cancelled."""
+        yet on a replica is cancelled. A request of n choices ends every choice."""
+        group = self._groups.get(rid)
+        if group is not None:
+            return any([await self.abort(choice) for choice in group if choice != rid] + [await self._abort(rid)])
+        return await self._abort(rid)
+
+    async def _abort(self, rid: str) -> bool:
         if rid not in self._calls:
             return False
         replica = BOARD.replica_of(rid)
@@ -275,6 +305,66 @@ class Gateway:
         if call is not None:
             call.cancel()
         return True
+
+
+def choices(routed: dict[str, Any]) -> list[dict[str, Any]]:
+    """A prepared request of `sampling.n` choices as one request per choice, as vLLM forks one:
+    ids `rid`, `rid-1`, ...; seeds `seed + i` when a seed is given (wrapped to 64 bits), each
+    drawn by the replica otherwise; only choice 0 asks for the prompt's logprobs (the same for
+    every choice)."""
+    sampling = {k: v for k, v in routed.get("sampling", {}).items() if k != "n"}
+    n = routed.get("sampling", {}).get("n", 1)
+    if n == 1:
+        return [{**routed, "sampling": sampling}]
+    rid, out = routed["request_id"], []
+    for i in range(n):
+        own = dict(sampling)
+        if "seed" in own:
+            own["seed"] = (own["seed"] + i) % (MAX_SEED + 1)
+        if i:
+            own.pop("prompt_logprobs", None)
+        out.append({**routed, "request_id": rid if i == 0 else f"{rid}-{i}", "sampling": own})
+    return out
+
+
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) from every stream as they come; the first failure ends all (each
+    stream is closed however the merge ends)."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None, False))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, None, exc, True))
+        else:
+            await queue.put((index, None, None, True))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(tasks):
+            index, item, error, ended = await queue.get()
+            if error is not None:
+                raise error
+            if ended:
+                done += 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _aborted(rid: str) -> dict[str, Any]:

@@ -81,7 +81,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 else:
                     collected = [update_to_response(u) async for u in updates]
                     if collected and not context.cancelled():
-                        yield merge_responses(collected)
+                        for response in merge_responses(collected):  # one a choice
+                            yield response
         except RequestFailed as failed:
             telemetry.end(failed.code, failed.message)
             await context.abort(STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[0], failed.message)

@@ -3,7 +3,8 @@
 A client POSTs a `GenerateRequest` as JSON (the proto's field names: `prompt` or
 `prompt_token_ids`, `sampling`, `request_id`, `session_id`, `stream`) and reads
 `GenerateResponse`s as JSON lines, rendered from the same message the gRPC door sends
-(`cluster/protocol.py`); with `"stream": false`, one JSON object at the end. Errors carry the
+(`cluster/protocol.py`); with `"stream": false`, one JSON object at the end (with `sampling.n`
+above 1, a JSON line a choice). Errors carry the
 gRPC status name and message: `{"error": {"code", "message"}}` with the matching HTTP status
 (400, 413 for a body over the limit, 429, 500, 503); after the stream has started an error is
 the stream's last line. The body is refused by its declared length before it is read.
@@ -17,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.auth import DENIED
 from cluster.gateway import STATUS, Gateway, RequestFailed
@@ -103,7 +104,10 @@ class HttpApi:
             telemetry.end("cancelled")
             raise
         telemetry.end()
-        return JSONResponse(response_json(merge_responses(responses)))
+        merged = [response_json(r) for r in merge_responses(responses)]
+        if len(merged) == 1:
+            return JSONResponse(merged[0])
+        return Response("".join(_line(m) for m in merged), media_type="application/x-ndjson")  # a line a choice
 
 
 async def read_json(request, limit: int) -> Any:

@@ -8,11 +8,17 @@ traces as the other doors; chat messages are rendered with the model's own chat 
 (transformers). Errors take OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
 Parameters OpenAI defines that the engine does not implement are accepted at their neutral value
 and refused otherwise, naming the parameter; fields nobody defines are ignored, as OpenAI does.
+
+`n` choices of a prompt are `n` requests of the generation API (`cluster.gateway.choices`: the
+replica prefills the prompt once and forks it); `usage` counts each prompt once, as OpenAI does.
+Log-probabilities take OpenAI's shapes (`cluster/openai_logprobs.py`); `echo` with `logprobs`
+gives the prompt's, and `max_tokens: 0` with `echo` the prompt alone (lm-evaluation-harness's
+loglikelihood requests).
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -22,7 +28,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 from starlette.responses import JSONResponse, StreamingResponse
 
-from cluster.gateway import STATUS, Gateway, RequestFailed
+from cluster import openai_logprobs
+from cluster.gateway import STATUS, Gateway, RequestFailed, merge_streams
 from cluster.http_api import BodyTooLarge, read_json
 from cluster.openai_structured import Refused, Structured, ToolCalls, structured_outputs
 from cluster.protocol import InvalidRequest, clipped
@@ -33,14 +40,6 @@ from workers.tokenizer import unicode_problem
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context
 # parameter -> the values that mean "off" (anything else is refused: not implemented)
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "functions": (None, []),
 }
@@ -99,6 +98,15 @@ class _Request(BaseModel):
     user: str | None = None
     ignore_eos: bool | None = None  # vLLM's extension
     return_token_ids: bool = False  # vLLM's extension: each choice (chunk) also carries its token ids
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension, as the next three
+    min_tokens: int | None = None
+    min_p: float | None = None
+    prompt_logprobs: int | None = None  # each choice carries its prompt's logprobs, in vLLM's shape
+    logit_bias: dict[str, float] | None = None  # token id (decimal text) -> added to its logit
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    best_of: int | None = None  # as vLLM: none, or n
     # response_format, structured_outputs, guided_*, tools and tool_choice (cluster/openai_structured.py)
     _structured: Structured = PrivateAttr(default_factory=Structured)
 
@@ -111,17 +119,72 @@ class _Request(BaseModel):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "min_p": self.min_p,
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": self.logit_bias or None,
+            "logprobs": self.token_logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
+            "n": self.n if self.n != 1 else None,
         }
         return {k: v for k, v in values.items() if v is not None}
+
+    @property
+    def token_logprobs(self) -> int | None:
+        """How many most likely tokens each new token's logprobs show (None: no logprobs)."""
+        return None
+
+    @property
+    def names(self) -> dict[str, str]:
+        """The generation API's fields named as this request's parameters, for its errors (the
+        replica's refusals too: a logit_bias key outside the vocabulary)."""
+        return {"logit_bias": "logit_bias"} if self.logit_bias else {}
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """`max_tokens: 0` with `echo`: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling(self) -> dict[str, Any]:
+        values = super().sampling()
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            values["prompt_logprobs"] = self.logprobs
+        if self.echo_only:  # one token is drawn (the prefill's own) and not shown
+            values["max_new_tokens"] = 1
+        return values
+
+    @property
+    def names(self) -> dict[str, str]:
+        echoed = {} if self.prompt_logprobs is not None or not self.echo else {"prompt_logprobs": "logprobs"}
+        return {**super().names, **echoed}
 
 
 class ChatRequest(_Request):
     messages: list[Message]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def names(self) -> dict[str, str]:
+        return {**super().names, "logprobs": "top_logprobs"}
 
 
 def _parse(model: type[_Request], body: Any) -> _Request:
@@ -138,8 +201,12 @@ def _parse(model: type[_Request], body: Any) -> _Request:
         value = (request.model_extra or {}).get(param)
         if value not in neutral:
             raise OpenAIError(400, f"{param}: not supported by this server (got {clipped(repr(value))})", param)
-    if request.n != 1:
-        raise OpenAIError(400, f"n: only 1 choice per prompt is supported (got {request.n})", "n")
+    if request.best_of is not None and request.best_of != request.n:
+        raise OpenAIError(
+            400, f"best_of: must be null or equal to n ({request.n}), got {clipped(repr(request.best_of))}", "best_of"
+        )
+    if isinstance(request, ChatRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise OpenAIError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
     try:
         request._structured = structured_outputs(request.model_extra or {}, chat=model is ChatRequest)
     except Refused as exc:
@@ -147,10 +214,11 @@ def _parse(model: type[_Request], body: Any) -> _Request:
     return request
 
 
-def _structured_names(parsed: _Request) -> dict[str, str]:
-    """The OpenAI parameter this request's structured outputs came from, for its errors."""
+def _names(parsed: _Request) -> dict[str, str]:
+    """The OpenAI parameters the generation API's fields came from, for this request's errors:
+    its structured outputs' and its logprobs'."""
     source = parsed._structured.source
-    return {"structured_outputs": source} if source else {}
+    return {**parsed.names, **({"structured_outputs": source} if source else {})}
 
 
 def _openai_message(message: str, names: dict[str, str]) -> tuple[str, str]:
@@ -271,7 +339,7 @@ class OpenAIApi:
             routed = await self.gateway.prepare(body, "OpenAI")
         except InvalidRequest as exc:
             door = "messages" if chat else "prompt"
-            names = {"prompt": door, "prompt_token_ids": door, "request": door, **_structured_names(parsed)}
+            names = {"prompt": door, "prompt_token_ids": door, "request": door, **_names(parsed)}
             if session is not None:
                 names["session_id"] = session[0]
             message, param = _openai_message(str(exc), names)
@@ -293,23 +361,25 @@ class OpenAIApi:
         session = ("user", parsed.user) if parsed.user else None
         if session is None and headers.get("x-session-id"):
             session = ("x-session-id", headers["x-session-id"])
-        routed = [await self._prepare(parsed, chat, p, session) for p in self._prompts(parsed, chat)]
+        prompts = self._prompts(parsed, chat)
+        routed = [await self._prepare(parsed, chat, p, session) for p in prompts]
         server = (request.url.hostname or "", request.url.port or 0)
         calls = [(r, self.telemetry(r, headers, server)) for r in routed]
-        response = _Response(chat, self.model_name, parsed.stream_options, len(calls), parsed.return_token_ids)
-        response.tools = parsed._structured.tools
-        events = _merge([_ended(self.gateway.generate(r, t), t) for r, t in calls])
+        shown = [_Shown(r["prompt_token_ids"], p.get("prompt")) for r, p in zip(routed, prompts)]
+        response = _Response(chat, self.model_name, parsed, shown, openai_logprobs.TokenText(self.tokenizer))
+        events = merge_streams([_ended(self.gateway.generate(r, t), t) for r, t in calls])
         try:  # the first update before the answer starts: a failure until then has its own status
             first = await events.__anext__()
             if parsed.stream:
                 return StreamingResponse(response.stream(first, events), media_type="text/event-stream")
-            response.add(*first)
+            response.feed(*first)
             async for index, update in events:
-                response.add(index, update)
+                response.feed(index, update)
+            response.drain()
         except RequestFailed as failed:
             await events.aclose()
             status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1]
-            names = _structured_names(parsed)  # a grammar that did not compile is named as the client sent it
+            names = _names(parsed)  # a grammar that did not compile is named as the client sent it
             field = failed.message.partition(": ")[0].split(".")[0]
             message, param = _openai_message(failed.message, names) if field in names else (failed.message, None)
             return error_response(status, message, param, code=failed.code)
@@ -335,70 +405,109 @@ async def _ended(updates: AsyncIterator[dict[str, Any]], telemetry: RequestTelem
             telemetry.end(outcome)
 
 
-async def _merge(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """(choice index, update) from every choice's stream as they come; the first failure ends all."""
-    if len(streams) == 1:
-        try:
-            async for update in streams[0]:
-                yield 0, update
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+@dataclasses.dataclass
+class _Shown:
+    """A prompt as `echo` shows it: its tokens, and its text (None: decoded from them)."""
 
-    async def pump(index: int, stream: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            async for update in stream:
-                await queue.put((index, update, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, None, exc))
-        else:
-            await queue.put((index, None, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        done = 0
-        while done < len(tasks):
-            index, update, error = await queue.get()
-            if error is not None:
-                raise error
-            if update is None:
-                done += 1
-                continue
-            yield index, update
-    finally:
-        for task in tasks:
-            task.cancel()
+    ids: list[int]
+    text: str | None
 
 
 class _Response:
-    """Builds the OpenAI objects of one request: chunks while streaming, or the whole object."""
+    """Builds the OpenAI objects of one request: chunks while streaming, or the whole object.
+    Choice `p * n + j` is choice j of prompt p. A choice that shows its prompt's logprobs (echo,
+    vLLM's prompt_logprobs) takes them from its prompt's choice 0 (only it asks: `choices`), so
+    its updates wait here until choice 0's first update has brought them."""
 
     def __init__(
-        self, chat: bool, model: str, stream_options: StreamOptions | None, choices: int, token_ids: bool = False
+        self, chat: bool, model: str, parsed: _Request, prompts: list[_Shown], token_text: openai_logprobs.TokenText
     ) -> None:
         self.chat = chat
-        self.token_ids: list[list[int]] | None = [[] for _ in range(choices)] if token_ids else None
+        self.n = parsed.n
+        choices = len(prompts) * self.n
+        self.prompts = prompts
+        self.token_text = token_text
+        self.echo = not chat and parsed.echo
+        self.echo_only = not chat and parsed.echo_only
+        self.logprobs = parsed.token_logprobs is not None
+        self.shows_prompt_logprobs = parsed.prompt_logprobs is not None
+        self.token_ids: list[list[int]] | None = [[] for _ in range(choices)] if parsed.return_token_ids else None
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
-        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         self.text = [""] * choices
+        self.lp: list[Any] = [None if not self.logprobs else [] if chat else None for _ in range(choices)]
+        self.offset = [0] * choices  # text_offset of each choice's next token
+        self.started = [False] * choices  # recorded an update
+        self.shown_once = [False] * choices  # streamed a chunk
+        self.held: list[list[dict[str, Any]]] = [[] for _ in range(choices)]
+        self.prompt_lp: list[dict[str, list] | None] = [None] * len(prompts)  # from each prompt's choice 0
         self.finish: list[str | None] = [None] * choices
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self.spec: list[dict[str, Any]] = []
-        self.tools: ToolCalls | None = None  # chat output carried as tool calls
+        self.tools: ToolCalls | None = parsed._structured.tools  # chat output carried as tool calls
 
-    def add(self, index: int, update: dict[str, Any]) -> None:
-        self.text[index] += update.get("text", "")
+    def feed(self, prompt: int, update: dict[str, Any]) -> list[tuple[int, dict[str, Any], str, Any]]:
+        """Take one update of a prompt's choices; returns what is ready to show, in order:
+        (choice, update, its text, its logprobs)."""
+        if update.get("prompt_logprobs") is not None:
+            self.prompt_lp[prompt] = update["prompt_logprobs"]
+        self.held[prompt * self.n + update.get("index", 0)].append(update)
+        return [self._take(c) for c in range(len(self.held)) for _ in range(len(self.held[c])) if self._ready(c)]
+
+    def drain(self) -> list[tuple[int, dict[str, Any], str, Any]]:
+        """Whatever still waits (its prompt's logprobs never came: shown without them)."""
+        return [self._take(c) for c in range(len(self.held)) for _ in range(len(self.held[c]))]
+
+    def _ready(self, choice: int) -> bool:
+        wants = (self.echo and self.logprobs) or self.shows_prompt_logprobs
+        return not wants or self.prompt_lp[choice // self.n] is not None
+
+    def _take(self, choice: int) -> tuple[int, dict[str, Any], str, Any]:
+        update = self.held[choice].pop(0)
+        text, lp = self._add(choice, update)
+        return choice, update, text, lp
+
+    def _add(self, i: int, update: dict[str, Any]) -> tuple[str, Any]:
+        """Record an update of choice i; returns the text and logprobs it adds (with echo, the
+        prompt's before the first)."""
+        ids, text = update["token_ids"], update.get("text", "")
+        if self.echo_only:
+            ids, text = [], ""
+        lp: Any = None
+        if not self.started[i] and self.echo:
+            shown = self.prompts[i // self.n]
+            text = (shown.text if shown.text is not None else self.token_text.decode(shown.ids)) + text
+            if self.logprobs:
+                lp = openai_logprobs.completion(self.prompt_lp[i // self.n], shown.ids, self.token_text, 0, True)
+                self.offset[i] = sum(len(t) for t in lp["tokens"])
+        self.started[i] = True
+        if self.logprobs and self.chat:
+            lp = openai_logprobs.chat(update.get("logprobs"), ids, self.token_text)
+            self.lp[i] += lp
+        elif self.logprobs:
+            own = openai_logprobs.completion(update.get("logprobs"), ids, self.token_text, self.offset[i])
+            self.offset[i] += sum(len(t) for t in own["tokens"])
+            lp = openai_logprobs.join_completion(lp, own)
+            self.lp[i] = openai_logprobs.join_completion(self.lp[i], lp)
+        self.text[i] += text
         if self.token_ids is not None:
-            self.token_ids[index] += update["token_ids"]
+            self.token_ids[i] += ids
         if update["finished"]:
-            self.finish[index] = FINISH.get(update.get("finish_reason"), update.get("finish_reason"))
-            for key in self.usage:
-                self.usage[key] += update.get(key, 0)
+            reason = "length" if self.echo_only else update.get("finish_reason")
+            self.finish[i] = FINISH.get(reason, reason)
+            counted = ("completion_tokens",) if i % self.n else tuple(self.usage)  # each prompt once
+            for key in counted:
+                self.usage[key] += 0 if self.echo_only and key == "completion_tokens" else update.get(key, 0)
             if update.get("spec"):
-                self.spec.append({"index": index, **update["spec"]})
+                self.spec.append({"index": i, **update["spec"]})
+        return text, lp
+
+    def _prompt_logprobs(self, i: int) -> list[Any]:
+        """vLLM's prompt_logprobs of choice i's prompt."""
+        shown, lp = self.prompts[i // self.n], self.prompt_lp[i // self.n]
+        return openai_logprobs.prompt(lp, shown.ids, self.token_text) if lp is not None else None
 
     def _usage(self) -> dict[str, Any]:
         return {
@@ -412,17 +521,22 @@ class _Response:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
+    def _logprobs_field(self, lp: Any) -> Any:
+        if not self.logprobs:
+            return None
+        return {"content": lp or []} if self.chat else lp
+
     def whole(self) -> dict[str, Any]:
         choices = []
         for i, (text, finish) in enumerate(zip(self.text, self.finish)):
-            body = (
-                {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text, "logprobs": None}
-            )
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
             calls = self._tool_calls(i)
             if calls is not None:
                 body["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 finish = self.tools.finish_reason
-            choices.append({"index": i, **body, "finish_reason": finish})
+            choices.append({"index": i, **body, "logprobs": self._logprobs_field(self.lp[i]), "finish_reason": finish})
+            if self.shows_prompt_logprobs:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(i)
             if self.token_ids is not None:
                 choices[-1]["token_ids"] = self.token_ids[i]
         out = {**self._object(choices, chunk=False), "usage": self._usage()}
@@ -437,7 +551,14 @@ class _Response:
         return self.tools.calls(self.text[index])
 
     def _chunk(
-        self, index: int, text: str | None, finish: str | None, role: bool = False, ids: list[int] | None = None
+        self,
+        index: int,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        ids: list[int] | None = None,
+        lp: Any = None,
+        first: bool = False,
     ) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -451,15 +572,30 @@ class _Response:
                 text = self.text[index]  # not complete JSON: the output as text
             if text:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if not role:
+            choice["logprobs"] = self._logprobs_field(lp)
+        if first and self.shows_prompt_logprobs:
+            choice["prompt_logprobs"] = self._prompt_logprobs(index)
         if self.token_ids is not None and ids is not None:
             choice["token_ids"] = ids
         chunk = self._object([choice], chunk=True)
         if finish and any(s["index"] == index for s in self.spec):  # this choice's accept lengths
             chunk["speculative"] = [s for s in self.spec if s["index"] == index]
         return _event(chunk)
+
+    def _chunks(self, ready: list[tuple[int, dict[str, Any], str, Any]]) -> list[str]:
+        out = []
+        for index, update, text, lp in ready:
+            first = not self.shown_once[index]
+            self.shown_once[index] = True
+            if text or update["token_ids"] or update["finished"] or first:
+                finish = self.finish[index] if update["finished"] else None
+                ids = [] if self.echo_only else update["token_ids"]
+                out.append(self._chunk(index, text, finish, ids=ids, lp=lp, first=first))
+        return out
 
     async def stream(
         self, first: tuple[int, dict[str, Any]], events: AsyncIterator[tuple[int, dict[str, Any]]]
@@ -468,11 +604,11 @@ class _Response:
             for i in range(len(self.text)):
                 yield self._chunk(i, None, None, role=True)
         try:
-            async for index, update in _chain(first, events):
-                self.add(index, update)
-                if update.get("text") or update["token_ids"] or update["finished"]:
-                    finish = self.finish[index] if update["finished"] else None
-                    yield self._chunk(index, update.get("text"), finish, ids=update["token_ids"])
+            async for prompt, update in _chain(first, events):
+                for chunk in self._chunks(self.feed(prompt, update)):
+                    yield chunk
+            for chunk in self._chunks(self.drain()):
+                yield chunk
         except RequestFailed as failed:  # the stream has started: an error event says why it ended
             status = STATUS.get(failed.code, STATUS[ErrorCode.INTERNAL.value])[1]
             error = {"message": failed.message, "type": ERROR_TYPES.get(status, "api_error"), "code": failed.code}

@@ -20,13 +20,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from workers.tokenizer import unicode_problem
 
 MAX_ID_CHARS = 256  # request_id, session_id
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_FIELD_CHARS = 64  # of a client's text quoted back in an error (an unknown field's name, a value)
+MAX_CHOICES = 128  # OpenAI's limit on n
 
 
 def _encodable(text: str) -> str:
@@ -70,10 +71,22 @@ class SamplingBody(BaseModel):
     stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
     structured_outputs: StructuredOutputsBody | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # token id (decimal text: JSON keys are strings, as OpenAI sends them) -> added to its logit
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    logprobs: int | None = None  # each new token's logprob and this many most likely tokens'
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices of the prompt, each its own request (`choices`)
 
     def params(self) -> SamplingParams:
         """The engine's sampling parameters, range-checked (InvalidRequest names the field)."""
-        fields = self.model_dump(exclude_none=True, exclude={"stop"})
+        fields = self.model_dump(exclude_none=True, exclude={"stop", "n"})
+        if self.logit_bias is not None:
+            fields["logit_bias"] = _token_keys(self.logit_bias, "sampling.logit_bias")
         try:
             params = SamplingParams(**fields)
             params.validate()
@@ -111,6 +124,16 @@ class ParsedRequest:
     @property
     def request_id(self) -> str | None:
         return self.body.request_id
+
+
+def _token_keys(mapping: dict[str, float], field: str) -> dict[int, float]:
+    """A JSON object keyed by token ids (decimal text) as a mapping keyed by int."""
+    out = {}
+    for key, value in mapping.items():
+        if not key.isdecimal() or len(key) > 10:
+            raise InvalidRequest(f"{field}: keys must be token ids (decimal integers), got {clipped(repr(key))}")
+        out[int(key)] = value
+    return out
 
 
 def parse_request(body: Any, model: type[GenerateBody] = GenerateBody) -> ParsedRequest:
@@ -191,7 +214,22 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "ignore_eos")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "seed",
+    "ignore_eos",
+    "min_p",
+    "min_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
+)
 
 
 def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
@@ -213,6 +251,8 @@ def request_to_body(request: pb.GenerateRequest) -> dict[str, Any]:
         sampling["stop"] = list(s.stop)
     if s.stop_token_ids:
         sampling["stop_token_ids"] = list(s.stop_token_ids)
+    if s.logit_bias:
+        sampling["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}
     if s.HasField("structured_outputs"):
         kind = s.structured_outputs.WhichOneof("kind")
         value = getattr(s.structured_outputs, kind) if kind else None
@@ -231,7 +271,11 @@ def update_to_response(update: dict[str, Any]) -> pb.GenerateResponse:
         text=update.get("text", ""),
         finished=update["finished"],
         replica=update.get("replica", ""),
+        index=update.get("index", 0),
     )
+    for field in ("logprobs", "prompt_logprobs"):
+        if update.get(field) is not None:
+            getattr(response, field).CopyFrom(_logprobs_message(update[field]))
     if update["finished"]:
         response.finish_reason = FINISH_REASONS.get(update.get("finish_reason"), pb.FINISH_REASON_UNSPECIFIED)
         response.usage.prompt_tokens = update.get("prompt_tokens", 0)
@@ -250,14 +294,38 @@ def update_to_response(update: dict[str, Any]) -> pb.GenerateResponse:
     return response
 
 
-def merge_responses(responses: list[pb.GenerateResponse]) -> pb.GenerateResponse:
-    """The single response of a non-streaming call: every token, the whole text, the end."""
-    merged = pb.GenerateResponse()
-    merged.CopyFrom(responses[-1])
-    del merged.token_ids[:]
-    merged.token_ids.extend(t for r in responses for t in r.token_ids)
-    merged.text = "".join(r.text for r in responses)
-    return merged
+def _logprobs_message(logprobs: dict[str, list]) -> pb.Logprobs:
+    """A wire update's logprobs (`workers.logprobs.Logprobs` as a dict) as the proto message."""
+    return pb.Logprobs(
+        token_logprobs=logprobs["token"],
+        top=[pb.TopLogprobs(token_ids=i, logprobs=v) for i, v in zip(logprobs["top_ids"], logprobs["top"])],
+        ranks=logprobs["rank"],
+    )
+
+
+def merge_responses(responses: list[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+    """The responses of a non-streaming call, one per choice in choice order: its every token
+    (and their logprobs), its whole text, its end."""
+    merged: dict[int, pb.GenerateResponse] = {}
+    for response in responses:
+        whole = merged.get(response.index)
+        if whole is None:
+            merged[response.index] = whole = pb.GenerateResponse()
+            whole.CopyFrom(response)
+            continue
+        tokens, text = list(whole.token_ids) + list(response.token_ids), whole.text + response.text
+        logprobs, prompt = pb.Logprobs(), pb.Logprobs()
+        logprobs.CopyFrom(whole.logprobs)
+        logprobs.MergeFrom(response.logprobs)
+        prompt.CopyFrom(whole.prompt_logprobs if whole.HasField("prompt_logprobs") else response.prompt_logprobs)
+        whole.CopyFrom(response)
+        del whole.token_ids[:]
+        whole.token_ids.extend(tokens)
+        whole.text = text
+        for field, value in (("logprobs", logprobs), ("prompt_logprobs", prompt)):
+            if value.token_logprobs:
+                getattr(whole, field).CopyFrom(value)
+    return [merged[i] for i in sorted(merged)]
 
 
 def response_json(response: pb.GenerateResponse) -> dict[str, Any]:

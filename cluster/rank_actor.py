@@ -75,6 +75,9 @@ def update_to_wire(update: Update) -> dict[str, Any]:
         out["queue_s"], out["prefill_s"] = update.phases
     if update.error is not None:
         out["error"] = {"code": update.code.value, "message": update.error}
+    for field in ("logprobs", "prompt_logprobs"):
+        if getattr(update, field) is not None:
+            out[field] = dataclasses.asdict(getattr(update, field))
     if update.output is not None:
         o = update.output
         out.update(
@@ -97,9 +100,13 @@ def update_to_wire(update: Update) -> dict[str, Any]:
 
 
 def join_updates(earlier: dict[str, Any], later: dict[str, Any]) -> dict[str, Any]:
-    """Two consecutive updates of a request as one: their tokens joined, the later one's fields,
-    and the fields only the earlier one had (the first token's `queue_s` and `prefill_s`)."""
-    return {**earlier, **later, "token_ids": earlier["token_ids"] + later["token_ids"]}
+    """Two consecutive updates of a request as one: their tokens (and their logprobs) joined,
+    the later one's fields, and the fields only the earlier one had (the first token's
+    `queue_s`, `prefill_s` and prompt logprobs)."""
+    joined = {**earlier, **later, "token_ids": earlier["token_ids"] + later["token_ids"]}
+    if "logprobs" in earlier and "logprobs" in later:
+        joined["logprobs"] = {k: earlier["logprobs"][k] + later["logprobs"][k] for k in earlier["logprobs"]}
+    return joined
 
 
 def error_update(code: ErrorCode, message: str) -> dict[str, Any]:

@@ -17,14 +17,16 @@ import torch
 
 @dataclasses.dataclass
 class Logprobs:
-    """Consecutive tokens' log-probabilities: each token's own, and the k most likely tokens of
-    its position (ids and logprobs, most likely first; k as the request asked, fewer where the
+    """Consecutive tokens' log-probabilities: each token's own and its rank in its distribution
+    (1: the most likely; vLLM's prompt logprobs show it), and the k most likely tokens of its
+    position (ids and logprobs, most likely first; k as the request asked, fewer where the
     vocabulary is smaller). A logprob is -inf where the processors or top-k/top-p/min_p ruled
     the token out (JSON has no infinity: the doors render it)."""
 
     token: list[float] = dataclasses.field(default_factory=list)
     top_ids: list[list[int]] = dataclasses.field(default_factory=list)
     top: list[list[float]] = dataclasses.field(default_factory=list)
+    rank: list[int] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token)
@@ -33,10 +35,11 @@ class Logprobs:
         self.token += other.token
         self.top_ids += other.top_ids
         self.top += other.top
+        self.rank += other.rank
 
     def part(self, start: int, end: int) -> Logprobs:
         """The entries of tokens [start, end)."""
-        return Logprobs(self.token[start:end], self.top_ids[start:end], self.top[start:end])
+        return Logprobs(self.token[start:end], self.top_ids[start:end], self.top[start:end], self.rank[start:end])
 
     def tail(self, n: int) -> Logprobs:
         """The last n tokens' entries."""
@@ -56,14 +59,16 @@ def of_rows(logits: torch.Tensor, tokens: torch.Tensor | Sequence[int], ks: Sequ
     if not isinstance(tokens, torch.Tensor):
         tokens = torch.tensor(list(tokens), dtype=torch.int64)
     own = logprobs.gather(1, tokens.to(logprobs.device, torch.int64).view(n, 1))
+    rank = (logprobs > own).sum(dim=1, keepdim=True) + 1
     k = min(max(ks), vocab)
     top, ids = logprobs.topk(k, dim=-1) if k else (own[:, :0], own[:, :0])
     # one read: float64 holds every float32 and every token id exactly
-    rows = torch.cat([own.double(), top.double(), ids.double()], dim=1).tolist()
+    rows = torch.cat([own.double(), rank.double(), top.double(), ids.double()], dim=1).tolist()
     out = Logprobs()
     for row, want in zip(rows, ks):
         want = min(want, vocab)
         out.token.append(row[0])
-        out.top.append(row[1 : 1 + want])
-        out.top_ids.append([int(t) for t in row[1 + k : 1 + k + want]])
+        out.rank.append(int(row[1]))
+        out.top.append(row[2 : 2 + want])
+        out.top_ids.append([int(t) for t in row[2 + k : 2 + k + want]])
     return out

@@ -99,6 +99,15 @@ SAMPLING = {
     "ignore_eos": st.booleans(),
     "stop": st.lists(TEXT, max_size=3),
     "stop_token_ids": st.lists(st.integers(0, 300), max_size=4),
+    "min_p": st.floats(0.0, 1.0),
+    "min_tokens": st.integers(0, 1),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.5, 2.0),
+    "logit_bias": st.dictionaries(st.integers(0, 300).map(str), st.floats(-100.0, 100.0), max_size=3),
+    "logprobs": st.integers(0, 5),
+    "prompt_logprobs": st.integers(0, 3),
+    "n": st.integers(1, 2),
 }
 PROMPTS = {"prompt": TEXT, "prompt_token_ids": st.lists(st.integers(0, VOCAB + 20), min_size=1, max_size=20)}
 ROUTING = {"request_id": st.text(min_size=1, max_size=12), "session_id": st.text(max_size=12), "stream": st.booleans()}
@@ -147,12 +156,18 @@ OPENAI_FIELDS = {
     "seed": st.integers(0, 2**63 - 1),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3)),
     "ignore_eos": st.booleans(),
-    "n": st.just(1),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": TEXT,
     "return_token_ids": st.booleans(),
     "logprobs": st.just(False),
+    "n": st.integers(1, 2),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.5, 2.0),
+    "min_p": st.floats(0.0, 1.0),
+    "min_tokens": st.integers(0, 1),
+    "logit_bias": st.dictionaries(st.integers(0, 300).map(str), st.floats(-100.0, 100.0), max_size=3),
 }
 OPENAI_PARAMS = {*OPENAI_FIELDS, "model", "prompt", "messages", "best_of", "echo", "logit_bias", "tools", None}
 IDS = st.lists(st.integers(0, VOCAB + 20), min_size=1, max_size=20)

@@ -136,9 +136,9 @@ def test_a_cancelled_stream_frees_its_kv(app):
         ({"top_p": 0.0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10_000}, "max_tokens"),
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"n": 0}, "n"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
         ({"extra_body": {"top_k": "many"}}, "top_k"),
     ],
 )

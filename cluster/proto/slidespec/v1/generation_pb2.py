@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+cluster/proto/slidespec/v1/generation.proto\x12\x0cslidespec.v1\"\xcd\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12;\n\x12structured_outputs\x18  \x01(\x0b\x32\x1f.slidespec.v1.StructuredOutputsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"\x8f\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.slidespec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xc9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.slidespec.v1.SamplingParams\x12\x13\n\x06stream\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\x06 \x01(\tB\t\n\x07_promptB\t\n\x07_streamJ\x04\x08\x03\x10\x04\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"t\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\x05\x12\x1a\n\x12mean_accept_length\x18\x02 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x03 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x04 \x03(\x05\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.slidespec.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.slidespec.v1.Usage\x12%\n\x04spec\x18\x07 \x01(\x0b\x32\x17.slidespec.v1.SpecStats\x12\x0f\n\x07replica\x18\x08 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\x12\n\nmax_window\x18\x05 \x01(\x05\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\x1d\n\x15speculative_algorithm\x18\x07 \x01(\t\x12\x14\n\x0cnum_replicas\x18\x08 \x01(\x05\x12\x16\n\x0erouting_policy\x18\t \x01(\t\"\x10\n\x0eGetLoadRequest\"\xc8\x01\n\x0bReplicaLoad\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x14\n\x0ckv_full_used\x18\x04 \x01(\x03\x12\x15\n\rkv_full_total\x18\x05 \x01(\x03\x12\x13\n\x0bkv_swa_used\x18\x06 \x01(\x03\x12\x14\n\x0ckv_swa_total\x18\x07 \x01(\x03\x12\x1a\n\x12mean_accept_length\x18\x08 \x01(\x01\x12\x12\n\ntoken_load\x18\t \x01(\x03\">\n\x0fGetLoadResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.slidespec.v1.ReplicaLoad*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xaf\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.slidespec.v1.GenerateRequest\x1a\x1e.slidespec.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.slidespec.v1.AbortRequest\x1a\x1b.slidespec.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.slidespec.v1.GetModelInfoRequest\x1a\x17.slidespec.v1.ModelInfo\x12\x46\n\x07GetLoad\x12\x1c.slidespec.v1.GetLoadRequest\x1a\x1d.slidespec.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+cluster/proto/slidespec/v1/generation.proto\x12\x0cslidespec.v1\"\x94\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.slidespec.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\x05H\r\x88\x01\x01\x12;\n\x12structured_outputs\x18  \x01(\x0b\x32\x1f.slidespec.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x8f\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.slidespec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xc9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.slidespec.v1.SamplingParams\x12\x13\n\x06stream\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x12\n\nsession_id\x18\x06 \x01(\tB\t\n\x07_promptB\t\n\x07_streamJ\x04\x08\x03\x10\x04\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"Y\n\x08Logprobs\x12\x16\n\x0etoken_logprobs\x18\x01 \x03(\x02\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.slidespec.v1.TopLogprobs\x12\r\n\x05ranks\x18\x03 \x03(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"t\n\tSpecStats\x12\x14\n\x0cverify_steps\x18\x01 \x01(\x05\x12\x1a\n\x12mean_accept_length\x18\x02 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x03 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x04 \x03(\x05\"\xd2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.slidespec.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.slidespec.v1.Usage\x12%\n\x04spec\x18\x07 \x01(\x0b\x32\x17.slidespec.v1.SpecStats\x12\x0f\n\x07replica\x18\x08 \x01(\t\x12(\n\x08logprobs\x18\t \x01(\x0b\x32\x16.slidespec.v1.Logprobs\x12/\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x16.slidespec.v1.Logprobs\x12\r\n\x05index\x18\x0b \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xce\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12\x12\n\nmax_window\x18\x05 \x01(\x05\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\x1d\n\x15speculative_algorithm\x18\x07 \x01(\t\x12\x14\n\x0cnum_replicas\x18\x08 \x01(\x05\x12\x16\n\x0erouting_policy\x18\t \x01(\t\"\x10\n\x0eGetLoadRequest\"\xc8\x01\n\x0bReplicaLoad\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x14\n\x0ckv_full_used\x18\x04 \x01(\x03\x12\x15\n\rkv_full_total\x18\x05 \x01(\x03\x12\x13\n\x0bkv_swa_used\x18\x06 \x01(\x03\x12\x14\n\x0ckv_swa_total\x18\x07 \x01(\x03\x12\x1a\n\x12mean_accept_length\x18\x08 \x01(\x01\x12\x12\n\ntoken_load\x18\t \x01(\x03\">\n\x0fGetLoadResponse\x12+\n\x08replicas\x18\x01 \x03(\x0b\x32\x19.slidespec.v1.ReplicaLoad*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xaf\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.slidespec.v1.GenerateRequest\x1a\x1e.slidespec.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.slidespec.v1.AbortRequest\x1a\x1b.slidespec.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.slidespec.v1.GetModelInfoRequest\x1a\x17.slidespec.v1.ModelInfo\x12\x46\n\x07GetLoad\x12\x1c.slidespec.v1.GetLoadRequest\x1a\x1d.slidespec.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster.proto.slidespec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1796
-  _globals['_FINISHREASON']._serialized_end=1916
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2500
+  _globals['_FINISHREASON']._serialized_end=2620
   _globals['_SAMPLINGPARAMS']._serialized_start=62
-  _globals['_SAMPLINGPARAMS']._serialized_end=395
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=398
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=541
-  _globals['_CHOICES']._serialized_start=543
-  _globals['_CHOICES']._serialized_end=568
-  _globals['_GENERATEREQUEST']._serialized_start=571
-  _globals['_GENERATEREQUEST']._serialized_end=772
-  _globals['_USAGE']._serialized_start=774
-  _globals['_USAGE']._serialized_end=854
-  _globals['_SPECSTATS']._serialized_start=856
-  _globals['_SPECSTATS']._serialized_end=972
-  _globals['_GENERATERESPONSE']._serialized_start=975
-  _globals['_GENERATERESPONSE']._serialized_end=1207
-  _globals['_ABORTREQUEST']._serialized_start=1209
-  _globals['_ABORTREQUEST']._serialized_end=1243
-  _globals['_ABORTRESPONSE']._serialized_start=1245
-  _globals['_ABORTRESPONSE']._serialized_end=1277
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1279
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1300
-  _globals['_MODELINFO']._serialized_start=1303
-  _globals['_MODELINFO']._serialized_end=1509
-  _globals['_GETLOADREQUEST']._serialized_start=1511
-  _globals['_GETLOADREQUEST']._serialized_end=1527
-  _globals['_REPLICALOAD']._serialized_start=1530
-  _globals['_REPLICALOAD']._serialized_end=1730
-  _globals['_GETLOADRESPONSE']._serialized_start=1732
-  _globals['_GETLOADRESPONSE']._serialized_end=1794
-  _globals['_GENERATION']._serialized_start=1919
-  _globals['_GENERATION']._serialized_end=2222
+  _globals['_SAMPLINGPARAMS']._serialized_end=850
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=593
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=641
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=853
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=996
+  _globals['_CHOICES']._serialized_start=998
+  _globals['_CHOICES']._serialized_end=1023
+  _globals['_GENERATEREQUEST']._serialized_start=1026
+  _globals['_GENERATEREQUEST']._serialized_end=1227
+  _globals['_USAGE']._serialized_start=1229
+  _globals['_USAGE']._serialized_end=1309
+  _globals['_LOGPROBS']._serialized_start=1311
+  _globals['_LOGPROBS']._serialized_end=1400
+  _globals['_TOPLOGPROBS']._serialized_start=1402
+  _globals['_TOPLOGPROBS']._serialized_end=1452
+  _globals['_SPECSTATS']._serialized_start=1454
+  _globals['_SPECSTATS']._serialized_end=1570
+  _globals['_GENERATERESPONSE']._serialized_start=1573
+  _globals['_GENERATERESPONSE']._serialized_end=1911
+  _globals['_ABORTREQUEST']._serialized_start=1913
+  _globals['_ABORTREQUEST']._serialized_end=1947
+  _globals['_ABORTRESPONSE']._serialized_start=1949
+  _globals['_ABORTRESPONSE']._serialized_end=1981
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1983
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2004
+  _globals['_MODELINFO']._serialized_start=2007
+  _globals['_MODELINFO']._serialized_end=2213
+  _globals['_GETLOADREQUEST']._serialized_start=2215
+  _globals['_GETLOADREQUEST']._serialized_end=2231
+  _globals['_REPLICALOAD']._serialized_start=2234
+  _globals['_REPLICALOAD']._serialized_end=2434
+  _globals['_GETLOADRESPONSE']._serialized_start=2436
+  _globals['_GETLOADRESPONSE']._serialized_end=2498
+  _globals['_GENERATION']._serialized_start=2623
+  _globals['_GENERATION']._serialized_end=2926
 # @@protoc_insertion_point(module_scope)
