@@ -29,7 +29,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+
+from attention.batch import upload
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex, grammar or all choices together
 MAX_CHOICES = 1024
@@ -249,9 +252,20 @@ def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """-inf in `logits` (float32, on its device) outside `bitmask[rows]` (host), in place."""
+    """-inf in `logits` (float32, on its device) outside `bitmask[rows]` (host), in place.
+
+    A row left with no token at all is a draft's whose vocabulary holds none the grammar allows
+    (an EAGLE-3 draft vocabulary, a hot-token map): it becomes uniform over the allowed tokens,
+    a proposal rejection sampling takes as exactly as any other. A target row always keeps one."""
     mask = bitmask if logits.device.type == "cpu" else bitmask.pin_memory().to(logits.device, non_blocking=True)
-    xgrammar().apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
+    vocab = logits.shape[-1]
+    xgrammar().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+    index = upload(np.array(rows, dtype=np.int64), logits.device)
+    masked = logits.index_select(0, index)
+    dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((mask.index_select(0, index)[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
+    logits.index_copy_(0, index, masked.masked_fill(dead & allowed, 0.0))
 
 
 def xgrammar():

@@ -167,7 +167,7 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
 
 def test_sampled_json_always_parses_and_validates_under_speculation(prompts):
     eng = _engine("eagle", max_running_requests=64)
-    n = 128
+    n = 64
     sp = [
         SamplingParams(max_new_tokens=64, temperature=1.0, seed=s, structured_outputs=StructuredOutputs(json=SCHEMA))
         for s in range(n)
@@ -178,6 +178,33 @@ def test_sampled_json_always_parses_and_validates_under_speculation(prompts):
         _check_schema(json.loads(out.text))
     assert len({o.text for o in outs}) > n // 4, "sampling drew too few distinct outputs to test anything"
     assert any(n > 1 for o in outs for n in o.spec.accept_lengths)
+    eng.check_no_leak()
+
+
+def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(prompts, plain, tmp_path):
+    """A hot-token map holding no digit under a digits-only grammar: every draft row has nothing
+    left after the mask, so the draft proposes uniformly among the tokens the grammar allows.
+    Greedy output is plain decoding's; sampled requests finish matching the grammar (without the
+    fallback their draft distributions would be empty and the requests would fail)."""
+    tokenizer, vocab = plain.tokenizer, plain.cfg.vocab_size
+    eos = plain.cfg.eos_token_ids
+    hot = [t for t in range(vocab) if t not in eos and not any(c.isdigit() for c in tokenizer.decode([t]))]
+    (tmp_path / "hot.json").write_text(json.dumps(hot))
+    eng = Engine(
+        model=TARGET,
+        page_size=4,
+        attention_backend="trtllm_mha",
+        max_total_tokens=4096,
+        context_length=256,
+        speculative={"algorithm": "eagle", "draft_model": DRAFTS["eagle"], "token_map": str(tmp_path / "hot.json")},
+    )
+    spec = StructuredOutputs(regex="[0-9]{6}")
+    want = plain.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
+    got = eng.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    sampled = [SamplingParams(max_new_tokens=N, seed=s, structured_outputs=spec) for s in range(8)]
+    outs = eng.generate(prompt_token_ids=[prompts[s % 2] for s in range(8)], sampling=sampled)
+    assert all(o.finish_reason == "stop" and re.fullmatch("[0-9]{6}", o.text) for o in outs), outs
     eng.check_no_leak()
 
 
