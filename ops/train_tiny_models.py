@@ -688,7 +688,7 @@ def evaluate(
         result[f"{s.target}/none"] = {"seconds": round(time.perf_counter() - start, 2)}
         for algorithm, name in s.drafts.items():
             draft = os.path.join(models_dir, name)
-            spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": num_steps}
+            spec = {"algorithm": algorithm, "draft_model": draft, "num_steps": num_steps, "adaptive": False}
             eng = Engine(model=target, max_total_tokens=32768, speculative=spec)
             start = time.perf_counter()
             outs = eng.generate(prompt_token_ids=batch, sampling=sp)

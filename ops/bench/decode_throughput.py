@@ -539,6 +539,7 @@ def draft_specs(root: str) -> dict[str, dict]:
             "algorithm": "eagle" if name == "eagle3" else name,
             "draft_model": write_config(root, f"llama3-8b-{name}", config),
             "num_steps": 4,
+            "adaptive": False,  # rounds of 4 drafts every step: what a round costs (ops.bench.adaptive_spec: adaptive)
             "draft_load_format": "dummy",
         }
         for name, config in drafts.items()
@@ -555,7 +556,8 @@ def assistant_specs(root: str) -> dict[str, dict]:
     """Gemma-4-31B's assistant (dummy weights of google/gemma-4-31B-it-assistant's shape), 4
     drafts a round."""
     draft = write_config(root, "gemma4-31b-assistant", GEMMA4_31B_ASSISTANT)
-    return {"assistant": {"algorithm": "mtp", "draft_model": draft, "num_steps": 4, "draft_load_format": "dummy"}}
+    spec = {"algorithm": "mtp", "draft_model": draft, "num_steps": 4, "adaptive": False, "draft_load_format": "dummy"}
+    return {"assistant": spec}
 
 
 # shape -> (case prefix, its drafts' settings)
@@ -606,9 +608,8 @@ def tiny_part() -> dict:
     for batch in (1, 16):
         prompts = [tok.encode(texts[i % len(texts)][(i // len(texts)) * 2000 :])[:192] for i in range(batch)]
         for algorithm in (None, *DRAFT_MODELS):
-            spec = (
-                {"algorithm": algorithm, "draft_model": DRAFT_MODELS[algorithm], "num_steps": 4} if algorithm else None
-            )
+            drafts = {"algorithm": algorithm, "draft_model": DRAFT_MODELS.get(algorithm), "num_steps": 4}
+            spec = {**drafts, "adaptive": False} if algorithm else None  # fixed rounds (adaptive: adaptive_spec)
             engine = Engine(
                 model=DEFAULT_MODEL,
                 device="cuda",
