@@ -35,7 +35,7 @@ from cluster.routing.load_board import BOARD
 from cluster.routing.serve_router import route_request
 from cluster.telemetry import RequestTelemetry
 from workers.rank_loop import ErrorCode
-from workers.sampling_params import MAX_SEED
+from workers.sampling_params import choice_seed
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class Gateway:
         self._calls: dict[str, Any] = {}  # live request id -> its Serve call (None before it is sent)
         self._aborted: set[str] = set()
         self._groups: dict[str, list[str]] = {}  # a live request of n choices -> its choices' ids
+        self._placed: dict[str, asyncio.Event] = {}  # choice 0 of n -> set once it has a replica
         self.retried = 0  # attempts repeated on another replica
 
     # -- before routing -------------------------------------------------------------------------
@@ -156,6 +157,7 @@ class Gateway:
         if any(rid in self._calls for rid in ids):
             raise RequestFailed(ErrorCode.INVALID_ARGUMENT.value, f"request_id: {ids[0]!r} is already in use")
         self._groups[ids[0]] = ids
+        self._placed[ids[0]] = asyncio.Event()
         try:
             streams = [self._generate(choice, telemetry) for choice in group]
             async with contextlib.aclosing(merge_streams(streams)) as merged:
@@ -163,6 +165,7 @@ class Gateway:
                     yield {**update, "index": index}
         finally:
             self._groups.pop(ids[0], None)
+            self._placed.pop(ids[0], None)
 
     async def _generate(self, routed: dict[str, Any], telemetry: RequestTelemetry) -> AsyncIterator[dict[str, Any]]:
         """One request's updates, retried on another replica when one fails before its first token."""
@@ -203,22 +206,31 @@ class Gateway:
                 yield update
 
     async def _direct(self, routed: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """One attempt on the replica the policy chooses, streamed from its rank 0."""
+        """One attempt on the replica the policy chooses, streamed from its rank 0. A choice that
+        follows another (`choices`) is routed once that one has its replica, to the same one
+        where it may, and submitted after it."""
         rid = routed["request_id"]
         parsed = parse_request(routed, RoutedBody)
         request = route_request(routed)
+        placed = self._placed.get(parsed.body.follows or "")
+        if placed is not None:
+            await placed.wait()
         try:
             client = await self.replicas.acquire(request)
         except QueueFull as exc:
             raise RequestFailed(RESOURCE_EXHAUSTED, str(exc)) from None
         except LookupError as exc:
             raise RequestFailed(ErrorCode.UNAVAILABLE.value, str(exc)) from None
+        finally:
+            if rid in self._placed:
+                self._placed[rid].set()
         try:
             if rid in self._aborted:
                 yield _aborted(rid)
                 return
             ids = parsed.body.prompt_token_ids
-            stream = client.generate(rid, ids, parsed.sampling, parsed.stop, routed.get("trace_context"))
+            trace = routed.get("trace_context")
+            stream = client.generate(rid, ids, parsed.sampling, parsed.stop, trace, parsed.body.follows)
             async with contextlib.aclosing(stream) as updates:
                 async for update in updates:
                     if update["finished"]:
@@ -311,7 +323,8 @@ def choices(routed: dict[str, Any]) -> list[dict[str, Any]]:
     """A prepared request of `sampling.n` choices as one request per choice, as vLLM forks one:
     ids `rid`, `rid-1`, ...; seeds `seed + i` when a seed is given (wrapped to 64 bits), each
     drawn by the replica otherwise; only choice 0 asks for the prompt's logprobs (the same for
-    every choice)."""
+    every choice). The others follow choice 0: its replica prefills the prompt once and forks
+    it (`Engine.add_request`'s `follows`)."""
     sampling = {k: v for k, v in routed.get("sampling", {}).items() if k != "n"}
     n = routed.get("sampling", {}).get("n", 1)
     if n == 1:
@@ -320,10 +333,12 @@ def choices(routed: dict[str, Any]) -> list[dict[str, Any]]:
     for i in range(n):
         own = dict(sampling)
         if "seed" in own:
-            own["seed"] = (own["seed"] + i) % (MAX_SEED + 1)
+            own["seed"] = choice_seed(own["seed"], i)
+        choice = {**routed, "request_id": rid, "sampling": own}
         if i:
             own.pop("prompt_logprobs", None)
-        out.append({**routed, "request_id": rid if i == 0 else f"{rid}-{i}", "sampling": own})
+            choice.update(request_id=f"{rid}-{i}", follows=rid)
+        out.append(choice)
     return out
 
 

@@ -113,6 +113,7 @@ class RoutedBody(GenerateBody):
 
     trace_context: dict[str, str] | None = None
     exclude_replicas: list[str] = Field(default_factory=list)
+    follows: str | None = None  # another choice of the same prompt (`cluster.gateway.choices`)
 
 
 @dataclasses.dataclass

@@ -212,13 +212,15 @@ class RankActor:
         prompt_ids: list[int],
         sampling: dict[str, Any],
         trace_context: dict[str, str] | None = None,
+        follows: str | None = None,
         reader: Sink = REPLICA_READER,
     ) -> dict[str, Any] | None:
         """Queue a request; its updates go to `reader` (a Ray reader's `updates` stream, or a
         socket caller). Returns None, or the error update of a request that cannot run (invalid
         input is not a fault of this actor, so it is answered, never raised; a draining replica
         answers UNAVAILABLE, which callers retry elsewhere). `trace_context`: the W3C carrier of
-        the request's span; step spans join that trace."""
+        the request's span; step spans join that trace. `follows`: another choice of the same
+        prompt, submitted before (`Engine.add_request`)."""
         if self.draining:
             return error_update(ErrorCode.UNAVAILABLE, f"rank {self.rank} is draining (the replica is stopping)")
         with self._claims:  # before the loop can report it: the loop thread routes by this
@@ -228,7 +230,7 @@ class RankActor:
         if self.tracer is not None and trace_context:
             self._trace_contexts[rid] = context_from_carrier(trace_context)
         try:
-            self.loop.submit(rid, prompt_ids, SamplingParams(**sampling))
+            self.loop.submit(rid, prompt_ids, SamplingParams(**sampling), follows)
         except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: the loop stopped
             self._reader_of.pop(rid, None)
             self._trace_contexts.pop(rid, None)

@@ -50,8 +50,10 @@ class RayLink:
         self.reader = reader
         self._updates = None  # the stream (a Ray streaming generator)
 
-    async def submit(self, rid: str, prompt_ids: list[int], sampling: dict, trace_context) -> dict[str, Any] | None:
-        return await self.rank0.submit.remote(rid, prompt_ids, sampling, trace_context, self.reader)
+    async def submit(
+        self, rid: str, prompt_ids: list[int], sampling: dict, trace_context, follows: str | None
+    ) -> dict[str, Any] | None:
+        return await self.rank0.submit.remote(rid, prompt_ids, sampling, trace_context, follows, reader=self.reader)
 
     def abort(self, rid: str) -> None:
         """Outside the calling request's Ray task: Ray cancels the calls a cancelled request made,
@@ -75,8 +77,8 @@ class SocketLink:
     def __init__(self, channel: ChannelClient) -> None:
         self.channel = channel
 
-    async def submit(self, rid: str, prompt_ids: list[int], sampling: dict, trace_context) -> None:
-        self.channel.send(("submit", rid, prompt_ids, sampling, trace_context))
+    async def submit(self, rid: str, prompt_ids: list[int], sampling: dict, trace_context, follows: str | None) -> None:
+        self.channel.send(("submit", rid, prompt_ids, sampling, trace_context, follows))
 
     def abort(self, rid: str) -> None:
         self.channel.send(("abort", rid))
@@ -118,14 +120,16 @@ class RankClient:
         sampling: SamplingParams,
         stop: list[str],
         trace_context: dict[str, str] | None = None,
+        follows: str | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Run a request on rank 0 and stream its updates (see the module's docstring)."""
+        """Run a request on rank 0 and stream its updates (see the module's docstring);
+        `follows`: another choice of the same prompt, submitted before (`Engine.add_request`)."""
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
         stops, emitted, finished, held = StopStrings(stop), 0, False, None
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._requests[rid] = queue  # counted (admission, duplicate ids) from now on
         try:
-            refused = await self._submit(rid, prompt_ids, sampling, trace_context)
+            refused = await self._submit(rid, prompt_ids, sampling, trace_context, follows)
             if refused is not None:
                 queue.put_nowait(refused)
             while not finished:
@@ -172,13 +176,14 @@ class RankClient:
         prompt_ids: list[int],
         sampling: SamplingParams,
         trace_context: dict[str, str] | None,
+        follows: str | None = None,
     ) -> dict[str, Any] | None:
         """Open the link if needed and hand the request to rank 0; None, or the update that ends
         it at once. A submit that failed without rank 0 dying (cancelled, say) may still have
         queued the request: it is aborted, so that a retry of the same id finds it gone."""
         try:
             link = await self._open()
-            return await link.submit(rid, prompt_ids, dataclasses.asdict(sampling), trace_context)
+            return await link.submit(rid, prompt_ids, dataclasses.asdict(sampling), trace_context, follows)
         except ray.exceptions.RayError as exc:
             if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
                 self.abort(rid)

@@ -85,7 +85,7 @@ class LLMServer:
         except ValueError as exc:
             yield {**error_update(ErrorCode.INVALID_ARGUMENT, str(exc)), "replica": self.replica_tag}
             return
-        stream = self.client.generate(rid, prompt_ids, sampling, stop, body.get("trace_context"))
+        stream = self.client.generate(rid, prompt_ids, sampling, stop, body.get("trace_context"), body.get("follows"))
         async with contextlib.aclosing(stream) as updates:  # the id is free again only once it ends
             async for update in updates:
                 yield update
@@ -95,6 +95,8 @@ class LLMServer:
         field (an id this replica is running is one). The ingress has validated and tokenized
         already; direct handle callers may send text, tokenized here off the event loop."""
         parsed = parse_request(body, RoutedBody)
+        if parsed.body.sampling.n != 1:  # the ingress sends each choice as a request of its own
+            raise InvalidRequest(f"sampling.n: send each choice as a request (n 1), got {parsed.body.sampling.n}")
         if parsed.stop and self.tokenizer is None:
             raise InvalidRequest("sampling.stop: stop strings need a tokenizer; use stop_token_ids")
         ids = parsed.body.prompt_token_ids

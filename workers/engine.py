@@ -36,7 +36,7 @@ from workers.processors import TokenCounts
 from workers.radix_cache import RadixCache
 from workers.request import FinishReason, Request
 from workers.sampler import draw_each
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams, choice_seed
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative import SpecConfig, SpecStats
 from workers.speculative.controller import AdaptiveDraftSteps
@@ -362,15 +362,41 @@ class Engine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         grammar: Any = None,
+        follows: str | None = None,
     ) -> str:
         """`grammar`: its structured outputs compiled already (`start_grammar`); otherwise they
-        are compiled here, waiting for it."""
+        are compiled here, waiting for it. `follows`: the id of another choice of the same
+        prompt, added before: this one waits to be admitted until that one has prefilled the
+        prompt, then starts on its pages in the prefix cache (one prefill for n choices; no
+        wait when that request is gone or its prompt differs)."""
         req = self._make_request(
             prompt_token_ids, sampling or SamplingParams(), request_id, "prompt_token_ids", grammar
         )
+        leader = self._requests.get(follows) if follows is not None else None
+        if leader is not None and not leader.finished and leader.prompt_ids == req.prompt_ids:
+            req.leader = leader
         self._requests[req.rid] = req
         self.scheduler.add(req)
         return req.rid
+
+    def add_choices(
+        self, prompt_token_ids: Sequence[int], sampling: SamplingParams, n: int, request_id: str | None = None
+    ) -> list[str]:
+        """n choices of one prompt, prefilled once and forked (`add_request`'s `follows`): ids
+        `request_id`, `request_id-1`, ...; choice i seeded `seed + i` when a seed is given (as
+        vLLM); only choice 0 computes the prompt's logprobs, which are every choice's."""
+        first = self.add_request(prompt_token_ids, sampling, request_id)
+        rest = dataclasses.replace(sampling, prompt_logprobs=None)
+        return [first] + [
+            self.add_request(
+                prompt_token_ids,
+                dataclasses.replace(rest, seed=choice_seed(sampling.seed, i)),
+                f"{first}-{i}",
+                follows=first,
+            )
+            for i in range(1, n)
+        ]
+
 
     def check_request(self, prompt: Sequence[int], sampling: SamplingParams, field: str = "prompt_token_ids") -> None:
         """Raise ValueError naming the field if this request could never run; changes nothing,

@@ -40,6 +40,7 @@ class NewRequest:
     rid: str
     prompt_ids: list[int]
     sampling: SamplingParams  # with an explicit seed
+    follows: str | None = None  # another choice of the same prompt (`Engine.add_request`)
 
 
 @dataclasses.dataclass
@@ -113,9 +114,9 @@ class RankLoop:
         self.error: BaseException | None = None
 
     # -- rank 0, from any thread ------------------------------------------------------------
-    def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams) -> None:
+    def submit(self, rid: str, prompt_ids: list[int], sampling: SamplingParams, follows: str | None = None) -> None:
         """Queue a request for the next step; raise ValueError (naming the field) if it could
-        never run or its id is in use."""
+        never run or its id is in use. `follows`: see `Engine.add_request`."""
         if self.error is not None:
             raise RuntimeError(f"rank loop stopped: {self.error}")
         self.engine.check_request(prompt_ids, sampling)
@@ -128,7 +129,7 @@ class RankLoop:
         grammar = self.engine.start_grammar(sampling)
         if grammar is not None:  # the loop takes it when compiled: wake it then
             grammar.future.add_done_callback(lambda _: self._inbox.put(("compiled", None)))
-        self._inbox.put(("new", (NewRequest(rid, list(prompt_ids), sampling), grammar)))
+        self._inbox.put(("new", (NewRequest(rid, list(prompt_ids), sampling, follows), grammar)))
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -252,7 +253,9 @@ class RankLoop:
         for new in plan.new:
             try:
                 grammar = self._compiled.pop(new.rid, None)
-                self.engine.add_request(new.prompt_ids, new.sampling, request_id=new.rid, grammar=grammar)
+                self.engine.add_request(
+                    new.prompt_ids, new.sampling, request_id=new.rid, grammar=grammar, follows=new.follows
+                )
             except Exception as exc:  # noqa: BLE001 - the same on every rank: this request fails
                 code = ErrorCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL
                 updates.append(self._end(Update(new.rid, [], True, error=_describe(exc), code=code)))

@@ -43,6 +43,9 @@ class Request:
     error: str | None = None  # why the request failed (finish reason ERROR)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     cache_match: Any = None  # the prefix cache's match it holds locked while it runs
+    # another choice of the same prompt: this one is admitted once that one has prefilled the
+    # prompt, and starts on its cached pages (n choices, one prefill: docs/design.md §11)
+    leader: Request | None = None
     # time.monotonic() when it reached the engine, was admitted (KV reserved), got its first token
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     admitted: float | None = None

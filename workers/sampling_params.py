@@ -142,6 +142,12 @@ class SamplingParams:
         return None
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of n of a request seeded `seed`: seed + index, as vLLM forks
+    one (wrapped to 64 bits); None stays None (each choice draws its own)."""
+    return None if seed is None else (seed + index) % (MAX_SEED + 1)
+
+
 def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     """A logit bias as (token id, bias) pairs in id order: from a mapping, pairs, or None (none).
     Values are checked by `validate`; only the shape is checked here."""

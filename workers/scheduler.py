@@ -115,6 +115,9 @@ class Scheduler:
         swa_total = alloc.swa.num_pages if alloc.is_hybrid else 0
         while self.waiting and len(self.running) < self.max_running and self.req_to_token.num_free:
             req = self.waiting[0]
+            if req.leader is not None and not (req.leader.prefilled or req.leader.finished):
+                break  # its prompt's pages come from its leader's prefill, a step or a chunk away
+            req.leader = None
             # A request asking for its prompt's logprobs computes its whole prompt: the simplest
             # exact choice (a hit's pages hold KV, not the logits of the positions they cover).
             # It still enters its pages in the cache (`cache_prompts`).

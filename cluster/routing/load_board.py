@@ -52,9 +52,16 @@ class LoadBoard:
 
     def choose(self, policy: Policy, request: RouteRequest, candidates: list[str]) -> Decision:
         """The policy's ranking of `candidates` (a retry avoids the replicas that failed it,
-        unless none is left) by their loads on this board; recorded until the request ends."""
+        unless none is left) by their loads on this board; recorded until the request ends. A
+        choice that follows another of its prompt goes where that one went, where it may: that
+        replica prefills the prompt once for both."""
         allowed = sorted(r for r in candidates if r not in request.exclude) or sorted(candidates)
-        decision = policy.choose(request, allowed, self.token_loads(allowed))
+        leader = self.replica_of(request.follows) if request.follows else None
+        if leader in allowed:
+            ranked = [leader, *(r for r in allowed if r != leader)]
+            decision = Decision(ranked, policy.name, reason="with the choice it follows")
+        else:
+            decision = policy.choose(request, allowed, self.token_loads(allowed))
         self.decide(request.request_id, decision, allowed)
         return decision
 

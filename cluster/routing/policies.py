@@ -32,6 +32,7 @@ class RouteRequest:
     max_new_tokens: int
     session_id: str = ""
     exclude: frozenset[str] = frozenset()  # replicas a retry must avoid
+    follows: str = ""  # another choice of the same prompt: its replica forks its prefill
 
     @property
     def cost(self) -> int:

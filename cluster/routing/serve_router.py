@@ -32,6 +32,7 @@ def route_request(body: dict[str, Any]) -> RouteRequest:
         int(sampling.get("max_new_tokens", 128)),
         str(body.get("session_id") or ""),
         frozenset(body.get("exclude_replicas") or ()),
+        str(body.get("follows") or ""),
     )
 
 

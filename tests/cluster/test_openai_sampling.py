@@ -332,9 +332,12 @@ def test_grpc_takes_the_same_fields(app, engine, tokenizer):
     assert [list(t.token_ids) for r in responses for t in r.logprobs.top] == ref.logprobs.top_ids
     _close(list(responses[0].prompt_logprobs.token_logprobs), ref.prompt_logprobs.token)
     assert list(responses[0].prompt_logprobs.ranks) == ref.prompt_logprobs.rank
-    whole = list(grpc_client.generate(ids, stream=False, n=2, seed=5, **{**kw, "temperature": 1.0}))
+    fresh = tokenizer.encode("while True:\n    line = input()\n    if not line:\n        break\n")
+    whole = list(grpc_client.generate(fresh, stream=False, n=2, seed=5, **{**kw, "temperature": 1.0}))
     assert [r.index for r in whole] == [0, 1] and all(len(r.token_ids) == 6 and r.finished for r in whole)
-    alone = grpc_client.complete(ids, seed=6, **{**kw, "temperature": 1.0})
+    shared = (len(fresh) - 1) // 4 * 4  # choice 1 forked from choice 0's prefill, on its cached pages
+    assert [r.usage.cached_tokens for r in whole] == [0, shared]
+    alone = grpc_client.complete(fresh, seed=6, **{**kw, "temperature": 1.0})
     assert list(whole[1].token_ids) == list(alone.token_ids)
     with pytest.raises(grpc.RpcError) as info:
         list(grpc_client.generate(ids, min_p=2.0, **kw))

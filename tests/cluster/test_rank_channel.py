@@ -29,7 +29,7 @@ class _Loop:
         self.submitted: list[str] = []
         self.aborted: list[str] = []
 
-    def submit(self, rid, prompt_ids, sampling) -> None:
+    def submit(self, rid, prompt_ids, sampling, follows=None) -> None:
         if sampling.max_new_tokens < 1:
             raise ValueError("sampling.max_new_tokens: must be >= 1")
         self.submitted.append(rid)

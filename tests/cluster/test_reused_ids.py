@@ -22,7 +22,7 @@ class FakeLink:
         self.refuse = refuse
         self.log: list[tuple[str, str]] = []
 
-    async def submit(self, rid, prompt_ids, sampling, trace_context):
+    async def submit(self, rid, prompt_ids, sampling, trace_context, follows=None):
         self.log.append(("submit", rid))
         if rid in self.refuse:
             self.refuse.discard(rid)

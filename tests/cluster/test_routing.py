@@ -122,3 +122,20 @@ def test_load_board_decisions_are_kept_until_read():
     board.decide("req-0", decision, REPLICAS)
     assert board.pop_decision("req-0")[2] == decision.ranked[0]
     assert board.pop_decision("req-0") is None and not board.decisions
+
+
+def test_a_choice_goes_where_the_choice_it_follows_went():
+    """n choices of a prompt: the replica that prefills choice 0 forks it for the others (unless
+    a retry excludes it, or it has gone)."""
+    board, policy = LoadBoard(), RoundRobin()
+    leader = _req(0)
+    board.note_routed(policy, leader, board.choose(policy, leader, REPLICAS).ranked[0])
+    home = board.replica_of("req-0")
+    for i in range(1, 4):
+        follower = RouteRequest(f"req-{i}", [1, 2, 3], 16, follows="req-0")
+        assert board.choose(policy, follower, REPLICAS).ranked[0] == home
+    excluded = RouteRequest("req-9", [1, 2, 3], 16, exclude=frozenset({home}), follows="req-0")
+    assert board.choose(policy, excluded, REPLICAS).ranked[0] != home
+    board.finished("req-0")
+    orphan = RouteRequest("req-10", [1, 2, 3], 16, follows="req-0")
+    assert board.choose(policy, orphan, REPLICAS).ranked[0] in REPLICAS

@@ -174,10 +174,10 @@ def test_a_request_that_cannot_be_admitted_fails_alone(gemma3_dir, monkeypatch):
     engine = _engine(gemma3_dir)
     real = engine.add_request
 
-    def add(prompt, sampling, request_id):
+    def add(prompt, sampling, request_id, **kw):
         if request_id == "bad":
             raise RuntimeError("Overflow when unpacking long")  # what a 65-bit seed did to the generator
-        return real(prompt, sampling, request_id=request_id)
+        return real(prompt, sampling, request_id=request_id, **kw)
 
     monkeypatch.setattr(engine, "add_request", add)
     loop = Loop(engine)
