@@ -243,6 +243,7 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
         self._inflight: InFlight | None = None
+        self._decode_end_ns: int | None = None  # when the last step ended, if a decode step
         if warmup if warmup is not None else self.device.type == "cuda":
             self._rng, self._ids, self.failed_steps = random.Random(seed), itertools.count(), 0
             self._warm_up()
@@ -527,16 +528,19 @@ class Engine:
         self, reqs: list[Request], events: list[tuple[Request, list[int]]], timed: bool = True
     ) -> list[tuple[str, list[int], bool]]:
         """Close the step's record; a decode step of a speculative engine tells the controller
-        what it ran and, where its time is that of its kind (`timed`, and no draft caught up
-        after plain steps in it), how long it took."""
+        what it ran and, where its time is that of its kind (`timed`, the step before a decode
+        step too, no draft caught up after plain steps in it), how long it took: from the end of
+        the step before, so that whatever runs between steps (a rank loop's plan and hand-over)
+        counts per step, as it costs."""
         step = self.last_step
         step.request_ids = [r.rid for r in reqs]
         step.seq_lens = [r.num_tokens for r in reqs]
         step.cached_tokens = [r.cached_tokens for r in reqs]
         step.end_ns = time.time_ns()
+        before, self._decode_end_ns = self._decode_end_ns, step.end_ns if step.draft_steps is not None else None
         if step.draft_steps is not None:
-            timed = timed and self.spec.catch_ups == self._catch_ups
-            seconds = (step.end_ns - step.start_ns) / 1e9 if timed else None
+            timed = timed and before is not None and self.spec.catch_ups == self._catch_ups
+            seconds = (step.end_ns - before) / 1e9 if timed else None
             self.spec.controller.observe(len(reqs), step.draft_steps, seconds)
         reported = {req.rid for req, _ in events}
         return [(req.rid, new, req.finished) for req, new in events] + [

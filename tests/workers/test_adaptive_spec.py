@@ -173,8 +173,12 @@ def plain_tokens():
     return [o.token_ids for o in _tiny(False).generate(prompt_token_ids=PROMPTS, sampling=GREEDY)]
 
 
-@pytest.mark.parametrize("graphs, overlap", [(False, False), ("emulate", False), ("emulate", True)])
-@pytest.mark.parametrize("algorithm", sorted(DRAFT_MODELS))
+@pytest.mark.parametrize(
+    "algorithm, graphs, overlap",
+    [(a, False, False) for a in sorted(DRAFT_MODELS)]
+    + [(a, "emulate", True) for a in sorted(DRAFT_MODELS)]
+    + [("eagle", "emulate", False)],  # plain steps replayed without overlap: the hidden states a head reads
+)
 def test_switching_between_plain_steps_and_rounds_is_lossless(plain_tokens, algorithm, graphs, overlap):
     """The shipped tiny target and each of its drafts, the draft length forced through every k
     and runs of plain steps longer than `max_lag`: greedy tokens equal plain decoding's; rounds
@@ -229,10 +233,12 @@ def test_a_draft_behind_by_more_than_its_window_catches_up_exactly(models, varia
 
 
 def test_the_adaptive_engine_records_its_choices_and_stays_lossless(models):
-    """The adaptive controller itself on a CPU (nothing timed at start-up: it measures each k),
-    with an EAGLE head that random weights make a poor draft: greedy output is plain decoding's,
-    each decode step's record names its draft steps, the requests' records agree with them, and
-    plain steps outnumber rounds once measured (a round costs more and adds almost nothing)."""
+    """The adaptive controller itself in an engine (a CPU: nothing timed at start-up, each k
+    measured by running it; measured times replaced by a fixed table, a round of k costing 1 + k
+    plain steps, so that a busy test machine's noise decides nothing), with an EAGLE head that
+    random weights make a poor draft: greedy output is plain decoding's, each decode step's
+    record names its draft steps, the requests' records agree with them, and once each k is
+    measured the steps are plain but for probes."""
     m = models["gemma3"]
     prompts = random_prompts([2 * WINDOW + 1, WINDOW + 3], seed=3)
     sampling = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
@@ -245,7 +251,10 @@ def test_the_adaptive_engine_records_its_choices_and_stays_lossless(models):
         max_total_tokens=2048,
         speculative={"algorithm": "eagle", "draft_model": m["eagle1"], "num_steps": K},
     )
-    assert isinstance(eng.spec.controller, AdaptiveDraftSteps)
+    ctrl = eng.spec.controller
+    assert isinstance(ctrl, AdaptiveDraftSteps) and not ctrl.costs.prior
+    measure = ctrl.costs.observe
+    ctrl.costs.observe = lambda batch_size, k, seconds: measure(batch_size, k, 1.0 + k)
     rids = [eng.add_request(p, sampling) for p in prompts]
     steps = []
     while eng.has_unfinished():
@@ -258,7 +267,9 @@ def test_the_adaptive_engine_records_its_choices_and_stays_lossless(models):
     for o in outs:
         assert o.spec.plain_steps + o.spec.verify_steps <= len(steps)
         assert sum(o.spec.accepted_per_position) == sum(n - 1 for n in o.spec.accept_lengths)
-    assert steps.count(0) > len(steps) // 2, steps
+    explored = 4 * (K + 1)  # `dwell` steps at each k, K first
+    assert steps[:explored] == [k for k in range(K, -1, -1) for _ in range(4)], steps
+    assert steps[explored:].count(0) >= len(steps[explored:]) - 2, steps  # (probes at k = 1)
     eng.check_no_leak()
 
 
