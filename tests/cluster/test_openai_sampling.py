@@ -4,17 +4,24 @@ same model: logprobs (completions' `logprobs: k`, chat's `logprobs` and `top_log
 `echo` (with `max_tokens: 0` too), vLLM's `prompt_logprobs`, penalties, `min_tokens`, `min_p`,
 `logit_bias`, `ignore_eos`, stop strings across streamed chunks and `n` choices (each equal to a
 request of its own seed; usage counting the prompt once), streamed and whole; bad values are
-400 (INVALID_ARGUMENT) naming the parameter, and every KV page is free afterwards."""
+400 (INVALID_ARGUMENT) naming the parameter, and every KV page is free afterwards.
+lm-evaluation-harness's `local-completions` model runs a loglikelihood task (JSON lines written
+here) through the completions route, batched, and its loglikelihoods equal the sums of
+transformers' log_softmax over the same continuation tokens."""
 
 import json
 import time
 
 import grpc
+import lm_eval
 import openai
 import pytest
 import requests
 import torch
+from lm_eval.api.registry import get_model
+from lm_eval.tasks import TaskManager
 from ray import serve
+from transformers import AutoModelForCausalLM
 
 from cluster.app import build_app
 from cluster.client import GenerationClient
@@ -353,3 +360,69 @@ def test_grpc_takes_the_same_fields(app, engine, tokenizer):
     ).text.splitlines()
     assert sum(len(json.loads(x)["logprobs"]["token_logprobs"]) for x in line) == 6
     _idle(grpc_client)
+
+
+# -- lm-evaluation-harness -------------------------------------------------------------------------
+DOCS = [
+    {"context": "def read_config(path):\n    with open(path) as f:\n        return", "continuation": " json.load(f)"},
+    {"context": "import os\nimport", "continuation": " sys"},
+    {"context": "class Queue:\n    def __init__(self, maxsize=0):\n        self.", "continuation": "maxsize = maxsize"},
+    {"context": "for i in range(10):\n    ", "continuation": "print(i)"},
+    {"context": "if __name__ == ", "continuation": "'__main__':\n    main()"},
+    {"context": "x = [1, 2, 3]\ny = ", "continuation": "sum(x) "},
+]
+
+
+def _task(root) -> TaskManager:
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (root / "tiny_ll.yaml").write_text(
+        "\n".join(
+            [
+                "task: slidespec_tiny_loglikelihood",
+                "dataset_path: json",
+                "dataset_kwargs:",
+                "  data_files:",
+                f"    test: {data}",
+                "test_split: test",
+                "output_type: loglikelihood",
+                "doc_to_text: '{{context}}'",
+                "doc_to_target: '{{continuation}}'",
+                "metric_list:",
+                "  - metric: perplexity",
+                "  - metric: acc",
+            ]
+        )
+    )
+    return TaskManager(include_path=str(root))
+
+
+def test_lm_eval_local_completions_loglikelihoods_equal_transformers(app, tmp_path):
+    lm = get_model("local-completions")(
+        model=MODEL,
+        base_url=f"{app[2]}/completions",
+        header={"Authorization": f"Bearer {TOKEN}"},
+        tokenizer_backend="huggingface",
+        tokenizer=DEFAULT_MODEL,
+        tokenized_requests=True,
+        batch_size=4,
+        max_retries=1,
+    )
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=["slidespec_tiny_loglikelihood"], task_manager=_task(tmp_path), log_samples=True
+    )
+    samples = sorted(results["samples"]["slidespec_tiny_loglikelihood"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(DOCS)
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
+    for doc, sample in zip(DOCS, samples):
+        (loglikelihood, greedy) = sample["filtered_resps"][0]
+        context, continuation = lm._encode_pair(doc["context"], doc["continuation"])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(torch.tensor([context + continuation])).logits[0].float(), dim=-1)
+        rows = logprobs[len(context) - 1 : -1]
+        want = rows[torch.arange(len(continuation)), torch.tensor(continuation)]
+        assert loglikelihood == pytest.approx(want.sum().item(), abs=1e-4), doc
+        assert greedy == bool((rows.argmax(dim=-1) == torch.tensor(continuation)).all()), doc
+    assert results["results"]["slidespec_tiny_loglikelihood"]["acc,none"] == pytest.approx(
+        sum(s["filtered_resps"][0][1] for s in samples) / len(DOCS)
+    )
