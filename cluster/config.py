@@ -63,7 +63,7 @@ class SpeculativeArgs(BaseModel):
         True,
         description="choose every decode step's draft steps in 0..num_steps for the batch from measured acceptance "
         "and measured step cost (0: a plain decode step), so that speculation never runs slower than plain decoding; "
-        "false: num_steps every step (as with tp_size > 1, whose ranks do not share the choice yet)",
+        "false: num_steps every step",
     )
 
 

@@ -39,7 +39,7 @@ from workers.sampler import draw_each
 from workers.sampling_params import SamplingParams, choice_seed
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative import SpecConfig, SpecStats
-from workers.speculative.controller import AdaptiveDraftSteps
+from workers.speculative.controller import AdaptiveDraftSteps, RelayedDraftSteps
 from workers.speculative.cost_model import CostModel
 from workers.speculative.loader import build_drafter, plan_draft
 from workers.speculative.round_timing import time_rounds
@@ -214,11 +214,7 @@ class Engine:
                 )
             drafter.runner.recorder = self._record
             self.spec = SpecWorker(spec.num_steps, self.runner, drafter, self.scheduler)
-        # Draft lengths chosen per step from this rank's timings: one rank alone (ranks of a tensor-parallel
-        # group would have to share the choice to stay in lockstep: they run fixed rounds).
-        self.adaptive = spec is not None and spec.adaptive and tp.size == 1
-        if spec is not None and spec.adaptive and tp.size > 1:
-            logger.info("speculative.adaptive: fixed rounds of %d drafts with tensor parallelism", spec.num_steps)
+        self.adaptive = spec is not None and spec.adaptive  # draft lengths chosen per step
         if self.adaptive and self.spec.drafter.runner.pool is not None and self.spec.drafter.runner.pool.has_swa:
             # a draft behind by plain decode steps catches up reading its SWA window from there
             self.scheduler.window_from = lambda req: min(req.kv_len, req.spec.draft_len)
@@ -256,7 +252,9 @@ class Engine:
                 with self.startup.phase("rounds timed", f"k in 0..{spec.num_steps} x {len(graph_sizes)} batch sizes"):
                     for (size, k), seconds in time_rounds(self.runner, self.spec.drafter, spec.num_steps).items():
                         costs.set_prior(size, k, seconds)
-            self.spec.controller = AdaptiveDraftSteps(costs)
+            # a tensor-parallel group runs what rank 0's controller chose (its step plan carries it)
+            lead = AdaptiveDraftSteps(costs)
+            self.spec.controller = lead if tp.size == 1 else RelayedDraftSteps(lead, spec.num_steps)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.failed_steps = 0  # consecutive steps whose forward raised

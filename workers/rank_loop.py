@@ -5,8 +5,10 @@ draft, its own KV pools, the same allocator state). Rank 0 decides each step: it
 requests that arrived and the aborts, and broadcasts them as a `StepPlan` over a CPU process
 group; every rank applies the plan and runs `Engine.step()`, whose collectives (all-reduce,
 all-gather of logits) keep the ranks together. Sampling is identical on every rank (same logits,
-same per-request seeds, fixed by rank 0), so the allocators never drift apart. Per-step control
-is one broadcast; no remote procedure calls.
+same per-request seeds, fixed by rank 0), so the allocators never drift apart. With adaptive draft
+lengths the plan also carries the draft steps of the next decode step, as rank 0's controller
+chose them (each rank's timings differ). Per-step control is one broadcast; no remote procedure
+calls.
 
 Runs under `torch.distributed` alone (benchmarks) or inside Ray rank actors (serving).
 """
@@ -52,6 +54,7 @@ class StepPlan:
     grammars: list[StructuredOutputs] = dataclasses.field(default_factory=list)
     flush_cache: bool = False  # drop the prefix cache's unused pages, on every rank at once
     stop: bool = False
+    draft_steps: int | None = None  # of the next decode step, rank 0's choice (adaptive speculation)
 
     @property
     def changes(self) -> bool:
@@ -170,7 +173,7 @@ class RankLoop:
         in flight gets an error update and the exception is kept in `self.error`."""
         try:
             while True:
-                plan = self._broadcast(self._next_plan() if self.rank == 0 else None)
+                plan = self._broadcast(self._lead_plan() if self.rank == 0 else None)
                 self._apply(plan)
                 if plan.stop:
                     self._fail_all("the engine shut down")
@@ -230,19 +233,32 @@ class RankLoop:
                 continue
             plan.new.append(new)
 
+    def _lead_plan(self) -> StepPlan:
+        """Rank 0's plan, with the draft steps its controller chose for the next decode step
+        where the group relays them."""
+        plan = self._next_plan()
+        if self.group is not None and self.engine.spec is not None:
+            plan.draft_steps = self.engine.spec.propose_draft_steps()
+        return plan
+
     def _broadcast(self, plan: StepPlan | None) -> StepPlan:
-        """Rank 0's plan on every rank: one small broadcast when nothing changed (most steps),
-        the pickled plan after it otherwise."""
+        """Rank 0's plan on every rank: one small broadcast when nothing changed (most steps:
+        whether it did, and the draft steps), the pickled plan after it otherwise."""
         if self.group is None:
             return plan
         src = dist.get_global_rank(self.group, 0)
-        changed = torch.tensor([int(plan is not None and plan.changes)], dtype=torch.int32)
-        dist.broadcast(changed, src=src, group=self.group)
-        if not changed.item():
-            return StepPlan()
-        box = [plan]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
+        steps = -1 if plan is None or plan.draft_steps is None else plan.draft_steps
+        head = torch.tensor([int(plan is not None and plan.changes), steps], dtype=torch.int32)
+        dist.broadcast(head, src=src, group=self.group)
+        changed, steps = head.tolist()
+        if changed:
+            box = [plan]
+            dist.broadcast_object_list(box, src=src, group=self.group)
+            plan = box[0]
+        else:
+            plan = StepPlan()
+        plan.draft_steps = None if steps < 0 else steps
+        return plan
 
     def _apply(self, plan: StepPlan) -> None:
         """Admit and abort as rank 0 decided. A request that cannot be admitted fails alone."""
@@ -264,6 +280,8 @@ class RankLoop:
                 updates.append(self._finish(rid, []))
         if plan.flush_cache:
             self.engine.flush_cache()
+        if plan.draft_steps is not None:
+            self.engine.spec.controller.k = plan.draft_steps
         self._hand_over(updates)
 
     def step_running_for(self) -> float:

@@ -45,7 +45,7 @@ def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative, all_redu
             "draft_model": draft,
             "num_steps": 4,
             "draft_pool": "full",
-            "adaptive": False,  # one rank's rounds as the group's (a group runs fixed rounds)
+            "adaptive": False,  # fixed rounds: one rank's accept lengths are the group's
         }
     ref = Engine(**kwargs).generate(prompt_token_ids=PROMPTS, sampling=SAMPLING)
     got = run_tp(2, {**kwargs, "tp_all_reduce": all_reduce}, SAMPLING)

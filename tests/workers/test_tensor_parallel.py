@@ -127,7 +127,7 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
             "draft_model": model_dirs["draft"],
             "num_steps": 3,
             "draft_tp": "replicate" if speculative.endswith("replicated") else "shard",
-            "adaptive": False,  # one rank's rounds as the group's (a group runs fixed rounds)
+            "adaptive": False,  # fixed rounds: one rank's accept lengths are the group's
         }
     elif speculative == "eagle":
         kwargs["speculative"] = {"algorithm": "eagle", "draft_model": model_dirs["eagle"], "num_steps": 3}
@@ -141,6 +141,26 @@ def test_tensor_parallel_matches_one_rank(model_dirs, world, speculative):
     assert min(o.cached_tokens for o in got[len(FIRST) :]) >= 8
     if speculative:
         assert [o.spec.accept_lengths for o in got] == [o.spec.accept_lengths for o in ref]
+
+
+def test_a_group_runs_the_draft_lengths_rank_0_chose(model_dirs):
+    """Adaptive draft lengths on two ranks: each rank times its own steps, and every decode step
+    runs what rank 0's controller chose (the step plan carries it), so the ranks stay in lockstep
+    through rounds and plain steps; greedy tokens equal one rank's without speculation."""
+    kwargs = dict(
+        model=model_dirs["target"],
+        page_size=4,
+        chunked_prefill_size=8,
+        max_total_tokens=2048,
+        attention_backend="trtllm_mha",
+    )
+    single = Engine(**kwargs)
+    ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
+    ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
+    spec = {"algorithm": "eagle", "draft_model": model_dirs["eagle"], "num_steps": 3}  # adaptive by default
+    got = run_tp(2, {**kwargs, "speculative": spec})
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(o.spec.verify_steps for o in got) and any(o.spec.plain_steps for o in got)
 
 
 @pytest.mark.parametrize("draft", [None, "assistant"])

@@ -113,3 +113,23 @@ class AdaptiveDraftSteps:
     @property
     def _probe_due(self) -> bool:
         return self.k < self.num_steps and self._since_probe >= self._probe_wait
+
+
+@dataclasses.dataclass
+class RelayedDraftSteps:
+    """The draft lengths of a tensor-parallel group: every rank runs `k`, which rank 0's
+    controller (`lead`) chose before the step and its step plan carried (`workers/rank_loop.py`),
+    so that the ranks stay in lockstep whatever each of them measures."""
+
+    lead: DraftSteps
+    k: int
+
+    def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
+        return self.k
+
+    def observe(self, batch_size: int, k: int, seconds: float | None) -> None:
+        self.lead.observe(batch_size, k, seconds)
+
+    def propose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
+        """Rank 0: what the group's next decode step runs."""
+        return self.lead.choose(batch_size, expected_tokens)

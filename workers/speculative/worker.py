@@ -57,7 +57,7 @@ from workers.sampler import distribution_logits, draw_each
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative.accept import verify_greedy, verify_sampling
 from workers.speculative.acceptance import AcceptanceModel
-from workers.speculative.controller import DraftSteps, FixedDraftSteps
+from workers.speculative.controller import DraftSteps, FixedDraftSteps, RelayedDraftSteps
 from workers.speculative.drafter import Drafter, DraftState, HiddenRows
 from workers.speculative.stats import SpecStats
 
@@ -137,6 +137,14 @@ class SpecWorker:
                 if not req.finished:
                     self.scheduler.trim(req)
         return k
+
+    def propose_draft_steps(self) -> int | None:
+        """Rank 0 of a tensor-parallel group: the draft steps of the group's next decode step,
+        chosen for the running requests (the step plan carries them); None unless relayed."""
+        if not isinstance(self.controller, RelayedDraftSteps):
+            return None
+        rows = [r.row for r in self.scheduler.running if r.prefilled]
+        return self.controller.propose(max(1, len(rows)), lambda: self.acceptance.expected_tokens(rows))
 
     def after_plain(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
         """A plain decode step committed a token for each of `reqs` (`hidden`: the target's
