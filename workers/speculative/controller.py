@@ -7,12 +7,13 @@ catching up later) maximising expected tokens per second: the acceptance model's
 tokens for k (`acceptance.py`) over the cost model's seconds for k at this batch size
 (`cost_model.py`). Against flapping it keeps a choice for at least `dwell` steps and leaves it
 only for one expected to be `margin` faster; it decides every `dwell` steps (a decision's host
-time is paid once in that many). A draft length whose cost is unknown is
-tried (a CPU times nothing at start-up), and while it runs below num_steps it probes one step
-deeper now and then: position k + 1 is never judged at k, so its rate would otherwise stay
-whatever it last was. A probe that changes nothing doubles the wait for the next.
+time is paid once in that many). A draft length whose cost is unknown is tried (a CPU times
+nothing at start-up), and below num_steps it probes one step deeper now and then: position k + 1
+is never judged at k, so its rate would otherwise stay whatever it last was. A probe that changes
+nothing doubles the wait for the next.
 
-`FixedDraftSteps` is `speculative.adaptive: false`: num_steps every step, as before.
+`FixedDraftSteps` is `speculative.adaptive: false`: num_steps every step. `RelayedDraftSteps`
+runs what rank 0 of a tensor-parallel group chose.
 """
 
 from __future__ import annotations
@@ -59,15 +60,14 @@ class AdaptiveDraftSteps:
     probe_after: int = 32  # steps below num_steps before a step one draft deeper
     max_probe_after: int = 1024  # the wait for probes, doubled after each that changed nothing
     k: int = dataclasses.field(init=False)  # the current choice (probes aside)
-    _steps: int = 0  # steps at k
-    _last: int = -1  # the k of the last step
-    _since_probe: int = 0
-    _probe_wait: int = 0
-    _probed: bool = False  # the last step was a probe
 
     def __post_init__(self) -> None:
         self.k = self.num_steps
+        self._steps = 0  # steps at k
+        self._last = -1  # the k of the last step
+        self._since_probe = 0  # steps since the last probe (or change)
         self._probe_wait = self.probe_after
+        self._probed = False  # the last step was a probe
 
     @property
     def num_steps(self) -> int:
