@@ -271,6 +271,15 @@ def test_n_choices_equal_requests_of_their_own_seeds(app, tokenizer):
             out.choices[i].text
         )
     assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+    echoed = list(client.completions.create(n=2, seed=11, echo=True, logprobs=1, stream=True, **kw))
+    prompt_tokens = [tokenizer.decode([t]) for t in tokenizer.encode(PROMPT)]
+    for i in range(2):  # choice 1's chunks wait for the prompt's logprobs, which choice 0 brings
+        mine = [c.choices[0] for c in echoed if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == PROMPT + out.choices[i].text
+        tokens = [t for c in mine if c.logprobs for t in c.logprobs.tokens]
+        values = [v for c in mine if c.logprobs for v in c.logprobs.token_logprobs]
+        assert tokens[: len(prompt_tokens)] == prompt_tokens and len(tokens) == len(prompt_tokens) + 10
+        assert values[0] is None and all(v is not None for v in values[1:])
     many = client.completions.create(n=2, seed=11, **{**kw, "prompt": [PROMPT, "import os\n"]})
     assert [c.text for c in many.choices[:2]] == [c.text for c in out.choices[:2]] and len(many.choices) == 4
     chat = client.chat.completions.create(
