@@ -40,9 +40,11 @@ class AcceptanceModel:
         self.draft_judged, self.draft_accepted = np.zeros(k), np.zeros(k)
         self.judged, self.accepted = np.zeros((self.rows, k)), np.zeros((self.rows, k))
         self._positions = np.arange(k)
+        self._last: tuple[tuple[int, ...], np.ndarray] | None = None  # the last estimate, until a count changes
 
     def start(self, rows: list[int]) -> None:
         """New requests on these rows: their own counts start from nothing."""
+        self._last = None
         self.judged[rows] = 0.0
         self.accepted[rows] = 0.0
 
@@ -53,6 +55,7 @@ class AcceptanceModel:
         got = np.asarray(accepted)
         if not 0 <= k <= self.num_steps or len(got) != len(rows) or ((got < 0) | (got > k)).any():
             raise ValueError(f"acceptance: accepted counts {accepted} of {k} drafts (at most {self.num_steps})")
+        self._last = None
         judged = self._positions < np.minimum(got + 1, k)[:, None]  # [B, K]
         kept = self._positions < got[:, None]
         keep = np.where(judged, 1.0 - 1.0 / self.request_horizon, 1.0)  # what an old count keeps
@@ -75,6 +78,10 @@ class AcceptanceModel:
 
     def expected_tokens(self, rows: list[int]) -> np.ndarray:
         """`[num_steps + 1]`: tokens a round of k draft steps is expected to commit for the
-        requests on `rows`, for k = 0 (a plain decode step: one each) .. num_steps."""
-        reach = np.cumprod(self.rates(rows), axis=1).sum(axis=0)  # [K]: expected drafts kept at each position
-        return len(rows) + np.concatenate([[0.0], np.cumsum(reach)])
+        requests on `rows`, for k = 0 (a plain decode step: one each) .. num_steps. Between plain
+        decode steps nothing changes: the last estimate stands until a count does."""
+        key = tuple(rows)
+        if self._last is None or self._last[0] != key:
+            reach = np.cumprod(self.rates(rows), axis=1).sum(axis=0)  # [K]: expected drafts kept at each position
+            self._last = key, len(rows) + np.concatenate([[0.0], np.cumsum(reach)])
+        return self._last[1]

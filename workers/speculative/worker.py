@@ -63,8 +63,9 @@ from workers.speculative.stats import SpecStats
 
 # Plain decode steps a draft with KV of its own may fall behind before it catches up: bounds the
 # target hidden states kept for an EAGLE draft and the window an SWA draft pool keeps (admission
-# reserves it: `Scheduler.draft_lag`), and amortises one catch-up forward over that many steps.
-MAX_LAG = 32
+# reserves it: `Scheduler.draft_lag`), and amortises one catch-up forward (eager: it is ragged)
+# over that many plain steps.
+MAX_LAG = 64
 
 
 @dataclasses.dataclass
