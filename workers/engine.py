@@ -469,6 +469,8 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None or req.finished:
             return False
+        if self.spec is not None:  # its plain decode steps, counted before it ends
+            self.spec.settle(req)
         self.scheduler.finish(req, FinishReason.ABORT)
         return True
 

@@ -5,6 +5,7 @@ switches between 0 and k on a forced schedule: greedy output equals plain decodi
 algorithm on the shipped tiny models, eager and under emulated graph replay, and a draft that
 fell behind by plain decode steps catches up exactly."""
 
+import collections
 import itertools
 
 import numpy as np
@@ -256,14 +257,16 @@ def test_the_adaptive_engine_records_its_choices_and_stays_lossless(models):
     measure = ctrl.costs.observe
     ctrl.costs.observe = lambda batch_size, k, seconds: measure(batch_size, k, 1.0 + k)
     rids = [eng.add_request(p, sampling) for p in prompts]
-    steps = []
+    steps, plain_steps = [], collections.Counter()
     while eng.has_unfinished():
         eng.step()
         if eng.last_step.draft_steps is not None:
             steps.append(eng.last_step.draft_steps)
             assert bool(eng.last_step.accept_lengths) == (eng.last_step.draft_steps > 0)
+            plain_steps.update(eng.last_step.request_ids if eng.last_step.draft_steps == 0 else [])
     outs = [eng.output(r) for r in rids]
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.spec.plain_steps for o in outs] == [plain_steps[r] for r in rids]
     for o in outs:
         assert o.spec.plain_steps + o.spec.verify_steps <= len(steps)
         assert sum(o.spec.accepted_per_position) == sum(n - 1 for n in o.spec.accept_lengths)

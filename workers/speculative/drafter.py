@@ -60,7 +60,9 @@ class DraftState:
     next_token: int | torch.Tensor | None = None  # first draft token of the next round (0-d on the device: greedy)
     next_probs: torch.Tensor | None = None  # the distribution it was drawn from (None: greedy)
     next_hidden: torch.Tensor | None = None  # the draft hidden state the next step reads
-    behind: int = 0  # plain decode steps since the draft last proposed (next_token is stale when > 0)
+    # The worker's plain-step count when the draft last proposed (stale once it grew); None while
+    # the request is not decoding (before its prefill ends, after it ended and was counted).
+    synced: int | None = None
 
 
 class Drafter:

@@ -108,9 +108,12 @@ class SpecWorker:
         self.controller: DraftSteps = FixedDraftSteps(num_steps)
         self.max_lag = MAX_LAG
         self.catch_ups = 0  # catch-ups after plain decode steps (a step running one is not timed)
-        # Plain decode steps since the draft last caught up, with the target's hidden states the
-        # catch-up may read: (the step's requests, their positions, hidden states a row each).
-        self._plain: list[tuple[list[Request], list[int], torch.Tensor | None]] = []
+        # Plain decode steps run, and those since the draft last caught up with the target's hidden
+        # states its catch-up may read: (the step's requests, their hidden states, a row each). Every
+        # running request takes part in every decode step, so a request is as many plain steps
+        # behind as were counted since it last caught up (`DraftState.synced`): no per-request work.
+        self._plain_count = 0
+        self._plain: list[tuple[list[Request], torch.Tensor | None]] = []
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -126,6 +129,8 @@ class SpecWorker:
         first = [r.row for r, n in zip(sb.reqs, sb.q_lens) if r in live and r.kv_len == n + r.cached_tokens]
         self.acceptance.start(first)  # the first chunk of these requests: their acceptance counts start afresh
         self.drafter.catch_up(ForwardMode.EXTEND, live, rows)
+        for req in live:
+            req.spec.synced = self._plain_count
 
     def draft_steps(self, reqs: list[Request]) -> int:
         """How many draft steps a decode step of `reqs` runs (0: a plain decode step), as the
@@ -150,50 +155,56 @@ class SpecWorker:
     def after_plain(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
         """A plain decode step committed a token for each of `reqs` (`hidden`: the target's
         hidden states, a row each): the draft falls a token behind and keeps the rows its
-        catch-up reads; a draft with KV of its own catches up once `max_lag` behind (every
-        running request takes part in every decode step, so the step count says how far)."""
+        catch-up reads; a draft with KV of its own catches up once `max_lag` behind."""
+        self._plain_count += 1
         for req in reqs:
-            if not req.finished:
-                req.spec.behind += 1
-                req.spec.stats.plain_steps += 1
+            if req.finished:  # (in this step or before it): its plain steps are counted now
+                self.settle(req)
         kept = self.drafter.hidden_kept
-        self._plain.append((reqs, [r.kv_len - 1 for r in reqs], hidden if kept != 0 else None))
+        self._plain.append((reqs, hidden if kept != 0 else None))
         if kept:
             self._plain = self._plain[-kept:]
         if self.drafter.runner.pool is not None and len(self._plain) >= self.max_lag:
             self._resume([r for r in reqs if not r.finished])
 
+    def settle(self, req: Request) -> None:
+        """Count the plain steps a request took part in since it last caught up, as it catches up
+        or once it has ended (an engine aborting a request settles it first)."""
+        state = req.spec
+        if state.synced is None:
+            return
+        state.stats.plain_steps += self._plain_count - state.synced
+        state.synced = None if req.finished else self._plain_count
+
     def _resume(self, reqs: list[Request]) -> None:
         """Catch the draft up on the tokens plain decode steps committed since it last proposed
         (`Drafter.catch_up`, as after a prefill chunk), which proposes each request's next
         first draft."""
-        behind = [r for r in reqs if not r.finished and r.spec.behind]
+        behind = [r for r in reqs if not r.finished and r.spec.synced < self._plain_count]  # (all decoding)
         if behind:
             rows = self._plain_hidden(behind) if self.drafter.reads_hidden else {}
             self.drafter.catch_up(ForwardMode.EXTEND, behind, rows)
             for req in behind:
-                req.spec.behind = 0
+                self.settle(req)
             self.catch_ups += 1
         self._plain = []
 
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
-        """Each request's target hidden states from the plain steps since the draft last caught
-        up, from the first position its catch-up reads (`Drafter.hidden_from`): one gather."""
-        firsts = {id(r): self.drafter.hidden_from(r) for r in reqs}
-        picks: dict[int, list[int]] = {id(r): [] for r in reqs}
-        base = 0
-        for step, positions, hidden in self._plain:
-            for i, (req, position) in enumerate(zip(step, positions)):
-                if id(req) in picks and position >= firsts[id(req)]:
-                    picks[id(req)].append(base + i)
-            base += hidden.shape[0]
-        every = torch.cat([hidden for _, _, hidden in self._plain])
-        order = np.array([i for r in reqs for i in picks[id(r)]], dtype=np.int64)
-        rows = every.index_select(0, upload(order, every.device))
+        """Each request's target hidden states of positions [first, kv_len): from the first its
+        catch-up reads (`Drafter.hidden_from`), the rows of the last plain steps (one a step, each
+        a position further on); one gather."""
+        bases = np.cumsum([0] + [hidden.shape[0] for _, hidden in self._plain])
+        where = [{id(r): i for i, r in enumerate(step)} for step, _ in self._plain]  # row of each request
+        firsts, picks = [self.drafter.hidden_from(r) for r in reqs], []
+        for req, first in zip(reqs, firsts):
+            steps = range(len(self._plain) - (req.kv_len - first), len(self._plain))
+            picks += [bases[s] + where[s][id(req)] for s in steps]
+        every = torch.cat([hidden for _, hidden in self._plain])
+        rows = every.index_select(0, upload(np.asarray(picks, dtype=np.int64), every.device))
         out, start = {}, 0
-        for req in reqs:
-            n = len(picks[id(req)])
-            out[req.rid], start = (firsts[id(req)], rows[start : start + n]), start + n
+        for req, first in zip(reqs, firsts):
+            n = req.kv_len - first
+            out[req.rid], start = (first, rows[start : start + n]), start + n
         return out
 
     def decode_round(self, reqs: list[Request], k: int) -> list[tuple[Request, list[int]]]:
