@@ -86,6 +86,14 @@ class EngineArgs(BaseModel):
         "slot's bytes, so the same memory holds twice the tokens (max_total_tokens stays in tokens); on the CPU, "
         "and on Hopper through trtllm_mha (XQA, FMHA-v2, split-KV) or torch_native; refused by Blackwell's kernel set",
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="weights of the decoder layers' projections: fp8 quantises a checkpoint in another dtype to FP8 "
+        "(e4m3) as it loads, a scale per output channel (as vLLM's --quantization fp8), half a bfloat16 weight's bytes "
+        "(what a decode step at small batches reads); checkpoints whose config.json has an FP8 quantization_config "
+        "(a weight_scale per tensor, or weight_scale_inv per 128x128 block with weight_block_size) load as FP8 "
+        "whatever this says; the LM head, embeddings and drafts stay in dtype; null: as the checkpoint",
+    )
     attention_backend: str | None = Field(
         None,
         description="attention kernels: trtllm_mha (TensorRT-LLM kernels through flashinfer on CUDA, strict "

@@ -30,6 +30,7 @@ from workers.memory.allocator import cdiv
 from workers.memory.kv_write import resolve_kv_cache_dtype
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
+from workers.models.config import with_quantization
 from workers.models.decoder import RotaryTables
 from workers.overlap import InFlight, OverlapDecoder
 from workers.processors import TokenCounts
@@ -97,6 +98,7 @@ class Engine:
         device: str = "cpu",
         dtype: str = "auto",
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
         page_size: int = 16,
         attention_backend: str | None = None,
         max_total_tokens: int = 8192,
@@ -135,7 +137,7 @@ class Engine:
                 raise ValueError(f"{name}: must be >= {least}, got {value}")
         if not 0.0 < swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {swa_full_tokens_ratio}")
-        self.cfg = load_model_config(model)
+        self.cfg = with_quantization(load_model_config(model), quantization)
         self.context_length = resolve_context_length(self.cfg, context_length, max_total_tokens)
         self.tokenizer = load_tokenizer(model)
         spec = SpecConfig.from_dict(speculative) if speculative is not None else None
@@ -395,7 +397,6 @@ class Engine:
             )
             for i in range(1, n)
         ]
-
 
     def check_request(self, prompt: Sequence[int], sampling: SamplingParams, field: str = "prompt_token_ids") -> None:
         """Raise ValueError naming the field if this request could never run; changes nothing,

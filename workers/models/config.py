@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from workers.models.fp8 import Fp8Layout, checkpoint_layout, quantization_layout
 from workers.models.geometry import global_field, kv_layers, layer_geometry
 
 
@@ -83,7 +84,7 @@ class ArchSpec:
     text_prefix: str | None = None  # multimodal checkpoints: the text model's tensors sit under `model.<prefix>.`
     sinks: bool = False  # a learned sink logit per attention head (gpt-oss)
     moe: MoEStyle | None = None  # how the config states a mixture of experts, if the family has one
-    quantizations: tuple[str, ...] = ()  # checkpoint `quantization_config.quant_method`s it loads
+    quantizations: tuple[str, ...] = ("fp8",)  # checkpoint `quantization_config.quant_method`s it loads
 
     @property
     def norm_one_plus(self) -> bool:
@@ -157,6 +158,7 @@ class ModelConfig:
     double_wide_mlp: bool = False  # layers reading another layer's KV have MLPs twice as wide (Gemma 4)
     moe: MoEConfig | None = None  # every layer's mixture of experts, or None
     quantization: str | None = None  # the checkpoint's quant_method (mxfp4: experts dequantised at load)
+    fp8: Fp8Layout | None = None  # FP8 projections: the checkpoint's layout, or quantised at load (`with_quantization`)
 
     @property
     def layer_windows(self) -> dict[int, int | None]:
@@ -299,12 +301,20 @@ def _moe(hf: PretrainedConfig, arch: ArchSpec) -> MoEConfig | None:
     )
 
 
+def _quant_config(top: PretrainedConfig) -> dict[str, Any] | None:
+    """The checkpoint's `quantization_config` as a mapping (transformers may hold an object)."""
+    quant = getattr(top, "quantization_config", None)
+    if quant is None or isinstance(quant, dict):
+        return quant
+    return quant.to_dict()
+
+
 def _quantization(top: PretrainedConfig, arch: ArchSpec, name: str) -> str | None:
     """The checkpoint's `quantization_config.quant_method`, if the architecture loads it."""
-    quant = getattr(top, "quantization_config", None)
+    quant = _quant_config(top)
     if quant is None:
         return None
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = quant.get("quant_method")
     method = getattr(method, "value", method)  # transformers' enum
     if method not in arch.quantizations:
         raise ValueError(
@@ -312,6 +322,16 @@ def _quantization(top: PretrainedConfig, arch: ArchSpec, name: str) -> str | Non
             f"allowed: {list(arch.quantizations) or 'none (unquantised checkpoints)'}"
         )
     return method
+
+
+def with_quantization(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
+    """`cfg` with the engine option `quantization` applied: "fp8" serves the projections in FP8,
+    quantised at load from a checkpoint in another dtype (a checkpoint's own FP8 layout stays as
+    it is); None: as the checkpoint."""
+    if quantization is None:
+        return cfg
+    layout = quantization_layout(quantization)
+    return cfg if cfg.fp8 is not None else dataclasses.replace(cfg, fp8=layout)
 
 
 def model_config_from_hf(
@@ -342,6 +362,7 @@ def model_config_from_hf(
     sources = kv_layers(hf, layer_types)
     k_eq_v = bool(getattr(hf, "attention_k_eq_v", False))
     query_scale = getattr(hf, "query_pre_attn_scalar", None) if arch.gemma else None
+    quantization = _quantization(top, arch, name)
     per_layer = getattr(hf, "hidden_size_per_layer_input", None) or 0
     per_layer_vocab = getattr(hf, "vocab_size_per_layer_input", None) or 0
     if per_layer and per_layer_vocab < hf.vocab_size:
@@ -381,7 +402,8 @@ def model_config_from_hf(
         per_layer_vocab_size=per_layer_vocab if per_layer else 0,
         double_wide_mlp=bool(getattr(hf, "use_double_wide_mlp", False)),
         moe=_moe(hf, arch),
-        quantization=_quantization(top, arch, name),
+        quantization=quantization,
+        fp8=checkpoint_layout(_quant_config(top)) if quantization == "fp8" else None,
     )
 
 

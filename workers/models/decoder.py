@@ -17,6 +17,7 @@ from torch import nn
 from attention import AttentionLayer
 from workers.distributed import TPGroup
 from workers.forward_batch import ForwardBatch
+from workers.models import fp8
 from workers.models.config import ModelConfig
 from workers.models.layers import (
     ColumnParallelLinear,
@@ -391,12 +392,15 @@ def load_weights(
 ) -> None:
     """Copy checkpoint tensors into `module`'s parameters (fusing `stacked` ones); every
     parameter must be set. `rename` maps checkpoint name prefixes to parameter prefixes. KV
-    scales (`load_kv_scale`) go to their attention layers."""
+    scales (`load_kv_scale`) go to their attention layers; FP8 weights' scales, under either
+    name, to their projections (`workers/models/fp8.py`), which quantise what they are handed in
+    another dtype (those not held in FP8 take no FP8 tensor)."""
     params = dict(module.named_parameters())
     modules = dict(module.named_modules())
     missing = {
         (name, shard)
         for name, param in params.items()
+        if getattr(param, "required", True)
         for shard in (
             [s for fused, _, s in stacked if f".{fused}." in name and s in getattr(param, "shard_ids", (s,))] or [None]
         )
@@ -408,9 +412,14 @@ def load_weights(
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
-        if name.rpartition(".")[2] in KV_SCALES:
+        path, _, suffix = name.rpartition(".")
+        if suffix in KV_SCALES:
             load_kv_scale(modules, name, tensor, what)
             continue
+        if suffix in fp8.UNREAD:
+            continue
+        if suffix in fp8.SCALE_NAMES:
+            name = f"{path}.{fp8.SCALE}"
         target, shard = name, None
         for fused, part, shard_id in stacked:
             if f".{part}." in name and name not in params:  # a layer may keep it unfused (q_proj alone)
@@ -419,8 +428,13 @@ def load_weights(
         if target not in params:
             raise ValueError(f"weights: checkpoint tensor {name!r} has no parameter in {what}")
         param = params[target]
+        if tensor.dtype == fp8.FP8 and param.dtype != fp8.FP8:
+            raise ValueError(
+                f"weights: checkpoint tensor {name!r} is FP8; {what} holds {target!r} in {param.dtype} "
+                "(FP8 weights load into the decoder layers' projections)"
+            )
         try:
-            param.weight_loader(param, tensor.to(param.dtype), shard)
+            param.weight_loader(param, tensor if getattr(param, "quantizes", False) else tensor.to(param.dtype), shard)
         except ValueError as exc:
             raise ValueError(f"weights: checkpoint tensor {name!r} does not fit {what}: {exc}") from None
         missing.discard((target, shard))

@@ -51,6 +51,20 @@ ROW_TILES: tuple[tuple[int, int, Tile | None], ...] = (
     (0, 0, Tile(32, 128, 4, 5)),  # small projections
 )
 MAX_ROWS = 8
+
+# The same for FP8 weights (`fp8_gemv.py`: a byte an element, so a tile reads twice the columns of
+# the bf16 table's for the bytes), one row and 2 to MAX_ROWS rows. Block-scaled weights (128
+# columns a block) run one row with `cols` a multiple of the block's, more rows with `cols` the
+# block's (`fp8_tile_for`). Written without a GPU: to be tuned as the tables above were.
+FP8_TILES: tuple[tuple[int, int, Tile], ...] = (
+    (20480, 0, Tile(16, 512, 4, 4)),  # wide: gate/up
+    (2048, 6144, Tile(4, 1024, 8, 2)),  # long rows: down projections
+    (0, 0, Tile(8, 1024, 4, 4)),  # fused QKV, O projections
+)
+FP8_ROW_TILES: tuple[tuple[int, int, Tile], ...] = (
+    (8192, 0, Tile(64, 128, 4, 4)),  # gate/up, fused QKV
+    (0, 0, Tile(32, 128, 4, 4)),  # O and down projections
+)
 # weight elements one thread may hold when a program reads its whole row block before the PDL
 # wait; larger blocks stream after it
 PRELOAD_ELEMENTS = 64
@@ -96,3 +110,20 @@ def preload_width(tile: Tile, in_features: int) -> int:
     width = 1 << (in_features - 1).bit_length()
     fits = tile.splits == 1 and tile.rows * width <= PRELOAD_ELEMENTS * 32 * tile.warps
     return width if fits else 0
+
+
+@functools.cache
+def fp8_tile_for(out_features: int, in_features: int, rows: int, block: tuple[int, int] | None) -> Tile | None:
+    """The FP8 GEMV's tile for a weight of this shape and scale layout and `rows` input rows;
+    None where no tile fits the layout (a block's columns neither a power of two nor at most a
+    tile's): such products run as matrix products."""
+    table = FP8_TILES if rows == 1 else FP8_ROW_TILES
+    tile = next(t for n, k, t in table if out_features >= n and in_features >= k)
+    if block is None:
+        return tile
+    cols = block[1]
+    if cols & (cols - 1) or cols < 16:
+        return None
+    if rows == 1:
+        return tile if tile.cols % cols == 0 else dataclasses.replace(tile, cols=cols)
+    return dataclasses.replace(tile, cols=cols) if cols <= 256 else None

@@ -14,7 +14,8 @@ from torch import nn
 
 from workers.distributed import TPGroup
 from workers.memory.allocator import cdiv
-from workers.models.ops import ops_for
+from workers.models import fp8
+from workers.models.ops import embed_rows, ops_for
 
 
 def weight_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
@@ -84,7 +85,42 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.tp.all_gather(local, dim=-1)[:, : self.vocab_size]
 
 
-class ColumnParallelLinear(nn.Module):
+class Projection(nn.Module):
+    """What column- and row-parallel projections share: a weight in the model's dtype, or in FP8
+    with its scales when the model is built with FP8 projections (`workers/models/fp8.py`,
+    docs/design.md §4.9), and the product that reads it."""
+
+    tp: TPGroup
+    weight_scale: torch.Tensor | None
+    _load: Callable[..., None]  # a checkpoint tensor's slice of this rank, as `weight_param` loaders
+    _load_scale: Callable[..., None]  # the same for its FP8 scale
+
+    def _weight(self, shape: tuple[int, int], scale_shape: Callable[[fp8.Fp8Layout], tuple[int, ...]]) -> None:
+        """`weight` (and, for FP8, `weight_scale` of `scale_shape(layout)`), loaded by `_load`
+        (and `_load_scale`)."""
+        self.layout = fp8.layout_in_build()
+        if self.layout is None:
+            self.weight = weight_param(shape, self._load)
+            self.weight_scale = None
+            return
+        self.weight = fp8.weight_param(shape, self._load_fp8)
+        self.weight_scale = fp8.scale_param(scale_shape(self.layout), self._load_scale, self.layout.from_checkpoint)
+
+    def _load_fp8(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        """A checkpoint's FP8 weight as it is; any other quantised whole first (the same scales
+        on every rank), on this device."""
+        if loaded.dtype != fp8.FP8:
+            loaded, scale = fp8.quantize(loaded.to(param.device), self.layout.block)
+            self._load_scale(self.weight_scale, scale, shard_id)
+        self._load(param, loaded, shard_id)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale is None:
+            return ops_for(x).linear(x, self.weight, bias)
+        return ops_for(x).fp8_linear(x, self.weight, self.weight_scale, self.layout.block, bias)
+
+
+class ColumnParallelLinear(Projection):
     """`y = x W^T + b` with W's output rows split over ranks; output stays sharded.
 
     `output_sizes` lists the checkpoint tensors stacked into this one (each split over ranks
@@ -94,11 +130,13 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
+        self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.local_sizes = [self._local_size(i, size) for i, size in enumerate(output_sizes)]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
         out = sum(self.local_sizes)
-        self.weight = weight_param((out, input_size), self._load)
+        split = len(self.local_sizes) > 1 or tp.size > 1
+        self._weight((out, input_size), lambda f: fp8.scale_shape(self.local_sizes, input_size, f.block, split))
         self.bias = weight_param((out,), self._load) if bias else None
 
     def _local_size(self, shard: int, size: int) -> int:
@@ -106,30 +144,47 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"output size {size} is not divisible by tp_size {self.tp.size}")
         return size // self.tp.size
 
-    def _rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
-        n = self.local_sizes[shard_id]
-        return loaded.narrow(0, self.tp.rank * n, n)
+    def _row_start(self, shard_id: int) -> int:
+        """The first row of this rank's slice of checkpoint tensor `shard_id`."""
+        return self.tp.rank * self.local_sizes[shard_id]
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         idx = self._shard_index(shard_id)
         check_shape(loaded, (self.output_sizes[idx], *param.shape[1:]))
-        param.data.narrow(0, self.offsets[idx], self.local_sizes[idx]).copy_(self._rows(idx, loaded))
+        rows = loaded.narrow(0, self._row_start(idx), self.local_sizes[idx])
+        param.data.narrow(0, self.offsets[idx], self.local_sizes[idx]).copy_(rows)
+
+    def _load_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        """The scale rows of this rank's rows (a block's row covers `block[0]` weight rows)."""
+        idx = self._shard_index(shard_id)
+        scale = fp8.checkpoint_scale(loaded, self.output_sizes[idx], self.input_size, self.layout.block)
+        per = self.layout.block[0] if self.layout.block else 1
+        n = cdiv(self.local_sizes[idx], per)
+        param.data.narrow(0, self.offsets[idx] // per, n).copy_(scale.narrow(0, self._row_start(idx) // per, n))
 
     def _shard_index(self, shard_id: int | str | None) -> int:
         return 0 if shard_id is None else int(shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops_for(x).linear(x, self.weight, self.bias)
+        return self._product(x, self.bias)
 
     def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
         """`act(gate) * up` of a merged [gate, up] projection, fused where the device can."""
+        if self.weight_scale is not None:
+            return ops_for(x).fp8_linear_act_and_mul(
+                x, self.weight, self.weight_scale, self.layout.block, self.bias, act
+            )
         return ops_for(x).linear_act_and_mul(x, self.weight, self.bias, act)
 
     def after_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, before: RMSNorm | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This projection of `norm.add(x, residual, before)`'s output, and the residual stream,
-        fused where the device can (the norm inside the projection's kernel)."""
+        fused where the device can (the norm inside the projection's kernel; FP8 weights: the
+        norm, then the projection)."""
+        if self.weight_scale is not None:
+            normed, residual = norm.add(x, residual, before)
+            return self(normed), residual
         w_before = None if before is None else before.weight
         ops = ops_for(x)
         return ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, norm.gemma, w_before, self.weight, self.bias)
@@ -138,7 +193,11 @@ class ColumnParallelLinear(nn.Module):
         self, ids: torch.Tensor, table: torch.Tensor, scale: float, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This projection of `norm` over the ids' embedding rows times `scale`, and those rows
-        (the residual stream's start), fused where the device can (one kernel from the ids)."""
+        (the residual stream's start), fused where the device can (one kernel from the ids;
+        FP8 weights: the rows, the norm, then the projection)."""
+        if self.weight_scale is not None:
+            rows = embed_rows(ids, table, scale)
+            return self(norm(rows)), rows
         ops = ops_for(table)
         return ops.embed_rms_norm_linear(ids, table, scale, norm.weight, norm.eps, norm.gemma, self.weight, self.bias)
 
@@ -165,7 +224,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self._kv_head_start = tp.rank * num_kv_heads // tp.size if replicated else tp.rank * self.num_kv_heads
         sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * (len(shards) - 1)
         super().__init__(hidden_size, sizes, bias, tp)
-        for p in (self.weight, self.bias):
+        for p in (self.weight, self.bias, self.weight_scale):
             if p is not None:
                 p.shard_ids = shards  # type: ignore[attr-defined]  # what a checkpoint must provide
 
@@ -186,10 +245,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _shard_index(self, shard_id: int | str | None) -> int:
         return self.shards.index(shard_id)
 
-    def _rows(self, shard_id: int, loaded: torch.Tensor) -> torch.Tensor:
-        if shard_id == 0:
-            return super()._rows(0, loaded)
-        return loaded.narrow(0, self._kv_head_start * self.head_dim, self.local_sizes[shard_id])
+    def _row_start(self, shard_id: int) -> int:
+        return super()._row_start(0) if shard_id == 0 else self._kv_head_start * self.head_dim
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, v) views; without a V projection, v is k's view."""
@@ -197,7 +254,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return parts if len(parts) == 3 else (*parts, parts[1])
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Projection):
     """`y = x W^T + b` with W's input columns split over ranks; partial sums are all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
@@ -205,16 +262,34 @@ class RowParallelLinear(nn.Module):
         if input_size % tp.size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp.size}")
         self.tp = tp
+        self.output_size = output_size
         self.local_in = input_size // tp.size
-        self.weight = weight_param((output_size, self.local_in), self._load)
+        self._weight((output_size, self.local_in), self._scale_shape)
         self.bias = weight_param((output_size,), default_weight_loader) if bias else None
+
+    def _scale_shape(self, layout: fp8.Fp8Layout) -> tuple[int, ...]:
+        block = layout.block
+        if block is not None and self.tp.size > 1 and self.local_in % block[1]:
+            raise ValueError(
+                f"config.json: quantization_config.weight_block_size {list(block)}: {self.local_in} input columns "
+                f"a rank are not whole blocks of {block[1]} (split projections are split by blocks)"
+            )
+        return fp8.scale_shape([self.output_size], self.local_in, block, split=False)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         check_shape(loaded, (param.shape[0], self.local_in * self.tp.size))
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
+    def _load_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """Every row's scales; per block, the columns of this rank's blocks."""
+        block = self.layout.block
+        scale = fp8.checkpoint_scale(loaded, self.output_size, self.local_in * self.tp.size, block)
+        if block is not None:
+            scale = scale.narrow(1, self.tp.rank * self.local_in // block[1], param.shape[1])
+        param.data.copy_(scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(ops_for(x).linear(x, self.weight, None))
+        out = self.tp.all_reduce(self._product(x, None))
         return out + self.bias if self.bias is not None else out
 
 

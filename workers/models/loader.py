@@ -4,7 +4,6 @@ random values of the configured shapes (`load_format="dummy"`, for benchmarks)."
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import json
 import logging
@@ -16,8 +15,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from workers.distributed import SINGLE_RANK, TPGroup
+from workers.models import fp8
 from workers.models.config import ModelConfig
-from workers.models.decoder import CausalLM
+from workers.models.decoder import STACKED_PARAMS, CausalLM
 from workers.models.gemma4 import Gemma4CausalLM
 from workers.models.gpt_oss import GptOssCausalLM
 from workers.models.layers import RMSNorm
@@ -78,18 +78,24 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
 def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
     """Normal(0, std) matrices (a `weight`, or any parameter of two or more dimensions: stacked
     experts), zero biases, norms and scalars (`identity`) at their identity; drawn on the
-    parameters' device (a GPU fills an 8B model in a moment)."""
+    parameters' device (a GPU fills an 8B model in a moment). FP8 projections hold such values
+    quantised as a checkpoint's are, with the scales that gives."""
     gens: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.reset_parameters()
             continue
+        quantized = getattr(module, fp8.SCALE, None) is not None
         for name, param in module.named_parameters(recurse=False):
-            if name != "weight" and param.dim() < 2:
-                param.data.fill_(getattr(param, "identity", 0.0))
-                continue
             gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-            param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device) * std)
+            if quantized and name in ("weight", fp8.SCALE):
+                if name == "weight":
+                    values = torch.randn(param.shape, generator=gen, device=param.device) * std
+                    fp8.fill(param, module.weight_scale, module.layout.block, values)
+            elif name != "weight" and param.dim() < 2:
+                param.data.fill_(getattr(param, "identity", 0.0))
+            else:
+                param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device) * std)
 
 
 def build_model(
@@ -101,8 +107,32 @@ def build_model(
     tp: TPGroup = SINGLE_RANK,
     seed: int = 0,
 ) -> CausalLM:
-    make = functools.partial(MODELS[cfg.arch.model], cfg, tp)
+
+    def make() -> CausalLM:
+        with fp8.building(cfg.fp8):
+            model = MODELS[cfg.arch.model](cfg, tp)
+        if cfg.fp8 is not None:
+            check_unquantized(model, cfg.fp8.skip)
+        return model
+
     return build_module(make, cfg.architecture, model_dir, load_format, dtype, device, seed, cfg.initializer_range)
+
+
+def check_unquantized(model: nn.Module, skip: tuple[str, ...]) -> None:
+    """A checkpoint may leave modules unquantised (`modules_to_not_convert`, `ignored_layers`)
+    where slidespec keeps the model's dtype anyway (the LM head, embeddings, routers); one of the
+    FP8 projections is refused, naming it."""
+    for name, module in model.named_modules():
+        if getattr(module, fp8.SCALE, None) is None:
+            continue
+        names = [name] + [name[: -len(fused)] + part for fused, part, _ in STACKED_PARAMS if name.endswith(fused)]
+        for entry in skip:
+            if any(n == entry or n.endswith("." + entry) or n.startswith(entry + ".") for n in names):
+                raise ValueError(
+                    f"config.json: quantization_config.modules_to_not_convert names {entry!r}, a projection slidespec "
+                    "holds in FP8 with the others; allowed: modules it keeps in the model's dtype (lm_head, "
+                    "embeddings, routers)"
+                )
 
 
 def build_module(

@@ -12,6 +12,8 @@
 | add + RMSNorm + QKV projection | the above, in turn | one row, small QKV: one Triton GEMV (norms inside) |
 | embedding, scale, RMSNorm, QKV projection (layer 0) | the above, in turn | one token: the same GEMV, from the id |
 | float32 (soft-capped) logits + argmax | torch | Triton (`logits_argmax.py`) |
+| FP8 projection (§4.9) | dequantised, float32 `F.linear` | 1-8 rows: FP8 GEMV (`fp8_gemv.py`); more: W8A8 |
+| FP8 gate/up projection + activation | the above, then the activation | 1-8 rows: the FP8 GEMV, fused |
 
 The torch set is the reference the CUDA set is tested against (bf16 noise), and the one that
 runs whenever autograd is on (training reuses the serving model code). A layer's new K and V
@@ -34,8 +36,10 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from workers.memory.kv_write import write_kv_torch
+from workers.models.fp8 import dequantize
 
 Tensor = torch.Tensor
+Block = tuple[int, int] | None  # an FP8 weight's scale layout: (rows, cols) of a block, None: per output channel
 QKNorms = tuple[Tensor, Tensor | None, float, bool]
 # (paged cache [pages, 2, Hk, page, D], write slots [T], v [T, Hk * D], (K scale, V scale) of an FP8 cache)
 KVDest = tuple[Tensor, Tensor, Tensor, tuple[float, float]]
@@ -74,6 +78,11 @@ class OpSet:
     # (LM-head output [n, V], soft cap or None, out float32 [n, V], tokens int64 [n]) -> None:
     # float_logits(raw, cap) into out and each row's argmax into tokens (a greedy step's tail)
     logits_argmax: Callable[[Tensor, float | None, Tensor, Tensor], None]
+    # (x, FP8 weight [out, in], float32 scales, their layout, bias or None) -> x W^T + b, W the
+    # weights the FP8 values times their scales stand for (`workers/models/fp8.py`)
+    fp8_linear: Callable[[Tensor, Tensor, Tensor, Block, Tensor | None], Tensor]
+    # (x, merged FP8 gate/up weight, scales, layout, bias or None, activation name) -> act(gate) * up
+    fp8_linear_act_and_mul: Callable[[Tensor, Tensor, Tensor, Block, Tensor | None, str], Tensor]
 
 
 # -- torch: the reference ---------------------------------------------------------------------------
@@ -185,6 +194,19 @@ def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str
     return _act_and_mul(F.linear(x, weight, bias), act)
 
 
+def _fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None) -> Tensor:
+    """The oracle of every FP8 path: the weights dequantised to float32 and the product in
+    float32, cast to x's dtype."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), dequantize(weight, scale, block), b).to(x.dtype)
+
+
+def _fp8_linear_act_and_mul(
+    x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None, act: str
+) -> Tensor:
+    return _act_and_mul(_fp8_linear(x, weight, scale, block, bias), act)
+
+
 TORCH_OPS = OpSet(
     "torch",
     _rms_norm,
@@ -196,6 +218,8 @@ TORCH_OPS = OpSet(
     _add_rms_norm_linear,
     _embed_norm_linear(_rms_norm, F.linear),
     _logits_argmax,
+    _fp8_linear,
+    _fp8_linear_act_and_mul,
 )
 
 
@@ -253,8 +277,8 @@ def _fi_act_and_mul(x: Tensor, act: str) -> Tensor:
 
 @functools.cache
 def _triton(name: str):
-    """A module of Triton kernels (`gemv`, `rope`, `sandwich_norm`); Triton ships with CUDA
-    builds of torch only."""
+    """A module of Triton kernels (`gemv`, `fp8_gemv`, `fp8_matmul`, `rope`, `sandwich_norm`);
+    Triton ships with CUDA builds of torch only."""
     return importlib.import_module(f"workers.models.{name}")
 
 
@@ -288,6 +312,22 @@ def _cuda_add_rms_norm_linear(
     return _cuda_linear(normed, weight, bias), residual
 
 
+def _cuda_fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None) -> Tensor:
+    gemv = _triton("fp8_gemv")
+    if GEMV_ENABLED and gemv.applies(x, weight, block):
+        return gemv.gemv(x, weight, scale, block, bias)
+    return _triton("fp8_matmul").linear(x, weight, scale, block, bias)
+
+
+def _cuda_fp8_linear_act_and_mul(
+    x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None, act: str
+) -> Tensor:
+    gemv = _triton("fp8_gemv")
+    if GEMV_ENABLED and bias is None and act in gemv.ACTIVATIONS and gemv.applies(x, weight, block):
+        return gemv.gemv_act_and_mul(x, weight, scale, block, act)
+    return _fi_act_and_mul(_cuda_fp8_linear(x, weight, scale, block, bias), act)
+
+
 _cuda_embed_composed = _embed_norm_linear(_fi_rms_norm, _cuda_linear)
 
 
@@ -318,6 +358,8 @@ FLASHINFER_OPS = OpSet(
     _cuda_add_rms_norm_linear,
     _cuda_embed_rms_norm_linear,
     lambda raw, cap, out, tokens: _triton("logits_argmax").logits_argmax(raw, cap, out, tokens),
+    _cuda_fp8_linear,
+    _cuda_fp8_linear_act_and_mul,
 )
 
 OP_SETS = {"cpu": TORCH_OPS, "cuda": FLASHINFER_OPS}

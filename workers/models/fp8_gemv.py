@@ -1,0 +1,287 @@
+"""Few-row projections of FP8 weights on CUDA: the one-row GEMV family (`gemv.py`) reading e4m3
+weights directly (docs/design.md §4.9).
+
+At batch 1 to 8 a decode step's products are weight reads; FP8 weights halve their bytes only if
+the kernel reads them as they are stored, so these kernels load FP8 tiles, widen them in
+registers and multiply with the bf16 (or fp16) activations, accumulating in float32; nothing
+quantises the activations. Scales apply as the layout says: a row's scale once on its sum (per
+output channel), or each 128-column block's partial sum times its block's scale (per block: a
+one-row tile spans whole blocks, its products summed block by block; a 2-to-8-row tile is one
+block wide, each `tl.dot` scaled). The merged gate/up projection's variant computes both halves
+and writes `act(gate) * up`. Tiles by weight shape and layout are data (`gemv_tiles.fp8_tile_for`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.kernels.launch import pdl_options, pdl_start
+from workers.models.fp8 import FP8
+from workers.models.gemv import ACTIVATIONS, DOT_ROWS, _act, _store, _tile
+from workers.models.gemv_tiles import MAX_ROWS, Tile, fp8_tile_for
+
+__all__ = ["ACTIVATIONS", "applies", "gemv", "gemv_act_and_mul"]
+
+
+@triton.jit
+def _row_sums(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    rows,
+    row_ok,
+    K,
+    s_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,  # scale blocks a K tile spans (per block)
+    SCALE_N: tl.constexpr,  # 0: a scale per output channel; else the rows a block's scale covers
+    SCALE_K: tl.constexpr,  # the columns a block's scale covers (BLOCK_K == GROUPS * SCALE_K)
+    EVEN_K: tl.constexpr,
+):
+    """W[rows] . x for one row of x, float32, the weights' scales applied."""
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    if SCALE_N == 0:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+        y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    else:
+        groups = tl.arange(0, GROUPS)
+        s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
+        k_blocks = tl.cdiv(K, SCALE_K)
+        block_acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            products = _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+            sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, SCALE_K)), axis=2)
+            first = k0 // SCALE_K
+            in_k = (first + groups) < k_blocks
+            block_acc += sums * tl.load(s_ptrs + first, mask=row_ok[:, None] & in_k[None, :], other=0.0)
+        y = tl.sum(block_acc, axis=1)
+    return y
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    s_stride,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,  # -1: a plain projection; else gate rows [0, N) and up rows [N, 2N) -> act(gate) * up
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    y = _row_sums(x_ptr, w_ptr, s_ptr, rows, row_ok, K, s_stride, BLOCK_N, BLOCK_K, GROUPS, SCALE_N, SCALE_K, EVEN_K)
+    if ACT >= 0:
+        up = _row_sums(
+            x_ptr, w_ptr, s_ptr, rows + N, row_ok, K, s_stride, BLOCK_N, BLOCK_K, GROUPS, SCALE_N, SCALE_K, EVEN_K
+        )
+        y = _act(y, ACT) * up
+    _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+
+
+@triton.jit
+def _dot_sums(
+    x_ptr,
+    stride_xm,
+    w_ptr,
+    s_ptr,
+    ms,
+    m_ok,
+    rows,
+    row_ok,
+    K,
+    s_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # per block: the columns a block's scale covers
+    SCALE_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """x[ms] . W[rows]^T, float32 `[BLOCK_M, BLOCK_N]`, the weights widened to x's dtype for
+    `tl.dot` (exact: every e4m3 value is a bf16 and an fp16 value) and their scales applied."""
+    cols = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + ms[:, None] * stride_xm + cols[None, :]
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            in_k = (k0 + cols) < K
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
+        part = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if SCALE_N == 0:
+            acc += part
+        else:  # one block of columns: its rows' scales
+            s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64) * s_stride + k0 // BLOCK_K
+            acc += part * tl.load(s_ptrs, mask=row_ok, other=0.0)[None, :]
+    if SCALE_N == 0:
+        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    return acc
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    s_stride,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """y[m, j] for every row m < M of x (padded to BLOCK_M) and the program's output features:
+    each weight tile read once for all rows."""
+    pdl_start(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    acc = _dot_sums(
+        x_ptr, stride_xm, w_ptr, s_ptr, ms, m_ok, rows, row_ok, K, s_stride, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_N, EVEN_K
+    )
+    if ACT >= 0:
+        up = _dot_sums(
+            x_ptr,
+            stride_xm,
+            w_ptr,
+            s_ptr,
+            ms,
+            m_ok,
+            rows + N,
+            row_ok,
+            K,
+            s_stride,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            SCALE_N,
+            EVEN_K,
+        )
+        acc = _act(acc, ACT) * up
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + ms[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & row_ok[None, :]
+    )
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """One to MAX_ROWS rows of unit stride along K in half precision against a contiguous FP8
+    weight, of a shape and layout the tables give a tile."""
+    return (
+        x.is_cuda
+        and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
+        and x.shape[-1] == weight.shape[1]
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == FP8
+        and weight.is_contiguous()
+        and x.stride(-1) == 1
+        and fp8_tile_for(weight.shape[0], weight.shape[1], x.numel() // x.shape[-1], block) is not None
+    )
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None,
+    act: str | None,
+    tile: Tile | None,
+) -> torch.Tensor:
+    k = weight.shape[1]
+    n = weight.shape[0] // 2 if act else weight.shape[0]
+    m = x.numel() // k
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    t = tile or fp8_tile_for(weight.shape[0], k, m, block)
+    scale_n, scale_k = block or (0, t.cols)
+    common = dict(
+        HAS_BIAS=bias is not None,
+        ACT=ACTIVATIONS[act] if act else -1,
+        BLOCK_N=t.rows,
+        BLOCK_K=t.cols,
+        SCALE_N=scale_n,
+        EVEN_K=k % t.cols == 0,
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )
+    s_stride = scale.stride(0) if block else 0
+    grid = (triton.cdiv(n, t.rows),)
+    b = bias if bias is not None else scale
+    if m > 1:
+        x2 = x.reshape(m, k)
+        _fp8_rows_kernel[grid](
+            x2, weight, scale, b, y, m, n, k, x2.stride(0), s_stride, BLOCK_M=DOT_ROWS, **common, **pdl_options(grid[0])
+        )
+    else:
+        _fp8_gemv_kernel[grid](
+            x,
+            weight,
+            scale,
+            b,
+            y,
+            n,
+            k,
+            s_stride,
+            GROUPS=t.cols // scale_k if block else 1,
+            SCALE_K=scale_k,
+            **common,
+            **pdl_options(grid[0]),
+        )
+    return y
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """`x @ W.T + bias` for one to MAX_ROWS rows (`applies`), W the FP8 weight times its scales,
+    shaped like F.linear's; `tile` overrides the table's."""
+    return _launch(x, weight, scale, block, bias, None, tile)
+
+
+def gemv_act_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    act: str,
+    tile: Tile | None = None,
+) -> torch.Tensor:
+    """`act(gate) * up` from a merged FP8 `[gate; up]` weight (`act` in ACTIVATIONS), as `gemv`."""
+    return _launch(x, weight, scale, block, None, act, tile)
