@@ -125,3 +125,44 @@ def test_moe_shapes_have_the_published_experts(tmp_path, shape, experts, top_k):
     assert (cfg.moe.num_experts, cfg.moe.top_k) == (experts, top_k)
     windows = {layer.sliding_window for layer in cfg.layers}
     assert windows == ({1024, None} if shape.startswith("gemma4") else {128, None})
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "fp8-block", "kv8", "fp8+kv8"])
+def test_variants_count_the_bytes_as_stored(tmp_path, variant):
+    """FP8 projections read a byte a weight and four a scale (a scale a row, or a 128 x 128
+    block); an FP8 KV entry a byte; the rest (norms, the LM head) as the model's dtype. Counted
+    from the config's sizes."""
+    from ops.bench.decode_throughput import VARIANTS, case_name
+
+    h, inter, heads, kv_heads, d, layers, vocab = 256, 512, 2, 1, 128, 2, 512
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=h,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    options, fields = VARIANTS[variant]
+    (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
+    engine = Engine(model=str(tmp_path), load_format="dummy", dtype="float32", max_total_tokens=256, **options)
+    shapes = [((heads + 2 * kv_heads) * d, h), (h, heads * d), (2 * inter, h), (h, inter)]  # qkv, o, gate/up, down
+    weights = layers * sum(n * k for n, k in shapes)
+    fp8 = "quantization" in options or "quantization_config" in fields
+    scales = {"fp8-block": sum((n // 128) * (k // 128) for n, k in shapes)}.get(variant, sum(n for n, _ in shapes))
+    rest = layers * 2 * h + h + vocab * h  # norms, the final norm, the LM head
+    expected = (weights + layers * scales * FLOAT32 + rest * FLOAT32) if fp8 else (weights + rest) * FLOAT32
+    assert weight_bytes(engine) == expected
+    kv_entry = 1 if options.get("kv_cache_dtype") == "fp8_e4m3" else FLOAT32
+    assert kv_bytes_per_token(engine) == layers * 2 * kv_heads * d * kv_entry
+    assert (
+        case_name("llama3-8b", variant, 4096)
+        == ("llama3-8b" if variant == "bf16" else f"llama3-8b+{variant}") + "@4096"
+    )

@@ -1,6 +1,7 @@
 """Decode throughput on one GPU against the hardware limits and HF transformers, in one process.
 
     python -m ops.bench.decode_throughput --out results.json [--parts ceilings,decode,hf,prefill,spec,tiny]
+        [--variants bf16,fp8,kv8] [--prompt 4096] [--batches 1,8,64]
 
 1. Ceilings measured here: device-to-device copy bandwidth (bytes read + written) and the bf16
    matrix-product rate (8192^3, random data), each the median of timed repeats.
@@ -11,7 +12,12 @@
    bandwidth / (weights read whole + the KV the step reads): a token reads one row of an
    embedding table, Gemma 4's per-layer table too, so those count only where the table is also
    the LM head; a mixture of experts' experts count as the share a batch's tokens choose, at
-   uniform routing) and HF `generate`.
+   uniform routing) and HF `generate`. `--variants` runs each shape with FP8 weights (`fp8`: dummy
+   weights quantised with a scale per output channel, as `quantization: fp8`; `fp8-block`: 128 x
+   128 blocks, as Qwen3-FP8 ships), an FP8 KV cache (`kv8`) or both (`fp8+kv8`) beside bf16
+   (`bf16`); the roofline counts the bytes as stored (a byte an FP8 weight or KV entry), and each
+   variant reports the KV tokens `--mem-fraction` of the GPU's memory holds beside its weights.
+   `--prompt` sets the contexts (4096: the KV a step reads weighs against the weights).
 3. Prefill: 8 x 2,048-token prompts on the 8B shape, model FLOPs over the matmul rate.
 4. Speculation at batch 1: on the 8B shape an EAGLE round and a frozen-KV MTP round (4 steps),
    on the Gemma-4-31B shape (`--spec-shape gemma4-31b`) a round of its assistant's shape, each
@@ -49,6 +55,17 @@ logger = logging.getLogger(__name__)
 
 PROMPT, NEW = 128, 128
 BATCHES = (1, 8, 64)
+MEM_FRACTION = 0.9  # of the GPU's memory, weights and KV together, for the KV capacity figures
+# How a shape stores its weights and KV: variant -> (engine options, config.json fields); FP8
+# weights are dummy values quantised as a checkpoint's are, so their scales are realistic.
+FP8_BLOCKS = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+VARIANTS: dict[str, tuple[dict, dict]] = {
+    "bf16": ({}, {}),
+    "fp8": ({"quantization": "fp8"}, {}),
+    "fp8-block": ({}, {"quantization_config": FP8_BLOCKS}),
+    "kv8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
+    "fp8+kv8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
+}
 GEMMA4_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
@@ -407,10 +424,11 @@ def random_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[l
     return torch.randint(1, vocab, (batch, length), generator=g).tolist()
 
 
-def engine_for(path: str, graphs: bool, max_batch: int = 64, **kw) -> Engine:
-    """An engine of a dummy-weight shape. Engines hold reference cycles: their device memory
-    comes back only after a collection, so one runs first (callers drop the engine they freed
-    before asking for the next one)."""
+def engine_for(path: str, graphs: bool, max_batch: int = 64, prompt: int = PROMPT, **kw) -> Engine:
+    """An engine of a dummy-weight shape, its pools sized for `max_batch` requests of `prompt`
+    tokens and NEW more. Engines hold reference cycles: their device memory comes back only after
+    a collection, so one runs first (callers drop the engine they freed before asking for the
+    next one)."""
     gc.collect()
     torch.cuda.empty_cache()
     return Engine(
@@ -420,7 +438,7 @@ def engine_for(path: str, graphs: bool, max_batch: int = 64, **kw) -> Engine:
         load_format="dummy",
         page_size=16,
         swa_full_tokens_ratio=1.0,  # windows here are wider than the requests: SWA holds what full holds
-        max_total_tokens=max_batch * (PROMPT + NEW + 64),
+        max_total_tokens=max_batch * (prompt + NEW + 64),
         max_running_requests=max_batch,
         chunked_prefill_size=8192,
         cuda_graphs=graphs,
@@ -435,32 +453,71 @@ def free(engine: Engine | None) -> None:
     torch.cuda.empty_cache()
 
 
+def kv_capacity(engine: Engine, mem_fraction: float) -> int:
+    """KV tokens `mem_fraction` of this GPU's memory holds beside the engine's weights (every
+    parameter, as stored): what a pool sized by memory would hold, in this engine's KV format."""
+    total = torch.cuda.get_device_properties(engine.device).total_memory
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    return max(0, int(mem_fraction * total - weights) // kv_bytes_per_token(engine))
+
+
+def case_name(shape: str, variant: str, prompt: int) -> str:
+    """A decode case's name: the shape, its variant past bf16, its prompt length past PROMPT."""
+    return shape + ("" if variant == "bf16" else f"+{variant}") + ("" if prompt == PROMPT else f"@{prompt}")
+
+
 # -- parts -----------------------------------------------------------------------------------------------
-def decode_part(root: str, limits: dict, shapes: list[str], modes: list[str]) -> dict:
+def decode_part(
+    root: str,
+    limits: dict,
+    shapes: list[str],
+    modes: list[str],
+    variants: list[str] = ("bf16",),
+    prompt: int = PROMPT,
+    batches: tuple[int, ...] = BATCHES,
+    mem_fraction: float = MEM_FRACTION,
+) -> dict:
+    """Decode steps of every shape in every variant (`VARIANTS`) at each batch, `prompt` tokens a
+    request; per variant its KV capacity at `mem_fraction` (and against bf16's when both ran)."""
     out = {}
     for name in shapes:
-        path = write_config(root, name, SHAPES[name])
-        for graphs in [mode == "graphs" for mode in modes]:
-            engine = engine_for(path, graphs)
-            wb, kvb = weight_bytes(engine), kv_bytes_per_token(engine)
-            run_batch(engine, random_prompts(engine.cfg.vocab_size, 1, 16), 4)  # warm-up, as the other parts
-            for batch in BATCHES:
-                r = run_batch(engine, random_prompts(engine.cfg.vocab_size, batch, PROMPT), NEW)
-                read = weight_bytes(engine, batch) + batch * kvb * (PROMPT + NEW // 2)
-                r["roofline_tok_per_s"] = batch * limits["copy_bytes_per_s"] / read
-                r["of_roofline"] = r["tok_per_s"] / r["roofline_tok_per_s"]
-                out[f"{name}/b{batch}/{'graphs' if graphs else 'eager'}"] = r
-                logger.info(
-                    "%s batch %d graphs %s: %.1f tok/s (%.0f%% of roofline)",
-                    name,
-                    batch,
-                    graphs,
-                    r["tok_per_s"],
-                    100 * r["of_roofline"],
-                )
-            out[f"{name}/weight_bytes"] = wb
-            free(engine)
-            del engine
+        for variant in variants:
+            options, fields = VARIANTS[variant]
+            label = case_name(name, variant, prompt)
+            path = write_config(root, label, {**SHAPES[name], **fields})
+            for graphs in [mode == "graphs" for mode in modes]:
+                engine = engine_for(path, graphs, max_batch=max(batches), prompt=prompt, **options)
+                wb, kvb = weight_bytes(engine), kv_bytes_per_token(engine)
+                run_batch(engine, random_prompts(engine.cfg.vocab_size, 1, 16), 4)  # warm-up, as the other parts
+                for batch in batches:
+                    r = run_batch(engine, random_prompts(engine.cfg.vocab_size, batch, prompt), NEW)
+                    r["weight_read_GB"] = weight_bytes(engine, batch) / 1e9
+                    r["kv_read_GB"] = batch * kvb * (prompt + NEW // 2) / 1e9
+                    r["roofline_tok_per_s"] = (
+                        batch * limits["copy_bytes_per_s"] / (1e9 * (r["weight_read_GB"] + r["kv_read_GB"]))
+                    )
+                    r["of_roofline"] = r["tok_per_s"] / r["roofline_tok_per_s"]
+                    out[f"{label}/b{batch}/{'graphs' if graphs else 'eager'}"] = r
+                    logger.info(
+                        "%s batch %d graphs %s: %.1f tok/s (%.0f%% of roofline)",
+                        label,
+                        batch,
+                        graphs,
+                        r["tok_per_s"],
+                        100 * r["of_roofline"],
+                    )
+                out[f"{label}/weight_bytes"] = wb
+                out[f"{label}/kv_capacity"] = {
+                    "kv_capacity_tokens": kv_capacity(engine, mem_fraction),
+                    "kv_bytes_per_token": kvb,
+                    "mem_fraction": mem_fraction,
+                }
+                free(engine)
+                del engine
+            bf16 = out.get(f"{case_name(name, 'bf16', prompt)}/kv_capacity")
+            if bf16 is not None:
+                cap = out[f"{label}/kv_capacity"]
+                cap["kv_capacity_vs_bf16"] = cap["kv_capacity_tokens"] / max(1, bf16["kv_capacity_tokens"])
     return out
 
 
@@ -662,6 +719,9 @@ def table(results: dict) -> str:
     for key, r in results.items():
         if key.endswith("/hf"):
             lines.append(f"{key:<28} {r['tok_per_s']:>9.1f}")
+        if key.endswith("/kv_capacity"):
+            vs = f" ({r['kv_capacity_vs_bf16']:.2f}x bf16's)" if "kv_capacity_vs_bf16" in r else ""
+            lines.append(f"{key:<28} {r['kv_capacity_tokens']:,} KV tokens in {r['mem_fraction']:.0%} of memory{vs}")
     return "\n".join(lines)
 
 
@@ -675,6 +735,10 @@ COLUMNS = [
     "accept_length",
     "speedup",
     "of_matmul_peak",
+    "weight_read_GB",
+    "kv_read_GB",
+    "kv_capacity_tokens",
+    "kv_capacity_vs_bf16",
     "copy_TBps",
     "matmul_TFLOPs",
 ]
@@ -696,6 +760,12 @@ def main() -> None:
     parser.add_argument("--parts", default="ceilings,decode,hf,prefill,spec,tiny")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--modes", default="graphs,eager", help="decode with CUDA graphs, eagerly, or both")
+    parser.add_argument(
+        "--variants", default="bf16", help=f"the decode part's weights and KV, of {', '.join(VARIANTS)}"
+    )
+    parser.add_argument("--prompt", type=int, default=PROMPT, help="the decode part's prompt tokens a request")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="the decode part's batch sizes")
+    parser.add_argument("--mem-fraction", type=float, default=MEM_FRACTION, help="of GPU memory, for KV capacity")
     parser.add_argument("--spec-batch", type=int, default=1, help="requests a speculative round serves")
     parser.add_argument("--spec-drafts", default=None, help="the spec part's drafts, comma-separated (default all)")
     parser.add_argument("--spec-shape", default="llama3-8b", choices=sorted(SPEC_TARGETS), help="spec part target")
@@ -703,11 +773,23 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parts, shapes = args.parts.split(","), args.shapes.split(",")
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     root = tempfile.mkdtemp(prefix="shapes-")
     results["ceilings"] = ceilings()
     steps = {
-        "decode": lambda: decode_part(root, results["ceilings"], shapes, args.modes.split(",")),
+        "decode": lambda: decode_part(
+            root,
+            results["ceilings"],
+            shapes,
+            args.modes.split(","),
+            args.variants.split(","),
+            args.prompt,
+            tuple(int(b) for b in args.batches.split(",")),
+            args.mem_fraction,
+        ),
         "hf": lambda: hf_part(root, [s for s in shapes if s in ("llama3-8b", "gemma3-1b")]),
         "prefill": lambda: prefill_part(root, results["ceilings"]),
         "spec": lambda: spec_part(
