@@ -10,9 +10,12 @@
    speculation cannot pay), and on the 8B shape a self-draft canary (a standalone draft with the
    target's own dummy weights: drafts accepted, each draft step as dear as a target step).
 
-Every case runs a warm-up at its batch size (kernels, first replays and, adaptive, the
-controller's first measurements), then times greedy decoding of `--new` tokens per request
-after a `--prompt`-token prompt (tokens/s of the decode steps). For each model, draft and batch
+One engine per draft, built adaptive (num_steps 4): it runs adaptive, then each fixed draft length
+through a fixed controller, replaying the graphs it captured for that k, as an engine of that
+num_steps would; plain decoding is an engine without a draft. Every case runs a warm-up at its
+batch size (first replays and, adaptive, the controller's first measurements), then times greedy
+decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of the decode
+steps). For each model, draft and batch
 the table sets adaptive against max(plain, best fixed): the goal is to be within 3% of it
 (`of_best`), and at least 97% of plain where drafts are not accepted (`of_plain`).
 """
@@ -34,6 +37,7 @@ from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.bench.decode_throughput import SHAPES, random_prompts, write_config
 from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
+from workers.speculative.controller import DraftSteps, FixedDraftSteps
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +48,12 @@ TOLERANCE = 0.03
 COLUMNS = ["tok_per_s", "ms_per_step", "accept_length", "draft_steps", "plain_share", "of_best", "of_plain"]
 
 
-def modes(max_steps: int) -> list[tuple[str, dict | None]]:
-    """(name, speculative options without the draft) of every mode; None: no draft."""
-    fixed = [(f"k{k}", {"num_steps": k, "adaptive": False}) for k in range(1, max_steps + 1)]
-    return [("plain", None), *fixed, ("adaptive", {"num_steps": max_steps, "adaptive": True})]
+def modes(engine: Engine) -> list[tuple[str, DraftSteps]]:
+    """(name, controller) of every mode of a speculative engine built adaptive: its own
+    controller, then every fixed draft length, which replays the graphs captured for that k (a
+    round of k drafts is the same as in an engine of num_steps k)."""
+    fixed = [(f"k{k}", FixedDraftSteps(k)) for k in range(1, engine.spec.num_steps + 1)]
+    return [("adaptive", engine.spec.controller), *fixed]
 
 
 def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
@@ -84,29 +90,23 @@ def _sync(engine: Engine) -> None:
         torch.cuda.synchronize()
 
 
-def run_modes(
-    name: str, build, draft: dict | None, batches, prompts_for, new: int, max_steps: int, done: set[str]
-) -> dict:
-    """Every mode of one model and draft (`draft`: its speculative options; plain once per model,
-    `done` says whether it ran): one engine per mode, each batch warmed up, then timed."""
+def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int) -> dict:
+    """Every mode of one engine (plain decoding without a draft), each batch warmed up, then timed."""
     out = {}
-    for mode, options in modes(max_steps):
-        if (options is None) != (draft is None) or (mode == "plain" and name in done):
-            continue
-        engine = build(None if options is None else {**draft, **options})
+    for mode, controller in modes(engine) if engine.spec is not None else [("plain", None)]:
+        if controller is not None:
+            engine.spec.controller = controller
         for batch in batches:
             prompts = prompts_for(batch)
             decode(engine, prompts, max(8, new // 4))  # warm-up
             r = decode(engine, prompts, new)
-            draft_name = draft["name"] if draft else "none"
-            out[f"{name}/b{batch}/{draft_name}/{mode}"] = r
-            logger.info("%s batch %d %s %s: %.1f tok/s", name, batch, draft_name, mode, r["tok_per_s"])
-        engine.shutdown()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    done.add(name)
+            out[f"{name}/b{batch}/{draft}/{mode}"] = r
+            logger.info("%s batch %d %s %s: %.1f tok/s", name, batch, draft, mode, r["tok_per_s"])
+    engine.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -140,13 +140,13 @@ def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str]
             page_size=16,
             max_total_tokens=max(batches) * (prompt_len + new + 64),
             max_running_requests=max(batches),
-            speculative=None if spec is None else {k: v for k, v in spec.items() if k != "name"},
+            speculative=spec,
         )
 
-    out, done = {}, set()
-    for draft in [None, *drafts]:
-        spec = None if draft is None else {"name": draft, "algorithm": draft, "draft_model": DRAFT_MODELS[draft]}
-        out.update(run_modes("tiny", build, spec, batches, prompts_for, new, max_steps, done))
+    out = run_modes("tiny", build(None), "none", batches, prompts_for, new)
+    for draft in drafts:
+        spec = {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": max_steps}
+        out.update(run_modes("tiny", build(spec), draft, batches, prompts_for, new))
     return out
 
 
@@ -177,12 +177,12 @@ def shape_drafts(root: str, shape: str) -> dict[str, dict]:
     }
     if shape == "llama3-8b":
         drafts["self"] = {"algorithm": "standalone", "draft_model": os.path.join(root, shape), "draft_pool": "full"}
-    return {name: {"name": name, "draft_load_format": "dummy", **d} for name, d in drafts.items()}
+    return {name: {"draft_load_format": "dummy", **d} for name, d in drafts.items()}
 
 
 def shapes_part(shapes: list[str], batches, new: int, prompt_len: int, drafts: list[str] | None, max_steps: int):
     root = tempfile.mkdtemp(prefix="adaptive-shapes-")
-    out, done = {}, set()
+    out = {}
     for shape in shapes:
         path = write_config(root, shape, SHAPES[shape])
         vocab = SHAPES[shape]["vocab_size"]
@@ -198,23 +198,17 @@ def shapes_part(shapes: list[str], batches, new: int, prompt_len: int, drafts: l
                 max_total_tokens=max(batches) * (prompt_len + new + 64),
                 max_running_requests=max(batches),
                 chunked_prefill_size=8192,
-                speculative=None if spec is None else {k: v for k, v in spec.items() if k != "name"},
+                speculative=spec,
             )
 
-        specs = shape_drafts(root, shape)
-        for draft in [None, *(d for d in specs if drafts is None or d in drafts)]:
-            out.update(
-                run_modes(
-                    shape,
-                    build,
-                    None if draft is None else specs[draft],
-                    batches,
-                    lambda b, vocab=vocab: random_prompts(vocab, b, prompt_len),
-                    new,
-                    max_steps,
-                    done,
-                )
-            )
+        def prompts_for(batch: int, vocab: int = vocab) -> list[list[int]]:
+            return random_prompts(vocab, batch, prompt_len)
+
+        out.update(run_modes(shape, build(None), "none", batches, prompts_for, new))
+        for draft, spec in shape_drafts(root, shape).items():
+            if drafts is None or draft in drafts:
+                engine = build({**spec, "num_steps": max_steps})
+                out.update(run_modes(shape, engine, draft, batches, prompts_for, new))
     return out
 
 
