@@ -39,6 +39,7 @@ def _slidespec(*args: str) -> list[str]:
         ([MODEL, "--grpc-port", "many"], "--grpc-port: Input should be a valid integer"),
         ([MODEL, "--speculative-algorithm", "guess"], "--speculative-algorithm: Input should be 'standalone'"),
         ([MODEL, "--speculative-algorithm", "eagle"], "--speculative-draft-model: Field required"),
+        ([MODEL, "--quantization", "int8"], "--quantization: Input should be 'fp8'"),
         ([MODEL, "--config", "/no/such/serve.yaml"], "--config: cannot read /no/such/serve.yaml"),
         ([MODEL, "--api-key-file", "ops/serve.yaml"], "--grpc-auth-token-file: ops/serve.yaml must hold one word"),
         ([MODEL, "--grpc-tls-cert-file", "ops/serve.yaml"], "--grpc-tls-cert-file / --grpc-tls-key-file: give both"),
@@ -166,3 +167,12 @@ def test_a_serve_config_gives_the_settings_and_flags_override_them(monkeypatch, 
     args = build_parser().parse_args(["serve", MODEL, "--api-key-file", str(token), "--num-replicas", "auto"])
     cfg, _ = app_settings(args)
     assert cfg.grpc.auth_token_file == str(token) and cfg.num_replicas == "auto" and cfg.speculative is None
+
+
+def test_quantization_reaches_every_rank_as_vllm_spells_it(monkeypatch):
+    from ops.cli import build_parser
+    from ops.serve import app_settings
+
+    monkeypatch.chdir(ROOT)
+    cfg, _ = app_settings(build_parser().parse_args(["serve", MODEL, "--quantization", "fp8"]))
+    assert cfg.engine_args().engine_kwargs()["quantization"] == "fp8"

@@ -58,3 +58,15 @@ def test_small_row_blocks_are_read_whole_and_the_rest_stream(shape, width):
     """Gemma-3-1B's QKV and O (and tiny models') fit a program's registers; an 8B model's
     projections and a split down projection do not."""
     assert gemv_tiles.preload_width(gemv_tiles.tile_for(*shape), shape[1]) == width
+
+
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_fp8_tiles_fit_their_scale_layout(shape, rows):
+    """The FP8 GEMV's tiles: one row spans whole 128-column blocks of block-scaled weights, a
+    `tl.dot` tile of more rows is one block wide; a block of no power-of-two width takes none."""
+    per_channel = gemv_tiles.fp8_tile_for(*shape, rows, None)
+    block = gemv_tiles.fp8_tile_for(*shape, rows, (128, 128))
+    assert per_channel is not None and block is not None
+    assert block.cols % 128 == 0 if rows == 1 else block.cols == 128
+    assert gemv_tiles.fp8_tile_for(*shape, rows, (128, 96)) is None

@@ -3,7 +3,7 @@ shapes, a scale per output channel and 128 x 128 blocks:
 
 - the GEMV family (1 to 8 rows: batch 1 and 8) reads the FP8 weights with bf16 activations: within
   bf16 noise of the float32 product of the dequantised weights;
-- W8A8 (batch 64, a 512-token prefill) quantises the activations per token (or per token and 128
+- W8A8 (batch 64, a 509-token prefill) quantises the activations per token (or per token and 128
   columns): within bf16 noise of the same product with the activations quantised as the format
   says, and within e4m3's rounding of the plain oracle;
 - the fused gate/up GEMV, the dispatch through the op set, and a decode step of an FP8 engine
@@ -23,7 +23,7 @@ SHAPES = {  # Llama-3-8B: (out, in)
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
 }
-ROWS = {"batch 1": 1, "batch 8": 8, "batch 64": 64, "prefill": 512}
+ROWS = {"batch 1": 1, "batch 8": 8, "batch 64": 64, "prefill": 509}  # a prefill of no round size
 LAYOUTS = {"channel": None, "block": (128, 128)}
 
 
