@@ -66,22 +66,29 @@ def _drive(ctrl: AdaptiveDraftSteps, batch: int, tokens, steps: int, seconds=Non
 
 
 # -- the models and the controller on synthetic tables ----------------------------------------------
-def test_the_cost_model_buckets_averages_and_carries_what_priors_miss():
+def test_the_cost_model_buckets_and_averages_measurements_over_its_priors():
     costs = _costs({4: [1.0, 2.0, 3.0, 4.0], 16: [2.0, 3.0, 4.0, 5.0]})
     assert [costs.bucket(b) for b in (1, 2, 4, 5, 64, 200)] == [1, 4, 4, 16, 64, 64]
     assert costs.seconds(3) == [1.0, 2.0, 3.0, 4.0] and costs.seconds(1) == [None] * (K + 1)
-    costs.observe(3, 1, 2.5)  # measured: 0.5 s more than the prior at bucket 4
-    assert costs.seconds(4) == [1.5, 2.5, 3.5, 4.5]
+    costs.observe(3, 1, 2.5)  # measured: it replaces the prior
+    assert costs.seconds(4) == [1.0, 2.5, 3.0, 4.0] and costs.seconds(16) == [2.0, 3.0, 4.0, 5.0]
     costs.observe(4, 1, 3.5)  # a moving average, weight 0.2
     assert costs.seconds(4)[1] == pytest.approx(2.7)
-    assert costs.seconds(16) == pytest.approx([2.7, 3.7, 4.7, 5.7])  # the nearest bucket's gap
-    for bad in (
-        lambda: costs.observe(4, K + 1, 1.0),
-        lambda: costs.observe(4, 0, 0.0),
-        lambda: costs.set_prior(3, 0, 1),
-    ):
+    for call, args in ((costs.observe, (4, K + 1, 1.0)), (costs.observe, (4, 0, 0.0)), (costs.set_prior, (3, 0, 1))):
         with pytest.raises(ValueError, match="cost model"):
-            bad()
+            call(*args)
+
+
+def test_priors_the_host_makes_wrong_are_tried_and_measured():
+    """Start-up replays make a round look twice a plain step; serving measures rounds eight times
+    dearer (the host's work per request): the controller leaves num_steps for plain steps, tries
+    every other draft length once, and keeps plain steps."""
+    replays, measured = [0.1, 0.2, 0.25, 0.3], [0.6, 3.0, 4.2, 5.3]
+    ctrl = AdaptiveDraftSteps(_costs({16: replays}))
+    chosen = _drive(ctrl, 16, _tokens(16, 0.8), 40, lambda k: measured[k])
+    assert chosen[:4] == [K] * 4 and set(chosen) == set(range(K + 1))
+    assert ctrl.k == 0 and chosen[-10:] == [0] * 10
+    assert ctrl.costs.seconds(16) == pytest.approx(measured)
 
 
 def test_acceptance_counts_judge_positions_up_to_the_first_rejection():

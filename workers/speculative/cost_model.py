@@ -6,17 +6,17 @@ that holds it) and draft length k in 0..num_steps: the seconds of a plain decode
 of a round of k draft steps, its verify and the draft's catch-up. With CUDA graphs a start-up
 measurement of their replays gives every entry a prior (`round_timing.py`); while serving, each
 decode step's measured time refreshes its entry as an exponential moving average, so that the
-host's share, which replays alone leave out, is counted. An entry not measured yet is its prior
-plus what measuring the bucket's other draft lengths showed the priors miss (the host's share,
-about the same for every k); an entry with neither is unknown (a CPU has no start-up timing) and
-the controller tries it.
+host's share, which replays alone leave out, is counted. An entry not measured yet is its prior:
+an optimistic figure (it leaves the host out), so that the controller tries that draft length and
+measures it rather than rules it out on a guess; scaling priors by what the bucket's measured
+entries took would guess wrong both ways (a round's host work is not a plain step's). An entry
+with neither is unknown (a CPU has no start-up timing) and the controller tries it too.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import statistics
 
 
 @dataclasses.dataclass
@@ -52,31 +52,10 @@ class CostModel:
         self.measured[key] = seconds if old is None else old + self.weight * (seconds - old)
 
     def seconds(self, batch_size: int) -> list[float | None]:
-        """The expected seconds of a step of `batch_size` requests for each k in 0..num_steps;
-        None where nothing measured or timed it."""
+        """The expected seconds of a step of `batch_size` requests for each k in 0..num_steps:
+        measured, else the prior; None where neither is known."""
         b = self.bucket(batch_size)
-        missed = self._missed(b)
-        out: list[float | None] = []
-        for k in range(self.num_steps + 1):
-            measured, prior = self.measured.get((b, k)), self.prior.get((b, k))
-            out.append(measured if measured is not None else None if prior is None else prior + missed)
-        return out
-
-    def _missed(self, bucket: int) -> float:
-        """What serving measured beyond the priors, on average over k: at this bucket, else at the
-        nearest bucket where some k has both, else nothing."""
-        if not self.prior or not self.measured:
-            return 0.0
-        nearest = sorted(self.buckets, key=lambda b: (abs(b - bucket), b))
-        for b in nearest:
-            gaps = [
-                m - self.prior[(b, k)]
-                for k in range(self.num_steps + 1)
-                if (m := self.measured.get((b, k))) is not None and (b, k) in self.prior
-            ]
-            if gaps:
-                return statistics.fmean(gaps)
-        return 0.0
+        return [self.measured.get((b, k), self.prior.get((b, k))) for k in range(self.num_steps + 1)]
 
     def _check(self, k: int, seconds: float) -> None:
         if not 0 <= k <= self.num_steps:
