@@ -1,5 +1,5 @@
 """FP8 weights on the CPU (docs/design.md §4.9): tiny random Hugging Face models quantised here as
-FP8 checkpoints ship, per tensor (`weight_scale`, vLLM's and AutoFP8's) and in 16 x 16 blocks
+FP8 checkpoints ship, per tensor (`weight_scale` and static `input_scale`, AutoFP8's) and in 16 x 16 blocks
 (`weight_scale_inv` with `weight_block_size`, as Qwen3-FP8's 128 x 128 blocks), load as FP8 and give
 the greedy tokens and logits of transformers' model holding the dequantised weights; two ranks give
 one rank's tokens; `quantization: fp8` quantises a float checkpoint per output channel at load;
@@ -68,17 +68,18 @@ def write_fp8_checkpoint(src: str, dst: str, layout: str) -> dict[str, torch.Ten
     tensors, dequantised = load_file(path), {}
     for name in [n for n in tensors if _projection(n)]:
         w = tensors[name].float()
-        if layout == "per_tensor":
+        if layout == "per_tensor":  # with the static activation scales AutoFP8 ships (slidespec reads none)
             q, scale, dequantised[name] = _per_tensor(w)
             tensors[name[: -len("weight")] + "weight_scale"] = scale
+            tensors[name[: -len("weight")] + "input_scale"] = torch.tensor(0.05)
         else:
             q, scale, dequantised[name] = _per_block(w, BLOCK)
             tensors[name[: -len("weight")] + "weight_scale_inv"] = scale
         tensors[name] = q
     save_file(tensors, path)
-    quant = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    if layout == "block":
-        quant["weight_block_size"] = list(BLOCK)
+    quant = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    if layout == "block":  # as Qwen3-FP8's config states it
+        quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
     _edit_config(dst, quantization_config=quant)
     return dequantised
 
