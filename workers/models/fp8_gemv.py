@@ -26,42 +26,33 @@ __all__ = ["ACTIVATIONS", "applies", "gemv", "gemv_act_and_mul"]
 
 
 @triton.jit
-def _row_sums(
+def _tile_sums(
+    w_ptrs,
     x_ptr,
-    w_ptr,
-    s_ptr,
-    rows,
+    s_ptrs,
+    k0,
+    cols,
+    groups,
     row_ok,
     K,
-    s_stride,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr,  # scale blocks a K tile spans (per block)
-    SCALE_N: tl.constexpr,  # 0: a scale per output channel; else the rows a block's scale covers
-    SCALE_K: tl.constexpr,  # the columns a block's scale covers (BLOCK_K == GROUPS * SCALE_K)
+    GROUPS: tl.constexpr,
+    SCALE_K: tl.constexpr,
+    BLOCKED: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """W[rows] . x for one row of x, float32, the weights' scales applied."""
-    cols = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    if SCALE_N == 0:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
-        y = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    """One K tile of one row of x against the weight rows, float32: per channel every product
+    `[BLOCK_N, BLOCK_K]` (the rows' scales come after the loop); per block each block's sum
+    times its scale `[BLOCK_N, GROUPS]`."""
+    products = _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+    if BLOCKED:
+        first = k0 // SCALE_K
+        in_k = (first + groups) < tl.cdiv(K, SCALE_K)
+        scales = tl.load(s_ptrs + first, mask=row_ok[:, None] & in_k[None, :], other=0.0)
+        out = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, SCALE_K)), axis=2) * scales
     else:
-        groups = tl.arange(0, GROUPS)
-        s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
-        k_blocks = tl.cdiv(K, SCALE_K)
-        block_acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            products = _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
-            sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, SCALE_K)), axis=2)
-            first = k0 // SCALE_K
-            in_k = (first + groups) < k_blocks
-            block_acc += sums * tl.load(s_ptrs + first, mask=row_ok[:, None] & in_k[None, :], other=0.0)
-        y = tl.sum(block_acc, axis=1)
-    return y
+        out = products
+    return out
 
 
 @triton.jit
@@ -78,64 +69,61 @@ def _fp8_gemv_kernel(
     ACT: tl.constexpr,  # -1: a plain projection; else gate rows [0, N) and up rows [N, 2N) -> act(gate) * up
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr,
-    SCALE_N: tl.constexpr,
-    SCALE_K: tl.constexpr,
+    GROUPS: tl.constexpr,  # scale blocks a K tile spans (BLOCK_K == GROUPS * SCALE_K)
+    SCALE_N: tl.constexpr,  # the rows a block's scale covers (1 per channel)
+    SCALE_K: tl.constexpr,  # the columns a block's scale covers
+    BLOCKED: tl.constexpr,  # a scale per block; else per output channel
+    ACC_W: tl.constexpr,  # the accumulator's columns: GROUPS per block, BLOCK_K per channel
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """W . x for one row of x, the weights' scales applied; with ACT, the gate's and the up
+    projection's tiles read in the same iteration (two streams of loads in flight)."""
     pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    y = _row_sums(x_ptr, w_ptr, s_ptr, rows, row_ok, K, s_stride, BLOCK_N, BLOCK_K, GROUPS, SCALE_N, SCALE_K, EVEN_K)
+    cols = tl.arange(0, BLOCK_K)
+    groups = tl.arange(0, GROUPS)
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
+    up_w_ptrs = w_ptrs + N.to(tl.int64) * K
+    up_s_ptrs = s_ptr + ((rows + N) // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
+    acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc += _tile_sums(w_ptrs, x_ptr, s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K)
+        if ACT >= 0:
+            up_acc += _tile_sums(
+                up_w_ptrs, x_ptr, up_s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K
+            )
+    y = tl.sum(acc, axis=1)
+    if not BLOCKED:
+        y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
     if ACT >= 0:
-        up = _row_sums(
-            x_ptr, w_ptr, s_ptr, rows + N, row_ok, K, s_stride, BLOCK_N, BLOCK_K, GROUPS, SCALE_N, SCALE_K, EVEN_K
-        )
+        up = tl.sum(up_acc, axis=1)
+        if not BLOCKED:
+            up = up * tl.load(s_ptr + rows + N, mask=row_ok, other=0.0)
         y = _act(y, ACT) * up
     _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
 
 @triton.jit
-def _dot_sums(
-    x_ptr,
-    stride_xm,
-    w_ptr,
-    s_ptr,
-    ms,
-    m_ok,
-    rows,
-    row_ok,
-    K,
-    s_stride,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # per block: the columns a block's scale covers
-    SCALE_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+def _dot_tile(
+    w_ptrs, x, s_ptrs, k0, cols, row_ok, K, acc, BLOCK_K: tl.constexpr, BLOCKED: tl.constexpr, EVEN_K: tl.constexpr
 ):
-    """x[ms] . W[rows]^T, float32 `[BLOCK_M, BLOCK_N]`, the weights widened to x's dtype for
-    `tl.dot` (exact: every e4m3 value is a bf16 and an fp16 value) and their scales applied."""
-    cols = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + ms[:, None] * stride_xm + cols[None, :]
-    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            in_k = (k0 + cols) < K
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & in_k[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
+    """acc + x . W[rows, tile]^T, the weights widened to x's dtype for `tl.dot` (exact: every
+    e4m3 value is a bf16 and an fp16 value); per block, the tile (one block wide) times its rows'
+    scales."""
+    if EVEN_K:
+        w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        in_k = (k0 + cols) < K
+        w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
+    if BLOCKED:
         part = tl.dot(x, tl.trans(w.to(x.dtype)))
-        if SCALE_N == 0:
-            acc += part
-        else:  # one block of columns: its rows' scales
-            s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64) * s_stride + k0 // BLOCK_K
-            acc += part * tl.load(s_ptrs, mask=row_ok, other=0.0)[None, :]
-    if SCALE_N == 0:
-        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
+        acc += part * tl.load(s_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)[None, :]
+    else:
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     return acc
 
 
@@ -155,40 +143,41 @@ def _fp8_rows_kernel(
     ACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # per block: the columns a block's scale covers
     SCALE_N: tl.constexpr,
+    BLOCKED: tl.constexpr,
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y[m, j] for every row m < M of x (padded to BLOCK_M) and the program's output features:
-    each weight tile read once for all rows."""
+    each weight tile read once for all rows (with ACT, the gate's and the up projection's)."""
     pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ms = tl.arange(0, BLOCK_M)
     m_ok = ms < M
-    acc = _dot_sums(
-        x_ptr, stride_xm, w_ptr, s_ptr, ms, m_ok, rows, row_ok, K, s_stride, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_N, EVEN_K
-    )
+    cols = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + ms[:, None] * stride_xm + cols[None, :]
+    w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64) * s_stride
+    up_w_ptrs = w_ptrs + N.to(tl.int64) * K
+    up_s_ptrs = s_ptr + ((rows + N) // SCALE_N).to(tl.int64) * s_stride
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & ((k0 + cols) < K)[None, :], other=0.0)
+        acc = _dot_tile(w_ptrs, x, s_ptrs, k0, cols, row_ok, K, acc, BLOCK_K, BLOCKED, EVEN_K)
+        if ACT >= 0:
+            up_acc = _dot_tile(up_w_ptrs, x, up_s_ptrs, k0, cols, row_ok, K, up_acc, BLOCK_K, BLOCKED, EVEN_K)
+    if not BLOCKED:
+        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
     if ACT >= 0:
-        up = _dot_sums(
-            x_ptr,
-            stride_xm,
-            w_ptr,
-            s_ptr,
-            ms,
-            m_ok,
-            rows + N,
-            row_ok,
-            K,
-            s_stride,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            SCALE_N,
-            EVEN_K,
-        )
-        acc = _act(acc, ACT) * up
+        if not BLOCKED:
+            up_acc = up_acc * tl.load(s_ptr + rows + N, mask=row_ok, other=0.0)[None, :]
+        acc = _act(acc, ACT) * up_acc
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -225,13 +214,14 @@ def _launch(
     m = x.numel() // k
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     t = tile or fp8_tile_for(weight.shape[0], k, m, block)
-    scale_n, scale_k = block or (0, t.cols)
+    scale_n, scale_k = block or (1, t.cols)  # per channel: the scale pointers' arithmetic only
     common = dict(
         HAS_BIAS=bias is not None,
         ACT=ACTIVATIONS[act] if act else -1,
         BLOCK_N=t.rows,
         BLOCK_K=t.cols,
         SCALE_N=scale_n,
+        BLOCKED=block is not None,
         EVEN_K=k % t.cols == 0,
         num_warps=t.warps,
         num_stages=t.stages,
@@ -245,6 +235,7 @@ def _launch(
             x2, weight, scale, b, y, m, n, k, x2.stride(0), s_stride, BLOCK_M=DOT_ROWS, **common, **pdl_options(grid[0])
         )
     else:
+        groups = t.cols // scale_k
         _fp8_gemv_kernel[grid](
             x,
             weight,
@@ -254,8 +245,9 @@ def _launch(
             n,
             k,
             s_stride,
-            GROUPS=t.cols // scale_k if block else 1,
+            GROUPS=groups,
             SCALE_K=scale_k,
+            ACC_W=groups if block else t.cols,
             **common,
             **pdl_options(grid[0]),
         )
