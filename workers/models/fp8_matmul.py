@@ -108,10 +108,11 @@ def blockwise_gemm() -> bool:
 
 
 def w8a8_applies(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Whether `linear` quantises x and runs a scaled GEMM: bf16 activations, K and N multiples
-    of 16 (per channel) or whole 128 x 128 blocks with cuBLAS's block-scaled GEMM at hand."""
+    """Whether `linear` quantises x and runs a scaled GEMM: bf16 activations (at least a row), K
+    and N multiples of 16 (per channel) or whole 128 x 128 blocks with cuBLAS's block-scaled GEMM
+    at hand."""
     n, k = weight.shape
-    if x.dtype != torch.bfloat16 or k % 16 or n % 16:
+    if x.dtype != torch.bfloat16 or k % 16 or n % 16 or x.numel() == 0:
         return False
     return block is None or (block == BLOCKWISE and k % GROUP == 0 and n % GROUP == 0 and blockwise_gemm())
 
