@@ -100,14 +100,19 @@ def experts_torch(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, experts in ascending order as transformers
-    adds them, accumulated in float32; every expert runs over every token and an unchosen one adds
-    zero, so no shape depends on the routing."""
+    adds them; every expert runs over every token and an unchosen one adds zero, so no shape
+    depends on the routing. It rounds where the kernels do: products and sums in float32, the
+    activated intermediate row once to x's dtype, the output once. Rounded after every projection
+    and the activation as well (bf16 `F.linear`), it would differ from the kernels by about an ulp
+    in most outputs, enough to flip near-tie routings downstream (docs/design.md §4.8)."""
     num_experts = gate_up.shape[0]
     combine = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device).scatter_(1, ids, weights)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xf = x.float()
     for e in range(num_experts):
-        h = F.linear(x, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
-        y = F.linear(act(*h.chunk(2, dim=-1)), down[e], None if down_bias is None else down_bias[e])
+        h = F.linear(xf, gate_up[e].float(), None if gate_up_bias is None else gate_up_bias[e].float())
+        h = act(*h.chunk(2, dim=-1)).to(x.dtype).float()  # as the kernels store the intermediate rows
+        y = F.linear(h, down[e].float(), None if down_bias is None else down_bias[e].float())
         out += combine[:, e, None] * y
     return out.to(x.dtype)
 

@@ -1,0 +1,112 @@
+"""The fused MoE kernels (workers/models/fused_moe.py) on the CPU through Triton's interpreter,
+against the torch path, at the tiny test models' expert shapes (8 experts, 2 a token, 256 -> 32,
+narrower than every tile of the kernels): 1 and 32 tokens (2 and 64 pairs, the GEMV-like
+kernels), 33 and a 287-token prefill (66 and 574 pairs, the grouped GEMM). In float32 they agree
+to float32 noise; in bfloat16 they round in the same places, so most outputs are equal. Skipped
+where triton is not installed (CPU machines need not have it).
+
+Triton reads TRITON_INTERPRET as it defines its own library, so the kernels run in a child
+process that sets it (run as a module, this file prints their differences). The interpreter
+handles bfloat16 unlike the GPU: `tl.dot` multiplies the operands' bits, not their values, and
+float32 -> bfloat16 truncates; the child makes both do what the GPU does.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.workers.test_gpu_moe import (
+    KERNEL_NOISE,
+    ROUNDING_NOISE,
+    assert_rounding_noise,
+    differences,
+    random_experts,
+    skewed_routing,
+)
+from workers.models.moe import experts_torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BOUNDS = {"float32": (1e-5, 1e-6), "bfloat16": (KERNEL_NOISE, ROUNDING_NOISE)}  # (largest, mean) differences
+CASES = [
+    f"{shape}-{tokens}-{dtype}"
+    for shape in ("tiny-gemma4-moe", "tiny-gpt-oss")
+    for tokens in (1, 32, 33, 287)
+    for dtype in DTYPES
+]
+
+
+def _as_the_gpu_does() -> None:
+    """Make the interpreter read bfloat16 operands of `tl.dot` as values and round float32 ->
+    bfloat16 to nearest even (it keeps bfloat16 as its bits, uint16)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def values(t):
+        if t.dtype.scalar != tl.bfloat16:
+            return t
+        return interpreter.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, values(a), values(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast(self, src, dst_type)
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+        return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+
+def interpreted_differences() -> dict[str, list[float]]:
+    """Each case's `differences` of the kernels from the torch path (under TRITON_INTERPRET=1)."""
+    _as_the_gpu_does()
+    from workers.models.fused_moe import fused_experts
+
+    out = {}
+    for case in CASES:
+        shape, tokens, dtype = case.rsplit("-", 2)
+        tokens, dtype = int(tokens), DTYPES[dtype]
+        num, top_k, hidden, act, experts = random_experts(shape, device="cpu", dtype=dtype)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        weights, ids = skewed_routing(tokens, num, top_k, seed=tokens, device="cpu")
+        gate_up, down, gate_up_bias, down_bias = experts
+        ref = experts_torch(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
+        got = fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
+        out[case] = differences(got, ref).tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, list[float]]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    run = subprocess.run(
+        [sys.executable, "-m", __name__],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_experts_match_the_torch_path_in_the_interpreter(interpreted, case):
+    assert_rounding_noise(torch.tensor(interpreted[case]), case, BOUNDS[case.rsplit("-", 1)[1]])
+
+
+if __name__ == "__main__":
+    print(json.dumps(interpreted_differences()))
