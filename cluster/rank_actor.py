@@ -212,8 +212,8 @@ class RankActor:
         prompt_ids: list[int],
         sampling: dict[str, Any],
         trace_context: dict[str, str] | None = None,
-        follows: str | None = None,
         reader: Sink = REPLICA_READER,
+        follows: str | None = None,
     ) -> dict[str, Any] | None:
         """Queue a request; its updates go to `reader` (a Ray reader's `updates` stream, or a
         socket caller). Returns None, or the error update of a request that cannot run (invalid
@@ -242,8 +242,8 @@ class RankActor:
         """A socket caller's submit (refusals answered on its connection) or abort."""
         kind, *args = message
         if kind == "submit":
-            rid = args[0]
-            refused = self.submit(*args, reader=conn)
+            rid, prompt_ids, sampling, trace_context, *follows = args  # follows: n choices' (`submit`)
+            refused = self.submit(rid, prompt_ids, sampling, trace_context, conn, *follows)
             if refused is not None:
                 conn.send({"updates": [{"request_id": rid, **refused}]})
         elif kind == "abort":

@@ -53,7 +53,7 @@ class RayLink:
     async def submit(
         self, rid: str, prompt_ids: list[int], sampling: dict, trace_context, follows: str | None
     ) -> dict[str, Any] | None:
-        return await self.rank0.submit.remote(rid, prompt_ids, sampling, trace_context, follows, reader=self.reader)
+        return await self.rank0.submit.remote(rid, prompt_ids, sampling, trace_context, self.reader, follows)
 
     def abort(self, rid: str) -> None:
         """Outside the calling request's Ray task: Ray cancels the calls a cancelled request made,

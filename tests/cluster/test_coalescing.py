@@ -25,7 +25,7 @@ class _Loop:
 
     engine = types.SimpleNamespace(host_can_pause=False)
 
-    def submit(self, rid, prompt_ids, sampling) -> None:
+    def submit(self, rid, prompt_ids, sampling, follows=None) -> None:
         pass
 
     def abort(self, rid) -> None:
@@ -94,7 +94,7 @@ def test_the_rank_actor_streams_every_request_in_one_item_per_step_and_joins_wha
 def test_the_rank_actor_refuses_bad_input_with_an_update():
     actor = _rank_actor()
 
-    def refuse(rid, prompt_ids, sampling):
+    def refuse(rid, prompt_ids, sampling, follows=None):
         raise ValueError("sampling.top_p: must be in (0, 1]")
 
     actor.loop.submit = refuse
