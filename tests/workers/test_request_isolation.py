@@ -109,17 +109,17 @@ class Loop:
 def _poison_rows(monkeypatch) -> None:
     """The distribution of requests seeded with POISON_SEED turns to NaN, as a broken sampling
     parameter would make it: their draws raise, everybody else's do not."""
-    real = sampler_module.sampling_probs
+    real = sampler_module.distribution_logits
 
     def poisoned(logits, params):
-        probs = real(logits, params)
-        bad = torch.tensor([p.seed == POISON_SEED for p in params], device=probs.device)
-        return torch.where(bad[:, None], torch.full_like(probs, math.nan), probs)
+        out = real(logits, params)
+        bad = torch.tensor([p.seed == POISON_SEED for p in params], device=out.device)
+        return torch.where(bad[:, None], torch.full_like(out, math.nan), out)
 
-    monkeypatch.setattr(sampler_module, "sampling_probs", poisoned)
+    monkeypatch.setattr(sampler_module, "distribution_logits", poisoned)
     import workers.speculative.worker as spec_worker
 
-    monkeypatch.setattr(spec_worker, "sampling_probs", poisoned)
+    monkeypatch.setattr(spec_worker, "distribution_logits", poisoned)
 
 
 @pytest.mark.parametrize("algorithm", [None, "standalone"])
