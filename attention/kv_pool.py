@@ -13,7 +13,7 @@ page that is never allocated: untranslatable (evicted) SWA entries point at it.
 
 A buffer holds K and V in the model's dtype, or quantised to FP8 (e4m3) with a scale per KV layer
 for K and one for V (`kv_scales`): a stored value times its scale is the value. Writes quantise
-in one function (`workers/memory/kv_write.py`); every read dequantises with `dequantize`
+with `quantize` (the Triton writers match it); every read dequantises with `dequantize`
 (docs/design.md §4.7).
 """
 
@@ -26,6 +26,15 @@ import torch
 
 FP8_E4M3 = torch.float8_e4m3fn  # the quantised KV format (`kv_cache_dtype: fp8_e4m3`)
 FP8_E4M3_MAX = float(torch.finfo(FP8_E4M3).max)  # 448: writes saturate here (the format has no infinity)
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a buffer of `dtype` stores it: FP8 holds x / scale, saturated to the format's
+    range (a cast would turn an overflow into NaN: e4m3 has no infinity), rounded to nearest;
+    any other dtype holds x cast (no scale)."""
+    if dtype != FP8_E4M3:
+        return x.to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)  # as the Triton writers
 
 
 def dequantize(stored: torch.Tensor, scale: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from attention.kernels.calls import ContextCall, DecodeCall
-from attention.kv_pool import FP8_E4M3, FP8_E4M3_MAX
+from attention.kv_pool import FP8_E4M3, quantize
 
 
 def decode(call: DecodeCall, workspace: torch.Tensor) -> torch.Tensor:
@@ -45,7 +45,7 @@ def context(call: ContextCall, workspace: torch.Tensor) -> torch.Tensor:
     cap = call.logits_soft_cap
     query = call.query
     if call.kv_cache.dtype == FP8_E4M3:
-        query = query.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3)
+        query = quantize(query, 1.0, FP8_E4M3)
     return flashinfer.prefill.trtllm_fmha_v2_prefill(
         (query, call.kv_cache),
         "Q_PAGED_KV_HND",

@@ -1,5 +1,5 @@
 """FP8 (e4m3) KV quantisation as the Triton writers do it, matching `quantize` in
-`workers/memory/kv_write.py` (the torch reference): value / scale in float32, saturated to the
+`attention/kv_pool.py` (the torch reference): value / scale in float32, saturated to the
 format's range (e4m3 has no infinity: a bare cast turns an overflow into NaN), then the store's
 cast rounds to nearest."""
 
@@ -8,7 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+from attention import kv_pool
+
+FP8_E4M3_MAX = tl.constexpr(kv_pool.FP8_E4M3_MAX)
 
 
 @triton.jit

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from attention.kernels import KERNEL_SETS, ContextCall, DecodeCall, chain_mask, flashinfer_hopper, reference
-from attention.kv_pool import FP8_E4M3
+from attention.kv_pool import FP8_E4M3, quantize
 from attention.trtllm_mha import WORKSPACE_BYTES
 from tests.attention.paged import random_paged_kv
-from workers.memory.kv_write import quantize
 
 pytestmark = pytest.mark.gpu
 

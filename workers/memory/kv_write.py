@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from attention.kv_pool import FP8_E4M3, FP8_E4M3_MAX
+from attention.kv_pool import FP8_E4M3, quantize
 
 # (buffer, slots, k, v, k scale, v scale)
 KVWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float], None]
@@ -34,15 +34,6 @@ def resolve_kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch
     if setting not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: unknown {setting!r}; choose from {['auto', *KV_CACHE_DTYPES]}")
     return KV_CACHE_DTYPES[setting]
-
-
-def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """`x` as a buffer of `dtype` stores it: FP8 holds x / scale, saturated to the format's
-    range (a cast would turn an overflow into NaN: e4m3 has no infinity), rounded to nearest;
-    any other dtype holds x cast (no scale)."""
-    if dtype != FP8_E4M3:
-        return x.to(dtype)
-    return (x.float() * (1.0 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(dtype)  # as the Triton writers
 
 
 def write_kv_torch(

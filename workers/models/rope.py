@@ -138,7 +138,7 @@ def rope(
     per-head RMSNorms applied first. `kv`: (paged cache `[pages, 2, Hk, page, D]`, slots, v,
     (K scale, V scale)): the rotated keys and v are written to the cache at the slots instead (k
     comes back None), cast to the cache's dtype, or quantised with the scales into an FP8 cache
-    exactly as `workers.memory.kv_write.quantize` does."""
+    exactly as `attention.kv_pool.quantize` does."""
     if kv is not None and k is None:
         raise ValueError("rope: a KV destination needs the keys to write")
     tokens, q_heads, head_dim = q.shape
