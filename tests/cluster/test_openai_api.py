@@ -9,12 +9,10 @@ import time
 import openai
 import pytest
 import requests
-from ray import serve
 
-from cluster.app import build_app
-from cluster.client import GenerationClient
 from ops import DEFAULT_MODEL
 from ops.bench.serve_bench import OpenAIBackend
+from tests.cluster.openai_app import deploy
 from workers.tokenizer import load_tokenizer
 
 TOKEN = "openai-test-token"
@@ -24,21 +22,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def app(ray_serve, tmp_path_factory):
-    token_file = tmp_path_factory.mktemp("openai") / "token"
-    token_file.write_text(TOKEN)
-    args = dict(
-        model=DEFAULT_MODEL,
-        page_size=4,
-        max_total_tokens=4096,
-        context_length=512,
-        num_replicas=1,
-        grpc={"port": 0, "auth_token_file": str(token_file)},
-    )
-    handle = serve.run(build_app(args), name="oa", route_prefix="/oa")
-    grpc_client = GenerationClient(f"127.0.0.1:{handle.ports.remote().result()['grpc']}", token=TOKEN)
-    client = openai.OpenAI(base_url=f"{ray_serve}/oa/v1", api_key=TOKEN, max_retries=0, timeout=60)
-    yield client, grpc_client, f"{ray_serve}/oa/v1"
-    grpc_client.close()
+    yield from deploy(ray_serve, tmp_path_factory.mktemp("openai") / "token", TOKEN, "oa")
 
 
 def _grpc(grpc_client, prompt, max_new_tokens: int) -> tuple[str, list[int], object]:

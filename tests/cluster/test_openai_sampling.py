@@ -14,18 +14,15 @@ import time
 
 import grpc
 import lm_eval
-import openai
 import pytest
 import requests
 import torch
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
-from ray import serve
 from transformers import AutoModelForCausalLM
 
-from cluster.app import build_app
-from cluster.client import GenerationClient
 from ops import DEFAULT_MODEL
+from tests.cluster.openai_app import deploy
 from workers.engine import Engine, SamplingParams
 from workers.tokenizer import load_tokenizer
 
@@ -38,21 +35,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def app(ray_serve, tmp_path_factory):
-    token_file = tmp_path_factory.mktemp("sampling") / "token"
-    token_file.write_text(TOKEN)
-    args = dict(
-        model=DEFAULT_MODEL,
-        page_size=4,
-        max_total_tokens=4096,
-        context_length=512,
-        num_replicas=1,
-        grpc={"port": 0, "auth_token_file": str(token_file)},
-    )
-    handle = serve.run(build_app(args), name="sampling", route_prefix="/sampling")
-    grpc_client = GenerationClient(f"127.0.0.1:{handle.ports.remote().result()['grpc']}", token=TOKEN)
-    client = openai.OpenAI(base_url=f"{ray_serve}/sampling/v1", api_key=TOKEN, max_retries=0, timeout=60)
-    yield client, grpc_client, f"{ray_serve}/sampling/v1"
-    grpc_client.close()
+    yield from deploy(ray_serve, tmp_path_factory.mktemp("sampling") / "token", TOKEN, "sampling")
 
 
 @pytest.fixture(scope="module")
