@@ -28,13 +28,12 @@ import json
 import logging
 import os
 import tempfile
-import time
 import warnings
 
 import torch
 
 from ops import DEFAULT_MODEL, DRAFT_MODELS
-from ops.bench.decode_throughput import SHAPES, random_prompts, write_config
+from ops.bench.decode_throughput import SHAPES, random_prompts, timed_decode, write_config
 from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 from workers.speculative.controller import DraftSteps, FixedDraftSteps
@@ -60,19 +59,7 @@ def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
     """Submit, prefill, then time the decode steps: tokens/s, ms per step, accept length, and the
     draft steps the requests' decode steps ran (mean, and the share of plain steps)."""
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    rids = [engine.add_request(p, sampling) for p in prompts]
-    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    _sync(engine)
-    start, steps, tokens = time.perf_counter(), 0, 0
-    while engine.has_unfinished():
-        tokens += sum(len(t) for _, t, _ in engine.step())
-        steps += 1
-    _sync(engine)
-    elapsed = time.perf_counter() - start
-    outs = [engine.output(r) for r in rids]
-    for r in rids:
-        engine.release(r)
+    outs, tokens, steps, elapsed = timed_decode(engine, prompts, sampling)
     stats = [o.spec for o in outs if o.spec is not None]
     lengths = [n for s in stats for n in s.accept_lengths]
     drafted = [k for s in stats for k in s.draft_steps + [0] * s.plain_steps]
@@ -83,11 +70,6 @@ def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
         "draft_steps": sum(drafted) / len(drafted) if drafted else None,
         "plain_share": drafted.count(0) / len(drafted) if drafted else None,
     }
-
-
-def _sync(engine: Engine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int) -> dict:

@@ -42,6 +42,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -349,22 +350,41 @@ def kv_bytes_per_token(engine: Engine) -> int:
     return sum(engine.kv_slot_bytes.values())
 
 
-def run_batch(engine: Engine, prompts: list[list[int]], new: int) -> dict:
-    """Submit, prefill, then time the decode steps: tokens/s and ms per step."""
-    sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+class TimedDecode(NamedTuple):
+    outputs: list  # each request's RequestOutput
+    tokens: int  # generated in the timed decode steps
+    steps: int
+    seconds: float
+
+
+def timed_decode(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -> TimedDecode:
+    """Submit, prefill every request, then time the decode steps until all have their tokens;
+    the requests' records are released."""
     rids = [engine.add_request(p, sampling) for p in prompts]
     while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    torch.cuda.synchronize()
+    _sync(engine)
     start, steps, tokens = time.perf_counter(), 0, 0
     while engine.has_unfinished():
         tokens += sum(len(new) for _, new, _ in engine.step())
         steps += 1
-    torch.cuda.synchronize()
+    _sync(engine)
     elapsed = time.perf_counter() - start
     outs = [engine.output(r) for r in rids]
     for r in rids:
         engine.release(r)
+    return TimedDecode(outs, tokens, steps, elapsed)
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], new: int) -> dict:
+    """Submit, prefill, then time the decode steps: tokens/s and ms per step."""
+    sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    outs, tokens, steps, elapsed = timed_decode(engine, prompts, sampling)
     lengths = [n for o in outs if o.spec for n in o.spec.accept_lengths]
     return {
         "tokens": tokens,

@@ -17,9 +17,6 @@ import argparse
 import logging
 import shutil
 import tempfile
-import time
-
-import torch
 
 from ops import DEFAULT_MODEL
 from ops.bench.decode_throughput import (
@@ -30,6 +27,7 @@ from ops.bench.decode_throughput import (
     engine_for,
     free,
     random_prompts,
+    timed_decode,
     write_config,
 )
 from ops.bench.record import add_record_args, record_run
@@ -55,19 +53,7 @@ COLUMNS = ["tok_per_s", "ms_per_step", "overhead", "accept_length"]
 
 def decode(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -> dict:
     """Prefill, then time the decode steps until every request has its tokens."""
-    rids = [engine.add_request(p, sampling) for p in prompts]
-    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    torch.cuda.synchronize()
-    start, steps, tokens = time.perf_counter(), 0, 0
-    while engine.has_unfinished():
-        tokens += sum(len(new) for _, new, _ in engine.step())
-        steps += 1
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    outs = [engine.output(r) for r in rids]
-    for r in rids:
-        engine.release(r)
+    outs, tokens, steps, elapsed = timed_decode(engine, prompts, sampling)
     short = [o.finish_reason for o in outs if len(o.token_ids) < sampling.max_new_tokens]
     assert not short, f"requests ended early: {short}"
     lengths = [n for o in outs if o.spec for n in o.spec.accept_lengths]
