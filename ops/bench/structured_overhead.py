@@ -14,6 +14,7 @@ masked. Reports decode tokens/s of each case and the grammar's cost over the sam
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import tempfile
@@ -65,8 +66,11 @@ def decode(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -
 
 
 def model_dir(root: str, shape: str) -> str:
-    """The shape's config with the shipped tokenizer beside it (its masks padded to the vocabulary)."""
-    path = write_config(root, shape, SHAPES[shape])
+    """The shape's config with the shipped tokenizer beside it (its masks padded to the vocabulary)
+    and the shipped model's stop token (a grammar ends on one)."""
+    with open(f"{DEFAULT_MODEL}/config.json") as f:
+        eos = json.load(f)["eos_token_id"]
+    path = write_config(root, shape, {**SHAPES[shape], "eos_token_id": eos})
     for name in TOKENIZER_FILES:
         try:
             shutil.copy(f"{DEFAULT_MODEL}/{name}", path)

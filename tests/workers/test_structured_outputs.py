@@ -7,6 +7,7 @@ under a grammar is exact in distribution; a hostile grammar is refused within it
 its field, while other requests decode, and leaves no KV behind."""
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -246,6 +247,14 @@ def test_bad_structured_outputs_are_refused_naming_the_field(plain, prompts, spe
     plain.flush_cache()
     stats = plain.kv_stats()
     assert (stats["full_free"], stats["swa_free"]) == (stats["full_total"], stats["swa_total"])
+
+
+def test_a_model_without_a_stop_token_refuses_grammars_naming_the_field(prompts):
+    eng = _engine()
+    eng.cfg = dataclasses.replace(eng.cfg, eos_token_ids=())  # a config naming no eos_token_id
+    with pytest.raises(ValueError, match=r"^structured_outputs: this model has no stop token"):
+        eng.generate(prompt_token_ids=prompts[:1], sampling=_greedy(StructuredOutputs(choice=CHOICE)))
+    eng.check_no_leak()
 
 
 def test_a_grammar_past_its_size_bound_is_refused(prompts):

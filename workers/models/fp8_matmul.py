@@ -25,6 +25,7 @@ from workers.models.fp8 import FP8, TINY, dequantize
 
 GROUP = 128  # columns an activation scale covers against block-scaled weights
 BLOCKWISE = (GROUP, GROUP)  # the weight blocks cuBLAS's block-scaled GEMM takes
+ROW_MULTIPLE = 16  # rows cuBLAS's block-scaled GEMM takes (509 fails heuristics; 64 runs): padded with zeros
 QUANT_WIDTH = 1024  # columns a per-token program reads at a time
 
 
@@ -125,11 +126,14 @@ def linear(
     if not w8a8_applies(x, weight, block):
         return F.linear(x, dequantize(weight, scale, block, x.dtype), bias)
     x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
+    m = x2.shape[0]
+    if block is not None and m % ROW_MULTIPLE:  # the block-scaled GEMM refuses other row counts
+        x2 = F.pad(x2, (0, 0, 0, ROW_MULTIPLE - m % ROW_MULTIPLE))
+    elif x2.stride(-1) != 1:
         x2 = x2.contiguous()
     q, x_scale = quantize_activations(x2, GROUP if block else 0)
     w_scale = scale.view(1, n) if block is None else scale.t()  # blocks: [K / 128, N / 128], column-major
-    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)[:m]
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], n)
