@@ -5,9 +5,10 @@ same model: logprobs (completions' `logprobs: k`, chat's `logprobs` and `top_log
 `logit_bias`, `ignore_eos`, stop strings across streamed chunks and `n` choices (each equal to a
 request of its own seed; usage counting the prompt once), streamed and whole; bad values are
 400 (INVALID_ARGUMENT) naming the parameter, and every KV page is free afterwards.
-lm-evaluation-harness's `local-completions` model runs a loglikelihood task (JSON lines written
-here) through the completions route, batched, and its loglikelihoods equal the sums of
-transformers' log_softmax over the same continuation tokens."""
+lm-evaluation-harness's `local-completions` model runs a loglikelihood task and a greedy
+generate_until task (JSON lines written here) through the completions route, batched: its
+loglikelihoods equal the sums of transformers' log_softmax over the same continuation tokens,
+its generations transformers' greedy `generate` cut at the task's stop strings."""
 
 import json
 import time
@@ -363,33 +364,61 @@ DOCS = [
     {"context": "if __name__ == ", "continuation": "'__main__':\n    main()"},
     {"context": "x = [1, 2, 3]\ny = ", "continuation": "sum(x) "},
 ]
+# generate_until: hand-written targets (what a reader would complete), scored by exact match
+GENERATE = [
+    {"context": "import os\nimport", "target": " sys"},
+    {"context": "for i in range(", "target": "n"},
+    {"context": "def __init__(self", "target": ", *args, **kwargs"},
+    {"context": "raise ValueError(", "target": "'bad value'"},
+]
+UNTIL = ["\n", ")"]
+GENERATE_TOKENS = 12
 
 
-def _task(root) -> TaskManager:
-    data = root / "docs.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (root / "tiny_ll.yaml").write_text(
-        "\n".join(
-            [
-                "task: slidespec_tiny_loglikelihood",
-                "dataset_path: json",
-                "dataset_kwargs:",
-                "  data_files:",
-                f"    test: {data}",
-                "test_split: test",
-                "output_type: loglikelihood",
-                "doc_to_text: '{{context}}'",
-                "doc_to_target: '{{continuation}}'",
-                "metric_list:",
-                "  - metric: perplexity",
-                "  - metric: acc",
-            ]
-        )
+def _task_yaml(root, name: str, docs: list[dict], lines: list[str]) -> None:
+    data = root / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    head = [f"task: {name}", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {data}"]
+    (root / f"{name}.yaml").write_text("\n".join([*head, "test_split: test", *lines]))
+
+
+def _tasks(root) -> TaskManager:
+    """A loglikelihood task and a greedy generate_until task, as JSON lines and task YAML."""
+    _task_yaml(
+        root,
+        "slidespec_tiny_loglikelihood",
+        DOCS,
+        [
+            "output_type: loglikelihood",
+            "doc_to_text: '{{context}}'",
+            "doc_to_target: '{{continuation}}'",
+            "metric_list:",
+            "  - metric: perplexity",
+            "  - metric: acc",
+        ],
+    )
+    _task_yaml(
+        root,
+        "slidespec_tiny_generate",
+        GENERATE,
+        [
+            "output_type: generate_until",
+            "doc_to_text: '{{context}}'",
+            "doc_to_target: '{{target}}'",
+            "generation_kwargs:",
+            f"  until: {json.dumps(UNTIL)}",
+            "  do_sample: false",
+            f"  max_gen_toks: {GENERATE_TOKENS}",
+            "metric_list:",
+            "  - metric: exact_match",
+        ],
     )
     return TaskManager(include_path=str(root))
 
 
-def test_lm_eval_local_completions_loglikelihoods_equal_transformers(app, tmp_path):
+@pytest.fixture(scope="module")
+def evaluated(app, tmp_path_factory):
+    """lm-eval's local-completions model run once over both tasks: (model, results)."""
     lm = get_model("local-completions")(
         model=MODEL,
         base_url=f"{app[2]}/completions",
@@ -401,11 +430,27 @@ def test_lm_eval_local_completions_loglikelihoods_equal_transformers(app, tmp_pa
         max_retries=1,
     )
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=["slidespec_tiny_loglikelihood"], task_manager=_task(tmp_path), log_samples=True
+        model=lm,
+        tasks=["slidespec_tiny_loglikelihood", "slidespec_tiny_generate"],
+        task_manager=_tasks(tmp_path_factory.mktemp("lm_eval")),
+        log_samples=True,
     )
-    samples = sorted(results["samples"]["slidespec_tiny_loglikelihood"], key=lambda s: s["doc_id"])
+    return lm, results
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+
+
+def _samples(results, task: str) -> list[dict]:
+    return sorted(results["samples"][task], key=lambda s: s["doc_id"])
+
+
+def test_lm_eval_local_completions_loglikelihoods_equal_transformers(evaluated, hf):
+    lm, results = evaluated
+    samples = _samples(results, "slidespec_tiny_loglikelihood")
     assert len(samples) == len(DOCS)
-    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, torch_dtype=torch.float32).eval()
     for doc, sample in zip(DOCS, samples):
         (loglikelihood, greedy) = sample["filtered_resps"][0]
         context, continuation = lm._encode_pair(doc["context"], doc["continuation"])
@@ -417,4 +462,29 @@ def test_lm_eval_local_completions_loglikelihoods_equal_transformers(app, tmp_pa
         assert greedy == bool((rows.argmax(dim=-1) == torch.tensor(continuation)).all()), doc
     assert results["results"]["slidespec_tiny_loglikelihood"]["acc,none"] == pytest.approx(
         sum(s["filtered_resps"][0][1] for s in samples) / len(DOCS)
+    )
+
+
+def _cut(text: str, stops: list[str]) -> str:
+    """The text before the first of the stop strings."""
+    return text[: min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))]
+
+
+def test_lm_eval_local_completions_generations_equal_transformers_greedy(evaluated, hf, tokenizer):
+    """generate_until through the completions route: token prompts, `stop` (the task's `until`
+    and the tokenizer's EOS text), `max_tokens`, `seed`, temperature 0."""
+    lm, results = evaluated
+    samples = _samples(results, "slidespec_tiny_generate")
+    assert len(samples) == len(GENERATE)
+    matches = []
+    for doc, sample in zip(GENERATE, samples):
+        ids = lm.tok_encode(doc["context"])
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=GENERATE_TOKENS, do_sample=False)
+        want = _cut(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True), UNTIL)
+        assert sample["resps"] == [[want]] and sample["filtered_resps"] == [want], doc
+        matches.append(want == doc["target"])
+    assert 0 < sum(matches) < len(matches)  # the metric sees both outcomes
+    assert results["results"]["slidespec_tiny_generate"]["exact_match,none"] == pytest.approx(
+        sum(matches) / len(matches)
     )
