@@ -358,6 +358,13 @@ class AppArgs(EngineArgs):
     )
     metrics_open: bool = Field(False, description="serve the HTTP route's /metrics without the bearer token")
     max_request_bytes: int = Field(16 << 20, ge=1024, description="HTTP request bodies over this get 413")
+    tool_call_parser: Literal["detect", "none", "hermes", "llama3_json"] = Field(
+        "detect",
+        description="the format of the model's own tool calls, parsed out of its text for the chat route's "
+        "tool_choice auto: hermes (a JSON name and arguments between tool_call tags: Hermes, Qwen), llama3_json "
+        "(the output is JSON objects of a name and parameters: Llama 3.1 and 3.2), detect (the format the model's "
+        "chat template shows, if any), none (tool_choice auto is refused)",
+    )
 
     @classmethod
     def from_flat(cls, args: dict[str, Any]) -> AppArgs:

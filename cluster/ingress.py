@@ -35,6 +35,7 @@ from cluster.http_routes import Match, match, relative_path
 from cluster.metrics import ServingMetrics
 from cluster.openai_api import OpenAIApi
 from cluster.openai_api import error_response as openai_error
+from cluster.openai_tools import tool_format
 from cluster.protocol import PromptLimits, clipped
 from cluster.rank_actor import rank0_replica, rank_actor_name
 from cluster.replica_set import ReplicaSet
@@ -124,7 +125,12 @@ class GrpcIngress:
         self.service = GenerationService(self.gateway, self._ready, self._model_info, self._loads, self._telemetry)
         self.http = HttpApi(self.gateway, self._telemetry, self.args.max_request_bytes)
         self.openai = OpenAIApi(
-            self.gateway, self._telemetry, self.tokenizer, self.model_name, self.args.max_request_bytes
+            self.gateway,
+            self._telemetry,
+            self.tokenizer,
+            self.model_name,
+            self.args.max_request_bytes,
+            tool_format(self.args.tool_call_parser, getattr(self.tokenizer, "chat_template", None)),
         )
         self.token = load_token(self.args.grpc.auth_token_file)
         self.server, self.grpc_port, self.health = await start_server(self.service, self.args.grpc)

@@ -13,7 +13,8 @@ and refused otherwise, naming the parameter; fields nobody defines are ignored, 
 replica prefills the prompt once and forks it); `usage` counts each prompt once, as OpenAI does.
 Log-probabilities take OpenAI's shapes (`cluster/openai_logprobs.py`); `echo` with `logprobs`
 gives the prompt's, and `max_tokens: 0` with `echo` the prompt alone (lm-evaluation-harness's
-loglikelihood requests).
+loglikelihood requests). Tool calls are forced by a grammar (`cluster/openai_structured.py`) or,
+with `tool_choice: "auto"`, parsed out of the model's text (`cluster/openai_tools.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from cluster import openai_logprobs
 from cluster.gateway import STATUS, Gateway, RequestFailed, merge_streams
 from cluster.http_api import BodyTooLarge, read_json
 from cluster.openai_structured import Refused, Structured, ToolCalls, structured_outputs
+from cluster.openai_tools import AutoTools, ToolCallParser, ToolFormat
 from cluster.protocol import InvalidRequest, clipped
 from cluster.telemetry import READER_GONE, RequestTelemetry
 from workers.rank_loop import ErrorCode
@@ -187,7 +189,7 @@ class ChatRequest(_Request):
         return {**super().names, "logprobs": "top_logprobs"}
 
 
-def _parse(model: type[_Request], body: Any) -> _Request:
+def _parse(model: type[_Request], body: Any, tool_format: ToolFormat | None = None) -> _Request:
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     try:
@@ -208,7 +210,7 @@ def _parse(model: type[_Request], body: Any) -> _Request:
     if isinstance(request, ChatRequest) and request.top_logprobs is not None and not request.logprobs:
         raise OpenAIError(400, "top_logprobs: needs logprobs to be true", "top_logprobs")
     try:
-        request._structured = structured_outputs(request.model_extra or {}, chat=model is ChatRequest)
+        request._structured = structured_outputs(request.model_extra or {}, model is ChatRequest, tool_format)
     except Refused as exc:
         raise OpenAIError(400, str(exc), exc.param) from None
     return request
@@ -238,8 +240,12 @@ class OpenAIApi:
         tokenizer,
         model_name: str,
         max_request_bytes: int,
+        tool_format: ToolFormat | None = None,
     ) -> None:
+        """`tool_format`: how the model writes tool calls of its own (None: `tool_choice: "auto"`
+        is refused)."""
         self.gateway = gateway
+        self.tool_format = tool_format
         self.telemetry = telemetry
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -255,7 +261,7 @@ class OpenAIApi:
                 raise OpenAIError(413, str(exc)) from None
             except InvalidRequest as exc:
                 raise OpenAIError(400, str(exc)) from None
-            parsed = _parse(ChatRequest if chat else CompletionRequest, body)
+            parsed = _parse(ChatRequest if chat else CompletionRequest, body, self.tool_format)
             self._served(parsed.model)
             return await self._complete(parsed, chat, request)
         except OpenAIError as exc:
@@ -447,6 +453,9 @@ class _Response:
         self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         self.spec: list[dict[str, Any]] = []
         self.tools: ToolCalls | None = parsed._structured.tools  # chat output carried as tool calls
+        self.auto: AutoTools | None = parsed._structured.auto  # chat tool calls to find in the text
+        self.parsers: list[ToolCallParser] = [self.auto.parser() for _ in range(choices)] if self.auto else []
+        self.calls_sent = [0] * choices  # tool calls a stream sent, per choice
 
     def feed(self, prompt: int, update: dict[str, Any]) -> list[tuple[int, dict[str, Any], str, Any]]:
         """Take one update of a prompt's choices; returns what is ready to show, in order:
@@ -534,6 +543,11 @@ class _Response:
             if calls is not None:
                 body["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 finish = self.tools.finish_reason
+            elif self.auto is not None:
+                content, calls = self.auto.parse(text)
+                if calls:
+                    body["message"] = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                    finish = "tool_calls"
             choices.append({"index": i, **body, "logprobs": self._logprobs_field(self.lp[i]), "finish_reason": finish})
             if self.shows_prompt_logprobs:
                 choices[-1]["prompt_logprobs"] = self._prompt_logprobs(i)
@@ -563,7 +577,14 @@ class _Response:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             calls = self._tool_calls(index) if finish else None
-            if self.tools is not None and not finish and not role:
+            if self.auto is not None and not role:  # content outside calls, and each call once complete
+                text, made = self.parsers[index].feed(text or "", final=finish is not None)
+                if made:
+                    delta["tool_calls"] = [{"index": self.calls_sent[index] + j, **c} for j, c in enumerate(made)]
+                    self.calls_sent[index] += len(made)
+                if finish and self.calls_sent[index]:
+                    finish = "tool_calls"
+            elif self.tools is not None and not finish and not role:
                 text = None  # the arguments come as tool calls with the last chunk
             elif calls is not None:
                 delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(calls)]

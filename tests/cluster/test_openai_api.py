@@ -124,6 +124,8 @@ def test_a_cancelled_stream_frees_its_kv(app):
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"frequency_penalty": 3.0}, "frequency_penalty"),
         ({"extra_body": {"top_k": "many"}}, "top_k"),
+        # tool_choice auto (the default with tools): the shipped chat template shows no tool-call format
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
     ],
 )
 def test_bad_parameters_get_400_naming_them(app, kwargs, param):

@@ -1,8 +1,10 @@
 """Structured outputs through every door of a running application (the shipped tiny model with
 its EAGLE draft, on loopback): the official `openai` client's `response_format` (json_schema
 strict, json_object), vLLM's `structured_outputs` and `guided_*` parameters, tool calls forced
-by `tool_choice` (required, a named function; streamed or not), the JSON-lines route and gRPC;
-every output checked by `json.loads`, the schema's own constraints or `re.fullmatch`. A schema
+by `tool_choice` (required, a named function; streamed or not), `tool_choice: "auto"` with the
+hermes parser (a text answer as `"none"` gives it; an output that a grammar makes a hermes call
+comes back as that call), the JSON-lines route and gRPC; every output checked by `json.loads`,
+the schema's own constraints or `re.fullmatch`. A schema
 or regex that does not compile is a 400 / INVALID_ARGUMENT naming the parameter, and the replica's
 KV pools are back to full free counts."""
 
@@ -51,6 +53,7 @@ def app(ray_serve, tmp_path_factory):
         num_replicas=1,
         speculative={"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": 3},
         grpc={"port": 0, "auth_token_file": str(token_file)},
+        tool_call_parser="hermes",  # the shipped template shows no tool-call format of its own
     )
     handle = serve.run(build_app(args), name="so", route_prefix="/so")
     grpc_client = GenerationClient(f"127.0.0.1:{handle.ports.remote().result()['grpc']}", token=TOKEN)
@@ -157,6 +160,53 @@ def test_tool_choice_required_and_named_give_tool_calls(app):
     assert not any(c.choices[0].delta.content for c in chunks if c.choices)
 
 
+def test_tool_choice_auto_answers_in_text_as_none_does(app):
+    client, _, _ = app
+    auto, none = (
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, temperature=0.0, max_tokens=16, tools=[WEATHER], tool_choice=choice
+        ).choices[0]
+        for choice in ("auto", "none")
+    )
+    assert auto.message.tool_calls is None and auto.message.content
+    assert auto.message.content == none.message.content and auto.finish_reason == none.finish_reason
+
+
+# what a Hermes-style model writes when it calls tools: text, then each call between tags
+HERMES = (
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def test_tool_choice_auto_parses_the_calls_out_of_the_text(app):
+    """The output is made HERMES by a grammar (the tiny model was never taught to call tools);
+    the server finds the calls in it, whole and streamed."""
+    client, grpc_client, _ = app
+    kwargs = dict(
+        model=MODEL,
+        messages=CHAT,
+        temperature=0.0,
+        max_tokens=120,
+        tools=[WEATHER, CLOCK],
+        tool_choice="auto",
+        extra_body={"guided_choice": [HERMES]},
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert len({c.id for c in whole.message.tool_calls}) == 2
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        (i, *call) for i, call in enumerate(calls)
+    ]
+    assert "".join(c.delta.content or "" for c in chunks) == "Checking."
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"]
+    _idle(grpc_client)
+
+
 def test_json_lines_route_and_grpc_take_structured_outputs(app):
     _, grpc_client, base = app
     body = {"prompt": "def f(x):", "stream": False, "sampling": {"temperature": 0.0, "max_new_tokens": 40}}
@@ -179,7 +229,6 @@ def test_json_lines_route_and_grpc_take_structured_outputs(app):
         ({"extra_body": {"structured_outputs": {"json": "{oops"}}}, "structured_outputs"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_regex"),
-        ({"tools": [WEATHER]}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ],
 )
