@@ -147,6 +147,12 @@ class EngineArgs(BaseModel):
         description="tensor-parallel all-reduces of decode size: NCCL, or one kernel over peer memory "
         "(one_shot: CUDA only; prefill-sized messages stay on NCCL)",
     )
+    moe_parallel: Literal["tensor", "expert"] = Field(
+        "tensor",
+        description="how tensor-parallel ranks share a mixture of experts: tensor, a slice of every expert's "
+        "intermediate dimension each; expert, num_experts / tp_size whole experts each, running only the chosen "
+        "ones among them (num_experts must divide); either way the partial sums are all-reduced",
+    )
     cuda_graphs: bool = Field(
         True,
         description="capture the decode-side forwards (decode, or speculative verify and draft steps) as CUDA graphs "

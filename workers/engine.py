@@ -30,7 +30,7 @@ from workers.memory.allocator import cdiv
 from workers.memory.kv_write import resolve_kv_cache_dtype
 from workers.model_runner import ModelRunner
 from workers.models import load_model_config
-from workers.models.config import with_quantization
+from workers.models.config import MoEParallel, with_moe_parallel, with_quantization
 from workers.models.decoder import RotaryTables
 from workers.overlap import InFlight, OverlapDecoder
 from workers.processors import TokenCounts
@@ -112,6 +112,7 @@ class Engine:
         speculative: Mapping[str, Any] | None = None,
         tp: TPGroup = SINGLE_RANK,
         tp_all_reduce: AllReduce = "nccl",
+        moe_parallel: MoEParallel = "tensor",
         cuda_graphs: bool | str = True,
         cuda_graph_max_batch_size: int | None = None,
         overlap_schedule: bool | None = None,
@@ -137,7 +138,7 @@ class Engine:
                 raise ValueError(f"{name}: must be >= {least}, got {value}")
         if not 0.0 < swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"swa_full_tokens_ratio: must be in (0, 1], got {swa_full_tokens_ratio}")
-        self.cfg = with_quantization(load_model_config(model), quantization)
+        self.cfg = with_moe_parallel(with_quantization(load_model_config(model), quantization), moe_parallel)
         self.context_length = resolve_context_length(self.cfg, context_length, max_total_tokens)
         self.tokenizer = load_tokenizer(model)
         spec = SpecConfig.from_dict(speculative) if speculative is not None else None

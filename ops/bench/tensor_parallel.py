@@ -1,6 +1,8 @@
 """Decode throughput of one replica at tensor-parallel sizes 1, 2, ... on the GPUs of one host.
 
     python -m ops.bench.tensor_parallel --out results.json [--tp-sizes 1,2] [--batches 1,64]
+    python -m ops.bench.tensor_parallel --out moe.json --shape gpt-oss-20b --all-reduce nccl \
+        --moe-parallel tensor,expert
 
 Each size runs in its own processes, one a GPU, exactly as a serving replica's rank actors do:
 NCCL for the model's collectives, gloo for the step plans, `RankLoop` in lockstep, CUDA graphs on
@@ -8,7 +10,9 @@ NCCL for the model's collectives, gloo for the step plans, `RankLoop` in lockste
 shape with dummy weights by default, prompt 128, 128 new tokens) and times the decode phase: from
 the moment every request has its first token to the last token. The same harness at size 1 is
 the baseline, so a size's speed-up is one division. Sizes above 1 run with each `tp_all_reduce`
-(NCCL, one-shot over peer memory). Also measured: a captured graph of 64 all-reduces of one
+(NCCL, one-shot over peer memory) and, for the mixture-of-experts shapes (gemma4-26b-a4b,
+gpt-oss-20b), each `moe_parallel` asked for (experts split by tensor or by expert; runs of the
+latter are named `.../moe_expert`). Also measured: a captured graph of 64 all-reduces of one
 decode step's hidden state (bf16, batch 1 and 64), the collective's own cost per step.
 """
 
@@ -33,6 +37,7 @@ from ops.bench.decode_throughput import NEW, PROMPT, SHAPES, random_prompts, wri
 from ops.bench.record import add_record_args, record_run
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
+from workers.models import load_model_config
 from workers.rank_loop import RankLoop, Update
 
 logger = logging.getLogger(__name__)
@@ -165,6 +170,11 @@ def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: st
     return out
 
 
+def run_name(world: int, all_reduce: str, moe_parallel: str) -> str:
+    """A run's key in the report: experts split by tensor (the default) go unnamed."""
+    return f"tp{world}/{all_reduce}" + ("" if moe_parallel == "tensor" else f"/moe_{moe_parallel}")
+
+
 def cases(report: dict) -> dict[str, dict]:
     """One case a size, all-reduce and batch: its decode rate, the speed-up over one GPU and
     what one all-reduce of the hidden state costs in a graph at that batch."""
@@ -185,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tp-sizes", default="1,2")
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--all-reduce", default="nccl,one_shot", help="tp_all_reduce settings to run at sizes > 1")
+    parser.add_argument(
+        "--moe-parallel", default="tensor", help="moe_parallel settings to run at sizes > 1 (tensor,expert: both)"
+    )
     add_record_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -205,19 +218,24 @@ def main(argv: list[str] | None = None) -> dict:
             chunked_prefill_size=8192,
         )
         report: dict = {"shape": args.shape, "prompt": PROMPT, "new_tokens": NEW, "gpu": torch.cuda.get_device_name()}
-        runs = [(w, "nccl") for w in sizes if w == 1] + [
-            (w, ar) for w in sizes if w > 1 for ar in args.all_reduce.split(",")
+        moe_modes = args.moe_parallel.split(",")
+        if moe_modes != ["tensor"] and load_model_config(engine_kwargs["model"]).moe is None:
+            raise SystemExit(f"--moe-parallel {args.moe_parallel}: {args.shape} has no mixture of experts")
+        runs = [(w, "nccl", "tensor") for w in sizes if w == 1] + [
+            (w, ar, moe) for w in sizes if w > 1 for ar in args.all_reduce.split(",") for moe in moe_modes
         ]
-        for world, all_reduce in runs:
-            report[f"tp{world}/{all_reduce}"] = run_size(world, engine_kwargs, batches, all_reduce)
+        for world, all_reduce, moe in runs:
+            kwargs = {**engine_kwargs, "moe_parallel": moe}
+            report[run_name(world, all_reduce, moe)] = run_size(world, kwargs, batches, all_reduce)
     base = report.get("tp1/nccl", {})
-    for world, all_reduce in runs:
+    for world, all_reduce, moe in runs:
         for b in batches:
-            got = report[f"tp{world}/{all_reduce}"][f"b{b}"]
+            got = report[run_name(world, all_reduce, moe)][f"b{b}"]
             if f"b{b}" in base:
                 got["speedup_over_tp1"] = got["tok_per_s"] / base[f"b{b}"]["tok_per_s"]
             print(
-                f"tp {world} ({all_reduce}) batch {b}: {got['tok_per_s']:.1f} tok/s, {got['ms_per_step']:.2f} ms/step"
+                f"tp {world} ({all_reduce}, experts by {moe}) batch {b}: {got['tok_per_s']:.1f} tok/s, "
+                f"{got['ms_per_step']:.2f} ms/step"
                 + (f", {got['speedup_over_tp1']:.2f}x tp1" if "speedup_over_tp1" in got else "")
             )
     with open(args.out, "w") as f:

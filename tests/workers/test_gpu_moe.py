@@ -5,10 +5,12 @@ gpt-oss-20b: 32 experts, top 4, 2880 -> 2880, clamped SwiGLU with biases) and th
 models' (8 experts, top 2, 256 -> 32: narrower than the kernels' tiles), bf16, for batches of 1
 and 8 (the GEMV-like kernels) and 64 and a 300-token prefill (the grouped GEMM), with uneven
 expert loads and experts that receive no token: within bf16 noise of the torch path, and
-rounded in the same places (the mean difference far below an ulp). Under a CUDA graph a replay
-with new routing gives the new routing's result, and an eager call never synchronises with the
-host. In the tiny Gemma 4 MoE and gpt-oss models (bf16, trtllm_mha, CUDA graphs) every experts
-call, prefill and decode, matches the torch path on its own inputs; with every expert chosen,
+rounded in the same places (the mean difference far below an ulp). With an expert map (expert
+parallelism: each of two ranks holds half the experts) each rank's kernels match its torch path
+and the two ranks' sums add up to the whole experts'. Under a CUDA graph a replay with new
+routing gives the new routing's result, with or without a map, and an eager call never
+synchronises with the host. In the tiny Gemma 4 MoE and gpt-oss models (bf16, trtllm_mha, CUDA
+graphs) every experts call, prefill and decode, matches the torch path on its own inputs; with every expert chosen,
 so that no routing decision can flip, the logits match the torch path's within bf16 noise.
 """
 
@@ -34,6 +36,9 @@ KERNEL_NOISE = 2.0**-6  # of the largest output: bf16 rounding of the intermedia
 # Mean difference over mean output: the kernels and the torch path round in the same places and
 # differ only in float32 summation order; rounding most outputs differently shows as ~2^-8.
 ROUNDING_NOISE = 2.0**-10
+# Expert parallelism: each rank's sum rounded to bf16 before the ranks' sums are added (as the
+# all-reduce adds them), so most outputs differ from one rounding of the whole by ~2^-9.
+RANK_SUMS_NOISE = (KERNEL_NOISE, 2.0**-7)
 MODEL_NOISE = 2.0**-4  # of the largest logit, through a random tiny model's layers; a wrong kernel is off by O(1)
 NEW_TOKENS = 32
 # tiny model -> its config's (expert count, experts a token) fields
@@ -71,6 +76,26 @@ def skewed_routing(
     return route(logits, top_k)
 
 
+def dealt_routing(
+    tokens: int, num: int, top_k: int, seed: int, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`skewed_routing` with its experts dealt alternately to the two halves of the ids, so that
+    under expert parallelism over two ranks each holds busy experts and experts no token chose."""
+    weights, ids = skewed_routing(tokens, num, top_k, seed, device)
+    dealt = torch.arange(num, device=device).view(2, -1).t().reshape(-1)  # 0, num/2, 1, num/2 + 1, ...
+    return weights, dealt[ids]
+
+
+def held_by(rank: int, ranks: int, experts: tuple) -> tuple[tuple, torch.Tensor]:
+    """(the weights and biases of rank `rank`'s experts, its expert map): `moe_parallel: expert`
+    gives each rank a contiguous run of num / ranks experts; the map sends the others to -1."""
+    num = experts[0].shape[0]
+    count = num // ranks
+    held = tuple(None if t is None else t[rank * count : (rank + 1) * count] for t in experts)
+    index = torch.arange(num, device=experts[0].device) - rank * count
+    return held, torch.where((index >= 0) & (index < count), index, -1)
+
+
 def differences(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """[largest difference over the largest output, mean difference over the mean output],
     computed on the device (no host read, so it can run inside a captured graph)."""
@@ -103,16 +128,42 @@ def test_fused_experts_match_the_torch_path(shape, tokens):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("tokens", [1, 64])
-def test_fused_experts_replay_new_routing_and_never_synchronise(shape, tokens):
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+def test_fused_experts_with_an_expert_map_match_the_torch_path(shape, tokens):
+    """Expert parallelism over two ranks: each rank's kernels, skipping the pairs of the other
+    rank's experts, against its torch path; the two ranks' sums against the whole experts'."""
     from workers.models.fused_moe import fused_experts
 
-    num, top_k, hidden, act, (gate_up, down, gate_up_bias, down_bias) = random_experts(shape)
+    num, top_k, hidden, act, experts = random_experts(shape)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
-    weights, ids = skewed_routing(tokens, num, top_k, seed=1)
+    weights, ids = dealt_routing(tokens, num, top_k, seed=tokens)
+    total = torch.zeros(tokens, hidden, device="cuda")
+    for rank in range(2):
+        (gate_up, down, gate_up_bias, down_bias), expert_map = held_by(rank, 2, experts)
+        args = (x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, expert_map)
+        got = fused_experts(*args)
+        assert_rounding_noise(differences(got, experts_torch(*args)), f"{shape} {tokens} tokens, rank {rank}")
+        total += got.float()
+        held = expert_map[ids] >= 0
+        assert ids.numel() < 16 or (held.any() and not held.all()), "each rank should skip some pairs and run some"
+    whole = experts_torch(x, *experts[:2], weights, ids, act, *experts[2:])
+    assert_rounding_noise(differences(total, whole), f"{shape} {tokens} tokens, two ranks' sums", RANK_SUMS_NOISE)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fused_experts_replay_new_routing_and_never_synchronise(shape, tokens, expert_parallel):
+    from workers.models.fused_moe import fused_experts
+
+    num, top_k, hidden, act, experts = random_experts(shape)
+    held, expert_map = held_by(1, 2, experts) if expert_parallel else (experts, None)
+    gate_up, down, gate_up_bias, down_bias = held
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = dealt_routing(tokens, num, top_k, seed=1)
 
     def run():
-        return fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
+        return fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, expert_map)
 
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -127,12 +178,12 @@ def test_fused_experts_replay_new_routing_and_never_synchronise(shape, tokens):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    new_weights, new_ids = skewed_routing(tokens, num, top_k, seed=2)
+    new_weights, new_ids = dealt_routing(tokens, num, top_k, seed=2)
     weights.copy_(new_weights)
     ids.copy_(new_ids)
     x.copy_(torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16))
     graph.replay()
-    ref = experts_torch(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
+    ref = experts_torch(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, expert_map)
     assert_rounding_noise(differences(out, ref), f"{shape} {tokens} tokens, replayed")
 
 

@@ -1,6 +1,8 @@
 """Tensor parallelism on two GPUs: NCCL for the model's collectives, gloo for the step plans;
 trtllm_mha in bf16, with and without speculative decoding, against one GPU. Logits agree within
-bf16 noise up to any first divergence (reduction order differs between 1 and 2 ranks)."""
+bf16 noise up to any first divergence (reduction order differs between 1 and 2 ranks). The tiny
+mixtures of experts too, their experts split by tensor and by expert (the fused kernels under
+CUDA graphs)."""
 
 import os
 
@@ -10,9 +12,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.draft_models import make_perturbed_copy
-from tests.hf_models import make_tiny_model
+from tests.hf_models import TINY_MODELS, make_tiny_model
 from tests.workers.test_gpu_engine import compare_bf16_runs
-from tests.workers.test_tensor_parallel import PROMPTS, _free_port, run_tp
+from tests.workers.test_gpu_moe import EXPERT_FIELDS, MODEL_NOISE, _tiny_moe_model
+from tests.workers.test_tensor_parallel import PROMPTS, _free_port, run_tp, run_tp_each
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 
@@ -56,6 +59,24 @@ def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative, all_redu
         f"largest logit difference {worst:.3g}"
         + (f", mean accept length {sum(lengths) / len(lengths):.2f}" if lengths else "")
     )
+
+
+@pytest.mark.parametrize("name", list(EXPERT_FIELDS))
+def test_two_gpu_mixture_of_experts_matches_one_gpu(tmp_path, name):
+    """Every expert chosen (no routing decision left to flip between reduction orders): the
+    experts split by tensor and by expert (each rank's kernels skipping the other's experts) give
+    one GPU's logits within bf16 noise."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    count, top_k = EXPERT_FIELDS[name]
+    path = _tiny_moe_model(tmp_path, name, **{top_k: TINY_MODELS[name][2][count]})
+    kwargs = dict(model=path, device="cuda", dtype="bfloat16", page_size=16, attention_backend="trtllm_mha")
+    ref = Engine(**kwargs).generate(prompt_token_ids=PROMPTS, sampling=SAMPLING)
+    modes = ("tensor", "expert")
+    for mode, got in zip(modes, run_tp_each(2, [{**kwargs, "moe_parallel": m} for m in modes], SAMPLING)):
+        label = f"{name} tp2 moe_parallel={mode}"
+        diverged, worst = compare_bf16_runs(ref, got, label, noise=MODEL_NOISE)
+        print(f"{label}: {diverged} of {len(PROMPTS)} diverged, largest logit difference {worst:.3g}")
 
 
 def _one_shot_rank(rank: int, port: int, results) -> None:

@@ -27,7 +27,7 @@ from tests.draft_models import make_eagle_head, make_gemma4_assistant, make_pert
 from tests.hf_models import COMMON, TINY_MODELS, WINDOW, make_tiny_model, random_prompts
 from workers.distributed import SINGLE_RANK
 from workers.engine import Engine, SamplingParams
-from workers.models.config import model_config_from_hf
+from workers.models.config import model_config_from_hf, with_moe_parallel
 from workers.models.moe import Experts, Router, SparseMoE
 from workers.models.mxfp4 import FP4_VALUES, SCALE_BIAS
 
@@ -160,13 +160,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exp[..., 0] + SCALE_BIAS).to(torch.uint8)
 
 
-def test_mxfp4_checkpoint_gives_the_dequantised_models_tokens(tmp_path):
-    """A random gpt-oss with its experts quantised to MXFP4 (`*_blocks`, `*_scales`, the config's
-    quantization_config) loads, dequantised, and gives the tokens and logits of transformers'
-    model dequantising the same file; transformers' weights are the originals within FP4's error,
-    so the file is in its format."""
-    path = str(tmp_path / "gpt_oss")
-    original = make_tiny_model("gpt_oss", path)
+def quantize_checkpoint_mxfp4(path: str) -> None:
+    """Rewrite the gpt-oss checkpoint in `path` with its experts in MXFP4 (`*_blocks`, `*_scales`,
+    the config's quantization_config), as OpenAI ships them."""
     weights = load_file(os.path.join(path, "model.safetensors"))
     for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         blocks, scales = quantize_mxfp4(weights.pop(name).transpose(1, 2))  # stored [E, in, out]: rows are outputs
@@ -184,6 +180,14 @@ def test_mxfp4_checkpoint_gives_the_dequantised_models_tokens(tmp_path):
     }
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
 
+
+def test_mxfp4_checkpoint_gives_the_dequantised_models_tokens(tmp_path):
+    """A random gpt-oss with its experts quantised to MXFP4 loads, dequantised, and gives the
+    tokens and logits of transformers' model dequantising the same file; transformers' weights
+    are the originals within FP4's error, so the file is in its format."""
+    path = str(tmp_path / "gpt_oss")
+    original = make_tiny_model("gpt_oss", path)
+    quantize_checkpoint_mxfp4(path)
     hf = transformers.GptOssForCausalLM.from_pretrained(
         path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
     ).eval()
@@ -237,6 +241,21 @@ def test_experts_refuse_a_width_the_ranks_cannot_split():
     cfg = model_config_from_hf(tiny_config("gpt_oss", intermediate_size=30))
     with pytest.raises(ValueError, match="moe intermediate size 30 is not divisible by tp_size 4"):
         Experts(cfg.hidden_size, cfg.moe, _FakeGroup(4))
+
+
+def test_expert_parallelism_refuses_experts_the_ranks_cannot_share(tmp_path):
+    """`moe_parallel: expert` gives each rank whole experts: 8 over 3 ranks is refused naming the
+    option (an intermediate size only the expert split can serve is taken), and the option's
+    values are checked."""
+    cfg = with_moe_parallel(model_config_from_hf(tiny_config("gpt_oss", intermediate_size=30)), "expert")
+    Experts(cfg.hidden_size, cfg.moe, _FakeGroup(4))
+    with pytest.raises(
+        ValueError, match="moe_parallel: 'expert' needs num_experts divisible by tp_size; 8 experts over 3 "
+    ):
+        Experts(cfg.hidden_size, cfg.moe, _FakeGroup(3))
+    tiny_config("gpt_oss").save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="moe_parallel: 'tensor' or 'expert', got 'data'"):
+        Engine(model=str(tmp_path), load_format="dummy", max_total_tokens=256, moe_parallel="data")
 
 
 def tiny_config(name: str, **overrides) -> transformers.PretrainedConfig:

@@ -4,7 +4,8 @@ replicated on every rank), on a hybrid SWA model (4 ranks replicate its 2 KV hea
 wave reuses the first's prefixes: every rank's prefix cache makes the same hits, and after a
 flush broadcast in the plan every rank's pools end full. Gemma 4 (two attention geometries, KV
 sharing, per-layer embeddings) on two ranks too, also drafted by its assistant (sharded, reading
-each rank's shard of the target's KV), and the mixtures of experts of Gemma 4 and gpt-oss. The
+each rank's shard of the target's KV), and the mixtures of experts of Gemma 4 and gpt-oss, split
+by tensor and by expert. The
 same runs on GPUs with NCCL are in test_gpu_tensor_parallel.py."""
 
 import datetime
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 
 from tests.draft_models import make_eagle_head, make_gemma4_assistant, make_perturbed_copy
 from tests.hf_models import make_tiny_model, random_prompts
+from tests.workers.test_moe import quantize_checkpoint_mxfp4, record_routes
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop
@@ -34,9 +36,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: SamplingParams, results) -> None:
+def _rank_main(rank: int, world: int, port: int, runs: list[dict], sampling: SamplingParams, results) -> None:
     torch.set_num_threads(1)
-    cuda = engine_kwargs.get("device") == "cuda"
+    cuda = runs[0].get("device") == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -47,6 +49,20 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: 
         timeout=datetime.timedelta(seconds=120),
     )
     control = dist.new_group(backend="gloo") if cuda else dist.group.WORLD
+    for engine_kwargs in runs:
+        _serve(rank, world, control, engine_kwargs, sampling, results)
+    dist.barrier(group=control)  # no rank closes its connections while another still reads from them
+    dist.destroy_process_group()
+    # Leave without running C++ static destructors: at interpreter exit gloo's threads were now
+    # and then destroyed while joinable ("terminate called without an active exception").
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _serve(rank: int, world: int, control, engine_kwargs: dict, sampling: SamplingParams, results) -> None:
+    """PROMPTS in two waves through one engine of the group, then a cache flush; rank 0 puts the
+    outputs on `results`."""
     engine = Engine(**engine_kwargs, tp=TPGroup(rank, world, dist.group.WORLD))
     outputs = {}
 
@@ -71,27 +87,26 @@ def _rank_main(rank: int, world: int, port: int, engine_kwargs: dict, sampling: 
     if rank == 0:
         # Plain pickle: torch's queue would share tensors through this process, which is exiting.
         results.put(pickle.dumps([outputs[f"r{i}"] for i in range(len(PROMPTS))]))
-    dist.barrier(group=control)  # no rank closes its connections while another still reads from them
-    dist.destroy_process_group()
-    # Leave without running C++ static destructors: at interpreter exit gloo's threads were now
-    # and then destroyed while joinable ("terminate called without an active exception").
-    results.close()
-    results.join_thread()
-    os._exit(0)
 
 
 def run_tp(world: int, engine_kwargs: dict, sampling: SamplingParams = GREEDY):
     """Outputs of PROMPTS from `world` ranks in lockstep (one process each)."""
+    return run_tp_each(world, [engine_kwargs], sampling)[0]
+
+
+def run_tp_each(world: int, runs: list[dict], sampling: SamplingParams = GREEDY) -> list:
+    """`run_tp`'s outputs for each of `runs` (engine arguments), one after another in the same
+    processes (started once)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, sampling, results))
+        ctx.Process(target=_rank_main, args=(r, world, port, runs, sampling, results))
         for port in [_free_port()]
         for r in range(world)
     ]
     for p in procs:
         p.start()
-    out = pickle.loads(results.get(timeout=300))
+    out = [pickle.loads(results.get(timeout=300)) for _ in runs]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -190,20 +205,27 @@ def test_gemma4_tensor_parallel_matches_one_rank(tmp_path, draft):
 
 @pytest.mark.parametrize("name", ["gemma4_moe", "gpt_oss"])
 def test_mixture_of_experts_tensor_parallel_matches_one_rank(tmp_path, name):
-    """Experts split by their intermediate dimension over two ranks (the router on every rank,
-    gpt-oss's down-projection bias added by one rank), gpt-oss's sinks split with the heads: the
-    same tokens as one rank."""
+    """The experts shared by two ranks both ways, the router on every rank: split by their
+    intermediate dimension (gpt-oss's down-projection bias added by one rank), and by expert
+    (`moe_parallel: expert`, four whole experts a rank, each adding its experts' biases), gpt-oss's
+    sinks split with the heads and its experts loaded from MXFP4: the same tokens as one rank.
+    Every expert of every layer is chosen by some token, so every rank's experts take part."""
     path = str(tmp_path / name)
     make_tiny_model(name, path)
+    if name == "gpt_oss":
+        quantize_checkpoint_mxfp4(path)
     kwargs = dict(
         model=path, page_size=16, chunked_prefill_size=8, max_total_tokens=2048, attention_backend="trtllm_mha"
     )
     single = Engine(**kwargs)
+    chosen = record_routes(single.runner.model)
     ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
     ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
-    got = run_tp(2, kwargs)
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert [o.cached_tokens for o in got] == [o.cached_tokens for o in ref]
+    assert all(seen == set(range(single.cfg.moe.num_experts)) for seen in chosen.values())
+    modes = ("tensor", "expert")
+    for moe_parallel, got in zip(modes, run_tp_each(2, [{**kwargs, "moe_parallel": m} for m in modes])):
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref], moe_parallel
+        assert [o.cached_tokens for o in got] == [o.cached_tokens for o in ref], moe_parallel
 
 
 def test_tp_all_reduce_setting_is_checked(model_dirs):

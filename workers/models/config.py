@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -66,6 +66,7 @@ class MoEConfig:
     layout: str
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    expert_parallel: bool = False  # ranks hold whole experts, not slices of every one (`with_moe_parallel`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +333,20 @@ def with_quantization(cfg: ModelConfig, quantization: str | None) -> ModelConfig
         return cfg
     layout = quantization_layout(quantization)
     return cfg if cfg.fp8 is not None else dataclasses.replace(cfg, fp8=layout)
+
+
+MoEParallel = Literal["tensor", "expert"]
+
+
+def with_moe_parallel(cfg: ModelConfig, moe_parallel: MoEParallel) -> ModelConfig:
+    """`cfg` with the engine option `moe_parallel` applied to its experts (models without a
+    mixture of experts take either): "tensor" splits every expert over the tensor-parallel ranks,
+    "expert" gives each rank whole experts (docs/design.md §4.8)."""
+    if moe_parallel not in get_args(MoEParallel):
+        raise ValueError(f"moe_parallel: 'tensor' or 'expert', got {moe_parallel!r}")
+    if cfg.moe is None:
+        return cfg
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_parallel=moe_parallel == "expert"))
 
 
 def model_config_from_hf(

@@ -17,6 +17,10 @@ and the down projection a second, which adds the expert's bias and scales by the
 weight into float32 rows; each token's top-k rows are then summed. Nothing is read back to the
 host and no shape depends on the routing, so CUDA graphs capture both paths. Float32 inputs
 multiply in full precision (`tl.dot` would round them to TF32).
+
+Under expert parallelism (`expert_map`, as vLLM's) a rank holds some of the experts: a pair
+routed to another rank's expert is skipped (its GEMV programs return, or write a zero row; the
+grouped GEMM sorts it into a run of tiles that only zero its rows), so it costs no weight reads.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def _gemv_gate_up(
     b_ptr,
     h_ptr,
     ids_ptr,
+    map_ptr,
     top_k,
     K,
     N,
@@ -65,16 +70,22 @@ def _gemv_gate_up(
     alpha,
     limit,
     HAS_BIAS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
     ACT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of `act(gate) * up` for pair p. The
-    expert's gate rows are rows [0, N) of its `[2N, K]` weight, its up rows [N, 2N)."""
+    expert's gate rows are rows [0, N) of its `[2N, K]` weight, its up rows [N, 2N). With a map,
+    a pair whose expert is elsewhere (-1) writes nothing."""
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e).to(tl.int64)
+        if e < 0:
+            return
     x_row = x_ptr + (p // top_k).to(tl.int64) * stride_x
     w_gate = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + N * stride_wn
@@ -101,6 +112,7 @@ def _gemv_down(
     b_ptr,
     y_ptr,
     ids_ptr,
+    map_ptr,
     weights_ptr,
     K,
     N,
@@ -110,15 +122,22 @@ def _gemv_down(
     stride_be,
     stride_y,
     HAS_BIAS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of pair p's expert's down projection of
-    its intermediate row, plus the expert's bias, times the pair's routing weight (float32)."""
+    its intermediate row, plus the expert's bias, times the pair's routing weight (float32).
+    With a map, a pair whose expert is elsewhere (-1) writes zeros."""
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e).to(tl.int64)
+        if e < 0:
+            tl.store(y_ptr + p.to(tl.int64) * stride_y + n, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_ok)
+            return
     h_row = h_ptr + p.to(tl.int64) * stride_h
     w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -211,21 +230,28 @@ def _gemm_down(
     stride_be,
     stride_y,
     HAS_BIAS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Program (m, n): tile m of the expert-sorted pairs' intermediate rows times that expert's
-    down rows [n * BLOCK_N, +BLOCK_N), plus its bias, times each pair's routing weight."""
+    down rows [n * BLOCK_N, +BLOCK_N), plus its bias, times each pair's routing weight. With a
+    map, a tile past the experts' runs writes zero rows for the pairs in it (other ranks')."""
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
-    if e >= num_experts:
-        return
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(pair_ptr + rows)
-    valid = pairs < num_pairs
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    if e >= num_experts:
+        if HAS_MAP:
+            skipped = tl.load(pair_ptr + rows)
+            y_skipped = y_ptr + skipped.to(tl.int64)[:, None] * stride_y
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            tl.store(y_skipped + n[None, :], zeros, mask=(skipped < num_pairs)[:, None] & n_ok[None, :])
+        return
+    pairs = tl.load(pair_ptr + rows)
+    valid = pairs < num_pairs
     h_rows = h_ptr + pairs.to(tl.int64)[:, None] * stride_h
     w_cols = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -242,25 +268,34 @@ def _gemm_down(
     tl.store(y_rows + n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align(
+    ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair of each row `[R]`, expert of each tile `[R / block_m]`): the routed pairs (flattened
     `ids`) sorted by expert, each expert's run padded to a multiple of `block_m` with the pair
-    count as filler, and tiles past the runs marked `num_experts`. `R` is the most rows the pairs
-    could fill, a function of their number alone; all on the device, no host read."""
+    count as filler, and tiles past the runs marked `num_experts`. With `expert_map`, pairs of
+    experts held elsewhere (-1) form one more run, last, in tiles marked `num_experts`. `R` is the
+    most rows the pairs could fill, a function of their number alone; all on the device, no host
+    read."""
     flat = ids.reshape(-1)
+    runs = num_experts
+    if expert_map is not None:
+        flat = expert_map[flat]
+        flat = torch.where(flat >= 0, flat, num_experts)
+        runs += 1
     pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts = torch.zeros(runs, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    rows = min(pairs * block_m, triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m)
+    rows = min(pairs * block_m, triton.cdiv(pairs + runs * (block_m - 1), block_m) * block_m)
     pair_of_row = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
     pair_of_row[(ends - padded)[expert] + rank] = order.to(torch.int32)
     starts = torch.arange(0, rows, block_m, device=ids.device)
-    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    block_expert = torch.searchsorted(ends[:num_experts], starts, right=True).to(torch.int32)
     return pair_of_row, block_expert
 
 
@@ -273,6 +308,7 @@ def fused_experts(
     act: Activation,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`experts_torch`'s result (same arguments) from the Triton kernels."""
     tokens, hidden = x.shape
@@ -287,23 +323,25 @@ def fused_experts(
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     gu_bias = gate_up if gate_up_bias is None else gate_up_bias  # no bias: never read
     d_bias = down if down_bias is None else down_bias
+    has_map = expert_map is not None
+    mapping = ids if expert_map is None else expert_map  # no map: never read
     code = ACTIVATIONS[act.name]
     if pairs <= GEMV_MAX_PAIRS:
         bn, bk = GEMV_BLOCK_N, GEMV_BLOCK_K
         _gemv_gate_up[(pairs, triton.cdiv(width, bn))](
-            x, gate_up, gu_bias, h, ids, top_k, hidden, width,
+            x, gate_up, gu_bias, h, ids, mapping, top_k, hidden, width,
             x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
-            HAS_BIAS=gate_up_bias is not None, ACT=code, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_BIAS=gate_up_bias is not None, HAS_MAP=has_map, ACT=code, BLOCK_N=bn, BLOCK_K=bk,
         )  # fmt: skip
         _gemv_down[(pairs, triton.cdiv(hidden, bn))](
-            h, down, d_bias, y, ids, weights, width, hidden,
+            h, down, d_bias, y, ids, mapping, weights, width, hidden,
             h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
-            HAS_BIAS=down_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, BLOCK_N=bn, BLOCK_K=bk,
         )  # fmt: skip
     else:
         bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models: no TF32 rounding
-        pair_of_row, block_expert = align(ids, num_experts, bm)
+        pair_of_row, block_expert = align(ids, num_experts, bm, expert_map)
         tiles = block_expert.shape[0]
         _gemm_gate_up[(tiles, triton.cdiv(width, bn))](
             x, gate_up, gu_bias, h, pair_of_row, block_expert, pairs, num_experts, top_k, hidden, width,
@@ -313,6 +351,6 @@ def fused_experts(
         _gemm_down[(tiles, triton.cdiv(hidden, bn))](
             h, down, d_bias, y, pair_of_row, block_expert, weights, pairs, num_experts, width, hidden,
             h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
-            HAS_BIAS=down_bias is not None, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         )  # fmt: skip
     return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)

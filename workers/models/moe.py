@@ -14,9 +14,13 @@ data (`MoEConfig`):
 
 The two routers are one function: a softmax over all experts renormalised over the top k is the
 softmax of the top-k logits. Weights are held in one layout whatever the checkpoint's
-(`gate_up_proj [E, 2 * I/tp, H]` gate rows then up rows, `down_proj [E, H, I/tp]`): under tensor
-parallelism each rank keeps its slice of every expert's intermediate dimension (the column/row
-scheme of the dense MLP, `workers/models/layers.py`), and the partial outputs are all-reduced.
+(`gate_up_proj [E, 2I, H]` gate rows then up rows, `down_proj [E, H, I]`). Under tensor
+parallelism the ranks share the experts one of two ways (`MoEConfig.expert_parallel`, the engine
+option `moe_parallel`): by tensor, each rank keeps its slice of every expert's intermediate
+dimension (`[E, 2I/tp, H]`, the column/row scheme of the dense MLP, `workers/models/layers.py`);
+by expert, each keeps E/tp whole experts (`[E/tp, 2I, H]`) and runs only the chosen ones among
+them. Either way every rank holds the same tokens and routing and the partial outputs are
+all-reduced.
 
 The torch path below is the CPU path and the oracle of the CUDA kernels (`fused_moe.py`): it
 runs every expert over every token, weighted by its routing weight (zero where not chosen), so
@@ -98,15 +102,22 @@ def experts_torch(
     act: Activation,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`, experts in ascending order as transformers
     adds them; every expert runs over every token and an unchosen one adds zero, so no shape
     depends on the routing. It rounds where the kernels do: products and sums in float32, the
     activated intermediate row once to x's dtype, the output once. Rounded after every projection
     and the activation as well (bf16 `F.linear`), it would differ from the kernels by about an ulp
-    in most outputs, enough to flip near-tie routings downstream (docs/design.md §4.8)."""
+    in most outputs, enough to flip near-tie routings downstream (docs/design.md §4.8).
+
+    `expert_map` (expert parallelism, int64 `[all experts]`): each expert's index in these
+    weights, -1 for one another rank holds, which adds nothing here; None: `ids` index the weights."""
     num_experts = gate_up.shape[0]
-    combine = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device).scatter_(1, ids, weights)
+    if expert_map is not None:
+        local = expert_map[ids]
+        ids = torch.where(local >= 0, local, num_experts)  # other ranks' experts: the column no expert reads
+    combine = torch.zeros(x.shape[0], num_experts + 1, dtype=torch.float32, device=x.device).scatter_(1, ids, weights)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in range(num_experts):
@@ -158,50 +169,74 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The stacked experts, each rank holding its slice of every expert's intermediate dimension;
-    `forward(x, weights, ids)` is the all-reduced weighted sum of the chosen experts' outputs. The
-    down projection's bias is whole on every rank and added by rank 0 alone, before the sum."""
+    """The stacked experts, shared by the tensor-parallel ranks by tensor (each holds its slice of
+    every expert's intermediate dimension) or by expert (`MoEConfig.expert_parallel`: each holds
+    the whole of num_experts / tp_size consecutive experts); `forward(x, weights, ids)` is the
+    all-reduced weighted sum of the chosen experts' outputs. The down projection's bias is part of
+    each expert's weighted output: by tensor every rank holds it whole and rank 0 alone adds it,
+    by expert the rank holding the expert adds it."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup) -> None:
         super().__init__()
         width = moe.intermediate_size
-        if width % tp.size:
-            raise ValueError(f"moe intermediate size {width} is not divisible by tp_size {tp.size}")
         self.tp = tp
+        self.expert_parallel = moe.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            if moe.num_experts % tp.size:
+                raise ValueError(
+                    f"moe_parallel: 'expert' needs num_experts divisible by tp_size; {moe.num_experts} experts "
+                    f"over {tp.size} ranks ('tensor' splits every expert instead)"
+                )
+            self.count, self.local = moe.num_experts // tp.size, width  # experts held and their width
+        else:
+            if width % tp.size:
+                raise ValueError(f"moe intermediate size {width} is not divisible by tp_size {tp.size}")
+            self.count, self.local = moe.num_experts, width // tp.size
+        self.first = tp.rank * self.count if self.expert_parallel else 0  # the first expert held
+        self.start = 0 if self.expert_parallel else tp.rank * self.local  # the first intermediate column held
         self.layout = LAYOUTS[moe.layout]
         self.num_experts, self.top_k, self.hidden_size = moe.num_experts, moe.top_k, hidden_size
-        self.width, self.local = width, width // tp.size  # the intermediate size, whole and this rank's
+        self.width = width
         self.act = Activation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
-        e, h, n = moe.num_experts, hidden_size, self.local
+        e, h, n = self.count, hidden_size, self.local
         self.gate_up_proj = weight_param((e, 2 * n, h), self._load_gate_up)
         self.down_proj = weight_param((e, h, n), self._load_down)
         self.gate_up_proj_bias = weight_param((e, 2 * n), self._load_gate_up) if moe.bias else None
-        self.down_proj_bias = weight_param((e, h), default_weight_loader) if moe.bias else None
+        self.down_proj_bias = weight_param((e, h), self._load_down_bias) if moe.bias else None
+        expert_map = None  # each expert's index among those held, -1 for another rank's
+        if self.expert_parallel:
+            index = torch.arange(moe.num_experts, dtype=torch.int64) - self.first
+            expert_map = index.where((index >= 0) & (index < self.count), -1)
+        self.register_buffer("expert_map", expert_map, persistent=False)
 
     def _canonical(self, loaded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The checkpoint tensor, its whole shape checked in the checkpoint's layout, as `shape`
-        (`[E, out, in]` matrices)."""
+        (`[E, out, in]` matrices), narrowed to the experts this rank holds."""
         if self.layout.transposed and len(shape) == 3:
             check_shape(loaded, (shape[0], shape[2], shape[1]))
-            return loaded.transpose(1, 2)
-        check_shape(loaded, shape)
-        return loaded
+            loaded = loaded.transpose(1, 2)
+        else:
+            check_shape(loaded, shape)
+        return loaded.narrow(0, self.first, self.count)
 
     def _load_gate_up(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         shape = (self.num_experts, 2 * self.width, *param.shape[2:])
         full = self._canonical(loaded, shape)
         gate, up = (full[:, 0::2], full[:, 1::2]) if self.layout.interleaved else full.chunk(2, dim=1)
-        start = self.tp.rank * self.local
-        param.data.copy_(torch.cat([gate.narrow(1, start, self.local), up.narrow(1, start, self.local)], dim=1))
+        start, n = self.start, self.local
+        param.data.copy_(torch.cat([gate.narrow(1, start, n), up.narrow(1, start, n)], dim=1))
 
     def _load_down(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         full = self._canonical(loaded, (self.num_experts, self.hidden_size, self.width))
-        param.data.copy_(full.narrow(2, self.tp.rank * self.local, self.local))
+        param.data.copy_(full.narrow(2, self.start, self.local))
+
+    def _load_down_bias(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        param.data.copy_(self._canonical(loaded, (self.num_experts, self.hidden_size)))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        down_bias = self.down_proj_bias if self.tp.rank == 0 else None
-        experts = experts_for(x)
-        out = experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.act, self.gate_up_proj_bias, down_bias)
+        down_bias = self.down_proj_bias if self.expert_parallel or self.tp.rank == 0 else None
+        gate_up, down, gate_up_bias = self.gate_up_proj, self.down_proj, self.gate_up_proj_bias
+        out = experts_for(x)(x, gate_up, down, weights, ids, self.act, gate_up_bias, down_bias, self.expert_map)
         return self.tp.all_reduce(out)
 
 
