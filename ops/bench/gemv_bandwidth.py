@@ -48,6 +48,23 @@ SHAPES = {
     "gemma3-12b/gate_up+act": (30720, 3840),
     "gemma3-12b/down": (3840, 15360),
     "gemma3-12b/lm_head": (262144, 3840),
+    "gemma4-e4b/qkv": (3072, 2560),
+    "gemma4-e4b/qkv_full": (6144, 2560),
+    "gemma4-e4b/q_shared": (2048, 2560),
+    "gemma4-e4b/o": (2560, 2048),
+    "gemma4-e4b/o_full": (2560, 4096),
+    "gemma4-e4b/gate_up+act": (20480, 2560),
+    "gemma4-e4b/down": (2560, 10240),
+    "gemma4-e4b/per_layer_gate": (256, 2560),
+    "gemma4-e4b/per_layer_proj": (2560, 256),
+    "gemma4-e4b/lm_head": (262144, 2560),
+    "gemma4-31b/qkv": (16384, 5376),
+    "gemma4-31b/qk_full": (18432, 5376),
+    "gemma4-31b/o": (5376, 8192),
+    "gemma4-31b/o_full": (5376, 16384),
+    "gemma4-31b/gate_up+act": (43008, 5376),
+    "gemma4-31b/down": (5376, 21504),
+    "gemma4-31b/lm_head": (262144, 5376),
 }
 SWEEP = [gemv.Tile(*t) for t in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (2, 4))]
 # one row, gate/up: also K unrolled (stages do not apply)
