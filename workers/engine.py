@@ -23,7 +23,7 @@ import torch
 from attention import ForwardMode
 from workers.cuda_graphs import CudaGraphRunner, capture_sizes
 from workers.distributed import SINGLE_RANK, AllReduce, TPGroup
-from workers.grammar import Compilation, GrammarCompiler, Matcher
+from workers.grammar import Compilation, GrammarCompiler, GrammarMasks, Matcher
 from workers.logprobs import Logprobs, of_rows
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv
@@ -196,6 +196,10 @@ class Engine:
             self.cfg.eos_token_ids,
             lookahead,
             token_counts=TokenCounts(self.cfg.vocab_size, max_running_requests, self.device),
+            # a mask per request row and verify position (the drafts before it: 0..num_steps)
+            grammar_masks=GrammarMasks(
+                self.cfg.vocab_size, max_running_requests, spec.num_steps + 1 if spec else 1, self.device
+            ),
         )
         self.last_step = StepRecord()
         self.spec: SpecWorker | None = None
@@ -496,6 +500,7 @@ class Engine:
         self.last_step.draft_steps = k
         if self.overlap and not k and self._overlap.eligible(sb):
             self._inflight = self._overlap.launch(sb.reqs, None)
+            self._overlap.choose(self._inflight)
             return self._end_step(sb.reqs, [], timed=False)  # a launch alone: not a step's time
         try:
             events = self._run(sb, k)
@@ -523,6 +528,8 @@ class Engine:
             self._inflight = self._overlap.launch(following, flight)
             self.last_step.draft_steps = 0 if self.spec is not None else None
         events = self._overlap.collect(flight)
+        if self._inflight is not None:  # its grammar masks follow the tokens just committed
+            self._overlap.choose(self._inflight)
         if self.spec is not None:
             self.spec.after_plain(flight.reqs, flight.hidden)
         self.scheduler.release_windows(live)

@@ -1,6 +1,7 @@
-"""Structured outputs: what a request's text must match, compiled for the model's tokenizer, and
-the per-request matcher whose token mask the processor stage applies (`workers/processors.py`,
-`GrammarMask`; docs/design.md §12.1).
+"""Structured outputs: what a request's text must match, compiled for the model's tokenizer, the
+per-request matcher, and the engine's table of token masks that the processor stage fills for a
+whole batch at once and applies on the device (`workers/processors.py`, `GrammarMask`;
+docs/design.md §12.1).
 
 Grammars are xgrammar's: a JSON schema, any JSON object, a regular expression, a choice of
 strings or an EBNF grammar, each compiled once per tokenizer into per-state token masks.
@@ -24,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -42,6 +44,8 @@ CACHE_BYTES = 1024 * 2**20
 CACHE_ENTRIES = 1024
 COMPILE_THREADS = 2  # worker threads; each compile may use xgrammar's own threads as well
 XGRAMMAR_THREADS = 2
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # threads filling a batch's masks
+ROWS_PER_THREAD = 16
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 INSTALL = "pip install --no-deps xgrammar==0.2.8"
 
@@ -214,58 +218,164 @@ class GrammarCompiler:
 
 
 class Matcher:
-    """One request's place in its grammar: advanced over its committed tokens; a mask for the
-    next token after those and any uncommitted (draft) tokens, which it rolls back after."""
+    """One request's place in its grammar: over its committed tokens, and perhaps further over
+    uncommitted (draft) tokens a mask was taken after. Those are rolled back lazily, only as far
+    as the next mask or commit needs: a speculative round's draft steps and verify advance it a
+    token at a time, and committing the accepted drafts keeps them."""
 
     def __init__(self, compiled: Any) -> None:
         self._matcher = xgrammar().GrammarMatcher(compiled)
+        self.committed = 0  # tokens committed: with the drafts, what a mask is taken after
+        self._ahead: list[int] = []  # uncommitted tokens the matcher has advanced over
 
     def accept(self, token: int) -> bool:
         """Advance over a committed token; False (and no change) if the grammar refuses it."""
-        return self._matcher.accept_token(token)
+        if self._ahead and self._ahead[0] == token:  # advanced over it already
+            del self._ahead[0]
+        else:
+            self._settle()
+            if not self._matcher.accept_token(token):
+                return False
+        self.committed += 1
+        return True
 
     @property
     def finished(self) -> bool:
         """The grammar has taken a stop token: the output is complete."""
-        return self._matcher.is_terminated()
+        return not self._ahead and self._matcher.is_terminated()
 
-    def fill(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int] = ()) -> None:
-        """`bitmask[row]`: the tokens allowed after the committed tokens and then `drafts`. Every
-        token where the grammar refuses a draft or has ended before the row: such a row lies past
-        a token that acceptance rejects or that ends the request, so nothing reads it."""
-        taken = 0
-        for token in drafts:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+    def seek(self, drafts: Sequence[int]) -> bool:
+        """Stand after the committed tokens and then `drafts`: False where the grammar refuses a
+        draft or has ended before the last (no mask there)."""
+        same = 0
+        for have, want in zip(self._ahead, drafts):
+            if have != want:
                 break
-            taken += 1
-        if taken == len(drafts) and not self._matcher.is_terminated():
-            self._matcher.fill_next_token_bitmask(bitmask, row)
-        else:
-            bitmask[row] = -1
-        if taken:
-            self._matcher.rollback(taken)
+            same += 1
+        if same < len(self._ahead):
+            self._matcher.rollback(len(self._ahead) - same)
+            del self._ahead[same:]
+        for token in drafts[same:]:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                return False
+            self._ahead.append(token)
+        return not self._matcher.is_terminated()
+
+    def _settle(self) -> None:
+        """Back to the committed tokens."""
+        if self._ahead:
+            self._matcher.rollback(len(self._ahead))
+            self._ahead.clear()
 
 
-def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """A host bitmask of `rows` rows, every token allowed (bit set)."""
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+@dataclasses.dataclass(frozen=True)
+class MaskRow:
+    """A logits row's grammar: its request's matcher, the uncommitted tokens before the row and
+    the request's row in the request table (where its masks are kept)."""
+
+    matcher: Matcher
+    drafts: tuple[int, ...]
+    owner: int
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """-inf in `logits` (float32, on its device) outside `bitmask[rows]` (host), in place.
+class GrammarMasks:
+    """An engine's grammar masks, kept in one table of a row per request row and number of
+    drafts before the logits row (a speculative round's positions): filled on the host (pinned
+    on a GPU) for all rows of a call at once, uploaded to the device copy in one copy per depth,
+    gathered and applied there by one kernel. A slot remembers what it holds (the matcher, its
+    committed tokens and the drafts), so that a verify finds the masks its draft steps filled
+    (a draft step's mask is the verify's at the same depth) and fills only its last position.
+    Masks are filled while the forward that made the logits still runs (its launch came first)."""
 
-    A row left with no token at all is a draft's whose vocabulary holds none the grammar allows
-    (an EAGLE-3 draft vocabulary, a hot-token map): it becomes uniform over the allowed tokens,
-    a proposal rejection sampling takes as exactly as any other. A target row always keeps one."""
-    mask = bitmask if logits.device.type == "cpu" else bitmask.pin_memory().to(logits.device, non_blocking=True)
-    vocab = logits.shape[-1]
-    xgrammar().apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
-    index = upload(np.array(rows, dtype=np.int64), logits.device)
-    masked = logits.index_select(0, index)
-    dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((mask.index_select(0, index)[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab]
-    logits.index_copy_(0, index, masked.masked_fill(dead & allowed, 0.0))
+    def __init__(self, vocab_size: int, requests: int, depths: int, device: torch.device) -> None:
+        self.words = (vocab_size + 31) // 32
+        self.requests = requests
+        self.depths = depths
+        self.device = device
+        self.everything = requests * depths  # a slot of every token allowed: rows without a grammar
+        self._held: list[tuple | None] = [None] * self.everything  # (matcher, committed, drafts) per slot
+        self._needed = [False] * self.everything  # whether the slot masks anything out
+        self._host: torch.Tensor | None = None  # [slots + 1, words] int32, allocated on first use
+        self._device_table: torch.Tensor | None = None
+        self._uploaded: torch.cuda.Event | None = None  # the last upload out of the host table
+        self._fillers: dict[int, Any] = {}  # xgrammar's batch matchers by thread count
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[MaskRow | None], partial: bool = False) -> None:
+        """-inf in `logits` (float32 `[len(rows), V]`, in place) outside each row's mask; rows
+        without one (None) are left alone, and nothing is uploaded or applied when no row masks
+        anything. `partial`: rows may score only part of the vocabulary (a draft vocabulary, a
+        hot-token map) and so hold no token the grammar allows: such a row becomes uniform over
+        the allowed tokens, a proposal that rejection sampling takes as exactly as any other."""
+        slots = [s if s != self.everything and self._needed[s] else self.everything for s in self.fill(rows)]
+        if all(s == self.everything for s in slots):
+            return
+        index = upload(np.asarray(slots, dtype=np.int64), self.device)
+        masks = self._device_table.index_select(0, index)
+        vocab = logits.shape[-1]
+        xgr = xgrammar()
+        xgr.apply_token_bitmask_inplace(logits, masks, vocab_size=vocab)
+        if partial:
+            dead = torch.isneginf(logits.amax(dim=-1, keepdim=True)) & (index != self.everything)[:, None]
+            logits.masked_fill_(dead, 0.0)
+            xgr.apply_token_bitmask_inplace(logits, masks, vocab_size=vocab)
+
+    def fill(self, rows: Sequence[MaskRow | None]) -> list[int]:
+        """The slot of each row's mask (every token for None), filled on the host and uploaded
+        where it does not hold the row's mask yet: depth by depth, each matcher advanced (or
+        rolled back) to its row's drafts, then one batched fill for the depth's rows. A row whose
+        drafts the grammar refuses, or that lies past its end, masks nothing (its slot is not
+        needed): acceptance stops before it, so nothing reads it."""
+        slots, todo = [], collections.defaultdict(dict)
+        for row in rows:
+            if row is None:
+                slots.append(self.everything)
+                continue
+            depth = len(row.drafts)
+            slot = depth * self.requests + row.owner
+            held = (row.matcher, row.matcher.committed, row.drafts)
+            slots.append(slot)
+            if self._held[slot] != held:
+                if todo[depth].setdefault(slot, held) != held:
+                    raise RuntimeError(f"grammar masks: two rows of request row {row.owner} at depth {depth}")
+        if todo:
+            self._fill(todo)
+        return slots
+
+    def _fill(self, todo: dict[int, dict[int, tuple]]) -> None:
+        if self._host is None:
+            self._allocate()
+        if self._uploaded is not None:  # its rows may still be on their way to the device
+            self._uploaded.synchronize()
+        for depth in sorted(todo):
+            live, live_slots = [], []
+            for slot, (matcher, _, drafts) in todo[depth].items():
+                if matcher.seek(drafts):
+                    live.append(matcher._matcher)
+                    live_slots.append(slot)
+            if live:
+                self._filler(len(live)).batch_fill_next_token_bitmask(live, self._host, live_slots)
+                if self._device_table is not self._host:
+                    lo, hi = min(live_slots), max(live_slots) + 1
+                    self._device_table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
+            filled = set(live_slots)
+            for slot, held in todo[depth].items():  # only once filled: a fill that raised is not held
+                self._held[slot], self._needed[slot] = held, slot in filled
+        if self._device_table is not self._host:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+
+    def _allocate(self) -> None:
+        gpu = self.device.type == "cuda"
+        self._host = torch.full((self.everything + 1, self.words), -1, dtype=torch.int32, pin_memory=gpu)
+        self._device_table = self._host.to(self.device) if gpu else self._host
+
+    def _filler(self, rows: int) -> Any:
+        """xgrammar's batch matcher for `rows` rows: a thread per ROWS_PER_THREAD rows, at most
+        FILL_THREADS (its threads start on every call: a few rows fill faster on one)."""
+        threads = max(1, min(FILL_THREADS, rows // ROWS_PER_THREAD))
+        if threads not in self._fillers:
+            self._fillers[threads] = xgrammar().BatchGrammarMatcher(threads)
+        return self._fillers[threads]
 
 
 def xgrammar():

@@ -12,7 +12,10 @@ of step N+1, since that is known on the host.
 Only greedy decode steps without drafts overlap (their next inputs are an argmax on the
 device: plain decoding, or the plain steps an adaptive speculative engine runs between rounds,
 whose hidden states the draft keeps to catch up), and only for requests no logits processor acts
-on; anything else, and any request waiting to be admitted, drains the pipeline first.
+on but a grammar; anything else, and any request waiting to be admitted, drains the pipeline
+first. A step with grammars takes its argmax after step N's tokens are committed (`choose`, as
+SGLang's overlap scheduler): the matchers advance over them and the step's masks are filled on
+the host while its forward runs, then applied on the device before the argmax.
 """
 
 from __future__ import annotations
@@ -38,10 +41,11 @@ class InFlight:
     same stream - the next decode step, or a speculative round's catch-up)."""
 
     reqs: list[Request]
-    tokens: torch.Tensor  # [B] int64 on the device, one per request (a graph's: valid until its next replay)
-    host_tokens: torch.Tensor  # [B] int64 on the host (pinned on a GPU), filled when `copied` is reached
+    tokens: torch.Tensor | None  # [B] int64 on the device, one per request (a graph's: valid until its next replay)
+    host_tokens: torch.Tensor | None  # [B] int64 on the host (pinned on a GPU), filled when `copied` is reached
     copied: torch.cuda.Event | None  # None on a CPU: the copy is done when queued
     hidden: torch.Tensor | None = None  # the step's hidden states, a row per request, where its forward kept them
+    logits: torch.Tensor | None = None  # while its tokens wait for their grammar masks (`OverlapDecoder.choose`)
 
     @classmethod
     def of(cls, reqs: list[Request], tokens: torch.Tensor) -> InFlight:
@@ -69,11 +73,12 @@ class OverlapDecoder:
 
     @staticmethod
     def eligible(sb: ScheduledBatch) -> bool:
-        """A decode step whose every request takes the argmax of its raw logits and reads
-        nothing else (no processor at work, no logprobs or logits): the device's argmax serves
-        it. Requests stay eligible: a processor that stops acting (min_tokens) never starts again."""
+        """A decode step whose every request takes the argmax of its raw logits, or of its
+        grammar-masked ones, and reads nothing else (no other processor at work, no logprobs or
+        logits): the device's argmax serves it. Requests stay eligible: a processor that stops
+        acting (min_tokens) never starts again."""
         return sb.mode is ForwardMode.DECODE and all(
-            r.sampling.greedy and not r.sampling.reads_logits and not at_work(r) for r in sb.reqs
+            r.sampling.greedy and not r.sampling.reads_logits and not at_work(r, grammar=False) for r in sb.reqs
         )
 
     def can_continue(self, flight: InFlight) -> list[Request]:
@@ -91,7 +96,8 @@ class OverlapDecoder:
 
     def launch(self, reqs: list[Request], previous: InFlight | None) -> InFlight:
         """Launch a decode step: each request's last committed token (no step in flight) or the
-        token `previous` sampled for it, at the position after it."""
+        token `previous` sampled for it, at the position after it. A step with grammars has its
+        tokens chosen by `choose`, once `previous` is committed."""
         ahead = 1 if previous is not None else 0
         positions = [r.kv_len + ahead for r in reqs]
         ids = [[0] if previous is not None else r.tokens(r.kv_len, r.kv_len + 1) for r in reqs]
@@ -108,9 +114,23 @@ class OverlapDecoder:
             index = None if previous.reqs == reqs else np.array([previous.reqs.index(r) for r in reqs])
             batch.use_device_ids(previous.tokens, index)
         out = self.forward(batch)
+        if any(r.grammar is not None for r in reqs):
+            return InFlight(list(reqs), None, None, None, out.hidden, out.logits)
         flight = InFlight.of(list(reqs), out.tokens if out.tokens is not None else out.logits.argmax(dim=-1))
         flight.hidden = out.hidden
         return flight
+
+    def choose(self, flight: InFlight) -> None:
+        """The tokens of a launched step whose requests have grammars: its logits masked where
+        each request stands now (the step before committed; a request it finished is dropped),
+        then their argmax, with its copy to the host queued. Nothing for a step chosen already."""
+        if flight.tokens is not None:
+            return
+        history = self.scheduler.history(flight.reqs)
+        history.grammar_masks.apply(flight.logits, [history.grammar(i) for i in range(len(flight.reqs))])
+        chosen = InFlight.of(flight.reqs, flight.logits.argmax(dim=-1))
+        flight.tokens, flight.host_tokens, flight.copied = chosen.tokens, chosen.host_tokens, chosen.copied
+        flight.logits = None
 
     def collect(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
         """Read a launched step's tokens (the step's one device-to-host copy, queued at launch) and

@@ -25,9 +25,9 @@ processors are not touched, and a batch without any comes back as it is (no copy
 
 The grammar mask of structured outputs (`GrammarMask`, `workers/grammar.py`) runs first, as in
 vLLM: -inf outside the tokens the request's grammar allows after the row's history (its matcher
-holds the committed tokens; it is advanced over `RequestHistory.drafts[row]` and rolled back).
-The mask is filled on the host and applied on the device; on a GPU the host fills it while the
-forward that made the logits still runs.
+holds the committed tokens and is advanced over `RequestHistory.drafts[row]`). The masks of all
+rows are filled on the host in one batch and applied on the device in one kernel
+(`GrammarMasks`); on a GPU the host fills them while the forward that made the logits still runs.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from attention.batch import upload
-from workers.grammar import Matcher, apply_token_bitmask, token_bitmask
+from workers.grammar import GrammarMasks, MaskRow
 from workers.request import Request
 from workers.sampling_params import SamplingParams
 
@@ -49,6 +49,8 @@ class History(Protocol):
     """What processors read about the rows of a batch."""
 
     eos_token_ids: frozenset[int]
+    grammar_masks: GrammarMasks | None  # where rows with a grammar have their masks filled
+    partial_vocab: bool  # rows may score only part of the vocabulary (a draft's proposals)
 
     def generated(self, row: int) -> int:
         """Tokens the row's request had generated before the row's token."""
@@ -59,9 +61,9 @@ class History(Protocol):
         `[n, vocab]`), and which tokens the prompt or those generated tokens hold (bool)."""
         ...
 
-    def grammar(self, row: int) -> tuple[Matcher | None, Sequence[int]]:
-        """The row's structured-output matcher (None: none) and the uncommitted tokens before the
-        row that it must be advanced over."""
+    def grammar(self, row: int) -> MaskRow | None:
+        """The row's structured-output matcher and the uncommitted tokens before the row that it
+        must be advanced over (None: no grammar)."""
         ...
 
 
@@ -73,6 +75,8 @@ class TokenHistory:
     prompts: Sequence[Sequence[int]]
     outputs: Sequence[Sequence[int]]
     eos_token_ids: frozenset[int] = frozenset()
+    grammar_masks: GrammarMasks | None = None
+    partial_vocab: bool = False
 
     @classmethod
     def empty(cls, rows: int) -> TokenHistory:
@@ -86,8 +90,8 @@ class TokenHistory:
         prompt = _bincounts([self.prompts[r] for r in rows], vocab, device)
         return counts, (counts > 0) | (prompt > 0)
 
-    def grammar(self, row: int) -> tuple[Matcher | None, Sequence[int]]:
-        return None, ()
+    def grammar(self, row: int) -> MaskRow | None:
+        return None
 
 
 class TokenCounts:
@@ -152,6 +156,8 @@ class RequestHistory:
     reqs: Sequence[Request]
     eos_token_ids: frozenset[int]
     drafts: Sequence[Sequence[int]] | None = None
+    grammar_masks: GrammarMasks | None = None
+    partial_vocab: bool = False
 
     def generated(self, row: int) -> int:
         return len(self.reqs[row].output_ids) + (len(self.drafts[row]) if self.drafts is not None else 0)
@@ -162,8 +168,11 @@ class RequestHistory:
             counts += _bincounts([self.drafts[r] for r in rows], vocab, device)
         return counts, prompt | (counts > 0)
 
-    def grammar(self, row: int) -> tuple[Matcher | None, Sequence[int]]:
-        return self.reqs[row].grammar, self.drafts[row] if self.drafts is not None else ()
+    def grammar(self, row: int) -> MaskRow | None:
+        req = self.reqs[row]
+        if req.grammar is None or req.finished:
+            return None
+        return MaskRow(req.grammar, tuple(self.drafts[row]) if self.drafts is not None else (), req.row)
 
 
 class Processor(Protocol):
@@ -179,14 +188,13 @@ class Processor(Protocol):
 
 class GrammarMask:
     def rows(self, params: Sequence[SamplingParams], history: History) -> list[int]:
-        return [i for i in range(len(params)) if history.grammar(i)[0] is not None]
+        return [i for i in range(len(params)) if history.grammar(i) is not None]
 
     def apply(self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams], history: History) -> None:
-        bitmask = token_bitmask(logits.shape[0], logits.shape[-1])
+        grammars: list[MaskRow | None] = [None] * len(params)
         for row in rows:
-            matcher, drafts = history.grammar(row)
-            matcher.fill(bitmask, row, drafts)
-        apply_token_bitmask(logits, bitmask, rows)
+            grammars[row] = history.grammar(row)
+        history.grammar_masks.apply(logits, grammars, history.partial_vocab)
 
 
 class MinTokens:
@@ -253,11 +261,14 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], history: His
     return out
 
 
-def at_work(req: Request) -> bool:
+def at_work(req: Request, grammar: bool = True) -> bool:
     """Whether a processor may still change this request's next tokens (a minimum length acts
-    only until it is reached): decided on the host, for choosing a round's path."""
+    only until it is reached): decided on the host, for choosing a round's path. `grammar`:
+    whether its grammar mask counts."""
     p = req.sampling
-    return p.penalized or bool(p.logit_bias) or p.min_tokens > len(req.output_ids) or req.grammar is not None
+    return (
+        p.penalized or bool(p.logit_bias) or p.min_tokens > len(req.output_ids) or (grammar and req.grammar is not None)
+    )
 
 
 def _stops(params: SamplingParams, history: History) -> set[int]:

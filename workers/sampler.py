@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from attention.batch import upload
+from workers.grammar import GrammarMasks
 from workers.logprobs import Logprobs, of_rows
 from workers.processors import History, process
 from workers.sampling_params import SamplingParams
@@ -162,6 +163,14 @@ class _RowOf:
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self.history.eos_token_ids
+
+    @property
+    def grammar_masks(self) -> GrammarMasks | None:
+        return self.history.grammar_masks
+
+    @property
+    def partial_vocab(self) -> bool:
+        return self.history.partial_vocab
 
     def generated(self, row: int) -> int:
         return self.history.generated(self.row + row)

@@ -24,6 +24,7 @@ import torch
 
 from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
+from workers.grammar import GrammarMasks
 from workers.memory import KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv, expand_ranges
 from workers.processors import RequestHistory, TokenCounts
@@ -58,10 +59,12 @@ class Scheduler:
         lookahead: int = 0,
         cache: RadixCache | None = None,
         token_counts: TokenCounts | None = None,
+        grammar_masks: GrammarMasks | None = None,
     ) -> None:
         """`lookahead`: positions a decode step may hold past the next token (a speculative
         round holds num_steps + 1 more); `token_counts`: the running requests' token counts the
-        penalties read, by request row (`workers/processors.py`)."""
+        penalties read, by request row (`workers/processors.py`); `grammar_masks`: where their
+        grammar masks are filled (`workers/grammar.py`)."""
         self.allocator = allocator
         self.lookahead = lookahead
         self.req_to_token = req_to_token
@@ -82,6 +85,7 @@ class Scheduler:
         self.window_from: Callable[[Request], int] = lambda req: req.kv_len
         self.draft_lag = 0
         self.token_counts = token_counts
+        self.grammar_masks = grammar_masks
 
     # -- admission ---------------------------------------------------------------------
     def kv_need(self, prompt_len: int, max_len: int, shared_pages: int = 0) -> KVBudget:
@@ -207,10 +211,13 @@ class Scheduler:
             start += n
         return rows
 
-    def history(self, reqs: list[Request], drafts: list[list[int]] | None = None) -> RequestHistory:
+    def history(
+        self, reqs: list[Request], drafts: list[list[int]] | None = None, partial_vocab: bool = False
+    ) -> RequestHistory:
         """What the processors of these rows read (one request per row; `drafts`: each row's
-        uncommitted tokens before it)."""
-        return RequestHistory(self.token_counts, reqs, self.eos_token_ids, drafts)
+        uncommitted tokens before it; `partial_vocab`: rows a draft scored over part of the
+        vocabulary)."""
+        return RequestHistory(self.token_counts, reqs, self.eos_token_ids, drafts, self.grammar_masks, partial_vocab)
 
     def build(self, sb: ScheduledBatch) -> ForwardBatch:
         """Give the batch's new tokens KV slots and lay out its forward."""

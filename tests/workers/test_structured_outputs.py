@@ -22,7 +22,7 @@ from ops import MODELS_DIR
 from tests.draft_models import make_perturbed_copy
 from tests.hf_models import make_tiny_model
 from workers.engine import Engine, SamplingParams
-from workers.grammar import GrammarCompiler, Matcher, StructuredOutputs, token_bitmask, xgrammar
+from workers.grammar import GrammarCompiler, GrammarMasks, MaskRow, Matcher, StructuredOutputs, xgrammar
 from workers.rank_loop import ErrorCode, RankLoop
 from workers.tokenizer import load_tokenizer
 
@@ -209,22 +209,68 @@ def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(p
     eng.check_no_leak()
 
 
-def test_matcher_rolls_back_what_a_mask_advanced_over(plain):
-    """A mask after drafts leaves the matcher where it was; drafts the grammar refuses, or that
-    pass its end, leave the row unmasked (acceptance never reaches it)."""
-    tokenizer = plain.tokenizer
-    compiler = GrammarCompiler.of_tokenizer(tokenizer, plain.cfg.vocab_size, plain.cfg.eos_token_ids)
-    matcher = Matcher(compiler.compile(StructuredOutputs(choice=CHOICE)))
-    mask = token_bitmask(4, plain.cfg.vocab_size)
-    gamma = tokenizer.encode("gamma delta")
-    matcher.fill(mask, 0)
-    matcher.fill(mask, 1, gamma[:1])
-    matcher.fill(mask, 2, tokenizer.encode("zzz"))
-    matcher.fill(mask, 3)
-    assert torch.equal(mask[0], mask[3]) and not torch.equal(mask[0], mask[1])
-    assert (mask[2] == -1).all() and not (mask[0] == -1).all()
-    assert all(matcher.accept(t) for t in gamma) and matcher.accept(plain.cfg.eos_token_ids[0])
-    assert matcher.finished
+def test_batched_masks_are_each_rows_own_and_matchers_keep_their_committed_tokens(plain):
+    """One batch of rows, several per request at their draft depths, against xgrammar's own
+    matcher advanced over each row's tokens alone; drafts the grammar refuses, or that pass its
+    end, leave the row unmasked (acceptance never reaches it); a mask after drafts leaves the
+    matcher where its committed tokens put it; a slot holding a row's mask already is not
+    filled again; a draft row left with no allowed token becomes uniform over the allowed ones."""
+    tokenizer, vocab, eos = plain.tokenizer, plain.cfg.vocab_size, plain.cfg.eos_token_ids
+    compiled = GrammarCompiler.of_tokenizer(tokenizer, vocab, eos).compile(StructuredOutputs(choice=CHOICE))
+    gamma, beta = tokenizer.encode("gamma delta"), tokenizer.encode("beta")
+    refused = tokenizer.encode("zzz")[:1]
+
+    def allowed(committed: list[int], drafts: list[int]) -> torch.Tensor:
+        """The reference: a fresh matcher over the row's tokens; every token where it refuses one."""
+        matcher = xgrammar().GrammarMatcher(compiled)
+        if not all(matcher.accept_token(t) for t in committed + drafts) or matcher.is_terminated():
+            return torch.ones(vocab, dtype=torch.bool)
+        bits = xgrammar().allocate_token_bitmask(1, vocab)
+        matcher.fill_next_token_bitmask(bits, 0)
+        return ((bits[0, :, None] >> torch.arange(32)) & 1).bool().flatten()[:vocab]
+
+    masks = GrammarMasks(vocab, requests=3, depths=len(gamma) + 2, device=torch.device("cpu"))
+    first, second = Matcher(compiled), Matcher(compiled)
+    rows = [MaskRow(first, tuple(gamma[:j]), 2) for j in range(len(gamma) + 1)]
+    rows += [MaskRow(first, (*gamma, eos[0]), 2), None, MaskRow(second, (), 0), MaskRow(second, tuple(refused), 0)]
+    want = [allowed([], list(r.drafts)) if r is not None else torch.ones(vocab, dtype=torch.bool) for r in rows]
+    assert not want[0].all() and not torch.equal(want[0], want[1]) and want[-1].all() and want[-4].all()
+    seeks = []
+    for matcher in (first, second):
+        matcher.seek = lambda drafts, seek=matcher.seek: seeks.append(drafts) or seek(drafts)
+    for _ in range(2):  # the second time every slot holds its row's mask already
+        logits = torch.zeros(len(rows), vocab)
+        masks.apply(logits, rows)
+        assert [torch.equal(torch.isfinite(row), w) for row, w in zip(logits, want)] == [True] * len(rows)
+    assert len(seeks) == len(rows) - 1
+    assert second.accept(beta[0]) and first.accept(gamma[0])  # committed: each matcher moves on from there
+    after = [MaskRow(first, (), 2), MaskRow(second, (), 0)]
+    logits = torch.zeros(2, vocab)
+    masks.apply(logits, after)
+    assert torch.equal(torch.isfinite(logits[0]), allowed(gamma[:1], []))
+    assert torch.equal(torch.isfinite(logits[1]), allowed(beta[:1], []))
+    assert all(first.accept(t) for t in gamma[1:]) and not first.finished and first.accept(eos[0]) and first.finished
+    proposals, reference = torch.zeros(1, vocab), allowed(beta[:1], [])
+    proposals[0, reference] = float("-inf")  # a draft row scoring nothing the grammar allows
+    masks.apply(proposals, [MaskRow(second, (), 0)], partial=True)
+    assert torch.equal(proposals[0] == 0, reference) and torch.equal(proposals[0].isfinite(), reference)
+
+
+def test_overlapped_greedy_decoding_under_grammars_equals_step_by_step(prompts, plain_outputs):
+    """With the overlap schedule a step's masks are filled after the step before is committed,
+    while its forward runs, and applied before the argmax on the device (the greedy decode
+    graph's logits): the tokens are step-by-step decoding's."""
+    params, want = plain_outputs
+    eng = _engine(graphs="emulate", overlap_schedule=True)
+    rids = [eng.add_request(p, sp) for sp in params for p in prompts]
+    overlapped = 0
+    while eng.has_unfinished():
+        eng.step()
+        overlapped += eng.step_in_flight
+    got = [eng.output(rid) for rid in rids]
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    assert overlapped > N // 2
+    eng.check_no_leak()
 
 
 @pytest.mark.parametrize(

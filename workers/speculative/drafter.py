@@ -86,6 +86,8 @@ class Drafter:
         # A draft vocabulary (EAGLE-3): draft logits cover it, this maps its ids to the target's.
         self.token_map: torch.Tensor | None = getattr(runner.model, "draft_to_target", None)
         self.vocab_size = target.model.cfg.vocab_size
+        # its rows may hold no token a grammar allows: a draft vocabulary, or a subset of each row's
+        self.partial_vocab = self.token_map is not None or getattr(runner.model, "scores_subset", False)
 
     def greedy(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's most likely draft token, as a target id (on the device); `ids`: the target
@@ -297,7 +299,7 @@ class Drafter:
             self.target_logits(logits, ids),
             [r.sampling for r in reqs],
             [r.generator for r in reqs],
-            self.scheduler.history(reqs),
+            self.scheduler.history(reqs, partial_vocab=self.partial_vocab),
         )
         for i, (r, t, p, row) in enumerate(zip(reqs, drawn.tokens, drawn.probs, rows)):
             if i in errors:

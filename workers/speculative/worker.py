@@ -404,7 +404,7 @@ class SpecWorker:
         for j in range(2, k + 1):
             out = self.drafter.step(reqs, j, [d[-1] for d in drafts], hidden)
             logits = self.drafter.target_logits(out.logits, out.ids)
-            history = self.scheduler.history(reqs, [list(d) for d in drafts])
+            history = self.scheduler.history(reqs, [list(d) for d in drafts], self.drafter.partial_vocab)
             drawn, errors = draw_each(logits, [r.sampling for r in reqs], [r.generator for r in reqs], history)
             for d, dp, t, p in zip(drafts, draft_probs, drawn.tokens, drawn.probs):
                 d.append(t)
