@@ -7,9 +7,11 @@ the logits agree with decoding without speculation within bf16 noise up to any f
 import pytest
 import torch
 
+from ops.bench.structured_overhead import SCHEMA as BENCH_SCHEMA
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from tests.workers.test_structured_outputs import DRAFTS, SPECS, TARGET, TEXTS, _matches
 from workers.engine import Engine, SamplingParams
+from workers.grammar import StructuredOutputs
 
 pytestmark = pytest.mark.gpu
 
@@ -38,3 +40,23 @@ def test_structured_outputs_under_speculation_on_gpu(algorithm):
     diverged, worst = compare_bf16_runs(ref, outs, algorithm)
     print(f"{algorithm}: {diverged} of {len(outs)} requests diverged (largest logit difference {worst:.3g})")
     assert sum(o.finish_reason == "stop" for o in outs) >= len(outs) // 2
+
+
+def test_overlapped_greedy_decoding_under_grammars_on_gpu():
+    """The overlap schedule with a grammar (masks filled while the next forward runs, applied to
+    the greedy decode graph's logits before the argmax) gives step-by-step decoding's tokens. The
+    benchmark's schema cannot end within these lengths, so both runs replay the same graphs on
+    the same batches (a request ending on a stop token would ride one overlapped step more)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    common = dict(device="cuda", dtype="bfloat16", page_size=16, attention_backend="trtllm_mha", context_length=512)
+    grammar = StructuredOutputs(json=BENCH_SCHEMA)
+    params = [SamplingParams(max_new_tokens=9 + 6 * i, temperature=0.0, structured_outputs=grammar) for i in range(8)]
+    runs = []
+    for overlap in (False, True):
+        eng = Engine(model=TARGET, overlap_schedule=overlap, **common)
+        prompts = [eng.tokenizer.encode(TEXTS[i % len(TEXTS)]) for i in range(len(params))]
+        runs.append(eng.generate(prompt_token_ids=prompts, sampling=params))
+        eng.check_no_leak()
+    assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
+    assert all(o.finish_reason == "length" for o in runs[1])
