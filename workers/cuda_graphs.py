@@ -15,7 +15,9 @@ block, and reads its input ids through a static index into the block: either thi
 staged ids or the tokens an earlier replay sampled (overlapped decoding, whose next step's ids
 are the last step's tokens, in any row order). Such a step costs the device one copy in, the
 replay and one copy of the tokens out; its hidden states are kept only when asked
-(`keep_hidden`: plain steps between speculative rounds, whose draft reads them to catch up).
+(`keep_hidden`: plain steps between speculative rounds, whose draft reads them to catch up), in
+its static buffer until its next replay: a draft that reads only the last plain step's copies
+nothing.
 
 A *chain* graph runs a draft model's greedy decode steps back to back in one launch: between
 steps it moves the batch on, on the device (positions, write slots gathered from the device
@@ -294,9 +296,10 @@ class CudaGraphRunner:
 
     def run(self, batch: ForwardBatch, pool: KVPool, ahead: torch.Tensor | None = None, most: int = 0) -> ForwardOutput:
         """The logits of every query row (and their target ids, for a subset head), hidden
-        states handed on and greedy tokens of `batch`; logits, ids and tokens are views valid
-        until this runner's next replay; argmax graphs keep no hidden states, other graphs no
-        tokens (None). `ahead` (a verify's; device, `[B]`, at most `most`): each row starts that
+        states handed on and greedy tokens of `batch`; logits, ids, tokens and an argmax graph's
+        hidden states are views valid until this runner's next replay (of that graph, for hidden
+        states); argmax graphs keep hidden states only when captured to, other graphs no tokens
+        (None). `ahead` (a verify's; device, `[B]`, at most `most`): each row starts that
         many positions further on, as in `run_chain`."""
         key, family, graph, static = self._stage(batch, pool, 0, most)
         if family.ahead is not None:
@@ -308,7 +311,9 @@ class CudaGraphRunner:
             ids = None if out.ids is None else out.ids[:rows]
             return ForwardOutput(out.logits[:rows], out.hidden[:rows] if family.keep_hidden else None, tokens, ids)
         graph.replay()
-        hidden = family.hidden[:rows].clone() if family.keep_hidden else None
+        hidden = None
+        if family.keep_hidden:  # an argmax graph's: a plain step's, read before its next replay (`after_plain`)
+            hidden = family.hidden[:rows] if family.argmax else family.hidden[:rows].clone()
         return ForwardOutput(family.logits[:rows], hidden, tokens, None if family.ids is None else family.ids[:rows])
 
     def run_chain(

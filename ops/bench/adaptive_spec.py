@@ -18,6 +18,14 @@ decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s
 steps). For each model, draft and batch
 the table sets adaptive against max(plain, best fixed): the goal is to be within 3% of it
 (`of_best`), and at least 97% of plain where drafts are not accepted (`of_plain`).
+
+What the time of a speculative case went to, from each timed step's end to the next's: plain
+steps (`plain_ms`: per plain decode step, the launch that restarts overlapped decoding and the
+commit that drains it included) and rounds (`round_ms`, the catch-up before a round after plain
+steps included), the changes between them (`switches`), the draft's catch-ups after plain steps
+and rounds launched ahead and dropped; for adaptive cases also the controller's cost table for
+the batch (ms per k, as it estimates them, beside the start-up priors) and what it measured a
+switch and a probe from plain steps to cost beyond their steps (`changes_ms`).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import warnings
 
 import torch
@@ -36,7 +45,8 @@ from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.bench.decode_throughput import SHAPES, random_prompts, timed_decode, write_config
 from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
-from workers.speculative.controller import DraftSteps, FixedDraftSteps
+from workers.speculative.controller import AdaptiveDraftSteps, DraftSteps, FixedDraftSteps
+from workers.speculative.cost_model import EXCURSION, SWITCH
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +54,18 @@ TINY_BATCHES = (1, 4, 16, 64)
 SHAPE_BATCHES = (1, 8, 64)
 MAX_STEPS = 4
 TOLERANCE = 0.03
-COLUMNS = ["tok_per_s", "ms_per_step", "accept_length", "draft_steps", "plain_share", "of_best", "of_plain"]
+COLUMNS = [
+    "tok_per_s",
+    "ms_per_step",
+    "accept_length",
+    "draft_steps",
+    "plain_share",
+    "plain_ms",
+    "round_ms",
+    "switches",
+    "of_best",
+    "of_plain",
+]
 
 
 def modes(engine: Engine) -> list[tuple[str, DraftSteps]]:
@@ -56,20 +77,73 @@ def modes(engine: Engine) -> list[tuple[str, DraftSteps]]:
 
 
 def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
-    """Submit, prefill, then time the decode steps: tokens/s, ms per step, accept length, and the
-    draft steps the requests' decode steps ran (mean, and the share of plain steps)."""
+    """Submit, prefill, then time the decode steps: tokens/s, ms per step, accept length, the
+    draft steps the requests' decode steps ran (mean, and the share of plain steps), and for a
+    speculative engine where the time went (`time_split`)."""
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    outs, tokens, steps, elapsed = timed_decode(engine, prompts, sampling)
+    spec = engine.spec
+    steps_run: list[tuple[int | None, int]] = []  # (draft steps, end ns) of each timed step
+    before = (spec.catch_ups, spec.drops) if spec is not None else (0, 0)
+    start_ns = time.time_ns()
+    outs, tokens, steps, elapsed = timed_decode(
+        engine, prompts, sampling, lambda: steps_run.append((engine.last_step.draft_steps, engine.last_step.end_ns))
+    )
     stats = [o.spec for o in outs if o.spec is not None]
     lengths = [n for s in stats for n in s.accept_lengths]
     drafted = [k for s in stats for k in s.draft_steps + [0] * s.plain_steps]
-    return {
+    out = {
         "tok_per_s": tokens / elapsed,
         "ms_per_step": 1e3 * elapsed / max(1, steps),
         "accept_length": sum(lengths) / len(lengths) if lengths else None,
         "draft_steps": sum(drafted) / len(drafted) if drafted else None,
         "plain_share": drafted.count(0) / len(drafted) if drafted else None,
     }
+    if spec is not None:
+        out.update(time_split(steps_run, start_ns))
+        out.update(catch_ups=spec.catch_ups - before[0], drops=spec.drops - before[1])
+        if isinstance(spec.controller, AdaptiveDraftSteps):
+            out.update(cost_table(spec.controller, len(prompts)))
+    return out
+
+
+def time_split(steps_run: list[tuple[int | None, int]], start_ns: int) -> dict:
+    """ms per plain decode step and per round, from each step's end to the next's (a step that
+    launched nothing, the drain of overlapped plain steps, counts with plain steps), and the
+    changes between plain steps and rounds."""
+    plain = rounds = 0.0
+    launches = verifies = switches = 0
+    last_kind, end = None, start_ns
+    for k, step_end in steps_run:
+        seconds, end = (step_end - end) / 1e9, step_end
+        if k:
+            rounds, verifies = rounds + seconds, verifies + 1
+        else:
+            plain, launches = plain + seconds, launches + (k == 0)
+        kind = None if k is None else k > 0
+        if kind is not None:
+            switches += last_kind is not None and kind != last_kind
+            last_kind = kind
+    return {
+        "plain_ms": 1e3 * plain / launches if launches else None,
+        "round_ms": 1e3 * rounds / verifies if verifies else None,
+        "switches": switches,
+    }
+
+
+def cost_table(controller: AdaptiveDraftSteps, batch: int) -> dict:
+    """The controller's view of a batch: ms per k as it estimates them and its start-up priors,
+    and what it measured changes to cost beyond their steps."""
+    costs = controller.costs
+    bucket = costs.bucket(batch)
+    return {
+        "costs_ms": [_ms(c) for c in costs.seconds(batch)],
+        "priors_ms": [_ms(costs.prior.get((bucket, k))) for k in range(costs.num_steps + 1)],
+        "changes_ms": {kind: _ms(costs.change_seconds(batch, kind)) for kind in (SWITCH, EXCURSION)},
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int) -> dict:
@@ -195,21 +269,29 @@ def shapes_part(shapes: list[str], batches, new: int, prompt_len: int, drafts: l
 
 
 def table(results: dict) -> str:
-    lines = [f"{'case':<40} {'tok/s':>9} {'ms/step':>8} {'accept':>7} {'k':>5} {'plain':>6} {'of best':>8}"]
+    head = ["tok/s", "ms/step", "accept", "k", "plain", "plain ms", "round ms", "switch", "of best"]
+    lines = [f"{'case':<40} " + " ".join(f"{h:>9}" for h in head)]
     for key, r in results.items():
         if not isinstance(r, dict) or "tok_per_s" not in r:
             continue
         cells = [
-            f"{r['accept_length']:.2f}" if r.get("accept_length") else "",
-            f"{r['draft_steps']:.2f}" if r.get("draft_steps") is not None else "",
+            f"{r['tok_per_s']:.1f}",
+            f"{r['ms_per_step']:.3f}",
+            _cell(r, "accept_length", ".2f"),
+            _cell(r, "draft_steps", ".2f"),
             f"{100 * r['plain_share']:.0f}%" if r.get("plain_share") is not None else "",
+            _cell(r, "plain_ms", ".3f"),
+            _cell(r, "round_ms", ".3f"),
+            _cell(r, "switches", "d"),
             f"{100 * r['of_best']:.1f}%{'' if r['of_best'] >= 1 - TOLERANCE else ' LOW'}" if "of_best" in r else "",
         ]
-        lines.append(
-            f"{key:<40} {r['tok_per_s']:>9.1f} {r['ms_per_step']:>8.3f} {cells[0]:>7} {cells[1]:>5} "
-            f"{cells[2]:>6} {cells[3]:>8}"
-        )
+        lines.append(f"{key:<40} " + " ".join(f"{c:>9}" for c in cells))
     return "\n".join(lines)
+
+
+def _cell(r: dict, name: str, form: str) -> str:
+    value = r.get(name)
+    return "" if value is None else format(value, form)
 
 
 def main(argv: list[str] | None = None) -> None:

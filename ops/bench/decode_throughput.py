@@ -42,6 +42,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -357,9 +358,12 @@ class TimedDecode(NamedTuple):
     seconds: float
 
 
-def timed_decode(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -> TimedDecode:
-    """Submit, prefill every request, then time the decode steps until all have their tokens;
-    the requests' records are released."""
+def timed_decode(
+    engine: Engine, prompts: list[list[int]], sampling: SamplingParams, each_step: Callable[[], None] | None = None
+) -> TimedDecode:
+    """Submit, prefill every request, then time the decode steps until all have their tokens
+    (`each_step`: called after each timed step, which `engine.last_step` describes); the
+    requests' records are released."""
     rids = [engine.add_request(p, sampling) for p in prompts]
     while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -368,6 +372,8 @@ def timed_decode(engine: Engine, prompts: list[list[int]], sampling: SamplingPar
     while engine.has_unfinished():
         tokens += sum(len(new) for _, new, _ in engine.step())
         steps += 1
+        if each_step is not None:
+            each_step()
     _sync(engine)
     elapsed = time.perf_counter() - start
     outs = [engine.output(r) for r in rids]

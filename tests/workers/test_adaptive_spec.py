@@ -1,9 +1,12 @@
 """Adaptive draft length (`workers/speculative/controller.py`, docs/design.md §6.1): the controller
 on synthetic cost and acceptance tables (it picks the fastest k, does not flap, tries what it has
-not measured, probes deeper), the cost and acceptance models, and engines whose draft length
-switches between 0 and k on a forced schedule: greedy output equals plain decoding for every
-algorithm on the shipped tiny models, eager and under emulated graph replay, and a draft that
-fell behind by plain decode steps catches up exactly."""
+not measured, probes deeper, changes between plain steps and rounds only where the change repays
+what it measured it to cost, probes from plain steps within their share of the time), the cost
+and acceptance models, and engines whose draft length switches between 0 and k on a forced
+schedule: greedy output equals plain decoding for every algorithm on the shipped tiny models,
+eager and under emulated graph replay, a draft that fell behind by plain decode steps catches up
+exactly, lazily where its pool allows, and the controller is told which steps' times are their
+kind's."""
 
 import collections
 import itertools
@@ -18,7 +21,7 @@ from tests.hf_models import WINDOW, random_prompts
 from workers.engine import Engine, SamplingParams
 from workers.speculative.acceptance import AcceptanceModel
 from workers.speculative.controller import AdaptiveDraftSteps
-from workers.speculative.cost_model import CostModel
+from workers.speculative.cost_model import EXCURSION, SWITCH, CostModel
 
 K = 3
 BUCKETS = [1, 4, 16, 64]
@@ -34,7 +37,7 @@ class Schedule:
     def choose(self, batch_size, expected_tokens) -> int:
         return self.k
 
-    def observe(self, batch_size, k, seconds) -> None:
+    def observe(self, batch_size, k, seconds, clean=True) -> None:
         assert k == self.k
         self.k = next(self._ks)
 
@@ -52,43 +55,61 @@ def _tokens(batch: int, rate: float) -> np.ndarray:
     return batch * np.array([sum(rate**i for i in range(k + 1)) for k in range(K + 1)])
 
 
-def _drive(ctrl: AdaptiveDraftSteps, batch: int, tokens, steps: int, seconds=None) -> list[int]:
-    """`steps` decode steps: choose, then observe (seconds(k): the step's time; default the
-    model's own estimate)."""
+def _drive(ctrl: AdaptiveDraftSteps, batch: int, tokens, steps: int, seconds=None, change: float = 0.0) -> list[int]:
+    """`steps` decode steps: choose, then observe (seconds(k): the step's time, default the
+    model's own estimate; `change`: what a step of another k than the step before takes more)."""
     chosen = []
     for _ in range(steps):
         k = ctrl.choose(batch, lambda: tokens)
         assert ctrl.choose(batch, lambda: tokens) == k, "a second ask before the step changed the answer"
         took = seconds(k) if seconds is not None else ctrl.costs.seconds(batch)[k]
-        ctrl.observe(batch, k, took)
+        ctrl.observe(batch, k, took + (change if chosen and k != chosen[-1] else 0.0))
         chosen.append(k)
     return chosen
 
 
 # -- the models and the controller on synthetic tables ----------------------------------------------
 def test_the_cost_model_buckets_and_averages_measurements_over_its_priors():
-    costs = _costs({4: [1.0, 2.0, 3.0, 4.0], 16: [2.0, 3.0, 4.0, 5.0]})
+    costs = _costs({4: [1.0, 2.0, 3.0, 4.0], 16: [2.0, 3.0, 4.0, 5.0], 64: [3.0, 4.0, 5.0, 6.0]})
     assert [costs.bucket(b) for b in (1, 2, 4, 5, 64, 200)] == [1, 4, 4, 16, 64, 64]
     assert costs.seconds(3) == [1.0, 2.0, 3.0, 4.0] and costs.seconds(1) == [None] * (K + 1)
-    costs.observe(3, 1, 2.5)  # measured: it replaces the prior
-    assert costs.seconds(4) == [1.0, 2.5, 3.0, 4.0] and costs.seconds(16) == [2.0, 3.0, 4.0, 5.0]
+    costs.observe(3, 1, 2.5)  # measured: it replaces the prior, and what serving added carries to rounds
+    assert costs.seconds(4) == [1.0, 2.5, 3.5, 4.5]
+    assert costs.seconds(16) == [2.0, 3.5, 4.5, 5.5] and costs.seconds(64) == [3.0, 4.5, 5.5, 6.5]
     costs.observe(4, 1, 3.5)  # a moving average, weight 0.2
     assert costs.seconds(4)[1] == pytest.approx(2.7)
-    for call, args in ((costs.observe, (4, K + 1, 1.0)), (costs.observe, (4, 0, 0.0)), (costs.set_prior, (3, 0, 1))):
+    costs.observe(16, 3, 5.0)  # the nearest measured round of a bucket first, then of the nearest bucket
+    costs.observe(16, 0, 2.5)
+    assert costs.seconds(16) == pytest.approx([2.5, 3.0, 4.0, 5.0])
+    assert costs.seconds(64) == pytest.approx([3.5, 4.0, 5.0, 6.0])
+    assert costs.seconds(4) == pytest.approx([1.5, 2.7, 3.7, 4.7])  # (the nearest bucket, larger or not)
+    assert costs.change_seconds(16, SWITCH) == 0.0
+    costs.observe_change(4, SWITCH, 2.0)  # a bucket without a figure of its own takes the nearest smaller one's
+    costs.observe_change(64, EXCURSION, 3.0)
+    assert costs.change_seconds(16, SWITCH) == 2.0 and costs.change_seconds(16, EXCURSION) == 0.0
+    assert costs.change_seconds(64, EXCURSION) == 3.0 and costs.change_seconds(1, SWITCH) == 0.0
+    for call, args in (
+        (costs.observe, (4, K + 1, 1.0)),
+        (costs.observe, (4, 0, 0.0)),
+        (costs.set_prior, (3, 0, 1)),
+        (costs.observe_change, (4, "flap", 1.0)),
+    ):
         with pytest.raises(ValueError, match="cost model"):
             call(*args)
 
 
-def test_priors_the_host_makes_wrong_are_tried_and_measured():
-    """Start-up replays make a round look twice a plain step; serving measures rounds eight times
-    dearer (the host's work per request): the controller leaves num_steps for plain steps, tries
-    every other draft length once, and keeps plain steps."""
+def test_priors_the_host_makes_wrong_are_corrected_by_what_was_measured():
+    """Start-up replays make a round look twice a plain step; serving measures rounds several
+    times dearer (the host's work per request): the controller leaves num_steps for plain steps,
+    which it has not measured either (a round's host work says nothing of theirs), and keeps
+    them without trying the other draft lengths, whose estimates carry what serving added to
+    num_steps's; nor does it try rounds at a batch size it never served."""
     replays, measured = [0.1, 0.2, 0.25, 0.3], [0.6, 3.0, 4.2, 5.3]
-    ctrl = AdaptiveDraftSteps(_costs({16: replays}))
+    ctrl = AdaptiveDraftSteps(_costs({16: replays, 64: [2 * s for s in replays]}))
     chosen = _drive(ctrl, 16, _tokens(16, 0.8), 40, lambda k: measured[k])
-    assert chosen[:4] == [K] * 4 and set(chosen) == set(range(K + 1))
-    assert ctrl.k == 0 and chosen[-10:] == [0] * 10
-    assert ctrl.costs.seconds(16) == pytest.approx(measured)
+    assert chosen == [K] * 4 + [0] * 36
+    assert ctrl.costs.seconds(16) == pytest.approx([0.6, 5.2, 5.25, 5.3])
+    assert set(_drive(ctrl, 64, _tokens(64, 0.8), 40, lambda k: 2 * measured[k])) == {0}
 
 
 def test_acceptance_counts_judge_positions_up_to_the_first_rejection():
@@ -142,9 +163,10 @@ def test_the_controller_does_not_flap_between_near_equals():
 def test_the_controller_measures_what_it_has_not_and_probes_deeper():
     """Without start-up timing (a CPU) every k is tried for `dwell` steps, deepest first, before
     the fastest is chosen; a step right after a change is not timed. At k = 0 it probes k = 1
-    after `probe_after` steps, and waits twice as long after a probe that changed nothing."""
+    after `probe_after` steps, and waits twice as long after a probe that changed nothing
+    (probes as cheap as the time allows: `probe_share` 1)."""
     times = [1.0, 1.5, 2.0, 2.5]
-    ctrl = AdaptiveDraftSteps(CostModel(BUCKETS, K), dwell=3, probe_after=8, max_probe_after=32)
+    ctrl = AdaptiveDraftSteps(CostModel(BUCKETS, K), dwell=3, probe_after=8, max_probe_after=32, probe_share=1.0)
     chosen = _drive(ctrl, 4, _tokens(4, 0.1), 14, lambda k: times[k])
     assert chosen[:12] == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0] and chosen[12:] == [0, 0]
     assert ctrl.costs.seconds(4) == times  # each measured, the first step after a change left out
@@ -154,6 +176,37 @@ def test_the_controller_measures_what_it_has_not_and_probes_deeper():
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert gaps[1] > gaps[0] and gaps[-1] <= 32 + 2 * 3  # (decisions come every `dwell` steps)
     assert _drive(ctrl, 4, _tokens(4, 0.99), 8, lambda k: times[k])[-1] == K  # drafts accepted: they pay now
+
+
+def test_a_change_between_plain_steps_and_rounds_must_repay_what_it_was_measured_to_cost():
+    """The first step after each change takes `change` seconds more (a pipeline drained, a draft
+    caught up): the controller measures it as the switch's cost; a round length 6% faster than
+    plain steps saves less than that within `payback` steps and is not taken (a controller whose
+    changes cost nothing takes it), one 50% faster is."""
+    rows = {4: [1.0, 2.0, 2.5, 3.0]}
+    worse, slightly, clearly = _tokens(4, 0.2), np.array([4.0, 8.48, 8.6, 8.7]), np.array([4.0, 12.0, 12.5, 13.0])
+    dear, free = AdaptiveDraftSteps(_costs(rows)), AdaptiveDraftSteps(_costs(rows))
+    for ctrl, change in ((dear, 10.0), (free, 0.0)):
+        assert _drive(ctrl, 4, worse, 40, change=change) == [K] * 4 + [0] * 36
+    assert dear.costs.change_seconds(4, SWITCH) == pytest.approx(10.0) and free.costs.change_seconds(4, SWITCH) == 0.0
+    assert set(_drive(dear, 4, slightly, 40, change=10.0)) == {0}  # 64 steps x 2 s x 6% = 7.7 s < 10 s
+    assert _drive(free, 4, slightly, 40)[-1] == 1
+    assert _drive(dear, 4, clearly, 40, change=10.0)[-1] == 1
+
+
+def test_probes_from_plain_steps_cost_at_most_their_share_of_the_time():
+    """Plain steps are fastest and every change costs 5 s more: probes from plain steps (a round
+    and back, 10 s beyond their steps, and the round's own loss against plain steps) come no more
+    often than keeps them to `probe_share` (1%) of the time, yet still come."""
+    times = [1.0, 1.5, 2.0, 2.5]
+    ctrl = AdaptiveDraftSteps(CostModel(BUCKETS, K))
+    chosen = _drive(ctrl, 1, _tokens(1, 0.3), 4000, lambda k: times[k], change=5.0)
+    explored = 4 * (K + 1)
+    assert chosen[:explored] == [k for k in range(K, -1, -1) for _ in range(4)]
+    probes = [i for i, k in enumerate(chosen) if i >= explored and k]
+    assert set(chosen[explored:]) == {0, 1} and 2 <= len(probes) <= 4, probes
+    assert ctrl.costs.change_seconds(1, EXCURSION) == pytest.approx(10.0)
+    assert all(b - a >= (10.0 + 1.5 - 1.3) / 0.01 for a, b in itertools.pairwise(probes))
 
 
 # -- engines on a forced schedule ------------------------------------------------------------------
@@ -206,6 +259,74 @@ def test_switching_between_plain_steps_and_rounds_is_lossless(plain_tokens, algo
         verifies = {key.q_len for key in eng.runner.graphs.families if key.mode is ForwardMode.TARGET_VERIFY}
         assert verifies == {2, 3, K + 1}
     eng.check_no_leak()
+
+
+class Told(Schedule):
+    """A forced schedule that keeps what the controller is told: (k, seconds, clean) per step."""
+
+    def __init__(self, ks: list[int]) -> None:
+        super().__init__(ks)
+        self.told: list[tuple[int, float | None, bool]] = []
+
+    def observe(self, batch_size, k, seconds, clean=True) -> None:
+        super().observe(batch_size, k, seconds, clean)
+        self.told.append((k, seconds, clean))
+
+
+def test_the_controller_is_told_which_steps_are_their_kinds(plain_tokens):
+    """Overlapped plain steps between rounds of K frozen-KV drafts launched ahead, under emulated replay:
+    the controller is told every round and every plain step but the launch that restarts the
+    pipeline (its time goes with the step after it); the plain step whose time holds the round
+    launched ahead and dropped is not clean, nor the round whose draft caught up first; every
+    other step between the first and the last (whose round ahead its finished requests drop) is."""
+    spec = {"algorithm": "frozen_kv_mtp", "draft_model": DRAFT_MODELS["frozen_kv_mtp"], "num_steps": K}
+    eng = _tiny("emulate", spec, overlap_schedule=True)
+    eng.spec.controller = told = Told([K, K, K, 0, 0, 0, 0])
+    outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+    assert [o.token_ids for o in outs] == plain_tokens
+    assert eng.spec.rounds_drafted_ahead > 0 and eng.spec.drops > 0
+    ks = [k for k, _, _ in told.told]
+    assert ks == [[K, K, K, 0, 0, 0, 0][i % 7] for i in range(len(ks))]
+    assert all(seconds is not None for _, seconds, _ in told.told[1:])
+    for i, (k, _, clean) in enumerate(told.told[1:-1], 1):
+        changed = k != ks[i - 1]
+        # (a change to plain steps drops a round launched ahead; to rounds, the draft catches up)
+        assert clean == (not changed), (i, [(k, c) for k, _, c in told.told])
+    assert sum(o.spec.plain_steps for o in outs) > ks.count(0) * len(PROMPTS) / 2
+    eng.check_no_leak()
+
+
+def test_a_draft_with_full_kv_of_its_own_catches_up_when_a_round_comes(plain_tokens, monkeypatch):
+    """An EAGLE head (a full draft pool) behind by plain steps catches up only before the next
+    round, however many came (within `lag_tokens` draft positions over its requests, and no
+    sooner than MAX_LAG steps); past that bound, during the plain steps. Greedy output stays
+    plain decoding's."""
+    import workers.speculative.worker as worker
+
+    monkeypatch.setattr(worker, "MAX_LAG", 2)
+    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
+    for lag_tokens, plain_catch_ups in ((worker.LAG_TOKENS, False), (2 * len(PROMPTS), True)):
+        eng = _tiny(False, spec)
+        eng.spec.controller, eng.spec.lag_tokens = Schedule([K] + [0] * 9), lag_tokens
+        at = _catch_ups_in(eng)
+        outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+        assert [o.token_ids for o in outs] == plain_tokens
+        behind = [k for k in at if k is not None]  # (not a prefill's)
+        assert behind and (0 in behind) == plain_catch_ups, behind
+        eng.check_no_leak()
+
+
+def _catch_ups_in(eng: Engine) -> list[int | None]:
+    """The draft steps of the engine step each of its draft's catch-ups runs in, as they come."""
+    at = []
+    catch_up = eng.spec.drafter.catch_up
+
+    def recorded(*args, **kwargs):
+        at.append(eng.last_step.draft_steps)
+        return catch_up(*args, **kwargs)
+
+    eng.spec.drafter.catch_up = recorded
+    return at
 
 
 @pytest.mark.parametrize("variant", ["standalone-swa", "eagle1-full", "frozen_kv_mtp-target"])

@@ -7,10 +7,18 @@ catching up later) maximising expected tokens per second: the acceptance model's
 tokens for k (`acceptance.py`) over the cost model's seconds for k at this batch size
 (`cost_model.py`). Against flapping it keeps a choice for at least `dwell` steps and leaves it
 only for one expected to be `margin` faster; it decides every `dwell` steps (a decision's host
-time is paid once in that many). A draft length whose cost is unknown is tried (a CPU times
-nothing at start-up), and below num_steps it probes one step deeper now and then: position k + 1
-is never judged at k, so its rate would otherwise stay whatever it last was. A probe that changes
-nothing doubles the wait for the next.
+time is paid once in that many). Changing between plain steps and rounds costs more than either
+kind's steps (the pipeline drained and restarted, the draft's catch-up, a round launched ahead
+and dropped): the controller measures it and changes only when the faster choice repays it
+within `payback` steps. A draft length whose cost is unknown is tried (a CPU times nothing at
+start-up), and below num_steps it probes one step deeper now and then: position k + 1 is never
+judged at k, so its rate would otherwise stay whatever it last was. A probe that changes nothing
+doubles the wait for the next; a probe from plain steps (a round and back) waits besides until
+its measured cost is at most `probe_share` of the time between probes.
+
+A step is steady when it ran the k of the step before and nothing else ran in its time: its time
+refreshes its cost entry. The others (a change, a probe, a catch-up) are what changing costs:
+what they took beyond their entries is told to the cost model once steps are steady again.
 
 `FixedDraftSteps` is `speculative.adaptive: false`: num_steps every step. `RelayedDraftSteps`
 runs what rank 0 of a tensor-parallel group chose.
@@ -24,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from workers.speculative.cost_model import CostModel
+from workers.speculative.cost_model import EXCURSION, SWITCH, CostModel
 
 
 class DraftSteps(Protocol):
@@ -35,9 +43,10 @@ class DraftSteps(Protocol):
         steps. Calling it again before `observe` gives the same answer."""
         ...
 
-    def observe(self, batch_size: int, k: int, seconds: float | None) -> None:
-        """A decode step of `k` draft steps ran (seconds None: not timed, a step whose time says
-        nothing about its kind)."""
+    def observe(self, batch_size: int, k: int, seconds: float | None, clean: bool = True) -> None:
+        """A decode step of `k` draft steps ran, `seconds` after the step told before it ended
+        (None: unknown, no decode step came right before); `clean`: nothing else ran in that
+        time (no catch-up after plain steps, no work launched ahead and dropped)."""
         ...
 
 
@@ -48,7 +57,7 @@ class FixedDraftSteps:
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         return self.num_steps
 
-    def observe(self, batch_size: int, k: int, seconds: float | None) -> None:
+    def observe(self, batch_size: int, k: int, seconds: float | None, clean: bool = True) -> None:
         """Nothing to learn."""
 
 
@@ -59,6 +68,8 @@ class AdaptiveDraftSteps:
     dwell: int = 4  # steps at a k before leaving it
     probe_after: int = 32  # steps below num_steps before a step one draft deeper
     max_probe_after: int = 1024  # the wait for probes, doubled after each that changed nothing
+    payback: int = 64  # steps at the new k within which a change between plain steps and rounds repays itself
+    probe_share: float = 0.01  # of the time at plain steps that probing from them may cost
     k: int = dataclasses.field(init=False)  # the current choice (probes aside)
 
     def __post_init__(self) -> None:
@@ -68,6 +79,10 @@ class AdaptiveDraftSteps:
         self._since_probe = 0  # steps since the last probe (or change)
         self._probe_wait = self.probe_after
         self._probed = False  # the last step was a probe
+        self._probe: int | None = None  # the probe `choose` returned, until a step is told
+        self._steady: int | None = None  # the k of the last steady step
+        # The unsteady steps since it: (batch size, k, seconds); None once one took unknown time.
+        self._unsteady: list[tuple[int, int, float]] | None = []
 
     @property
     def num_steps(self) -> int:
@@ -81,23 +96,27 @@ class AdaptiveDraftSteps:
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         if self._steps < self.dwell or self._steps % self.dwell:  # decided every `dwell` steps
             return self.k
-        rates = self.rates(batch_size, expected_tokens())
+        tokens = expected_tokens()
+        rates = self.rates(batch_size, tokens)
         unknown = [k for k, r in enumerate(rates) if r is None]
         if unknown:  # measure it: nothing else tells what it costs
             return unknown[-1]
         best = max(range(len(rates)), key=lambda k: (rates[k], k))
-        if rates[best] > rates[self.k] * (1.0 + self.margin):
+        if rates[best] > rates[self.k] * (1.0 + self.margin) and self._repays(batch_size, best, rates):
             return best
-        if self._probe_due:
-            return self.k + 1
+        if self._probe_due(batch_size, tokens):
+            self._probe = self.k + 1
+            return self._probe
         return self.k
 
-    def observe(self, batch_size: int, k: int, seconds: float | None) -> None:
-        """Counts the step: at k, a probe, or a change of k. A step is timed only when the step
-        before ran the same k (otherwise its time holds the change: a round launched ahead and
-        discarded, a draft catching up)."""
-        if seconds is not None and k == self._last:
+    def observe(self, batch_size: int, k: int, seconds: float | None, clean: bool = True) -> None:
+        """Counts the step: at k, a probe, or a change of k. A steady step (the k of the step
+        before, its time known and clean) refreshes its cost entry; the others count towards
+        what changing costs."""
+        steady = seconds is not None and clean and k == self._last
+        if steady:
             self.costs.observe(batch_size, k, seconds)
+        self._account(batch_size, k, seconds, steady)
         self._last = k
         if self._probed:  # the step after a probe: back at k (it changed nothing) or moved on
             self._probe_wait = min(2 * self._probe_wait, self.max_probe_after) if k == self.k else self.probe_after
@@ -105,14 +124,63 @@ class AdaptiveDraftSteps:
         if k == self.k:
             self._steps += 1
             self._since_probe += 1
-        elif k == self.k + 1 and self._probe_due:
+        elif k == self._probe:
             self._probed, self._since_probe = True, 0
         else:
             self.k, self._steps, self._since_probe = k, 1, 1
+        self._probe = None
 
-    @property
-    def _probe_due(self) -> bool:
-        return self.k < self.num_steps and self._since_probe >= self._probe_wait
+    def _repays(self, batch_size: int, best: int, rates: list[float]) -> bool:
+        """Whether leaving k for `best` saves, over `payback` steps at best, more than the change
+        costs: a change between plain steps and rounds its measured cost (between round lengths
+        nothing is drained or caught up)."""
+        if (best == 0) == (self.k == 0):
+            return True
+        seconds = self.costs.seconds(batch_size)[best]
+        saved = self.payback * seconds * (rates[best] / rates[self.k] - 1.0)
+        return saved > self.costs.change_seconds(batch_size, SWITCH)
+
+    def _probe_due(self, batch_size: int, tokens: np.ndarray) -> bool:
+        """Whether a step one draft deeper is due: `_probe_wait` steps at k; from plain steps
+        also no sooner than its cost (the excursion's, measured, else two switches'; and the
+        round's loss against plain steps) is `probe_share` of the time at plain steps since the
+        last."""
+        if self.k >= self.num_steps:
+            return False
+        wait = self._probe_wait
+        if self.k == 0:
+            costs = self.costs.seconds(batch_size)
+            loss = max(0.0, costs[1] - costs[0] * float(tokens[1]) / float(tokens[0]))
+            excursion = self.costs.change_seconds(batch_size, EXCURSION) or 2.0 * self.costs.change_seconds(
+                batch_size, SWITCH
+            )
+            wait = max(wait, (loss + excursion) / (self.probe_share * costs[0]))
+        return self._since_probe >= wait
+
+    def _account(self, batch_size: int, k: int, seconds: float | None, steady: bool) -> None:
+        """What the unsteady steps since the last steady one took beyond their entries (as they
+        stand once steady again: a new k's first entry is measured only then), told to the cost
+        model at the next steady step if another k ran meanwhile: a switch when they left plain
+        steps for rounds or came back, an excursion when they left plain steps and came back
+        (between round lengths: nothing). A step of unknown time leaves it unknown."""
+        if not steady:
+            if self._unsteady is not None:
+                self._unsteady = None if seconds is None else [*self._unsteady, (batch_size, k, seconds)]
+            return
+        steps = self._unsteady
+        if not steps:  # (steady steps in a row: nothing to tell, nothing allocated)
+            self._steady, self._unsteady = k, [] if steps is None else steps
+            return
+        self._unsteady = []
+        if self._steady is None or all(j == self._steady for _, j, _ in steps):
+            self._steady = k
+            return
+        left, back, self._steady = self._steady == 0, k == 0, k
+        kind = SWITCH if left != back else EXCURSION if left else None
+        entries = [self.costs.seconds(b)[j] for b, j, _ in steps]
+        if kind is not None and None not in entries:
+            excess = sum(seconds for _, _, seconds in steps) - sum(entries)
+            self.costs.observe_change(batch_size, kind, max(0.0, excess))
 
 
 @dataclasses.dataclass
@@ -127,8 +195,8 @@ class RelayedDraftSteps:
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         return self.k
 
-    def observe(self, batch_size: int, k: int, seconds: float | None) -> None:
-        self.lead.observe(batch_size, k, seconds)
+    def observe(self, batch_size: int, k: int, seconds: float | None, clean: bool = True) -> None:
+        self.lead.observe(batch_size, k, seconds, clean)
 
     def propose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         """Rank 0: what the group's next decode step runs."""

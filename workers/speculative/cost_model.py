@@ -1,22 +1,35 @@
 """What a decode step costs, by batch size and draft length: the denominator of the controller's
-tokens per second (`workers/speculative/controller.py`).
+tokens per second (`workers/speculative/controller.py`), and what changing between plain steps
+and rounds costs beyond the steps themselves.
 
 One entry per batch-size bucket (the captured graph sizes: a batch runs padded to the smallest
 that holds it) and draft length k in 0..num_steps: the seconds of a plain decode step (k = 0) or
 of a round of k draft steps, its verify and the draft's catch-up. With CUDA graphs a start-up
 measurement of their replays gives every entry a prior (`round_timing.py`); while serving, each
-decode step's measured time refreshes its entry as an exponential moving average, so that the
-host's share, which replays alone leave out, is counted. An entry not measured yet is its prior:
-an optimistic figure (it leaves the host out), so that the controller tries that draft length and
-measures it rather than rules it out on a guess; scaling priors by what the bucket's measured
-entries took would guess wrong both ways (a round's host work is not a plain step's). An entry
-with neither is unknown (a CPU has no start-up timing) and the controller tries it too.
+steady decode step's measured time refreshes its entry as an exponential moving average, so that
+the host's share, which replays alone leave out, is counted. An entry not measured yet is its
+prior plus what serving added to the prior of the nearest measured entry of its kind (a plain
+step's to a plain step's, a round's to a round's: their host work differs; the same bucket
+first, then the nearest bucket): a bucket never served is not explored round by round on
+replay-only figures that every measurement so far found several times too low, while a kind
+never measured keeps its optimistic prior and is tried. An entry with neither is unknown (a CPU
+has no start-up timing) and the controller tries it too.
+
+Changing costs too, and no step's entry holds it: the drain of the overlapped plain pipeline and
+the draft's catch-up before a round, the work launched ahead for a next round that a plain step
+drops, the launch that restarts the pipeline. Per bucket, moving averages of what the steps of a
+change took beyond their entries: `SWITCH`, a change between plain steps and rounds (either way),
+and `EXCURSION`, a round run from plain steps and back (a probe). A bucket without its own
+figure takes the nearest smaller bucket's (changing costs grow with the batch).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+
+SWITCH = "switch"  # between plain steps and rounds, either way
+EXCURSION = "excursion"  # from plain steps to a round and back
 
 
 @dataclasses.dataclass
@@ -26,6 +39,7 @@ class CostModel:
     weight: float = 0.2  # of a new measurement in its entry's moving average
     prior: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, k) -> s, start-up
     measured: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, k) -> s, serving
+    changes: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)  # (bucket, kind) -> s, serving
 
     def __post_init__(self) -> None:
         if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
@@ -45,17 +59,51 @@ class CostModel:
         self.prior[(bucket, k)] = seconds
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
-        """A decode step of `batch_size` requests and `k` draft steps took `seconds`."""
+        """A steady decode step of `batch_size` requests and `k` draft steps took `seconds`."""
         self._check(k, seconds)
-        key = (self.bucket(batch_size), k)
-        old = self.measured.get(key)
-        self.measured[key] = seconds if old is None else old + self.weight * (seconds - old)
+        self._average(self.measured, (self.bucket(batch_size), k), seconds)
+
+    def observe_change(self, batch_size: int, kind: str, seconds: float) -> None:
+        """A change of `kind` (`SWITCH`, `EXCURSION`) took `seconds` beyond its steps' entries."""
+        if kind not in (SWITCH, EXCURSION) or seconds < 0.0:
+            raise ValueError(f"cost model: a change is {SWITCH} or {EXCURSION} and costs >= 0 s, got {kind} {seconds}")
+        self._average(self.changes, (self.bucket(batch_size), kind), seconds)
 
     def seconds(self, batch_size: int) -> list[float | None]:
         """The expected seconds of a step of `batch_size` requests for each k in 0..num_steps:
-        measured, else the prior; None where neither is known."""
+        measured, else the prior and what serving added to the nearest measured entry of its
+        kind; None where neither is known."""
         b = self.bucket(batch_size)
-        return [self.measured.get((b, k), self.prior.get((b, k))) for k in range(self.num_steps + 1)]
+        out: list[float | None] = []
+        for k in range(self.num_steps + 1):
+            seconds = self.measured.get((b, k))
+            if seconds is None and (b, k) in self.prior:
+                seconds = self.prior[(b, k)] + self._added(b, k)
+            out.append(seconds)
+        return out
+
+    def change_seconds(self, batch_size: int, kind: str) -> float:
+        """What a change of `kind` is expected to cost beyond its steps: this bucket's figure,
+        else the nearest smaller bucket's; 0 where none was measured (the change is tried)."""
+        b = self.bucket(batch_size)
+        smaller = [bucket for bucket, k in self.changes if k == kind and bucket <= b]
+        return self.changes[(max(smaller), kind)] if smaller else 0.0
+
+    def _added(self, bucket: int, k: int) -> float:
+        """What serving added to the prior in the nearest measured entry of k's kind (plain or
+        round): the same bucket first, then the nearest bucket (the smaller on a tie), then the
+        nearest draft length; 0 where none of its kind was measured."""
+        i = self.buckets.index(bucket)
+        same_kind = [
+            (abs(self.buckets.index(b) - i), b > bucket, abs(j - k), seconds - self.prior[(b, j)])
+            for (b, j), seconds in self.measured.items()
+            if (j == 0) == (k == 0) and (b, j) in self.prior
+        ]
+        return max(0.0, min(same_kind)[-1]) if same_kind else 0.0
+
+    def _average(self, table: dict, key: tuple, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.weight * (seconds - old)
 
     def _check(self, k: int, seconds: float) -> None:
         if not 0 <= k <= self.num_steps:
