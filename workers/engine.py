@@ -246,7 +246,8 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
         self._inflight: InFlight | None = None
-        self._decode_end_ns: int | None = None  # when the last step ended, if a decode step
+        self._decode_end_ns: int | None = None  # when the decode step last told to the controller ended
+        self._disturbances = 0  # the speculative worker's count then
         if warmup if warmup is not None else self.device.type == "cuda":
             self._rng, self._ids, self.failed_steps = random.Random(seed), itertools.count(), 0
             self._warm_up()
@@ -490,7 +491,6 @@ class Engine:
         batch's requests fail and the engine goes on, unless it is one rank of several (the
         ranks may have diverged) or steps keep failing: then the exception propagates."""
         self.last_step = StepRecord(start_ns=time.time_ns())
-        self._catch_ups = self.spec.catch_ups if self.spec is not None else 0
         if self._inflight is not None:
             return self._overlapped_step()
         sb = self.scheduler.schedule()
@@ -501,7 +501,7 @@ class Engine:
         if self.overlap and not k and self._overlap.eligible(sb):
             self._inflight = self._overlap.launch(sb.reqs, None)
             self._overlap.choose(self._inflight)
-            return self._end_step(sb.reqs, [], timed=False)  # a launch alone: not a step's time
+            return self._end_step(sb.reqs, [], timing="launch")
         try:
             events = self._run(sb, k)
             self.failed_steps = 0
@@ -533,30 +533,45 @@ class Engine:
         if self.spec is not None:
             self.spec.after_plain(flight.reqs, flight.hidden)
         self.scheduler.release_windows(live)
-        return self._end_step(live, events)
+        return self._end_step(live, events, timing="step" if following else "drain")
 
     def _end_step(
-        self, reqs: list[Request], events: list[tuple[Request, list[int]]], timed: bool = True
+        self, reqs: list[Request], events: list[tuple[Request, list[int]]], timing: str = "step"
     ) -> list[tuple[str, list[int], bool]]:
         """Close the step's record; a decode step of a speculative engine tells the controller
-        what it ran and, where its time is that of its kind (`timed`, the step before a decode
-        step too, no draft caught up after plain steps in it), how long it took: from the end of
-        the step before, so that whatever runs between steps (a rank loop's plan and hand-over)
-        counts per step, as it costs."""
+        (`_tell_controller`) what it ran."""
         step = self.last_step
         step.request_ids = [r.rid for r in reqs]
         step.seq_lens = [r.num_tokens for r in reqs]
         step.cached_tokens = [r.cached_tokens for r in reqs]
         step.end_ns = time.time_ns()
-        before, self._decode_end_ns = self._decode_end_ns, step.end_ns if step.draft_steps is not None else None
-        if step.draft_steps is not None:
-            timed = timed and before is not None and self.spec.catch_ups == self._catch_ups
-            seconds = (step.end_ns - before) / 1e9 if timed else None
-            self.spec.controller.observe(len(reqs), step.draft_steps, seconds)
+        if self.spec is not None:
+            self._tell_controller(len(reqs), step, timing)
         reported = {req.rid for req, _ in events}
         return [(req.rid, new, req.finished) for req, new in events] + [
             (req.rid, [], True) for req in reqs if req.finished and req.rid not in reported
         ]
+
+    def _tell_controller(self, batch_size: int, step: StepRecord, timing: str) -> None:
+        """Tell the controller the draft steps a decode step ran and how long it took: from the
+        end of the decode step told before, so that whatever runs between steps (a rank loop's
+        plan and hand-over) counts per step, as it costs; clean when the speculative worker ran
+        nothing besides (`SpecWorker.disturbances`) meanwhile. `timing`: "step"; "launch", a
+        plain step launched alone, whose time goes with the next step's (the one that commits
+        its tokens; a round launched ahead and dropped before it too); "drain", the commit of the
+        last plain step launched, with nothing launched after it: a plain step's time, not told,
+        the next step's counted from its end."""
+        if timing == "launch":
+            return
+        if step.draft_steps is None and timing != "drain":  # no decode step: the next one's time is unknown
+            self._decode_end_ns = None
+            return
+        if timing == "step":
+            before = self._decode_end_ns
+            seconds = (step.end_ns - before) / 1e9 if before is not None else None
+            clean = self.spec.disturbances == self._disturbances
+            self.spec.controller.observe(batch_size, step.draft_steps, seconds, clean)
+        self._decode_end_ns, self._disturbances = step.end_ns, self.spec.disturbances
 
     def _run(self, sb: ScheduledBatch, k: int | None) -> list[tuple[Request, list[int]]]:
         """One forward (or a speculative round of `k` draft steps) and its commits."""

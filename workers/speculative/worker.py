@@ -32,9 +32,10 @@ How many draft steps a round runs is chosen every decode step (`draft_steps`: th
 `workers/speculative/controller.py`; k = num_steps every step unless `speculative.adaptive`).
 k = 0 is a plain decode step: the draft falls a token behind (`after_plain` keeps the target's
 hidden states its catch-up reads), and catches up on the committed tokens as after a prefill
-chunk before the next round (`_resume`), or once it is `max_lag` behind if it keeps KV of its
-own. A round of k < num_steps is the same round with fewer drafts, replaying graphs captured for
-its k (docs/design.md §6.1).
+chunk before the next round (`_resume`), or, if it keeps KV of its own, once it is too far behind
+(`max_lag` steps in an SWA draft pool, `lag_tokens` positions over its requests otherwise). A
+round of k < num_steps is the same round with fewer drafts, replaying graphs captured for its k
+(docs/design.md §6.1).
 """
 
 from __future__ import annotations
@@ -61,11 +62,16 @@ from workers.speculative.controller import DraftSteps, FixedDraftSteps, RelayedD
 from workers.speculative.drafter import Drafter, DraftState, HiddenRows
 from workers.speculative.stats import SpecStats
 
-# Plain decode steps a draft with KV of its own may fall behind before it catches up: bounds the
-# target hidden states kept for an EAGLE draft and the window an SWA draft pool keeps (admission
-# reserves it: `Scheduler.draft_lag`), and amortises one catch-up forward (eager: it is ragged)
-# over that many plain steps.
+# Plain decode steps a draft with KV of its own may fall behind before it catches up, in an SWA
+# draft pool: bounds the window the pool keeps (admission reserves it: `Scheduler.draft_lag`).
 MAX_LAG = 64
+# Draft positions (over its requests) a draft with full KV of its own may fall behind, and the
+# bytes of target hidden states an EAGLE head keeps meanwhile: they bound its catch-up forward
+# and that memory. No sooner than MAX_LAG steps: one catch-up forward (eager: it is ragged) costs
+# what several plain steps do, and plain steps run where speculation does not pay, so it is put
+# off as long as the bounds allow (a round catches up first anyway).
+LAG_TOKENS = 8192
+HIDDEN_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -106,14 +112,25 @@ class SpecWorker:
         self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
         self.acceptance = AcceptanceModel(num_steps, scheduler.req_to_token.max_requests)
         self.controller: DraftSteps = FixedDraftSteps(num_steps)
-        self.max_lag = MAX_LAG
-        self.catch_ups = 0  # catch-ups after plain decode steps (a step running one is not timed)
+        swa = drafter.runner.pool is not None and drafter.runner.pool.has_swa
+        self.max_lag = MAX_LAG if swa else LAG_TOKENS  # plain steps behind before a catch-up
+        self.lag_tokens = LAG_TOKENS  # draft positions behind, over its requests, before a catch-up
+        self._row_bytes = 0  # of the target hidden states kept per position
+        self.catch_ups = 0  # catch-ups after plain decode steps
+        self.drops = 0  # rounds launched ahead and dropped
         # Plain decode steps run, and those since the draft last caught up with the target's hidden
         # states its catch-up may read: (the step's requests, their hidden states, a row each). Every
         # running request takes part in every decode step, so a request is as many plain steps
         # behind as were counted since it last caught up (`DraftState.synced`): no per-request work.
         self._plain_count = 0
         self._plain: list[tuple[list[Request], torch.Tensor | None]] = []
+        self._behind = 0  # draft positions behind since the last catch-up, over its requests
+
+    @property
+    def disturbances(self) -> int:
+        """Work that ran besides a decode step's own (a catch-up after plain steps, a round
+        launched ahead and dropped): a step in whose time it ran is not its kind's time."""
+        return self.catch_ups + self.drops
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -139,6 +156,7 @@ class SpecWorker:
         k = self.controller.choose(len(reqs), lambda: self.acceptance.expected_tokens([r.row for r in reqs]))
         if k == 0 and self._ahead is not None:
             ahead, self._ahead = self._ahead, None
+            self.drops += 1
             for req in ahead.reqs:
                 if not req.finished:
                     self.scheduler.trim(req)
@@ -154,18 +172,32 @@ class SpecWorker:
 
     def after_plain(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
         """A plain decode step committed a token for each of `reqs` (`hidden`: the target's
-        hidden states, a row each): the draft falls a token behind and keeps the rows its
-        catch-up reads; a draft with KV of its own catches up once `max_lag` behind."""
+        hidden states, a row each; a graph's, valid until its next replay): the draft falls a
+        token behind and keeps the rows its catch-up reads (copied, unless only the last step's:
+        no replay comes between a plain step and the round that reads them); a draft with KV of
+        its own catches up once too far behind."""
         self._plain_count += 1
         for req in reqs:
             if req.finished:  # (in this step or before it): its plain steps are counted now
                 self.settle(req)
         kept = self.drafter.hidden_kept
-        self._plain.append((reqs, hidden if kept != 0 else None))
+        if kept == 0 or hidden is None:
+            hidden = None
+        elif kept != 1:
+            hidden = hidden.clone()
+            self._row_bytes = hidden.shape[-1] * hidden.element_size()
+        self._plain.append((reqs, hidden))
+        self._behind += len(reqs)
         if kept:
             self._plain = self._plain[-kept:]
-        if self.drafter.runner.pool is not None and len(self._plain) >= self.max_lag:
+        if self.drafter.runner.pool is not None and (len(self._plain) >= self.max_lag or self._too_far_behind()):
             self._resume([r for r in reqs if not r.finished])
+
+    def _too_far_behind(self) -> bool:
+        """Whether the draft positions behind (no sooner than MAX_LAG steps) reach `lag_tokens`
+        or hold HIDDEN_BYTES of kept target hidden states."""
+        limit = min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
+        return self._behind >= limit and len(self._plain) >= MAX_LAG
 
     def settle(self, req: Request) -> None:
         """Count the plain steps a request took part in since it last caught up, as it catches up
@@ -187,7 +219,7 @@ class SpecWorker:
             for req in behind:
                 self.settle(req)
             self.catch_ups += 1
-        self._plain = []
+        self._plain, self._behind = [], 0
 
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
         """Each request's target hidden states of positions [first, kv_len): from the first its
@@ -217,7 +249,9 @@ class SpecWorker:
         if not reqs:
             return []
         ahead, self._ahead = self._ahead, None
-        ahead = ahead if ahead is not None and ahead.serves(reqs, k) else None
+        if ahead is not None and not ahead.serves(reqs, k):
+            ahead = None
+            self.drops += 1
         logits = chosen = None  # the verify's, and its rows' distributions, where the host may read them
         if ahead is not None and ahead.verified is not None:  # verified already: straight to acceptance
             self.rounds_drafted_ahead += 1
@@ -278,6 +312,7 @@ class SpecWorker:
         self._logprobs(events, reqs, chosen, k)
         if self._ahead is not None and len(live) < len(reqs):  # good for a round of exactly these requests
             self._ahead = None
+            self.drops += 1
         if live:
             _, live_reqs, live_starts, accepted = map(list, zip(*live))
             if early:
@@ -288,6 +323,7 @@ class SpecWorker:
                 self.drafter.catch_up_verified(live_reqs, live_starts, accepted, k + 1, hidden)
             if self._ahead is not None and any(r.finished for r in reqs):  # (a failed proposal ends one)
                 self._ahead = None
+                self.drops += 1
             # rejected drafts' slots, written by the catch-up's padding rows; those the next
             # round's verify writes stay while it is in flight
             keep = k if self._ahead is not None and self._ahead.verified is not None else 0
