@@ -90,21 +90,20 @@ class AdaptiveDraftSteps:
 
     def rates(self, batch_size: int, expected_tokens: np.ndarray) -> list[float | None]:
         """Expected tokens per second for each k (None: its cost unknown)."""
-        costs = self.costs.seconds(batch_size)
-        return [None if c is None else float(t) / c for t, c in zip(expected_tokens, costs)]
+        return _rates(expected_tokens, self.costs.seconds(batch_size))
 
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         if self._steps < self.dwell or self._steps % self.dwell:  # decided every `dwell` steps
             return self.k
-        tokens = expected_tokens()
-        rates = self.rates(batch_size, tokens)
+        tokens, costs = expected_tokens(), self.costs.seconds(batch_size)
+        rates = _rates(tokens, costs)
         unknown = [k for k, r in enumerate(rates) if r is None]
         if unknown:  # measure it: nothing else tells what it costs
             return unknown[-1]
         best = max(range(len(rates)), key=lambda k: (rates[k], k))
-        if rates[best] > rates[self.k] * (1.0 + self.margin) and self._repays(batch_size, best, rates):
+        if rates[best] > rates[self.k] * (1.0 + self.margin) and self._repays(batch_size, best, rates, costs):
             return best
-        if self._probe_due(batch_size, tokens):
+        if self._probe_due(batch_size, tokens, costs):
             self._probe = self.k + 1
             return self._probe
         return self.k
@@ -130,17 +129,16 @@ class AdaptiveDraftSteps:
             self.k, self._steps, self._since_probe = k, 1, 1
         self._probe = None
 
-    def _repays(self, batch_size: int, best: int, rates: list[float]) -> bool:
+    def _repays(self, batch_size: int, best: int, rates: list[float], costs: list[float]) -> bool:
         """Whether leaving k for `best` saves, over `payback` steps at best, more than the change
         costs: a change between plain steps and rounds its measured cost (between round lengths
         nothing is drained or caught up)."""
         if (best == 0) == (self.k == 0):
             return True
-        seconds = self.costs.seconds(batch_size)[best]
-        saved = self.payback * seconds * (rates[best] / rates[self.k] - 1.0)
+        saved = self.payback * costs[best] * (rates[best] / rates[self.k] - 1.0)
         return saved > self.costs.change_seconds(batch_size, SWITCH)
 
-    def _probe_due(self, batch_size: int, tokens: np.ndarray) -> bool:
+    def _probe_due(self, batch_size: int, tokens: np.ndarray, costs: list[float]) -> bool:
         """Whether a step one draft deeper is due: `_probe_wait` steps at k; from plain steps
         also no sooner than its cost (the excursion's, measured, else two switches'; and the
         round's loss against plain steps) is `probe_share` of the time at plain steps since the
@@ -149,7 +147,6 @@ class AdaptiveDraftSteps:
             return False
         wait = self._probe_wait
         if self.k == 0:
-            costs = self.costs.seconds(batch_size)
             loss = max(0.0, costs[1] - costs[0] * float(tokens[1]) / float(tokens[0]))
             excursion = self.costs.change_seconds(batch_size, EXCURSION) or 2.0 * self.costs.change_seconds(
                 batch_size, SWITCH
@@ -181,6 +178,10 @@ class AdaptiveDraftSteps:
         if kind is not None and None not in entries:
             excess = sum(seconds for _, _, seconds in steps) - sum(entries)
             self.costs.observe_change(batch_size, kind, max(0.0, excess))
+
+
+def _rates(tokens: np.ndarray, costs: list[float | None]) -> list[float | None]:
+    return [None if c is None else float(t) / c for t, c in zip(tokens, costs)]
 
 
 @dataclasses.dataclass

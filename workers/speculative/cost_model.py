@@ -46,6 +46,7 @@ class CostModel:
             raise ValueError(f"cost model: buckets must be ascending distinct sizes >= 1, got {self.buckets}")
         if not 0.0 < self.weight <= 1.0:
             raise ValueError(f"cost model: weight must be in (0, 1], got {self.weight}")
+        self._nearest: dict[tuple[int, int], tuple[int, int] | None] = {}  # `_added`'s choice, until an entry is new
 
     def bucket(self, batch_size: int) -> int:
         """The bucket a batch of `batch_size` requests counts in (the largest past the last)."""
@@ -57,11 +58,15 @@ class CostModel:
         if bucket not in self.buckets:
             raise ValueError(f"cost model: bucket {bucket} is not one of {self.buckets}")
         self.prior[(bucket, k)] = seconds
+        self._nearest.clear()
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady decode step of `batch_size` requests and `k` draft steps took `seconds`."""
         self._check(k, seconds)
-        self._average(self.measured, (self.bucket(batch_size), k), seconds)
+        key = (self.bucket(batch_size), k)
+        if key not in self.measured:
+            self._nearest.clear()
+        self._average(self.measured, key, seconds)
 
     def observe_change(self, batch_size: int, kind: str, seconds: float) -> None:
         """A change of `kind` (`SWITCH`, `EXCURSION`) took `seconds` beyond its steps' entries."""
@@ -93,13 +98,16 @@ class CostModel:
         """What serving added to the prior in the nearest measured entry of k's kind (plain or
         round): the same bucket first, then the nearest bucket (the smaller on a tie), then the
         nearest draft length; 0 where none of its kind was measured."""
-        i = self.buckets.index(bucket)
-        same_kind = [
-            (abs(self.buckets.index(b) - i), b > bucket, abs(j - k), seconds - self.prior[(b, j)])
-            for (b, j), seconds in self.measured.items()
-            if (j == 0) == (k == 0) and (b, j) in self.prior
-        ]
-        return max(0.0, min(same_kind)[-1]) if same_kind else 0.0
+        if (bucket, k) not in self._nearest:
+            i = self.buckets.index(bucket)
+            same_kind = [
+                (abs(self.buckets.index(b) - i), b > bucket, abs(j - k), (b, j))
+                for b, j in self.measured
+                if (j == 0) == (k == 0) and (b, j) in self.prior
+            ]
+            self._nearest[(bucket, k)] = min(same_kind)[-1] if same_kind else None
+        key = self._nearest[(bucket, k)]
+        return 0.0 if key is None else max(0.0, self.measured[key] - self.prior[key])
 
     def _average(self, table: dict, key: tuple, seconds: float) -> None:
         old = table.get(key)
