@@ -158,6 +158,7 @@ class RequestHistory:
     drafts: Sequence[Sequence[int]] | None = None
     grammar_masks: GrammarMasks | None = None
     partial_vocab: bool = False
+    _grammars: dict[int, MaskRow | None] = dataclasses.field(default_factory=dict, repr=False)
 
     def generated(self, row: int) -> int:
         return len(self.reqs[row].output_ids) + (len(self.drafts[row]) if self.drafts is not None else 0)
@@ -169,10 +170,11 @@ class RequestHistory:
         return counts, prompt | (counts > 0)
 
     def grammar(self, row: int) -> MaskRow | None:
-        req = self.reqs[row]
-        if req.grammar is None or req.finished:
-            return None
-        return MaskRow(req.grammar, tuple(self.drafts[row]) if self.drafts is not None else (), req.row)
+        if row not in self._grammars:  # (asked for twice: which rows have one, then their masks)
+            req = self.reqs[row]
+            drafts = tuple(self.drafts[row]) if self.drafts is not None else ()
+            self._grammars[row] = None if req.grammar is None or req.finished else MaskRow(req.grammar, drafts, req.row)
+        return self._grammars[row]
 
 
 class Processor(Protocol):
