@@ -183,11 +183,12 @@ def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str]
     from workers.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEFAULT_MODEL)
-    sources = [open(m.__file__).read() for m in (argparse, json.decoder, logging, warnings, tempfile)]
+    text = "".join(open(m.__file__).read() for m in (argparse, json.decoder, logging, warnings, tempfile))
 
     def prompts_for(batch: int) -> list[list[int]]:
-        texts = [sources[i % len(sources)][(i // len(sources)) * 1500 :] for i in range(batch)]
-        return [tok.encode(t)[:prompt_len] for t in texts]
+        """Windows of the library's source, 1,500 characters apart (wrapping), one a request."""
+        starts = [(i * 1500) % (len(text) - 8 * prompt_len) for i in range(batch)]
+        return [tok.encode(text[s : s + 8 * prompt_len])[:prompt_len] for s in starts]
 
     def build(spec: dict | None) -> Engine:
         return Engine(
