@@ -5,10 +5,13 @@ With `size == 1` every collective is the identity, so single-rank code pays noth
 
 All-reduces of decode-sized messages are latency-bound: NCCL's ring costs ~20 us each on two
 NVLink-connected H200s, and a decode step has two a layer. `use_one_shot_all_reduce` routes
-messages up to `ONE_SHOT_MAX_BYTES` through peer memory instead (torch's symmetric memory: every
-rank copies its input into a buffer its peers can read, then one kernel reads all copies and
-sums them), as vLLM's and SGLang's custom all-reduces do; larger messages (prefill) stay on NCCL.
-Both paths can be captured in CUDA graphs.
+small messages through peer memory instead (torch's symmetric memory: every rank copies its
+input into a buffer its peers can read, then one kernel reads all copies and sums them), as
+vLLM's and SGLang's custom all-reduces do; larger messages (prefill) stay on NCCL. Each of those
+all-reduces is followed by the residual add and an RMSNorm (`all_reduce_add_rms_norm`), which
+messages over peer memory fuse into the collective's kernel (`workers/models/all_reduce_norm.py`);
+which path a message takes is the size table `ONE_SHOT_METHODS`. Every path can be captured in
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -19,8 +22,34 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-ONE_SHOT_MAX_BYTES = 1 << 20  # a batch of 128 hidden states of 4,096 in bf16
 AllReduce = Literal["nccl", "one_shot"]
+Method = Literal["one_shot_fused", "one_shot", "nccl"]
+
+# How a message of up to so many bytes is all-reduced once peer memory is set up (`tp_all_reduce:
+# one_shot`): the first row that holds it decides; larger ones, and every message without peer
+# memory, take "nccl", the process group's own all-reduce (NCCL; gloo on CPU), then the add and
+# norm apart. "one_shot_fused": the kernel that also adds the residual and normalises
+# (`all_reduce_add_rms_norm`; a plain all-reduce takes the next row); "one_shot": torch's
+# one-shot kernel.
+ONE_SHOT_METHODS: tuple[tuple[int, Method], ...] = (
+    (1 << 20, "one_shot_fused"),  # a batch of 128 hidden states of 4,096 in bf16
+    (1 << 20, "one_shot"),
+)
+PEER_BUFFER_BYTES = max(bound for bound, _ in ONE_SHOT_METHODS)
+FUSED_PROGRAMS = 64  # the most programs of the fused kernel (each owns rows; its barrier slots scale with it)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerMemory:
+    """This rank's buffer in symmetric memory (`TPGroup.use_one_shot_all_reduce`), its rendezvous
+    group's name, every rank's buffer and signal pad address (int64, on the device: what the fused
+    kernel reads), and the programs the fused kernel may run (each needs two barrier slots a rank)."""
+
+    buffer: torch.Tensor
+    group_name: str
+    buffer_ptrs: torch.Tensor
+    pad_ptrs: torch.Tensor
+    programs: int
 
 
 @dataclasses.dataclass
@@ -28,8 +57,10 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
-    _peer_buffer: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
-    _peer_group: str = dataclasses.field(default="", init=False, repr=False)  # its rendezvous group's name
+    # Whether `all_reduce_add_rms_norm` may run as one kernel (off: the all-reduce, then the add and
+    # norm; `ops/bench/tensor_parallel.py` compares the two).
+    fuse_norm: bool = True
+    _peer: PeerMemory | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -45,21 +76,72 @@ class TPGroup:
             raise ValueError(f"tp_all_reduce: 'one_shot' needs CUDA devices, not {device.type}")
         import torch.distributed._symmetric_memory as symm_mem
 
-        self._peer_group = (self.group or dist.group.WORLD).group_name
-        buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, self._peer_group)
-        self._peer_buffer = buffer
+        name = (self.group or dist.group.WORLD).group_name
+        buffer = symm_mem.empty(PEER_BUFFER_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(buffer, name)
+        slots = handle.get_signal_pad(self.rank).numel()  # 32-bit slots of each rank's signal pad
+        self._peer = PeerMemory(
+            buffer,
+            name,
+            torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
+            torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
+            min(FUSED_PROGRAMS, slots // (2 * self.size)),
+        )
+
+    def method(self, x: torch.Tensor, then_norm: bool = False) -> Method:
+        """How `x` is all-reduced (`then_norm`: by `all_reduce_add_rms_norm`)."""
+        peer = self._peer
+        if peer is None or x.dtype != peer.buffer.dtype or not x.is_contiguous():
+            return "nccl"
+        fused = then_norm and self.fuse_norm and peer.programs > 0
+        nbytes = x.numel() * x.element_size()
+        for bound, method in ONE_SHOT_METHODS:
+            if nbytes <= bound and (fused or method != "one_shot_fused"):
+                return method
+        return "nccl"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (NCCL sums in place: `x` is the result)."""
         if self.size == 1:
             return x
-        peer = self._peer_buffer
-        if peer is not None and x.dtype == peer.dtype and x.numel() <= peer.numel() and x.is_contiguous():
+        if self.method(x) == "one_shot":
+            peer = self._peer
             return torch.ops.symm_mem.one_shot_all_reduce_copy(
-                peer[: x.numel()], x.view(-1), "sum", self._peer_group
+                peer.buffer[: x.numel()], x.view(-1), "sum", peer.group_name
             ).view_as(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_add_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        gemma: bool,
+        before: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rms_norm(all_reduce(x) + bias, residual, weight, eps, gemma, before)` of the op
+        set (`workers/models/ops.py`): (rms_norm(residual'), residual') with residual' = residual
+        + x', x' the all-reduced `x` plus `bias`, passed through the `before` norm (Gemma's
+        sandwich) when given. One kernel where `method` says "one_shot_fused" (the residual
+        updated in place); else the all-reduce, then the op set's add and norm."""
+        # imported here: the models import this module
+        if self.method(x, then_norm=True) == "one_shot_fused" and residual.is_contiguous():
+            from workers.models.all_reduce_norm import all_reduce_add_rms_norm
+
+            peer = self._peer
+            pointers = (peer.buffer_ptrs, peer.pad_ptrs)
+            return all_reduce_add_rms_norm(
+                x, residual, weight, eps, gemma, before, bias, *pointers, self.rank, self.size, peer.programs
+            )
+        from workers.models.ops import ops_for
+
+        x = self.all_reduce(x)
+        if bias is not None:
+            x = x + bias
+        return ops_for(x).add_rms_norm(x, residual, weight, eps, gemma, before)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.size == 1:

@@ -1,6 +1,7 @@
 """Decode throughput of one replica at tensor-parallel sizes 1, 2, ... on the GPUs of one host.
 
-    python -m ops.bench.tensor_parallel --out results.json [--tp-sizes 1,2] [--batches 1,64]
+    python -m ops.bench.tensor_parallel --out results.json [--tp-sizes 1,2] [--batches 1,64] \
+        [--all-reduce nccl,one_shot,one_shot_unfused]
     python -m ops.bench.tensor_parallel --out moe.json --shape gpt-oss-20b --all-reduce nccl \
         --moe-parallel tensor,expert
 
@@ -9,11 +10,15 @@ NCCL for the model's collectives, gloo for the step plans, `RankLoop` in lockste
 (the collectives are captured in them). Rank 0 submits a batch of greedy requests (the Llama-3-8B
 shape with dummy weights by default, prompt 128, 128 new tokens) and times the decode phase: from
 the moment every request has its first token to the last token. The same harness at size 1 is
-the baseline, so a size's speed-up is one division. Sizes above 1 run with each `tp_all_reduce`
-(NCCL, one-shot over peer memory) and, for the mixture-of-experts shapes (gemma4-26b-a4b,
-gpt-oss-20b), each `moe_parallel` asked for (experts split by tensor or by expert; runs of the
-latter are named `.../moe_expert`). Also measured: a captured graph of 64 all-reduces of one
-decode step's hidden state (bf16, batch 1 and 64), the collective's own cost per step.
+the baseline, so a size's speed-up is one division. Sizes above 1 run with each all-reduce asked
+for: `nccl` and `one_shot` are the `tp_all_reduce` settings (one-shot over peer memory, the
+all-reduce before each norm fused with the residual add and the norm), `one_shot_unfused` is
+`one_shot` with those apart (the one-shot kernel, then the add + norm kernel: what the fusion
+saves is the difference); and, for the mixture-of-experts shapes (gemma4-26b-a4b, gpt-oss-20b),
+each `moe_parallel` asked for (experts split by tensor or by expert; runs of the latter are named
+`.../moe_expert`). Also measured: captured graphs of 64 all-reduces of one decode step's hidden
+state (bf16, batch 1 and 64), the collective's own cost per step, alone (`allreduce_us`) and
+with the residual add and RMSNorm after it (`allreduce_norm_us`, `TPGroup.all_reduce_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -85,18 +90,31 @@ class BatchClock:
         }
 
 
-def allreduce_graph_us(tp: TPGroup, hidden: int, batch: int, count: int = 64) -> float:
-    """Microseconds per all-reduce in a captured graph of `count` (one decode step's worth)."""
+# --all-reduce names -> (tp_all_reduce setting, the all-reduce before a norm fused with it)
+ALL_REDUCES = {"nccl": ("nccl", True), "one_shot": ("one_shot", True), "one_shot_unfused": ("one_shot", False)}
+
+
+def allreduce_graph_us(tp: TPGroup, hidden: int, batch: int, norm: bool = False, count: int = 64) -> float:
+    """Microseconds per all-reduce (`norm`: all-reduce, residual add and RMSNorm) in a captured
+    graph of `count` (one decode step's worth)."""
     x = torch.ones(batch, hidden, dtype=torch.bfloat16, device="cuda")
+    residual, weight = torch.zeros_like(x), torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+
+    def collective() -> None:
+        if norm:
+            tp.all_reduce_add_rms_norm(x, residual, weight, 1e-6, False)
+        else:
+            tp.all_reduce(x)
+
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(3):
-            tp.all_reduce(x)
+            collective()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(count):
-            tp.all_reduce(x)
+            collective()
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -120,12 +138,14 @@ def _rank_main(
         timeout=datetime.timedelta(seconds=300),
     )
     control = dist.new_group(backend="gloo")
-    tp = TPGroup(rank, world, dist.group.WORLD)
-    engine = Engine(**engine_kwargs, tp=tp, tp_all_reduce=all_reduce)
+    setting, fuse_norm = ALL_REDUCES[all_reduce]
+    tp = TPGroup(rank, world, dist.group.WORLD, fuse_norm=fuse_norm)
+    engine = Engine(**engine_kwargs, tp=tp, tp_all_reduce=setting)
     out: dict = {}
     if world > 1:
         for batch in (1, 64):
             out[f"allreduce_us/b{batch}"] = allreduce_graph_us(tp, engine.cfg.hidden_size, batch)
+            out[f"allreduce_norm_us/b{batch}"] = allreduce_graph_us(tp, engine.cfg.hidden_size, batch, norm=True)
     clock = BatchClock(0)
     loop = RankLoop(engine, rank, control if world > 1 else None, lambda updates: clock.on_updates(updates))
     if rank != 0:
@@ -177,13 +197,15 @@ def run_name(world: int, all_reduce: str, moe_parallel: str) -> str:
 
 def cases(report: dict) -> dict[str, dict]:
     """One case a size, all-reduce and batch: its decode rate, the speed-up over one GPU and
-    what one all-reduce of the hidden state costs in a graph at that batch."""
+    what one all-reduce of the hidden state (alone, and with the add and norm after it) costs in
+    a graph at that batch."""
     out = {}
     for run, got in report.items():
         if run.startswith("tp"):
             for batch, figures in got.items():
                 if isinstance(figures, dict):
-                    reduce = {"allreduce_us": got[f"allreduce_us/{batch}"]} if f"allreduce_us/{batch}" in got else {}
+                    keys = (f"{k}/{batch}" for k in ("allreduce_us", "allreduce_norm_us"))
+                    reduce = {key.split("/")[0]: got[key] for key in keys if key in got}
                     out[f"{run}/{batch}"] = {**figures, **reduce}
     return out
 
@@ -194,7 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     parser.add_argument("--tp-sizes", default="1,2")
     parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--all-reduce", default="nccl,one_shot", help="tp_all_reduce settings to run at sizes > 1")
+    parser.add_argument(
+        "--all-reduce",
+        default="nccl,one_shot,one_shot_unfused",
+        help=f"all-reduces to run at sizes > 1, of {', '.join(ALL_REDUCES)}",
+    )
     parser.add_argument(
         "--moe-parallel", default="tensor", help="moe_parallel settings to run at sizes > 1 (tensor,expert: both)"
     )
@@ -203,6 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(s) for s in args.tp_sizes.split(",")]
+    unknown = set(args.all_reduce.split(",")) - set(ALL_REDUCES)
+    if unknown:
+        raise SystemExit(f"--all-reduce: {', '.join(sorted(unknown))} unknown; choose from {', '.join(ALL_REDUCES)}")
     if max(sizes) > torch.cuda.device_count():
         raise SystemExit(f"--tp-sizes {args.tp_sizes}: this host has {torch.cuda.device_count()} GPUs")
     with tempfile.TemporaryDirectory() as root:
@@ -240,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
             )
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    record_run(args, "tensor_parallel", cases(report), ["tok_per_s", "ms_per_step", "speedup_over_tp1", "allreduce_us"])
+    metrics = ["tok_per_s", "ms_per_step", "speedup_over_tp1", "allreduce_us", "allreduce_norm_us"]
+    record_run(args, "tensor_parallel", cases(report), metrics)
     return report
 
 

@@ -25,8 +25,10 @@ from workers.models.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
+    Unreduced,
     VocabParallelEmbedding,
     head_param,
+    reduced,
     rope_cache,
 )
 from workers.models.ops import QKNorms, float_logits, ops_for, scale_rows
@@ -49,7 +51,8 @@ class SelfAttention(nn.Module):
     KV sharing), the layer has only a query projection and attends KV that layer wrote:
     frozen-KV draft layers read layer `layer_id` of the target. Architectures with attention
     sinks (gpt-oss) hold this rank's heads' sink logits (`sinks`), which every backend reads
-    from the `AttentionLayer`.
+    from the `AttentionLayer`. Each method's `reduce=False` returns the output projection's
+    partial sums (`Unreduced`), for the norm after the block to all-reduce.
     """
 
     def __init__(
@@ -88,13 +91,15 @@ class SelfAttention(nn.Module):
             self.sinks = head_param(cfg.num_heads, tp)
             self.attn.sinks = self.sinks
 
-    def forward(self, hidden: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rope: RopeInputs, batch: ForwardBatch, reduce: bool = True
+    ) -> torch.Tensor | Unreduced:
         a = self.attn
         if self.qkv_proj is None:
             q = self.q_proj(hidden).reshape(-1, a.num_heads, a.head_dim)
             q, _ = ops_for(q).rope(rope.positions, q, None, rope.caches[self.rope_key], self._norms())
-            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
-        return self._attend(self.qkv_proj(hidden), rope, batch)
+            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None), reduce)
+        return self._attend(self.qkv_proj(hidden), rope, batch, reduce)
 
     def after_norm(
         self,
@@ -104,22 +109,26 @@ class SelfAttention(nn.Module):
         before: RMSNorm | None,
         rope: RopeInputs,
         batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        reduce: bool = True,
+    ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
         """`forward(norm.add(hidden, residual, before)[0])` and the residual stream, the norm
-        inside the QKV projection where the device fuses it (fused QKV only)."""
+        inside the QKV projection where the device fuses it (fused QKV only); `hidden` may be the
+        previous block's partial sums (`ColumnParallelLinear.after_norm`)."""
         qkv, residual = self.qkv_proj.after_norm(hidden, residual, norm, before)
-        return self._attend(qkv, rope, batch), residual
+        return self._attend(qkv, rope, batch, reduce), residual
 
     def after_embedding(
-        self, tokens: TokenIds, norm: RMSNorm, rope: RopeInputs, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, tokens: TokenIds, norm: RMSNorm, rope: RopeInputs, batch: ForwardBatch, reduce: bool = True
+    ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
         """`forward` of the normed embedding rows of `tokens`, and those rows (the residual
         stream's start): embedding, scale and norm inside the QKV projection where the device
         fuses them."""
         qkv, residual = self.qkv_proj.after_embedding(tokens.ids, tokens.table, tokens.scale, norm)
-        return self._attend(qkv, rope, batch), residual
+        return self._attend(qkv, rope, batch, reduce), residual
 
-    def _attend(self, qkv: torch.Tensor, rope: RopeInputs, batch: ForwardBatch) -> torch.Tensor:
+    def _attend(
+        self, qkv: torch.Tensor, rope: RopeInputs, batch: ForwardBatch, reduce: bool
+    ) -> torch.Tensor | Unreduced:
         a = self.attn
         positions, cache = rope.positions, rope.caches[self.rope_key]
         q, k, v = self.qkv_proj.split(qkv)
@@ -132,9 +141,9 @@ class SelfAttention(nn.Module):
         kv = None if dest is None else (dest.cache, dest.slots, v, dest.scales)
         q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), kv)
         if dest is not None:
-            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None))
+            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None), reduce)
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
-        return self.o_proj(out)
+        return self.o_proj(out, reduce)
 
     def _norms(self) -> QKNorms | None:
         """The per-head q/k norms RoPE applies first (qk-norm models), or None."""
@@ -145,7 +154,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The gated feed-forward block, `intermediate_size` wide (default: the config's)."""
+    """The gated feed-forward block, `intermediate_size` wide (default: the config's);
+    `reduce=False`: the down projection's partial sums (`Unreduced`)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -154,8 +164,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(width, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = cfg.hidden_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.act_and_mul(x, self.act))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor | Unreduced:
+        return self.down_proj(self.gate_up_proj.act_and_mul(x, self.act), reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -167,10 +177,12 @@ class DecoderLayer(nn.Module):
     stream after the layer is `output_norm(out) + residual` (`out + residual` without an output
     norm; `residual` is None before the first layer). A Gemma layer's last norm (after its MLP)
     is such an output norm: the next layer's input norm applies it (`before`), one kernel for
-    norm, add and norm (`run_layers`).
+    norm, add and norm (`run_layers`). Under tensor parallelism the attention and MLP outputs
+    leave their blocks as partial sums (`Unreduced`, `out` too), so that the norm after each
+    can all-reduce them in its own kernel (`TPGroup.all_reduce_add_rms_norm`).
 
     `mlp`: the feed-forward block when it is not the config's gated MLP (Gemma 4's double-wide
-    ones; a mixture of experts would go here)."""
+    ones, a mixture of experts), taking `reduce` as `MLP` does."""
 
     def __init__(
         self,
@@ -203,32 +215,35 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor | TokenIds,
+        hidden: torch.Tensor | Unreduced | TokenIds,
         residual: torch.Tensor | None,
         rope: RopeInputs,
         batch: ForwardBatch,
         before: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
         if isinstance(hidden, TokenIds):
-            attn, residual = self.self_attn.after_embedding(hidden, self.input_layernorm, rope, batch)
+            attn, residual = self.self_attn.after_embedding(hidden, self.input_layernorm, rope, batch, reduce=False)
         elif self.embeds_tokens and residual is not None:
-            attn, residual = self.self_attn.after_norm(hidden, residual, self.input_layernorm, before, rope, batch)
+            attn, residual = self.self_attn.after_norm(
+                hidden, residual, self.input_layernorm, before, rope, batch, reduce=False
+            )
         else:
             if self.input_layernorm is not None:
                 hidden, residual = self.input_layernorm.add(hidden, residual, before)
             else:
                 hidden = residual = stream(hidden, residual, before)
-            attn = self.self_attn(hidden, rope, batch)
+            attn = self.self_attn(hidden, rope, batch, reduce=False)
         if self.gemma:
             hidden, residual = self.pre_feedforward_layernorm.add(attn, residual, self.post_attention_layernorm)
         else:
             hidden, residual = self.post_attention_layernorm.add(attn, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, reduce=False), residual
 
 
-def stream(hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm | None) -> torch.Tensor:
+def stream(hidden: torch.Tensor | Unreduced, residual: torch.Tensor | None, norm: RMSNorm | None) -> torch.Tensor:
     """The residual stream after a layer: `norm(hidden) + residual` (no norm: `hidden`; no
-    residual yet: the first layer's input)."""
+    residual yet: the first layer's input), `hidden` all-reduced first if it is not yet."""
+    hidden = reduced(hidden)
     hidden = norm(hidden) if norm is not None else hidden
     return hidden if residual is None else hidden + residual
 
@@ -240,15 +255,17 @@ def run_layers(
     rope: RopeInputs,
     batch: ForwardBatch,
     capture: tuple[int, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor, RMSNorm | None, dict[int, torch.Tensor]]:
+) -> tuple[torch.Tensor | Unreduced, torch.Tensor, RMSNorm | None, dict[int, torch.Tensor]]:
     """Layers in order over the residual stream: (out, residual, output norm, captured streams),
-    where the stream after the last layer is `stream(out, residual, output norm)` and the
-    captured ones are the streams after the layers numbered in `capture`."""
+    where the stream after the last layer is `stream(out, residual, output norm)` (`out` maybe
+    partial sums, `Unreduced`) and the captured ones are the streams after the layers numbered
+    in `capture`."""
     before, captured = None, {}
     for i, layer in enumerate(layers):
         hidden, residual = layer(hidden, residual, rope, batch, before)
         before = layer.output_norm
         if i in capture:
+            hidden = reduced(hidden)  # the next layer takes it reduced: partial sums reduce once
             captured[i] = stream(hidden, residual, before)
     return hidden, residual, before, captured
 

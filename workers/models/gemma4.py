@@ -37,7 +37,7 @@ from workers.distributed import TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.models.config import ModelConfig
 from workers.models.decoder import MLP, CausalLM, DecoderLayer, DecoderModel, RopeInputs, load_weights, stream
-from workers.models.layers import ReplicatedLinear, RMSNorm, VocabParallelEmbedding, default_weight_loader
+from workers.models.layers import ReplicatedLinear, RMSNorm, VocabParallelEmbedding, default_weight_loader, reduced
 from workers.models.moe import Experts, Router
 from workers.models.ops import ops_for, scale_rows
 
@@ -79,6 +79,7 @@ class Gemma4DecoderLayer(DecoderLayer):
     ) -> torch.Tensor:
         """The residual stream after this layer, from the stream before it."""
         out, residual = super().forward(hidden, None, rope, batch)
+        out = reduced(out)  # the stream leaves the layer whole: no norm after it to fuse the all-reduce into
         if hasattr(self, "experts"):
             experts = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)

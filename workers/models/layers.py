@@ -6,6 +6,7 @@ slice of a full checkpoint tensor, so loading is the same for any `tp_size`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -177,12 +178,15 @@ class ColumnParallelLinear(Projection):
         return ops_for(x).linear_act_and_mul(x, self.weight, self.bias, act)
 
     def after_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, before: RMSNorm | None
+        self, x: torch.Tensor | Unreduced, residual: torch.Tensor, norm: RMSNorm, before: RMSNorm | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This projection of `norm.add(x, residual, before)`'s output, and the residual stream,
-        fused where the device can (the norm inside the projection's kernel; FP8 weights: the
-        norm, then the projection)."""
-        if self.weight_scale is not None:
+        fused where the device can: the norm inside the projection's kernel, or, for partial sums
+        whose group fuses their all-reduce with the add and norm, that kernel, then the
+        projection (FP8 weights: the norm, then the projection)."""
+        if isinstance(x, Unreduced) and not x.fuses_norm():
+            x = x.reduce()
+        if self.weight_scale is not None or isinstance(x, Unreduced):
             normed, residual = norm.add(x, residual, before)
             return self(normed), residual
         w_before = None if before is None else before.weight
@@ -288,9 +292,36 @@ class RowParallelLinear(Projection):
             scale = scale.narrow(1, self.tp.rank * self.local_in // block[1], param.shape[1])
         param.data.copy_(scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self._product(x, None))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor | Unreduced:
+        """The product, all-reduced; `reduce=False`: this rank's partial sums, for the norm after
+        the projection to reduce (`Unreduced`)."""
+        out = Unreduced(self._product(x, None), self.bias, self.tp)
+        return out.reduce() if reduce else out
+
+
+@dataclasses.dataclass
+class Unreduced:
+    """A row-parallel projection's output before its all-reduce: this rank's partial sums and the
+    bias their sum takes. The norm after it reduces it (`RMSNorm.add`), in one kernel with the
+    residual add and the norm where the group can (`TPGroup.all_reduce_add_rms_norm`); whatever
+    else reads it takes `reduced`. Reduce it once: NCCL sums the partial sums in place."""
+
+    partial: torch.Tensor
+    bias: torch.Tensor | None
+    tp: TPGroup
+
+    def reduce(self) -> torch.Tensor:
+        out = self.tp.all_reduce(self.partial)
         return out + self.bias if self.bias is not None else out
+
+    def fuses_norm(self) -> bool:
+        """Whether the norm after it runs the all-reduce, add and norm as one kernel."""
+        return self.tp.method(self.partial, then_norm=True) == "one_shot_fused"
+
+
+def reduced(x: torch.Tensor | Unreduced) -> torch.Tensor:
+    """`x` all-reduced, if it is not yet."""
+    return x.reduce() if isinstance(x, Unreduced) else x
 
 
 class ReplicatedLinear(nn.Module):
@@ -327,14 +358,21 @@ class RMSNorm(nn.Module):
         return ops_for(x).rms_norm(x, self.weight, self.eps, self.gemma)
 
     def add(
-        self, x: torch.Tensor, residual: torch.Tensor | None, before: RMSNorm | None = None
+        self, x: torch.Tensor | Unreduced, residual: torch.Tensor | None, before: RMSNorm | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x'), residual + x') with x' = before(x) (x without `before`: the norm
-        a sub-layer's output still needs, fused in); the first layer starts the residual stream."""
+        a sub-layer's output still needs, fused in); the first layer starts the residual stream.
+        Partial sums (`Unreduced`) are all-reduced first, in the same kernel where the group
+        fuses them (`TPGroup.all_reduce_add_rms_norm`)."""
         if residual is None:
+            x = reduced(x)
             x = before(x) if before is not None else x
             return self(x), x
         w_before = None if before is None else before.weight
+        if isinstance(x, Unreduced):
+            return x.tp.all_reduce_add_rms_norm(
+                x.partial, residual, self.weight, self.eps, self.gemma, w_before, x.bias
+            )
         return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma, w_before)
 
 

@@ -44,7 +44,14 @@ from transformers.activations import ACT2FN
 
 from workers.distributed import TPGroup
 from workers.models.config import MoEConfig
-from workers.models.layers import ReplicatedLinear, RMSNorm, check_shape, default_weight_loader, weight_param
+from workers.models.layers import (
+    ReplicatedLinear,
+    RMSNorm,
+    Unreduced,
+    check_shape,
+    default_weight_loader,
+    weight_param,
+)
 from workers.models.ops import FUSED_ENABLED
 
 
@@ -233,11 +240,14 @@ class Experts(nn.Module):
     def _load_down_bias(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         param.data.copy_(self._canonical(loaded, (self.num_experts, self.hidden_size)))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True
+    ) -> torch.Tensor | Unreduced:
+        """The experts' output, all-reduced; `reduce=False`: this rank's part (`Unreduced`)."""
         down_bias = self.down_proj_bias if self.expert_parallel or self.tp.rank == 0 else None
         gate_up, down, gate_up_bias = self.gate_up_proj, self.down_proj, self.gate_up_proj_bias
         out = experts_for(x)(x, gate_up, down, weights, ids, self.act, gate_up_bias, down_bias, self.expert_map)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(out) if reduce else Unreduced(out, None, self.tp)
 
 
 class SparseMoE(nn.Module):
@@ -248,5 +258,5 @@ class SparseMoE(nn.Module):
         self.router = Router(hidden_size, moe, eps)
         self.experts = Experts(hidden_size, moe, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, *self.router(x))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor | Unreduced:
+        return self.experts(x, *self.router(x), reduce=reduce)
