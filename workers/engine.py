@@ -425,7 +425,9 @@ class Engine:
                     raise ValueError("structured_outputs: this model directory has no tokenizer to compile them for")
                 cfg = self.cfg
                 if not cfg.eos_token_ids:
-                    raise ValueError("structured_outputs: this model has no stop token (eos_token_id) to end a grammar on")
+                    raise ValueError(
+                        "structured_outputs: this model has no stop token (eos_token_id) to end a grammar on"
+                    )
                 self._grammars = GrammarCompiler.of_tokenizer(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
             return self._grammars
 
