@@ -15,7 +15,8 @@ through a fixed controller, replaying the graphs it captured for that k, as an e
 num_steps would; plain decoding is an engine without a draft. Every case runs a warm-up at its
 batch size (first replays and, adaptive, the controller's first measurements), then times greedy
 decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of the decode
-steps). For each model, draft and batch
+steps) three times and keeps the median run. Each case is logged as it finishes, and a run stopped
+by a time limit (SIGTERM) still writes `--out` and the table of the cases it measured. For each model, draft and batch
 the table sets adaptive against max(plain, best fixed): the goal is to be within 3% of it
 (`of_best`), and at least 97% of plain where drafts are not accepted (`of_plain`).
 
@@ -35,6 +36,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import tempfile
 import time
 import warnings
@@ -54,6 +56,7 @@ TINY_BATCHES = (1, 4, 16, 64)
 SHAPE_BATCHES = (1, 8, 64)
 MAX_STEPS = 4
 TOLERANCE = 0.03
+REPEATS = 3  # timed runs a case, the median kept
 COLUMNS = [
     "tok_per_s",
     "ms_per_step",
@@ -146,24 +149,26 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int) -> dict:
-    """Every mode of one engine (plain decoding without a draft), each batch warmed up, then timed."""
-    out = {}
+def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int, out: dict) -> None:
+    """Every mode of one engine (plain decoding without a draft), each batch warmed up, then timed
+    `REPEATS` times: the case is the run of median tokens/s (a tiny model's step is a few hundred
+    microseconds of mostly host work, whose jitter one short run would carry). Cases go into `out`
+    as they finish."""
     for mode, controller in modes(engine) if engine.spec is not None else [("plain", None)]:
         if controller is not None:
             engine.spec.controller = controller
         for batch in batches:
             prompts = prompts_for(batch)
             decode(engine, prompts, max(8, new // 4))  # warm-up
-            r = decode(engine, prompts, new)
-            out[f"{name}/b{batch}/{draft}/{mode}"] = r
-            logger.info("%s batch %d %s %s: %.1f tok/s", name, batch, draft, mode, r["tok_per_s"])
+            runs = sorted((decode(engine, prompts, new) for _ in range(REPEATS)), key=lambda r: r["tok_per_s"])
+            r = out[f"{name}/b{batch}/{draft}/{mode}"] = runs[len(runs) // 2]
+            r["tok_per_s_range"] = [runs[0]["tok_per_s"], runs[-1]["tok_per_s"]]
+            logger.info("%s batch %d %s %s: %s", name, batch, draft, mode, json.dumps(r))
     engine.shutdown()
     del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return out
 
 
 def compare(results: dict) -> dict:
@@ -179,7 +184,7 @@ def compare(results: dict) -> dict:
     return results
 
 
-def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str], max_steps: int) -> dict:
+def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str], max_steps: int, out: dict) -> None:
     from workers.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEFAULT_MODEL)
@@ -200,11 +205,10 @@ def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str]
             speculative=spec,
         )
 
-    out = run_modes("tiny", build(None), "none", batches, prompts_for, new)
+    run_modes("tiny", build(None), "none", batches, prompts_for, new, out)
     for draft in drafts:
         spec = {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": max_steps}
-        out.update(run_modes("tiny", build(spec), draft, batches, prompts_for, new))
-    return out
+        run_modes("tiny", build(spec), draft, batches, prompts_for, new, out)
 
 
 def shape_drafts(root: str, shape: str) -> dict[str, dict]:
@@ -237,9 +241,10 @@ def shape_drafts(root: str, shape: str) -> dict[str, dict]:
     return {name: {"draft_load_format": "dummy", **d} for name, d in drafts.items()}
 
 
-def shapes_part(shapes: list[str], batches, new: int, prompt_len: int, drafts: list[str] | None, max_steps: int):
+def shapes_part(
+    shapes: list[str], batches, new: int, prompt_len: int, drafts: list[str] | None, max_steps: int, out: dict
+) -> None:
     root = tempfile.mkdtemp(prefix="adaptive-shapes-")
-    out = {}
     for shape in shapes:
         path = write_config(root, shape, SHAPES[shape])
         vocab = SHAPES[shape]["vocab_size"]
@@ -261,12 +266,11 @@ def shapes_part(shapes: list[str], batches, new: int, prompt_len: int, drafts: l
         def prompts_for(batch: int, vocab: int = vocab) -> list[list[int]]:
             return random_prompts(vocab, batch, prompt_len)
 
-        out.update(run_modes(shape, build(None), "none", batches, prompts_for, new))
+        run_modes(shape, build(None), "none", batches, prompts_for, new, out)
         for draft, spec in shape_drafts(root, shape).items():
             if drafts is None or draft in drafts:
                 engine = build({**spec, "num_steps": max_steps})
-                out.update(run_modes(shape, engine, draft, batches, prompts_for, new))
-    return out
+                run_modes(shape, engine, draft, batches, prompts_for, new, out)
 
 
 def table(results: dict) -> str:
@@ -295,6 +299,10 @@ def _cell(r: dict, name: str, form: str) -> str:
     return "" if value is None else format(value, form)
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -312,17 +320,19 @@ def main(argv: list[str] | None = None) -> None:
     chosen = args.drafts.split(",") if args.drafts else None
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None
     results: dict = {}
-    if "tiny" in args.parts.split(","):
-        drafts = [d for d in DRAFT_MODELS if chosen is None or d in chosen]
-        results.update(tiny_part(args.device, batches or TINY_BATCHES, args.new, args.prompt, drafts, args.max_steps))
-    if "shapes" in args.parts.split(","):
-        results.update(
-            shapes_part(args.shapes.split(","), batches or SHAPE_BATCHES, args.new, args.prompt, chosen, args.max_steps)
-        )
-    compare(results)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(table(results))
+    signal.signal(signal.SIGTERM, _stop)  # a time limit still leaves the cases measured so far
+    try:
+        if "tiny" in args.parts.split(","):
+            drafts = [d for d in DRAFT_MODELS if chosen is None or d in chosen]
+            tiny_part(args.device, batches or TINY_BATCHES, args.new, args.prompt, drafts, args.max_steps, results)
+        if "shapes" in args.parts.split(","):
+            shapes = args.shapes.split(",")
+            shapes_part(shapes, batches or SHAPE_BATCHES, args.new, args.prompt, chosen, args.max_steps, results)
+    finally:
+        compare(results)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(table(results))
     record_run(args, "adaptive_spec", results, COLUMNS, device=args.device if args.parts == "tiny" else None)
 
 
