@@ -306,18 +306,23 @@ class GrammarMasks:
         anything. `partial`: rows may score only part of the vocabulary (a draft vocabulary, a
         hot-token map) and so hold no token the grammar allows: such a row becomes uniform over
         the allowed tokens, a proposal that rejection sampling takes as exactly as any other."""
-        slots = [s if s != self.everything and self._needed[s] else self.everything for s in self.fill(rows)]
-        if all(s == self.everything for s in slots):
+        masks = self.on_device(rows)
+        if masks is None:
             return
-        index = upload(np.asarray(slots, dtype=np.int64), self.device)
-        masks = self._device_table.index_select(0, index)
         vocab = logits.shape[-1]
         xgr = xgrammar()
         xgr.apply_token_bitmask_inplace(logits, masks, vocab_size=vocab)
-        if partial:
-            dead = torch.isneginf(logits.amax(dim=-1, keepdim=True)) & (index != self.everything)[:, None]
-            logits.masked_fill_(dead, 0.0)
+        if partial:  # (a row of every token allowed is never dead)
+            logits.masked_fill_(torch.isneginf(logits.amax(dim=-1, keepdim=True)), 0.0)
             xgr.apply_token_bitmask_inplace(logits, masks, vocab_size=vocab)
+
+    def on_device(self, rows: Sequence[MaskRow | None]) -> torch.Tensor | None:
+        """Each row's bitmask on the device (int32 `[len(rows), words]`, every bit set for a row
+        without a grammar), filled where needed; None when no row masks anything."""
+        slots = [s if s != self.everything and self._needed[s] else self.everything for s in self.fill(rows)]
+        if all(s == self.everything for s in slots):
+            return None
+        return self._device_table.index_select(0, upload(np.asarray(slots, dtype=np.int64), self.device))
 
     def fill(self, rows: Sequence[MaskRow | None]) -> list[int]:
         """The slot of each row's mask (every token for None), filled on the host and uploaded

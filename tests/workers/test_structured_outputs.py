@@ -2,9 +2,11 @@
 references: `json.loads` and the schema's own constraints, `re.fullmatch`, the choices, and
 xgrammar's own matcher accepting every output token; greedy tokens under speculative decoding
 (every draft of the shipped models, eager and with emulated CUDA graphs) equal plain greedy
-decoding's under the same grammar; sampled JSON always parses and validates; rejection sampling
-under a grammar is exact in distribution; a hostile grammar is refused within its bound, naming
-its field, while other requests decode, and leaves no KV behind."""
+decoding's under the same grammar, drafted on the device with at most k + 1 reads a round; a
+draft vocabulary without an allowed token still proposes what the grammar allows; sampled JSON
+always parses and validates; rejection sampling under a grammar is exact in distribution; a
+hostile grammar is refused within its bound, naming its field, while other requests decode, and
+leaves no KV behind."""
 
 import collections
 import dataclasses
@@ -24,6 +26,8 @@ from tests.hf_models import make_tiny_model
 from workers.engine import Engine, SamplingParams
 from workers.grammar import GrammarCompiler, GrammarMasks, MaskRow, Matcher, StructuredOutputs, xgrammar
 from workers.rank_loop import ErrorCode, RankLoop
+from workers.speculative import drafter as drafter_module
+from workers.speculative import worker as spec_worker
 from workers.tokenizer import load_tokenizer
 
 TARGET = os.path.join(MODELS_DIR, "tiny-gemma3")
@@ -150,19 +154,42 @@ def test_each_kind_of_output_matches_its_reference_and_xgrammars_matcher(plain, 
     plain.check_no_leak()
 
 
-@pytest.mark.parametrize(
-    "algorithm, graphs", [(a, False) for a in sorted(DRAFTS)] + [("eagle", "emulate"), ("frozen_kv_mtp", "emulate")]
-)
-def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, algorithm, graphs):
+@pytest.mark.parametrize("algorithm, graphs", [(a, g) for a in sorted(DRAFTS) for g in (False, "emulate")])
+def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, algorithm, graphs, monkeypatch):
     """Every draft step masked after the drafts before it, every verify position after its draft
-    prefix, acceptance over the masked distributions: the tokens are plain decoding's."""
+    prefix, acceptance over the masked distributions: the tokens are plain decoding's. The rounds
+    draft on the device (no host draw, no target-wide draft row) and read the device at most
+    k + 1 times: each draft, then the verify's choices."""
     params, want = plain_outputs
     eng = _engine(algorithm, graphs)
+    reads, rounds = [], []
+
+    def counted(flight):
+        reads[-1] += 1
+        return read(flight)
+
+    def round_of(reqs, k):
+        reads.append(0)
+        events = decode_round(reqs, k)
+        rounds.append((k, reads[-1]))
+        return events
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a greedy round under grammars drew on the host")
+
+    read, decode_round = spec_worker.InFlight.read, eng.spec.decode_round
+    monkeypatch.setattr(spec_worker.InFlight, "read", counted)
+    monkeypatch.setattr(eng.spec, "decode_round", round_of)
+    for module, name in ((spec_worker, "draw_each"), (drafter_module, "draw_each")):
+        monkeypatch.setattr(module, name, refused)
+    monkeypatch.setattr(eng.spec.drafter, "target_logits", refused)
     got = _run(eng, prompts, params)
     for i, (a, b) in enumerate(zip(want, got)):
         assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), (i, a.text, b.text)
     accepted = [n for o in got for n in o.spec.accept_lengths]
     assert max(accepted) > 2 and min(accepted) < 4, f"drafts never partly accepted: {accepted}"
+    assert eng.spec.masked_rounds == len(rounds) > 0
+    assert all(n <= k + 1 for k, n in rounds) and any(n == k + 1 for k, n in rounds), rounds
     eng.check_no_leak()
 
 
@@ -182,10 +209,11 @@ def test_sampled_json_always_parses_and_validates_under_speculation(prompts):
     eng.check_no_leak()
 
 
-def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(prompts, plain, tmp_path):
+def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(prompts, plain, tmp_path, monkeypatch):
     """A hot-token map holding no digit under a digits-only grammar: every draft row has nothing
     left after the mask, so the draft proposes uniformly among the tokens the grammar allows.
-    Greedy output is plain decoding's; sampled requests finish matching the grammar (without the
+    Greedy output is plain decoding's, and every greedy draft (on the device) is one the grammar
+    allows after the drafts before it; sampled requests finish matching the grammar (without the
     fallback their draft distributions would be empty and the requests would fail)."""
     tokenizer, vocab = plain.tokenizer, plain.cfg.vocab_size
     eos = plain.cfg.eos_token_ids
@@ -201,8 +229,27 @@ def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(p
     )
     spec = StructuredOutputs(regex="[0-9]{6}")
     want = plain.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
+    proposed = []  # (committed tokens, drafts) of each request in each greedy round
+
+    def recorded(reqs, k):
+        out, drafts = masked_round(reqs, k)
+        proposed.extend((list(r.output_ids), d) for r, d in zip(reqs, drafts))
+        return out, drafts
+
+    masked_round = eng.spec._masked_round
+    monkeypatch.setattr(eng.spec, "_masked_round", recorded)
     got = eng.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    compiled = GrammarCompiler.of_tokenizer(tokenizer, vocab, eos).compile(spec)
+    for committed, drafts in proposed:  # each draft the grammar allows after those before it, up to its end
+        matcher = xgrammar().GrammarMatcher(compiled)
+        assert all(matcher.accept_token(t) for t in committed)
+        for t in drafts:
+            if matcher.is_terminated():
+                break
+            assert matcher.accept_token(t), (committed, drafts)
+    # with fewer than 2 of the 6 digits committed, no draft passes the grammar's end: all digits
+    assert proposed and all(not set(drafts) & set(hot) for committed, drafts in proposed if len(committed) < 2)
     sampled = [SamplingParams(max_new_tokens=N, seed=s, structured_outputs=spec) for s in range(8)]
     outs = eng.generate(prompt_token_ids=[prompts[s % 2] for s in range(8)], sampling=sampled)
     assert all(o.finish_reason == "stop" and re.fullmatch("[0-9]{6}", o.text) for o in outs), outs

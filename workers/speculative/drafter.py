@@ -41,7 +41,7 @@ from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
 from workers.model_runner import ForwardOutput, ModelRunner
-from workers.processors import at_work
+from workers.processors import RequestHistory, at_work
 from workers.request import Request
 from workers.sampler import draw_each
 from workers.scheduler import Scheduler
@@ -96,6 +96,27 @@ class Drafter:
         if ids is not None:
             return ids.gather(1, best[:, None]).squeeze(1)
         return best if self.token_map is None else self.token_map[best]
+
+    def greedy_masked(self, logits: torch.Tensor, ids: torch.Tensor | None, history: RequestHistory) -> torch.Tensor:
+        """`greedy` under each row's grammar mask (`history`: the rows' requests and the drafts
+        before them), all on the device. A draft vocabulary or subset is masked with the mask's
+        bits at its columns' target ids (no target-wide row); a row left with no allowed token
+        takes the first token the grammar allows, as the host path's uniform row would."""
+        rows = [history.grammar(i) for i in range(logits.shape[0])]
+        if self.token_map is None and ids is None:
+            scores = logits.float()
+            history.grammar_masks.apply(scores, rows)
+            return scores.argmax(dim=-1)
+        masks = history.grammar_masks.on_device(rows)
+        if masks is None:
+            return self.greedy(logits, ids)
+        cols = ids if ids is not None else self.token_map.expand(logits.shape[0], -1)
+        allowed = (masks.gather(1, cols >> 5) >> (cols & 31)) & 1 == 1
+        scores = logits.float().masked_fill(~allowed, float("-inf"))
+        best = cols.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+        bits = (masks[:, :, None] >> torch.arange(32, dtype=masks.dtype, device=masks.device)) & 1
+        first = bits.flatten(1)[:, : self.vocab_size].argmax(dim=-1)  # the lowest allowed target id
+        return torch.where(torch.isneginf(scores.amax(dim=-1)), first, best)
 
     def target_logits(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Draft logits over the target's vocabulary, -inf outside a draft vocabulary or a row's
@@ -289,8 +310,11 @@ class Drafter:
         hidden state of its row `rows[i]` of `hidden`."""
         if not reqs:
             return
-        if all(r.sampling.greedy and not at_work(r) for r in reqs):  # argmax stays on the device: no host sync
-            best = self.greedy(logits, ids)
+        if all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs):  # argmax on the device: no sync
+            if any(r.grammar is not None for r in reqs):  # masked after the committed tokens
+                best = self.greedy_masked(logits, ids, self.scheduler.history(reqs, partial_vocab=self.partial_vocab))
+            else:
+                best = self.greedy(logits, ids)
             for i, (r, row) in enumerate(zip(reqs, rows)):
                 r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, hidden[row]
             return

@@ -26,7 +26,9 @@ while the host commits this one and never waits for the host's next launch; the 
 starts from its results, and the round's trim keeps the slots it writes. Anything the host
 learns at the read that changes the batch (a request finished or failed) discards both.
 Sampled rounds draw each draft on the host, since rejection sampling needs every draft's
-distribution.
+distribution. Greedy rounds whose only processor is a grammar mask each draft step on the device
+and take its argmax there; the host reads each draft, a few bytes, to fill the next step's masks
+(`_masked_round`: k + 1 reads a round, no host draw).
 
 How many draft steps a round runs is chosen every decode step (`draft_steps`: the controller,
 `workers/speculative/controller.py`; k = num_steps every step unless `speculative.adaptive`).
@@ -109,6 +111,7 @@ class SpecWorker:
         self._ahead: _Ahead | None = None
         self.rounds_drafted_ahead = 0  # rounds whose drafts 2..k the previous round launched
         self.rounds_verified_ahead = 0  # rounds whose verify the previous round launched
+        self.masked_rounds = 0  # greedy rounds under grammars drafted on the device (`_masked_round`)
         self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
         self.acceptance = AcceptanceModel(num_steps, scheduler.req_to_token.max_requests)
         self.controller: DraftSteps = FixedDraftSteps(num_steps)
@@ -261,11 +264,15 @@ class SpecWorker:
         else:
             if all(r.sampling.greedy and not at_work(r) for r in reqs):
                 reqs, drafts, draft_probs = self._draft_on_device(reqs, ahead, k)
+                out = self._verify(reqs, drafts, k)
+            elif all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs):
+                out, drafts = self._masked_round(reqs, k)
+                draft_probs = [[None] * k for _ in reqs]
             else:
                 reqs, drafts, draft_probs = self._draft_on_host(reqs, k)
-            if not reqs:
-                return []
-            out = self._verify(reqs, drafts, k)
+                if not reqs:
+                    return []
+                out = self._verify(reqs, drafts, k)
             logits, hidden = out.logits, out.hidden
             # Position j of a request is processed as plain decoding would process it there:
             # after the pending token and drafts 1..j (the chain that reaches it).
@@ -290,8 +297,8 @@ class SpecWorker:
                 self._ahead.verified = self._verify_ahead(reqs, accepted, best, self._ahead.drafts)
             both = flight.read()
             drafts, best = [row[:k] for row in both], [row[k:] for row in both]
-        else:  # one device sync for every greedy request
-            best = best.tolist()
+        else:  # one device-to-host copy of the target's choices
+            best = InFlight.of(reqs, best).read()
 
         events, live, judged = [], [], []
         self.last_accept_lengths = {}
@@ -407,12 +414,7 @@ class SpecWorker:
     ) -> tuple[list[Request], torch.Tensor, list[list[None]]]:
         """Greedy drafts 1..k as a device tensor `[B, k]`: each step's argmax feeds the next
         (drafts 2..k: `ahead`'s, when the round before launched them for these requests)."""
-        first = [r.spec.next_token for r in reqs]
-        if all(isinstance(t, torch.Tensor) for t in first):
-            tokens = torch.stack(first)
-        else:  # proposed by a sampled batch: on the host
-            tokens = upload(np.array([int(t) for t in first], dtype=np.int64), reqs[0].spec.next_hidden.device)
-        hidden = torch.stack([r.spec.next_hidden for r in reqs])
+        tokens, hidden = _first_drafts(reqs)
         no_probs = [[None] * k for _ in reqs]
         if ahead is not None:
             self.rounds_drafted_ahead += 1
@@ -427,6 +429,30 @@ class SpecWorker:
             drafts.append(self.drafter.greedy(out.logits, out.ids))
             hidden = out.hidden
         return reqs, torch.stack(drafts, dim=1), no_probs
+
+    def _masked_round(self, reqs: list[Request], k: int) -> tuple[ForwardOutput, list[list[int]]]:
+        """Greedy drafts of requests whose only processor is their grammar, and their verify:
+        each draft step's logits masked on the device after the drafts before it, then its argmax
+        there. The host reads each draft (one small copy a step, queued behind its argmax and read
+        once the next step is launched) to advance the matchers and fill the next step's masks,
+        the last while the verify runs: k reads, and the verify's a (k + 1)-th. The verify's
+        masks at depths 0..k-1 are the draft steps'. Returns the verify and the drafts, on the
+        host."""
+        self.masked_rounds += 1
+        tokens, hidden = _first_drafts(reqs)
+        on_device, drafts = [tokens], [[] for _ in reqs]
+        flight = InFlight.of(reqs, tokens)
+        for j in range(2, k + 1):
+            out = self.drafter.step(reqs, j, on_device[-1], hidden)
+            for d, t in zip(drafts, flight.read()):
+                d.append(t)
+            history = self.scheduler.history(reqs, drafts, self.drafter.partial_vocab)
+            on_device.append(self.drafter.greedy_masked(out.logits, out.ids, history))
+            flight, hidden = InFlight.of(reqs, on_device[-1]), out.hidden
+        out = self._verify(reqs, torch.stack(on_device, dim=1), k)
+        for d, t in zip(drafts, flight.read()):
+            d.append(t)
+        return out, drafts
 
     def _draft_on_host(
         self, reqs: list[Request], k: int
@@ -502,3 +528,13 @@ class SpecWorker:
         for req, new in asking:
             req.logprobs.extend(got.part(start, start + len(new)))
             start += len(new)
+
+
+def _first_drafts(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's first draft (on the device) and the draft hidden state its next step reads."""
+    first = [r.spec.next_token for r in reqs]
+    if all(isinstance(t, torch.Tensor) for t in first):
+        tokens = torch.stack(first)
+    else:  # proposed by a sampled batch: on the host
+        tokens = upload(np.array([int(t) for t in first], dtype=np.int64), reqs[0].spec.next_hidden.device)
+    return tokens, torch.stack([r.spec.next_hidden for r in reqs])
