@@ -173,10 +173,12 @@ class GrammarCompiler:
         the time bound (a rank that only follows rank 0's decision waits as long as it takes)."""
         with self._lock:
             future = self._cache.get(spec)
-            if future is None:
+            new = future is None
+            if new:
                 future = self._cache[spec] = self._pool.submit(self._compile, spec)
-                future.add_done_callback(lambda _: self._evict())
             self._cache.move_to_end(spec)
+        if new:  # outside the lock: a compile already done runs the callback here, and it locks
+            future.add_done_callback(lambda _: self._evict())
         return Compilation(spec, future, self.timeout_s if bounded else None)
 
     def compile(self, spec: StructuredOutputs, bounded: bool = True) -> Any:
