@@ -16,17 +16,13 @@ bfloat16 as its bits and truncates float32 -> bfloat16; the child makes it round
 and compute on values, as the GPU does. The two-GPU runs are in test_gpu_tensor_parallel.py.
 """
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.triton_interpreter import interpreter_findings as run_interpreted
 from workers.distributed import ONE_SHOT_METHODS, PeerMemory, TPGroup
 from workers.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from workers.models.ops import TORCH_OPS
@@ -216,18 +212,7 @@ def _ulp(ref: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def interpreter_findings() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    run = subprocess.run(
-        [sys.executable, "-m", __name__],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    return run_interpreted(__name__)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -12,17 +12,13 @@ handles bfloat16 unlike the GPU: `tl.dot` multiplies the operands' bits, not the
 float32 -> bfloat16 truncates; the child makes both do what the GPU does.
 """
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from tests.triton_interpreter import interpreter_findings as run_interpreted
 from tests.workers.test_gpu_moe import (
     KERNEL_NOISE,
     ROUNDING_NOISE,
@@ -106,18 +102,7 @@ def interpreted_differences() -> dict[str, list[float]]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, list[float]]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("needs triton")
-    run = subprocess.run(
-        [sys.executable, "-m", __name__],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    return run_interpreted(__name__)
 
 
 @pytest.mark.parametrize("case", CASES)
