@@ -1,6 +1,7 @@
 """Where a decode step's time goes: torch.profiler over steady decode steps of a model shape.
 
     python -m ops.bench.profile_step --shapes llama3-8b,gemma3-1b --batches 1,64 --out profile.json
+    python -m ops.bench.profile_step --shapes llama3-8b --variants bf16,fp8 --batches 1,8,64 --out profile.json
 
 For each shape and batch (dummy weights, CUDA graphs on unless --eager, the decode workload of
 `decode_throughput`): wall time per step, GPU-busy time per step (the union of kernel intervals:
@@ -14,6 +15,7 @@ above the roofline names the kernels to fuse or replace.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import tempfile
@@ -26,6 +28,8 @@ from ops.bench.decode_throughput import (
     NEW,
     PROMPT,
     SHAPES,
+    VARIANTS,
+    case_name,
     draft_specs,
     engine_for,
     free,
@@ -137,6 +141,7 @@ def main() -> None:
         choices=["eagle", "eagle3", "frozen_kv_mtp", "eagle+map32k", "frozen_kv_mtp+map32k"],
         help="a dummy draft (llama3-8b only)",
     )
+    parser.add_argument("--variants", default="bf16", help=f"weights and KV, of {', '.join(VARIANTS)}, comma-separated")
     parser.add_argument("--trace", help="also write a Chrome trace per run, named from this prefix")
     parser.add_argument("--out", required=True)
     add_record_args(parser)
@@ -144,10 +149,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root, results = tempfile.mkdtemp(prefix="shapes-"), {"device": torch.cuda.get_device_name()}
     batches = [int(b) for b in args.batches.split(",")]
-    for name in args.shapes.split(","):
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    for shape, variant in itertools.product(args.shapes.split(","), args.variants.split(",")):
         spec = draft_specs(root)[args.speculative] if args.speculative else None
-        path = write_config(root, name, SHAPES[name])
-        engine = engine_for(path, graphs=not args.eager, max_batch=max(batches), speculative=spec)
+        options, fields = VARIANTS[variant]
+        name = case_name(shape, variant, PROMPT)
+        path = write_config(root, name, {**SHAPES[shape], **fields})
+        engine = engine_for(path, graphs=not args.eager, max_batch=max(batches), speculative=spec, **options)
         for batch in batches:
             trace = f"{args.trace}-{name}-b{batch}.json" if args.trace else None
             r = profile_decode(engine, batch, args.steps, args.top, trace)

@@ -19,15 +19,26 @@ import triton.language as tl
 
 from attention.kernels.launch import pdl_options, pdl_start
 from workers.models.fp8 import FP8
-from workers.models.gemv import ACTIVATIONS, DOT_ROWS, _act, _store, _tile
+from workers.models.gemv import ACTIVATIONS, DOT_ROWS, _act, _store
 from workers.models.gemv_tiles import MAX_ROWS, Tile, fp8_tile_for
 
 __all__ = ["ACTIVATIONS", "applies", "gemv", "gemv_act_and_mul"]
 
+CHANNEL_SUM = 128  # per channel: the columns of a one-row tile summed together (a block's width)
+
+
+@triton.jit
+def _weights(w_ptrs, k0, cols, row_ok, K, EVEN_K: tl.constexpr):
+    """One K tile of the weight rows, as stored (zeros past N and K)."""
+    if EVEN_K:
+        return tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+    in_k = (k0 + cols) < K
+    return tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
+
 
 @triton.jit
 def _tile_sums(
-    w_ptrs,
+    w,
     x_ptr,
     s_ptrs,
     k0,
@@ -41,18 +52,21 @@ def _tile_sums(
     BLOCKED: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """One K tile of one row of x against the weight rows, float32: per channel every product
-    `[BLOCK_N, BLOCK_K]` (the rows' scales come after the loop); per block each block's sum
-    times its scale `[BLOCK_N, GROUPS]`."""
-    products = _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
+    """A weight tile `w` against its columns of x, float32 `[BLOCK_N, GROUPS]`: the products
+    summed over each SCALE_K columns, per block times the block's scale (per channel the rows'
+    scales come after the loop). Summing inside the tile keeps the accumulator small: a
+    full-width one (`[BLOCK_N, BLOCK_K]`) spills at the wide tiles FP8 rows want."""
+    if EVEN_K:
+        x = tl.load(x_ptr + k0 + cols)
+    else:
+        x = tl.load(x_ptr + k0 + cols, mask=(k0 + cols) < K, other=0.0)
+    products = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    sums = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, SCALE_K)), axis=2)
     if BLOCKED:
         first = k0 // SCALE_K
         in_k = (first + groups) < tl.cdiv(K, SCALE_K)
-        scales = tl.load(s_ptrs + first, mask=row_ok[:, None] & in_k[None, :], other=0.0)
-        out = tl.sum(tl.reshape(products, (BLOCK_N, GROUPS, SCALE_K)), axis=2) * scales
-    else:
-        out = products
-    return out
+        sums = sums * tl.load(s_ptrs + first, mask=row_ok[:, None] & in_k[None, :], other=0.0)
+    return sums
 
 
 @triton.jit
@@ -71,15 +85,15 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr,  # scale blocks a K tile spans (BLOCK_K == GROUPS * SCALE_K)
     SCALE_N: tl.constexpr,  # the rows a block's scale covers (1 per channel)
-    SCALE_K: tl.constexpr,  # the columns a block's scale covers
+    SCALE_K: tl.constexpr,  # the columns a block's scale covers (per channel: summed together)
     BLOCKED: tl.constexpr,  # a scale per block; else per output channel
-    ACC_W: tl.constexpr,  # the accumulator's columns: GROUPS per block, BLOCK_K per channel
     EVEN_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """W . x for one row of x, the weights' scales applied; with ACT, the gate's and the up
-    projection's tiles read in the same iteration (two streams of loads in flight)."""
-    pdl_start(PDL)
+    projection's tiles read in the same iteration (two streams of loads in flight). The first K
+    tile is loaded before the PDL wait (no kernel writes weights): it streams in while the
+    kernel before finishes, so a short projection does not start from an empty pipeline."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -88,13 +102,25 @@ def _fp8_gemv_kernel(
     s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
     up_w_ptrs = w_ptrs + N.to(tl.int64) * K
     up_s_ptrs = s_ptr + ((rows + N) // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
-    acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
-    up_acc = tl.zeros((BLOCK_N, ACC_W), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc += _tile_sums(w_ptrs, x_ptr, s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K)
+    w = _weights(w_ptrs, 0, cols, row_ok, K, EVEN_K)
+    if ACT >= 0:
+        up_w = _weights(up_w_ptrs, 0, cols, row_ok, K, EVEN_K)
+    else:
+        up_w = w
+    pdl_start(PDL)
+    acc = _tile_sums(w, x_ptr, s_ptrs, 0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K)
+    up_acc = acc
+    if ACT >= 0:
+        up_acc = _tile_sums(
+            up_w, x_ptr, up_s_ptrs, 0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K
+        )
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _weights(w_ptrs, k0, cols, row_ok, K, EVEN_K)
+        acc += _tile_sums(w, x_ptr, s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K)
         if ACT >= 0:
+            up_w = _weights(up_w_ptrs, k0, cols, row_ok, K, EVEN_K)
             up_acc += _tile_sums(
-                up_w_ptrs, x_ptr, up_s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K
+                up_w, x_ptr, up_s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K
             )
     y = tl.sum(acc, axis=1)
     if not BLOCKED:
@@ -214,7 +240,7 @@ def _launch(
     m = x.numel() // k
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     t = tile or fp8_tile_for(weight.shape[0], k, m, block)
-    scale_n, scale_k = block or (1, t.cols)  # per channel: the scale pointers' arithmetic only
+    scale_n, scale_k = block or (1, min(t.cols, CHANNEL_SUM))  # per channel: pointer arithmetic and sums
     common = dict(
         HAS_BIAS=bias is not None,
         ACT=ACTIVATIONS[act] if act else -1,
@@ -247,7 +273,6 @@ def _launch(
             s_stride,
             GROUPS=groups,
             SCALE_K=scale_k,
-            ACC_W=groups if block else t.cols,
             **common,
             **pdl_options(grid[0]),
         )
