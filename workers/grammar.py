@@ -161,10 +161,16 @@ class GrammarCompiler:
 
     @classmethod
     def of_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> GrammarCompiler:
-        """For a Hugging Face tokenizer, masks as wide as the model's vocabulary (its LM head may
-        be wider than the tokenizer), ending at the model's own stop tokens."""
+        """For a Hugging Face tokenizer, ending at the model's own stop tokens. Masks cover the
+        tokenizer's ids, rounded up to whole mask words (xgrammar allows the ids past its vocabulary
+        in the last word) and at most `vocab_size`; `GrammarMasks` widens them to an LM head wider
+        than that, its padding ids never allowed. (xgrammar counts padding ids as special tokens,
+        and a matcher looks each accepted token up among those one by one: a 2K tokenizer padded
+        to 128K made every accepted token cost 20 us.)"""
+        ids = tokenizer.get_vocab().values()
+        size = max(len(ids), max(ids, default=-1) + 1, max(stop_token_ids, default=-1) + 1)
         info = xgrammar().TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+            tokenizer, vocab_size=min(-(-size // 32) * 32, vocab_size), stop_token_ids=list(stop_token_ids)
         )
         return cls(info)
 
@@ -227,6 +233,7 @@ class Matcher:
 
     def __init__(self, compiled: Any) -> None:
         self._matcher = xgrammar().GrammarMatcher(compiled)
+        self.vocab_size = compiled.tokenizer_info.vocab_size  # the ids its masks cover
         self.committed = 0  # tokens committed: with the drafts, what a mask is taken after
         self._ahead: list[int] = []  # uncommitted tokens the matcher has advanced over
 
@@ -287,9 +294,12 @@ class GrammarMasks:
     gathered and applied there by one kernel. A slot remembers what it holds (the matcher, its
     committed tokens and the drafts), so that a verify finds the masks its draft steps filled
     (a draft step's mask is the verify's at the same depth) and fills only its last position.
-    Masks are filled while the forward that made the logits still runs (its launch came first)."""
+    Masks are filled while the forward that made the logits still runs (its launch came first).
+    The host table is as wide as the matchers' masks (the tokenizer's ids), the device table as
+    the LM head; its columns past the tokenizer stay zero: padding ids are never allowed."""
 
     def __init__(self, vocab_size: int, requests: int, depths: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.requests = requests
         self.depths = depths
@@ -297,8 +307,9 @@ class GrammarMasks:
         self.everything = requests * depths  # a slot of every token allowed: rows without a grammar
         self._held: list[tuple | None] = [None] * self.everything  # (matcher, committed, drafts) per slot
         self._needed = [False] * self.everything  # whether the slot masks anything out
-        self._host: torch.Tensor | None = None  # [slots + 1, words] int32, allocated on first use
-        self._device_table: torch.Tensor | None = None
+        self._host: torch.Tensor | None = None  # [slots + 1, the matchers' words] int32, allocated on first use
+        self._device_table: torch.Tensor | None = None  # [slots + 1, words]
+        self._covered = 0  # the ids the matchers' masks cover, set with the tables
         self._uploaded: torch.cuda.Event | None = None  # the last upload out of the host table
         self._fillers: dict[int, Any] = {}  # xgrammar's batch matchers by thread count
 
@@ -349,13 +360,13 @@ class GrammarMasks:
         return slots
 
     def _fill(self, todo: dict[int, dict[int, tuple]]) -> None:
-        if self._host is None:
-            self._allocate()
         if self._uploaded is not None:  # its rows may still be on their way to the device
             self._uploaded.synchronize()
         for depth in sorted(todo):
             live, live_slots = [], []
             for slot, (matcher, _, drafts) in todo[depth].items():
+                if matcher.vocab_size != self._covered:
+                    self._allocate(matcher.vocab_size)
                 if matcher.seek(drafts):
                     live.append(matcher._matcher)
                     live_slots.append(slot)
@@ -363,18 +374,33 @@ class GrammarMasks:
                 self._filler(len(live)).batch_fill_next_token_bitmask(live, self._host, live_slots)
                 if self._device_table is not self._host:
                     lo, hi = min(live_slots), max(live_slots) + 1
-                    self._device_table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
+                    self._device_table[lo:hi, : self._host.shape[1]].copy_(self._host[lo:hi], non_blocking=True)
             filled = set(live_slots)
             for slot, held in todo[depth].items():  # only once filled: a fill that raised is not held
                 self._held[slot], self._needed[slot] = held, slot in filled
-        if self._device_table is not self._host:
+        if self.device.type == "cuda":
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
 
-    def _allocate(self) -> None:
+    def _allocate(self, vocab_size: int) -> None:
+        """The tables, for matchers whose masks cover `vocab_size` ids (every grammar of the engine)."""
+        if self._host is not None:
+            raise RuntimeError(f"grammar masks: a grammar compiled for {vocab_size} tokens, others for {self._covered}")
+        words = (vocab_size + 31) // 32
+        if vocab_size > self.vocab_size or (vocab_size % 32 and vocab_size < self.vocab_size):
+            # (xgrammar allows the ids past its vocabulary in its last word)
+            raise RuntimeError(
+                f"grammar masks: a grammar compiled for {vocab_size} tokens on a model of {self.vocab_size}: "
+                "compile for the model's vocabulary or whole mask words of it (`GrammarCompiler.of_tokenizer`)"
+            )
         gpu = self.device.type == "cuda"
-        self._host = torch.full((self.everything + 1, self.words), -1, dtype=torch.int32, pin_memory=gpu)
-        self._device_table = self._host.to(self.device) if gpu else self._host
+        self._covered = vocab_size
+        self._host = torch.full((self.everything + 1, words), -1, dtype=torch.int32, pin_memory=gpu)
+        if not gpu and words == self.words:
+            self._device_table = self._host
+            return
+        self._device_table = torch.zeros((self.everything + 1, self.words), dtype=torch.int32, device=self.device)
+        self._device_table[self.everything] = -1
 
     def _filler(self, rows: int) -> Any:
         """xgrammar's batch matcher for `rows` rows: a thread per ROWS_PER_THREAD rows, at most

@@ -303,6 +303,36 @@ def test_batched_masks_are_each_rows_own_and_matchers_keep_their_committed_token
     assert torch.equal(proposals[0] == 0, reference) and torch.equal(proposals[0].isfinite(), reference)
 
 
+@pytest.mark.parametrize("head", [2048 + 100, 2040])
+def test_masks_of_a_head_wider_or_narrower_than_the_tokenizer(head):
+    """The matchers cover the tokenizer's ids (2,048), at most the LM head's: no padding id is
+    among xgrammar's special tokens, which a matcher searches one by one for every token it
+    accepts. Along a JSON output each row's allowed tokens are those of xgrammar's matcher over
+    a vocabulary as wide as the head (padding ids special, never allowed); a grammar compiled for
+    another width is refused."""
+    tokenizer = load_tokenizer(TARGET)
+    eos = [1]
+    compiled = GrammarCompiler.of_tokenizer(tokenizer, head, eos).compile(StructuredOutputs(json=SCHEMA))
+    wide = xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=head, stop_token_ids=eos)
+    reference = xgrammar().GrammarMatcher(GrammarCompiler(wide).compile(StructuredOutputs(json=SCHEMA)))
+    matcher = Matcher(compiled)
+    assert matcher.vocab_size == min(head, 2048)
+    masks = GrammarMasks(head, requests=2, depths=1, device=torch.device("cpu"))
+    text = json.dumps({"name": "ab", "count": 12, "ok": True, "kind": "dir"})
+    bits = xgrammar().allocate_token_bitmask(1, head)
+    for token in tokenizer.encode(text, add_special_tokens=False) + eos:
+        logits = torch.zeros(2, head)
+        masks.apply(logits, [None, MaskRow(matcher, (), 1)])
+        reference.fill_next_token_bitmask(bits, 0)
+        want = ((bits[0, :, None] >> torch.arange(32)) & 1).bool().flatten()[:head]
+        assert torch.equal(torch.isfinite(logits[1]), want) and not want[2048:].any() and logits[0].isfinite().all()
+        assert matcher.accept(token) and reference.accept_token(token)
+    assert matcher.finished
+    other = GrammarCompiler.of_tokenizer(tokenizer, 2016, eos).compile(StructuredOutputs(json=SCHEMA))
+    with pytest.raises(RuntimeError, match="compiled for 2016 tokens"):
+        masks.apply(torch.zeros(1, head), [MaskRow(Matcher(other), (), 0)])
+
+
 def test_overlapped_greedy_decoding_under_grammars_equals_step_by_step(prompts, plain_outputs):
     """With the overlap schedule a step's masks are filled after the step before is committed,
     while its forward runs, and applied before the argmax on the device (the greedy decode
