@@ -46,7 +46,9 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def app(ray_serve, receiver, tmp_path_factory):
+def app(receiver, ray_serve, tmp_path_factory):
+    """The receiver first, so that it stops after Serve: the application's last flush at
+    shutdown reaches it rather than retrying against a closed port."""
     target, draft = make_target_and_draft(tmp_path_factory.mktemp("tracing"))
     handle = serve.run(
         build_app(
