@@ -29,6 +29,8 @@ TOKEN_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 # A Ray client that connects by GCS address (`serve run`, `serve start`) keeps 127.0.0.1 only with
 # this, as the head's processes do (ops/ray_loopback_head.sh says why)
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+SERVE_API = "/api/serve/applications/"  # the dashboard's Serve REST API, which the Serve CLI calls
+POLL_S = 0.25  # waits ask the dashboard this often (a request, not a CLI process: no Ray import)
 
 
 def run_cli(*args: str, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -92,10 +94,10 @@ class Head:
 
     def wait_up(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        while not self.up():
+        while self.serve_details() is None:
             assert self.process.poll() is None, "ray start --head exited"
             assert time.monotonic() < deadline, "the head node did not come up"
-            time.sleep(2)
+            time.sleep(POLL_S)
 
     def up(self) -> bool:
         return run_cli("serve", "status", "-a", self.address, env=self.env, timeout=60).returncode == 0
@@ -103,40 +105,49 @@ class Head:
     def status(self) -> str:
         return run_cli("serve", "status", "-a", self.address, env=self.env, timeout=60).stdout
 
-    def wait_running(self, timeout: float = 240) -> str:
-        deadline, status = time.monotonic() + timeout, ""
+    def wait_running(self, timeout: float = 240) -> None:
+        """Until an application's status is RUNNING, as `serve status` would print it."""
+        deadline, details = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
-            status = self.status()
-            if "status: RUNNING" in status:
-                return status
-            time.sleep(2)
-        raise AssertionError(f"the application did not reach RUNNING:\n{status}")
+            details = self.serve_details()
+            if details and any(app["status"] == "RUNNING" for app in details["applications"].values()):
+                return
+            time.sleep(POLL_S)
+        raise AssertionError(f"the application did not reach RUNNING:\n{details}")
 
     def shutdown_serve(self, timeout: float = 120) -> None:
-        """`serve shutdown -y`, then wait until the Serve controller is gone. The command returns
-        when the dashboard's `serve.shutdown()` does, and that waits at most 30 s for the
-        controller to exit; the controller may take longer (Ray Serve 2.60 gives each tier of
-        deployments up to `RAY_SERVE_SHUTDOWN_TIER_TIMEOUT_S`, 30 s, and a replica that never got
-        its resources holds its tier that long). A `serve start` or `serve run` in that window
-        connects to the old controller, which then kills itself (`ActorDiedError: ... killed by
-        ray.kill`)."""
-        done = run_cli("serve", "shutdown", "-y", "-a", self.address, env=self.env)
-        assert done.returncode == 0, done.stdout + done.stderr
+        """Shut Serve down as `serve shutdown -y` asks the dashboard to, then wait until the
+        Serve controller is gone. The request returns when the dashboard's `serve.shutdown()`
+        does, and that waits at most 30 s for the controller to exit; the controller may take
+        longer (Ray Serve 2.60 gives each tier of deployments up to
+        `RAY_SERVE_SHUTDOWN_TIER_TIMEOUT_S`, 30 s, and a replica that never got its resources
+        holds its tier that long). A `serve start` or `serve run` in that window connects to the
+        old controller, which then kills itself (`ActorDiedError: ... killed by ray.kill`)."""
+        r = requests.delete(f"{self.address}{SERVE_API}", headers=self._auth(), timeout=120)
+        assert r.status_code == 200, r.text
         deadline = time.monotonic() + timeout
         while self.serve_controller():
             assert time.monotonic() < deadline, f"the Serve controller still runs {timeout:.0f} s after shutdown"
-            time.sleep(1)
+            time.sleep(POLL_S)
+
+    def serve_details(self) -> dict | None:
+        """What `serve status` reads from the dashboard (controller, proxies, applications); None
+        while the dashboard does not answer."""
+        try:
+            r = requests.get(f"{self.address}{SERVE_API}", headers=self._auth(), timeout=60)
+        except requests.ConnectionError:
+            return None
+        return r.json() if r.status_code == 200 else None
 
     def serve_controller(self) -> dict:
         """The Serve controller as the dashboard reports it (its node, node IP, actor); empty
         when none runs."""
-        r = requests.get(
-            f"{self.address}/api/serve/applications/",
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=60,
-        )
+        r = requests.get(f"{self.address}{SERVE_API}", headers=self._auth(), timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["controller_info"]
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
 
     def stop(self) -> None:
         stop_process(self.process)

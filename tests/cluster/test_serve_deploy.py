@@ -41,6 +41,7 @@ def test_serve_yaml_deploys_and_serves_a_streamed_request(heads, tmp_path):
     deployed = run_cli("serve", "deploy", str(path), "-a", address, env=env)
     assert deployed.returncode == 0, deployed.stderr
     heads[0].wait_running()
+    assert "status: RUNNING" in heads[0].status()  # as `serve status` shows it
     route = config["applications"][0]["route_prefix"].rstrip("/") + "/generate"
     body = {"prompt_token_ids": [5, 6, 7, 8], "sampling": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
     with requests.post(f"http://127.0.0.1:{port}{route}", json=body, stream=True, timeout=120) as r:

@@ -14,7 +14,7 @@ import yaml
 
 from cluster.client import GenerationClient
 from tests.cluster.conftest import free_port
-from tests.cluster.ray_head import ROOT, Head, run_cli
+from tests.cluster.ray_head import POLL_S, ROOT, Head, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_http_answers_503_at_once_while_no_replica_runs(laptop, tmp_path):
         except (requests.ConnectionError, requests.Timeout):
             pass
         assert time.monotonic() < deadline, "the ingress never came up"
-        time.sleep(1)
+        time.sleep(POLL_S)
     for _ in range(3):
         start = time.monotonic()
         r = requests.post(url, json={"prompt_token_ids": [1, 2, 3]}, timeout=5)
