@@ -27,6 +27,9 @@ from attention.kernels.calls import DecodeCall, cdiv
 from attention.kernels.launch import pdl_options, pdl_start
 
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
+WARPS, STAGES = 4, 3  # a program's warps and its key loop's pipeline depth
+# an FP8 cache's (keys a block, warps, stages) at 128-dim heads and narrower; None: the bf16 tile
+FP8_TILE: tuple[int, int, int] | None = None
 MERGE_ELEMENTS = 16384  # partial-output floats the merge loads at a time (all slices of small calls)
 
 
@@ -204,9 +207,10 @@ def block_tokens(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
+def decode(call: DecodeCall, splits: int | None = None, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of one query a row; returns `[rows, H, D]` in the query's dtype. `splits`
-    overrides the slice count (tests)."""
+    overrides the slice count (tests); `tile` the (keys a block, warps, stages) (the benchmark's
+    sweep)."""
     q, cache, tables = call.query, call.kv_cache, call.block_tables
     rows, num_heads, head_dim = q.shape
     kv_heads, page = cache.shape[2], cache.shape[3]
@@ -216,7 +220,9 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
             f"{call.q_len_per_req}, query strides {q.stride()}, cache strides {cache.stride()}"
         )
     group = num_heads // kv_heads
-    block_n = block_tokens(head_dim)
+    if tile is None and cache.element_size() == 1 and head_dim <= 128 and FP8_TILE is not None:
+        tile = FP8_TILE
+    block_n, warps, stages = tile or (block_tokens(head_dim), WARPS, STAGES)
     splits = splits or num_splits(rows, kv_heads, tables.shape[1] * page, block_n)
     part_out = torch.empty(rows * num_heads * splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows * num_heads * splits, dtype=torch.float32, device=q.device)
@@ -256,7 +262,8 @@ def decode(call: DecodeCall, splits: int | None = None) -> torch.Tensor:
         MERGE_CHUNK=min(
             triton.next_power_of_2(splits), max(1, MERGE_ELEMENTS // (triton.next_power_of_2(group) * head_dim))
         ),
-        num_warps=4,
+        num_warps=warps,
+        num_stages=stages,
         **pdl_options(rows * kv_heads * splits),
     )
     return out

@@ -18,7 +18,9 @@ Prints one JSON line per configuration and a table; `--out FILE` also writes the
     python -m ops.bench.xqa_decode_bandwidth --batch 64 --kv-len 4096 --kv-heads 8 --head-dim 128
 
 `--kernels xqa split` times both kernels on the same calls (`split`:
-`attention/kernels/split_decode.py`).
+`attention/kernels/split_decode.py`). `--kv-dtype bf16 fp8` times each with a bf16 and an FP8
+(e4m3) cache; `--split-tiles 64x4x3 128x4x3` times the split kernel at each (keys a block,
+warps, stages) instead of its default.
 """
 
 from __future__ import annotations
@@ -31,18 +33,19 @@ from collections.abc import Callable
 import torch
 
 from attention.kernels import DecodeCall, flashinfer_hopper
+from attention.kv_pool import FP8_E4M3
 from attention.trtllm_mha import WORKSPACE_BYTES
 from ops.bench.record import add_record_args, record_run
 
 COLUMNS = ["decode_ms", "decode_ms_eager", "decode_ms_cold", "decode_GBps", "copy_GBps", "fraction_of_copy"]
 
 
-def _kernel(name: str) -> Callable[[DecodeCall, torch.Tensor], torch.Tensor]:
+def _kernel(name: str, tile: tuple[int, int, int] | None = None) -> Callable[[DecodeCall, torch.Tensor], torch.Tensor]:
     if name == "xqa":
         return flashinfer_hopper.decode
     from attention.kernels import split_decode
 
-    return lambda call, workspace: split_decode.decode(call)
+    return lambda call, workspace: split_decode.decode(call, tile=tile)
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> float:
@@ -128,6 +131,8 @@ def decode_bandwidth(
     flush_mb: int = 0,
     flush_kind: str = "copy",
     kernel: str = "xqa",
+    kv_dtype: str = "bf16",
+    tile: tuple[int, int, int] | None = None,
 ) -> dict:
     """One configuration; `table_tokens` widens the page tables (zero-padded) past the KV, as a
     captured graph's tables are: the kernel sizes its grid by that width. `flush_mb`: see the
@@ -135,6 +140,8 @@ def decode_bandwidth(
     pages_per_req = -(-kv_len // page)
     width = max(pages_per_req, -(-(table_tokens or 0) // page))
     cache, tables = paged_kv(batch, kv_len, kv_heads, head_dim, page, width)
+    if kv_dtype == "fp8":
+        cache = cache.to(FP8_E4M3)
     call = DecodeCall(
         query=torch.randn(batch, kv_heads * group, head_dim, dtype=torch.bfloat16, device="cuda"),
         kv_cache=cache,
@@ -148,7 +155,7 @@ def decode_bandwidth(
     )
     call.check()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    run = _kernel(kernel)
+    run = _kernel(kernel, tile)
     eager_ms = time_ms(lambda: run(call, workspace))
     ms = _time_graph_ms(lambda: run(call, workspace))
     cold = {}
@@ -164,7 +171,8 @@ def decode_bandwidth(
     kv_bytes = batch * visible * kv_heads * head_dim * 2 * cache.element_size()
     copy = copy_bandwidth(kv_bytes)
     return {
-        "kernel": kernel,
+        "kernel": kernel + (f"@{'x'.join(map(str, tile))}" if tile else ""),
+        "kv_dtype": kv_dtype,
         "batch": batch,
         "kv_len": kv_len,
         "kv_heads": kv_heads,
@@ -186,6 +194,8 @@ def case(row: dict) -> str:
     """A configuration's name in a record: kernel, heads (KV heads x head dim, group), batch, KV
     length, page, table width, and the window and flush where set."""
     name = f"{row['kernel']} {row['kv_heads']}x{row['head_dim']}g{row['group']} b{row['batch']} kv{row['kv_len']}"
+    if row.get("kv_dtype", "bf16") != "bf16":
+        name += f" {row['kv_dtype']}"
     name += f" page{row['page']} table{row['table_tokens']}"
     if row["window_left"] >= 0:
         name += f" window{row['window_left']}"
@@ -207,14 +217,32 @@ def main() -> None:
     p.add_argument("--flush-mb", type=int, default=0, help="this many MB of reads between the timed calls")
     p.add_argument("--flush-kind", choices=["copy", "linear"], default="copy", help="what reads them")
     p.add_argument("--kernels", nargs="+", choices=["xqa", "split"], default=["xqa"])
+    p.add_argument("--kv-dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
+    p.add_argument("--split-tiles", nargs="+", default=[], help="the split kernel's (keys, warps, stages), e.g. 64x4x3")
     p.add_argument("--out", default=None)
     add_record_args(p)
     args = p.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.split_tiles]
+    kernels = [(k, None) for k in args.kernels if k != "split" or not tiles]
+    kernels += [("split", t) for t in tiles if "split" in args.kernels]
     rows = [
         decode_bandwidth(
-            b, n, args.kv_heads, args.head_dim, args.group, pg, args.window_left, t, args.flush_mb, args.flush_kind, k
+            b,
+            n,
+            args.kv_heads,
+            args.head_dim,
+            args.group,
+            pg,
+            args.window_left,
+            t,
+            args.flush_mb,
+            args.flush_kind,
+            k,
+            dtype,
+            tile,
         )
-        for k in args.kernels
+        for k, tile in kernels
+        for dtype in args.kv_dtype
         for b in args.batch
         for n in args.kv_len
         for pg in args.page
@@ -226,7 +254,8 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     header = (
-        ("kernel", 6),
+        ("kernel", 14),
+        ("kv", 4),
         ("batch", 5),
         ("kv_len", 6),
         ("page", 4),
@@ -239,7 +268,8 @@ def main() -> None:
     print(" ".join(f"{name:>{width}}" for name, width in header) + f" {'frac':>5}")
     for r in rows:
         print(
-            f"{r['kernel']:>6} {r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} {r['table_tokens']:>6} "
+            f"{r['kernel']:>14} {r['kv_dtype']:>4} {r['batch']:>5} {r['kv_len']:>6} {r['page']:>4} "
+            f"{r['table_tokens']:>6} "
             f"{r['decode_ms']:>8.3f} {r['decode_ms_eager']:>8.3f} "
             f"{r['decode_GBps']:>11.0f} {r['copy_GBps']:>9.0f} {r['fraction_of_copy']:>5.2f}"
         )
