@@ -21,6 +21,7 @@ import os
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 
 import grpc
 import pytest
@@ -85,8 +86,10 @@ HOSTILE = st.one_of(
 TEXT = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
 
 
+@cache
 def either(valid: st.SearchStrategy) -> st.SearchStrategy:
-    """A field value: one a client may send or a hostile one."""
+    """A field value: one a client may send or a hostile one (one strategy a field: hypothesis
+    validates a new one at each draw)."""
     return st.one_of(valid, HOSTILE)
 
 
