@@ -249,15 +249,17 @@ class Penalties:
 STAGE: tuple[Processor, ...] = (GrammarMask(), MinTokens(), LogitBias(), Penalties())
 
 
-def process(logits: torch.Tensor, params: Sequence[SamplingParams], history: History | None = None) -> torch.Tensor:
+def process(
+    logits: torch.Tensor, params: Sequence[SamplingParams], history: History | None = None, in_place: bool = False
+) -> torch.Tensor:
     """The processed logits `[B, V]` of `logits`' rows (float32): `logits` itself when no row has
-    a processor at work, a processed copy otherwise. `history`: None reads as rows with nothing
-    before them."""
+    a processor at work, a processed copy otherwise (`in_place`: `logits` processed, float32 and
+    read by nobody else). `history`: None reads as rows with nothing before them."""
     history = history if history is not None else TokenHistory.empty(len(params))
     work = [(p, rows) for p in STAGE if (rows := p.rows(params, history))]
     if not work:
         return logits
-    out = logits.float().clone()
+    out = logits if in_place and logits.dtype == torch.float32 else logits.float().clone()
     for processor, rows in work:
         processor.apply(out, rows, params, history)
     return out

@@ -159,20 +159,38 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
     """Every draft step masked after the drafts before it, every verify position after its draft
     prefix, acceptance over the masked distributions: the tokens are plain decoding's. The rounds
     draft on the device (no host draw, no target-wide draft row) and read the device at most
-    k + 1 times: each draft, then the verify's choices."""
+    k + 1 times: each draft, then the verify's choices. Under (emulated) graphs every draft step,
+    verify and catch-up replays its graph; a draft with a fixed catch-up window launches it before
+    the round's last read."""
     params, want = plain_outputs
     eng = _engine(algorithm, graphs)
-    reads, rounds = [], []
+    reads, rounds, launched = [], [], []  # launched: each round's forwards (mode, graphed) and reads
 
     def counted(flight):
         reads[-1] += 1
+        launched[-1].append(("read", None))
         return read(flight)
 
     def round_of(reqs, k):
         reads.append(0)
+        launched.append([])
         events = decode_round(reqs, k)
         rounds.append((k, reads[-1]))
         return events
+
+    def logged(runner):
+        def forward(batch, pool=None):
+            graphed = runner.graphs is not None and runner.graphs.can_run(batch, runner.pool if pool is None else pool)
+            if launched:
+                launched[-1].append((batch.forward_mode.name, graphed))
+            return runner_forward[id(runner)](batch, pool)
+
+        return forward
+
+    runners = {id(r): r for r in (eng.spec.target, eng.spec.drafter.runner)}
+    runner_forward = {i: r.forward for i, r in runners.items()}
+    for runner in runners.values():
+        monkeypatch.setattr(runner, "forward", logged(runner))
 
     def refused(*args, **kwargs):
         raise AssertionError("a greedy round under grammars drew on the host")
@@ -190,7 +208,32 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
     assert max(accepted) > 2 and min(accepted) < 4, f"drafts never partly accepted: {accepted}"
     assert eng.spec.masked_rounds == len(rounds) > 0
     assert all(n <= k + 1 for k, n in rounds) and any(n == k + 1 for k, n in rounds), rounds
+    if graphs:  # (a catch-up after plain steps is ragged: eager by design)
+        assert all(graphed for log in launched for mode, graphed in log if mode not in ("read", "EXTEND")), launched
+    if eng.spec.drafter.fixed_window:
+        for log in launched:
+            modes = [mode for mode, _ in log]
+            last_read = len(modes) - 1 - modes[::-1].index("read")
+            assert "DRAFT_EXTEND_V2" in modes[:last_read], log
     eng.check_no_leak()
+
+
+def test_the_lowest_allowed_token_of_a_mask_is_its_first_set_bit():
+    """A draft row left with no allowed token takes the lowest id its grammar allows: found per
+    word, it equals the first set bit of the mask expanded to a bit a token."""
+    gen = torch.Generator().manual_seed(0)
+    masks = torch.randint(-(2**31), 2**31, (64, 9), generator=gen, dtype=torch.int64).to(torch.int32)
+    masks &= torch.randint(0, 2, (64, 9), generator=gen, dtype=torch.int32) * -1  # whole words zero
+    masks[:, :4] = 0
+    masks[0] = 0  # nothing allowed
+    masks[1, 4] = -(2**31)  # only bit 31 of a word
+    masks[2, 8] = 1 << 30  # past the vocabulary only (8 x 32 + 30 >= 280)
+    masks[2, 4:8] = 0
+    drafter = drafter_module.Drafter.__new__(drafter_module.Drafter)
+    drafter.vocab_size = 280
+    bits = (masks[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    want = bits.flatten(1)[:, : drafter.vocab_size].argmax(dim=-1)
+    assert torch.equal(drafter._lowest_allowed(masks), want)
 
 
 def test_sampled_json_always_parses_and_validates_under_speculation(prompts):
@@ -232,9 +275,9 @@ def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(p
     proposed = []  # (committed tokens, drafts) of each request in each greedy round
 
     def recorded(reqs, k):
-        out, drafts = masked_round(reqs, k)
-        proposed.extend((list(r.output_ids), d) for r, d in zip(reqs, drafts))
-        return out, drafts
+        round_ = masked_round(reqs, k)
+        proposed.extend((list(r.output_ids), d) for r, d in zip(reqs, round_[1]))
+        return round_
 
     masked_round = eng.spec._masked_round
     monkeypatch.setattr(eng.spec, "_masked_round", recorded)

@@ -52,6 +52,15 @@ Tokens = list[int] | torch.Tensor  # one token per request: on the host, or stil
 
 
 @dataclasses.dataclass
+class Proposal:
+    """A catch-up's rows that propose each request's next first draft, a row per request."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    ids: torch.Tensor | None  # their columns' target ids (a subset head's)
+
+
+@dataclasses.dataclass
 class DraftState:
     """A request's draft-side state between rounds."""
 
@@ -114,9 +123,17 @@ class Drafter:
         allowed = (masks.gather(1, cols >> 5) >> (cols & 31)) & 1 == 1
         scores = logits.float().masked_fill(~allowed, float("-inf"))
         best = cols.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
-        bits = (masks[:, :, None] >> torch.arange(32, dtype=masks.dtype, device=masks.device)) & 1
-        first = bits.flatten(1)[:, : self.vocab_size].argmax(dim=-1)  # the lowest allowed target id
-        return torch.where(torch.isneginf(scores.amax(dim=-1)), first, best)
+        return torch.where(torch.isneginf(scores.amax(dim=-1)), self._lowest_allowed(masks), best)
+
+    def _lowest_allowed(self, masks: torch.Tensor) -> torch.Tensor:
+        """Each row's lowest target id its bitmask allows (0 if none below the vocabulary size):
+        its first nonzero word's lowest set bit, without expanding the mask to a bit a token."""
+        word = (masks != 0).to(torch.int32).argmax(dim=1)  # (the first maximum)
+        bits = masks.gather(1, word[:, None]).to(torch.int64) & 0xFFFFFFFF
+        lowest = bits & -bits  # the lowest set bit alone
+        bit = (lowest >> torch.arange(32, device=masks.device)).eq(1).to(torch.int32).argmax(dim=1)
+        first = word.to(torch.int64) * 32 + bit
+        return torch.where(first < self.vocab_size, first, 0)
 
     def target_logits(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Draft logits over the target's vocabulary, -inf outside a draft vocabulary or a row's
@@ -174,7 +191,8 @@ class Drafter:
         width: int,
         hidden: torch.Tensor,
         tokens: torch.Tensor | None = None,
-    ) -> None:
+        propose: bool = True,
+    ) -> Proposal | None:
         """After a verify of `width` = num_steps + 1 positions from each request's `starts`
         (the pending token's position), `accepted[i]` drafts of which were kept: one window of
         `width` entries per request; row accepted[i] proposes. `hidden`: the verify's hidden
@@ -183,7 +201,9 @@ class Drafter:
         Launched before the host has read the verify (greedy rounds): `accepted` is on the
         device and `tokens` are the target's choices `[B * width]`, which equal the committed
         tokens up to each request's bonus (rows past it are padding whatever they hold);
-        `settle_verified` records the outcome once the host knows it."""
+        `settle_verified` records the outcome once the host knows it. Without `propose`, the
+        proposing rows are returned, to `propose` from once the round is committed (a grammar's
+        masks follow the committed tokens)."""
         firsts = [s + 1 - self.shift for s in starts]
         if tokens is None:
             ids = [r.tokens(a + self.shift, a + self.shift + width) for r, a in zip(reqs, firsts)]
@@ -206,12 +226,20 @@ class Drafter:
         if isinstance(accepted, torch.Tensor):
             rows = torch.arange(len(reqs), device=accepted.device) * width + accepted
             logits, ids = _logit_rows(out, rows)
-            self._propose(reqs, logits, out.hidden.index_select(0, rows), range(len(reqs)), ids)
-            return
+            proposal = Proposal(logits, out.hidden.index_select(0, rows), ids)
+            if not propose:
+                return proposal
+            self.propose(reqs, proposal)
+            return None
         self.settle_verified(reqs, starts, accepted)
         rows = [i * width + n for i, n in enumerate(accepted)]
         logits, ids = _logit_rows(out, upload(np.asarray(rows, dtype=np.int64), out.logits.device))
         self._propose(reqs, logits, out.hidden, rows, ids)
+        return None
+
+    def propose(self, reqs: list[Request], proposal: Proposal) -> None:
+        """Each request's next first draft from a catch-up's `proposal` (a row per request)."""
+        self._propose(reqs, proposal.logits, proposal.hidden, range(len(reqs)), proposal.ids)
 
     def settle_verified(self, reqs: list[Request], starts: list[int], accepted: list[int]) -> None:
         """The catch-up after a verify left valid draft KV up to each request's pending token."""

@@ -256,6 +256,8 @@ class SpecWorker:
             ahead = None
             self.drops += 1
         logits = chosen = None  # the verify's, and its rows' distributions, where the host may read them
+        masked = None  # a masked round's drafts on the device
+        proposal = None  # a masked round's next first drafts, proposed once the round is committed
         if ahead is not None and ahead.verified is not None:  # verified already: straight to acceptance
             self.rounds_drafted_ahead += 1
             self.rounds_verified_ahead += 1
@@ -266,7 +268,7 @@ class SpecWorker:
                 reqs, drafts, draft_probs = self._draft_on_device(reqs, ahead, k)
                 out = self._verify(reqs, drafts, k)
             elif all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs):
-                out, drafts = self._masked_round(reqs, k)
+                out, drafts, masked = self._masked_round(reqs, k)
                 draft_probs = [[None] * k for _ in reqs]
             else:
                 reqs, drafts, draft_probs = self._draft_on_host(reqs, k)
@@ -274,12 +276,15 @@ class SpecWorker:
                     return []
                 out = self._verify(reqs, drafts, k)
             logits, hidden = out.logits, out.hidden
+            # rows of grammar-only greedy requests that read no logits: masked in place (the draft
+            # steps' masks at depths 0..k-1), no copy of the verify's logits
+            in_place = masked is not None and not any(r.sampling.reads_logits for r in reqs)
             # Position j of a request is processed as plain decoding would process it there:
             # after the pending token and drafts 1..j (the chain that reaches it).
             params = [r.sampling for r in reqs for _ in range(k + 1)]
             prefixes = None if isinstance(drafts, torch.Tensor) else [d[:j] for d in drafts for j in range(k + 1)]
             history = self.scheduler.history([r for r in reqs for _ in range(k + 1)], prefixes)
-            processed = process(logits, params, history)
+            processed = process(logits, params, history, in_place)
             chosen = distribution_logits(processed, params)
             best = processed.argmax(dim=-1).view(len(reqs), k + 1)
 
@@ -298,7 +303,14 @@ class SpecWorker:
             both = flight.read()
             drafts, best = [row[:k] for row in both], [row[k:] for row in both]
         else:  # one device-to-host copy of the target's choices
-            best = InFlight.of(reqs, best).read()
+            flight = InFlight.of(reqs, best)
+            if masked is not None and self.drafter.fixed_window:  # the catch-up runs while the host commits
+                accepted = (masked == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+                proposal = self.drafter.catch_up_verified(
+                    reqs, starts, accepted, k + 1, hidden, tokens=best.flatten(), propose=False
+                )
+                early = True
+            best = flight.read()
 
         events, live, judged = [], [], []
         self.last_accept_lengths = {}
@@ -324,6 +336,8 @@ class SpecWorker:
             _, live_reqs, live_starts, accepted = map(list, zip(*live))
             if early:
                 self.drafter.settle_verified(live_reqs, live_starts, accepted)
+                if proposal is not None:  # its first drafts masked after the committed tokens
+                    self.drafter.propose(reqs, proposal)
             else:
                 if len(live) < len(reqs):
                     hidden = torch.cat([hidden[i * (k + 1) : (i + 1) * (k + 1)] for i, _, _, _ in live])
@@ -430,14 +444,14 @@ class SpecWorker:
             hidden = out.hidden
         return reqs, torch.stack(drafts, dim=1), no_probs
 
-    def _masked_round(self, reqs: list[Request], k: int) -> tuple[ForwardOutput, list[list[int]]]:
+    def _masked_round(self, reqs: list[Request], k: int) -> tuple[ForwardOutput, list[list[int]], torch.Tensor]:
         """Greedy drafts of requests whose only processor is their grammar, and their verify:
         each draft step's logits masked on the device after the drafts before it, then its argmax
         there. The host reads each draft (one small copy a step, queued behind its argmax and read
         once the next step is launched) to advance the matchers and fill the next step's masks,
         the last while the verify runs: k reads, and the verify's a (k + 1)-th. The verify's
         masks at depths 0..k-1 are the draft steps'. Returns the verify and the drafts, on the
-        host."""
+        host and on the device `[B, k]`."""
         self.masked_rounds += 1
         tokens, hidden = _first_drafts(reqs)
         on_device, drafts = [tokens], [[] for _ in reqs]
@@ -449,10 +463,11 @@ class SpecWorker:
             history = self.scheduler.history(reqs, drafts, self.drafter.partial_vocab)
             on_device.append(self.drafter.greedy_masked(out.logits, out.ids, history))
             flight, hidden = InFlight.of(reqs, on_device[-1]), out.hidden
-        out = self._verify(reqs, torch.stack(on_device, dim=1), k)
+        stacked = torch.stack(on_device, dim=1)
+        out = self._verify(reqs, stacked, k)
         for d, t in zip(drafts, flight.read()):
             d.append(t)
-        return out, drafts
+        return out, drafts, stacked
 
     def _draft_on_host(
         self, reqs: list[Request], k: int
