@@ -88,12 +88,14 @@ class TRTLLMMHABackend(AttentionBackend):
         self._has_wide = False  # a layer reads one query a row in multi-query forwards
         self._max_pages = 0
         self._page_size = 1
+        self._fp8 = False  # an FP8 cache: its own split-KV routing (`KernelSet.decode_kernel`)
 
     # -- start-up ----------------------------------------------------------------------------
     def prepare(self, layers: list[AttentionLayer], page_size: int, kv_dtype: torch.dtype | None = None) -> None:
         """Fail at start-up on a feature combination the kernels of this device lack."""
         ks = self.kernels
         self._page_size = page_size
+        self._fp8 = kv_dtype == FP8_E4M3
         if ks.page_sizes is not None and page_size not in ks.page_sizes:
             raise ValueError(f"page_size: trtllm_mha on {ks.name} supports {ks.page_sizes}, got {page_size}")
         if kv_dtype == FP8_E4M3 and not ks.fp8_kv:
@@ -486,7 +488,9 @@ class TRTLLMMHABackend(AttentionBackend):
             route = "decode"
         if route == "decode":
             call = DecodeCall(**common, max_seq_len=read.max_seq_len, q_len_per_req=read.q_len_per_req, mask=read.mask)
-            _, run = self.kernels.decode_kernel(call.batch_size, read.q_len_per_req, self._split_decode_ok(read))
+            _, run = self.kernels.decode_kernel(
+                call.batch_size, read.q_len_per_req, self._split_decode_ok(read), self._fp8
+            )
         else:
             call = ContextCall(
                 **common,
@@ -510,7 +514,8 @@ class TRTLLMMHABackend(AttentionBackend):
             return None
         md = self._md
         if route == "decode" and md is not None and md.mode == mode:
-            return self.kernels.decode_kernel(md.seq_lens.shape[0], md.q_len_per_req, self._split_decode_ok(md))[0]
+            rows = md.seq_lens.shape[0]
+            return self.kernels.decode_kernel(rows, md.q_len_per_req, self._split_decode_ok(md), self._fp8)[0]
         return getattr(self.kernels, f"{route}_name")
 
 

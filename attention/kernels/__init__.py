@@ -43,6 +43,9 @@ class KernelSet:
     # Decode calls of one query a row (decode, flat verify) and at most this many rows run the
     # split-KV Triton kernel instead of `decode` (0: never).
     split_decode_rows: int = 0
+    # The same for an FP8 cache, whose XQA kernel reads faster than the split kernel widening
+    # FP8 in Triton once the batch fills the device.
+    fp8_split_decode_rows: int = 0
     # Every kernel of the set reads an FP8 (e4m3) cache with the call's scales (docs/design.md
     # §4.7); a set without it refuses `kv_cache_dtype: fp8_e4m3` at start-up.
     fp8_kv: bool = False
@@ -50,10 +53,13 @@ class KernelSet:
     # (no published model has both; FMHA-v2's FP8 variant measured 0.3 relative error there).
     fp8_kv_softcap_with_sinks: bool = True
 
-    def decode_kernel(self, rows: int, q_len_per_req: int, split_ok: bool = True) -> tuple[str, Callable]:
+    def decode_kernel(
+        self, rows: int, q_len_per_req: int, split_ok: bool = True, fp8: bool = False
+    ) -> tuple[str, Callable]:
         """(name, function) of the kernel a decode-routed call of this shape runs: a function of
-        shapes (and of the model, `split_ok`) only, so eager mode and every captured graph agree."""
-        if split_ok and q_len_per_req == 1 and rows <= self.split_decode_rows:
+        shapes (and of the model and its cache, `split_ok`, `fp8`) only, so eager mode and every
+        captured graph agree."""
+        if split_ok and q_len_per_req == 1 and rows <= (self.fp8_split_decode_rows if fp8 else self.split_decode_rows):
             return SPLIT_DECODE, _split_decode
         return self.decode_name, self.decode
 
@@ -68,6 +74,10 @@ FLAT_VERIFY = (1, 1024)
 # most where XQA leaves SMs idle (one request, few KV heads of 256 dims: 3.4x).
 SPLIT_DECODE = "split_kv"
 SPLIT_DECODE_ROWS = 256
+# With an FP8 cache XQA's kernel read 64 rows of 4,096 tokens in 0.157 ms against the split
+# kernel's 0.263 (Llama-3-8B heads; ops/bench/results/xqa_decode_bandwidth.history.jsonl); the
+# split kernel keeps the few-row calls where XQA leaves SMs idle.
+FP8_SPLIT_DECODE_ROWS = 16
 
 
 def _split_decode(call: DecodeCall, workspace: torch.Tensor | None) -> torch.Tensor:
@@ -117,6 +127,7 @@ KERNEL_SETS = {
         max_head_dim=512,
         multi_query_max_head_dim=256,
         split_decode_rows=SPLIT_DECODE_ROWS,
+        fp8_split_decode_rows=FP8_SPLIT_DECODE_ROWS,
         fp8_kv=True,  # XQA beside a bf16 query, FMHA-v2 with the query quantised too, split-KV widening
         fp8_kv_softcap_with_sinks=False,
     ),

@@ -28,8 +28,9 @@ from attention.kernels.launch import pdl_options, pdl_start
 
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
 WARPS, STAGES = 4, 3  # a program's warps and its key loop's pipeline depth
-# an FP8 cache's (keys a block, warps, stages) at 128-dim heads and narrower; None: the bf16 tile
-FP8_TILE: tuple[int, int, int] | None = None
+# an FP8 cache's (keys a block, warps, stages) at 128-dim heads and narrower (None: the bf16 tile):
+# two stages read 64 rows of 4,096 tokens 1.29x faster than three on an H200
+FP8_TILE: tuple[int, int, int] | None = (64, 4, 2)
 MERGE_ELEMENTS = 16384  # partial-output floats the merge loads at a time (all slices of small calls)
 
 

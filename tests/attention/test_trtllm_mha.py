@@ -39,6 +39,11 @@ def test_routing_table():
     sm90 = KERNEL_SETS["sm90"]
     assert sm90.decode_kernel(1, 1)[0] == sm90.decode_kernel(sm90.split_decode_rows, 1)[0] == "split_kv"
     assert sm90.decode_kernel(sm90.split_decode_rows + 1, 1)[0] == sm90.decode_kernel(1, 5)[0] == "xqa"
+    fp8_rows = sm90.fp8_split_decode_rows
+    assert 0 < fp8_rows < sm90.split_decode_rows
+    assert sm90.decode_kernel(fp8_rows, 1, fp8=True)[0] == "split_kv"
+    assert sm90.decode_kernel(fp8_rows + 1, 1, fp8=True)[0] == "xqa"
+    assert sm90.decode_kernel(fp8_rows + 1, 1)[0] == "split_kv"
     assert KERNEL_SETS["cpu"].decode_kernel(1, 1)[0] == "reference_decode"
     backend = TRTLLMMHABackend(CPU)
     assert backend.kernel_name(ForwardMode.TARGET_VERIFY) == "reference_decode"
