@@ -76,7 +76,9 @@ SPLIT_DECODE = "split_kv"
 SPLIT_DECODE_ROWS = 256
 # With an FP8 cache XQA's kernel read 64 rows of 4,096 tokens in 0.157 ms against the split
 # kernel's 0.263 (Llama-3-8B heads; ops/bench/results/xqa_decode_bandwidth.history.jsonl); the
-# split kernel keeps the few-row calls where XQA leaves SMs idle.
+# split kernel keeps the few-row calls where XQA leaves SMs idle (as it does with bf16). Where
+# the two cross between 1 and 64 rows is not measured: 16 is 128 (row, KV head) programs of
+# Llama-3-8B's heads, about one an SM.
 FP8_SPLIT_DECODE_ROWS = 16
 
 
