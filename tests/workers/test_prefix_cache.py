@@ -341,7 +341,10 @@ def test_kv_stats_read_from_another_thread_while_the_cache_changes(models):
     sys.setswitchinterval(1e-5)  # switch threads often: inside a read, not only between reads
     reader.start()
     try:
-        for seed in range(6):  # eight requests of ~44 tokens a round overflow the 256-token pool: evictions
+        # Eight requests of ~44 tokens a round overflow the 256-token pool: insertions and evictions
+        # from the first round on. A read that iterates the tree's SWA index fails in the first
+        # round (10 runs of 10); the second round evicts what the first one cached.
+        for seed in range(2):
             eng.generate(prompt_token_ids=random_prompts([30 + seed % 5] * 8, seed=seed), sampling=GREEDY)
     finally:
         done.set()
