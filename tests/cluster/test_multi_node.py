@@ -16,7 +16,7 @@ from cluster.app import build_app
 from cluster.client import GenerationClient
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from ops import DEFAULT_MODEL
-from tests.cluster.conftest import free_port
+from tests.cluster.conftest import free_port, stop_shared_ray
 from workers.engine import Engine, SamplingParams
 
 PROMPT = [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 1, 4]
@@ -24,6 +24,7 @@ PROMPT = [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 1, 4]
 
 @pytest.fixture(scope="module")
 def cluster():
+    stop_shared_ray()  # this process connects to the multi-node cluster instead
     # Every node listens on loopback only; keep the driver from swapping 127.0.0.1 for this
     # machine's external address when it connects (Ray does so to reach remote nodes).
     patch = pytest.MonkeyPatch()
