@@ -10,6 +10,7 @@ leaves no KV behind."""
 
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -218,6 +219,106 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
     eng.check_no_leak()
 
 
+class _Schedule:
+    """Draft lengths forced through `ks` in turn, a decode step each."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self._ks = itertools.cycle(ks)
+        self.k = next(self._ks)
+
+    def choose(self, batch_size, expected_tokens) -> int:
+        return self.k
+
+    def observe(self, batch_size, k, seconds, clean=True) -> None:
+        self.k = next(self._ks)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "frozen_kv_mtp"])
+def test_masked_rounds_launch_the_next_first_draft_step_before_the_engines_bookkeeping(
+    prompts, plain_outputs, algorithm, monkeypatch
+):
+    """Once a greedy round under grammars is committed, the next round's draft step 2 is launched
+    (after the round's last read, before the engine's bookkeeping: `Engine._end_step`), and the
+    next round of the same requests with k >= 2 starts by reading its first draft, launching no
+    draft step of its own first. A round of k < 2, a plain step or a prefill between them drops
+    it, its slots given back. A request joining mid-way: greedy output equals plain decoding's."""
+    params, want = plain_outputs
+    eng = _engine(algorithm)
+    eng.spec.controller = _Schedule([3, 3, 2, 0, 3, 1])
+    events, rounds, steps = [], [], [0]  # rounds: (k, engine step, rids, served, rids still running after it)
+
+    def round_of(reqs, k):
+        events.append(("round", k))
+        served = eng.spec.masked_rounds_ahead
+        out = decode_round(reqs, k)
+        served = eng.spec.masked_rounds_ahead > served
+        rounds.append((k, steps[0], [r.rid for r in reqs], served, [r.rid for r in reqs if not r.finished]))
+        return out
+
+    def logged(kind, forward):
+        def run(batch, pool=None):
+            events.append((kind, batch.forward_mode.name))
+            return forward(batch, pool)
+
+        return run
+
+    def counted(flight):
+        events.append(("read", None))
+        return read(flight)
+
+    def end_step(*args, **kwargs):
+        events.append(("end", None))
+        steps[0] += 1
+        return end(*args, **kwargs)
+
+    read, decode_round, end = spec_worker.InFlight.read, eng.spec.decode_round, eng._end_step
+    monkeypatch.setattr(spec_worker.InFlight, "read", counted)
+    monkeypatch.setattr(eng.spec, "decode_round", round_of)
+    monkeypatch.setattr(eng, "_end_step", end_step)
+    for kind, runner in (("draft", eng.spec.drafter.runner), ("target", eng.spec.target)):
+        monkeypatch.setattr(runner, "forward", logged(kind, runner.forward))
+
+    first = eng.add_request(prompts[0], params[0])
+    while len(rounds) < 8 or eng.spec._ahead is None:  # a draft step launched ahead when the next request comes
+        assert eng.has_unfinished(), rounds
+        eng.step()
+    drops = eng.spec.drops
+    second = eng.add_request(prompts[1], params[0])
+    eng.step()  # its first prefill chunk drops the step launched ahead
+    assert eng.spec._ahead is None and eng.spec.drops == drops + 1
+    while eng.has_unfinished():
+        eng.step()
+    assert [(o.token_ids, o.finish_reason) for o in map(eng.output, (first, second))] == [
+        (o.token_ids, o.finish_reason) for o in want[:2]
+    ]
+
+    starts = [i for i, e in enumerate(events) if e[0] == "round"]
+    for i, (k, step, rids, served, _) in enumerate(rounds):
+        before = rounds[i - 1] if i else None
+        follows = before is not None and before[1] == step - 1 and before[0] >= 2 and before[4] == rids
+        assert served == (follows and k >= 2), (i, rounds)
+        if served:
+            own = events[starts[i] + 1 :]
+            assert own[0] == ("read", None), own  # its first draft: no draft step of its own before it
+            last = events[starts[i - 1] : starts[i]]
+            tail = last[len(last) - 1 - [e[0] for e in last][::-1].index("read") + 1 :]
+            assert tail[-2:] == [("draft", "DECODE"), ("end", None)], tail  # step 2 before the bookkeeping
+    assert sum(r[3] for r in rounds) > len(rounds) // 4
+    assert all(n <= k + 1 for k, n in _reads_per_round(events))
+    eng.check_no_leak()
+
+
+def _reads_per_round(events: list[tuple[str, object]]) -> list[tuple[int, int]]:
+    """(k, reads from the round's start to the next round's) of each round."""
+    out = []
+    for kind, what in events:
+        if kind == "round":
+            out.append([what, 0])
+        elif kind == "read" and out:
+            out[-1][1] += 1
+    return [tuple(r) for r in out]
+
+
 def test_the_lowest_allowed_token_of_a_mask_is_its_first_set_bit():
     """A draft row left with no allowed token takes the lowest id its grammar allows: found per
     word, it equals the first set bit of the mask expanded to a bit a token."""
@@ -274,8 +375,8 @@ def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(p
     want = plain.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
     proposed = []  # (committed tokens, drafts) of each request in each greedy round
 
-    def recorded(reqs, k):
-        round_ = masked_round(reqs, k)
+    def recorded(reqs, k, ahead=None):
+        round_ = masked_round(reqs, k, ahead)
         proposed.extend((list(r.output_ids), d) for r, d in zip(reqs, round_[1]))
         return round_
 
@@ -477,8 +578,10 @@ def test_compiled_grammars_are_cached_by_content(plain):
 
 def test_tensor_parallel_ranks_mask_alike():
     """Two ranks (gloo) in lockstep: rank 0 admits each request once its grammar compiled, the
-    plan tells the other rank to compile it too, and both mask alike: one rank's tokens."""
-    from tests.workers.test_tensor_parallel import FIRST, PROMPTS, run_tp
+    plan tells the other rank to compile it too, and both mask alike: one rank's tokens, without
+    speculation and with an EAGLE draft (masked rounds, each launching the next one's first draft
+    step)."""
+    from tests.workers.test_tensor_parallel import FIRST, PROMPTS, run_tp_each
 
     kwargs = dict(
         model=TARGET,
@@ -488,15 +591,18 @@ def test_tensor_parallel_ranks_mask_alike():
         context_length=256,
         attention_backend="trtllm_mha",
     )
+    spec = {"algorithm": "eagle", "draft_model": DRAFTS["eagle"], "num_steps": 3, "adaptive": False}
     sp = _greedy(StructuredOutputs(json=SCHEMA))
     single = Engine(**kwargs)
     ref = single.generate(prompt_token_ids=FIRST, sampling=sp)
     ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=sp)
-    got = run_tp(2, kwargs, sp)
-    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in ref]
-    for out in got:
-        if out.finish_reason == "stop":
-            _check_schema(json.loads(out.text))
+    plain_tp, drafted = run_tp_each(2, [kwargs, kwargs | {"speculative": spec}], sp)
+    assert all(o.spec.verify_steps for o in drafted)
+    for got in (plain_tp, drafted):
+        assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in ref]
+        for out in got:
+            if out.finish_reason == "stop":
+                _check_schema(json.loads(out.text))
 
 
 # -- rejection sampling under a grammar ------------------------------------------------------------

@@ -28,7 +28,11 @@ learns at the read that changes the batch (a request finished or failed) discard
 Sampled rounds draw each draft on the host, since rejection sampling needs every draft's
 distribution. Greedy rounds whose only processor is a grammar mask each draft step on the device
 and take its argmax there; the host reads each draft, a few bytes, to fill the next step's masks
-(`_masked_round`: k + 1 reads a round, no host draw).
+(`_masked_round`: k + 1 reads a round, no host draw). Nothing of the next such round can be
+launched before the read (its first draft's mask follows the bonus token), but once the round is
+committed its next first drafts are proposed and the next round's draft step 2 is launched
+(`_step_ahead`), so the device runs it while the host does the engine's bookkeeping between
+rounds; a change of requests, a plain step or a prefill between them drops it.
 
 How many draft steps a round runs is chosen every decode step (`draft_steps`: the controller,
 `workers/speculative/controller.py`; k = num_steps every step unless `speculative.adaptive`).
@@ -100,6 +104,31 @@ class _Ahead:
         return self.reqs == reqs and self.num_tokens == [r.num_tokens for r in reqs] and self.drafts.shape[1] == k - 1
 
 
+@dataclasses.dataclass
+class _MaskedAhead:
+    """A masked round's first draft with its copy to the host queued, and its draft step 2 (None
+    for a round of one draft): launched by the round before once it committed, so the device runs
+    them while the host does the engine's bookkeeping between rounds."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor  # [B] the first drafts, on the device
+    hidden: torch.Tensor  # [B, H] the draft hidden states step 2 read
+    first: InFlight  # their copy to the host
+    step: ForwardOutput | None  # draft step 2's logits for draft 2 (a graph's: valid until its next replay)
+    num_tokens: list[int]  # each request's length when it was launched
+
+    def serves(self, reqs: list[Request], k: int) -> bool:
+        """Launched for these requests at their current lengths; step 2 serves any round of k >= 2."""
+        return self.reqs == reqs and self.num_tokens == [r.num_tokens for r in reqs] and k > 1
+
+    def restore(self) -> None:
+        """Dropped: each request's next draft step reads its hidden state from the copy step 2
+        read (a proposal's may be a view of the graph output step 2 rewrote: a draft whose steps
+        share one graph)."""
+        for req, hidden in zip(self.reqs, self.hidden.unbind(0)):
+            req.spec.next_hidden = hidden
+
+
 class SpecWorker:
     def __init__(self, num_steps: int, target: ModelRunner, drafter: Drafter, scheduler: Scheduler) -> None:
         self.num_steps = num_steps
@@ -108,10 +137,11 @@ class SpecWorker:
         self.scheduler = scheduler
         self.last_accept_lengths: dict[str, int] = {}
         self.last_drafts: dict[str, list[int]] = {}
-        self._ahead: _Ahead | None = None
+        self._ahead: _Ahead | _MaskedAhead | None = None
         self.rounds_drafted_ahead = 0  # rounds whose drafts 2..k the previous round launched
         self.rounds_verified_ahead = 0  # rounds whose verify the previous round launched
         self.masked_rounds = 0  # greedy rounds under grammars drafted on the device (`_masked_round`)
+        self.masked_rounds_ahead = 0  # masked rounds whose draft step 2 the previous round launched
         self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
         self.acceptance = AcceptanceModel(num_steps, scheduler.req_to_token.max_requests)
         self.controller: DraftSteps = FixedDraftSteps(num_steps)
@@ -139,7 +169,11 @@ class SpecWorker:
         req.spec = DraftState(SpecStats(self.num_steps))
 
     def after_extend(self, sb: ScheduledBatch, hidden: torch.Tensor) -> None:
-        """The target prefilled a chunk of each request: the draft follows."""
+        """The target prefilled a chunk of each request: the draft follows. A masked round's draft
+        step launched ahead is dropped first: the draft's catch-up may replay the graph holding its
+        logits."""
+        if isinstance(self._ahead, _MaskedAhead):
+            self._drop_ahead()
         rows: HiddenRows = {}
         start = 0
         for req, n in zip(sb.reqs, sb.q_lens):
@@ -157,13 +191,21 @@ class SpecWorker:
         controller chooses; a round launched ahead is dropped before a plain step (its slots
         given back)."""
         k = self.controller.choose(len(reqs), lambda: self.acceptance.expected_tokens([r.row for r in reqs]))
-        if k == 0 and self._ahead is not None:
-            ahead, self._ahead = self._ahead, None
-            self.drops += 1
-            for req in ahead.reqs:
-                if not req.finished:
-                    self.scheduler.trim(req)
+        if k == 0:
+            self._drop_ahead()
         return k
+
+    def _drop_ahead(self) -> None:
+        """Drop a round launched ahead, giving back the slots it borrowed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        self.drops += 1
+        if isinstance(ahead, _MaskedAhead):
+            ahead.restore()
+        for req in ahead.reqs:
+            if not req.finished:
+                self.scheduler.trim(req)
 
     def propose_draft_steps(self) -> int | None:
         """Rank 0 of a tensor-parallel group: the draft steps of the group's next decode step,
@@ -253,22 +295,26 @@ class SpecWorker:
             return []
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not ahead.serves(reqs, k):
+            if isinstance(ahead, _MaskedAhead):
+                ahead.restore()
             ahead = None
             self.drops += 1
         logits = chosen = None  # the verify's, and its rows' distributions, where the host may read them
         masked = None  # a masked round's drafts on the device
         proposal = None  # a masked round's next first drafts, proposed once the round is committed
-        if ahead is not None and ahead.verified is not None:  # verified already: straight to acceptance
+        if isinstance(ahead, _Ahead) and ahead.verified is not None:  # verified already: straight to acceptance
             self.rounds_drafted_ahead += 1
             self.rounds_verified_ahead += 1
             drafts, best, hidden = ahead.verified.drafts, ahead.verified.best, ahead.verified.hidden
             draft_probs = [[None] * k for _ in reqs]
         else:
             if all(r.sampling.greedy and not at_work(r) for r in reqs):
-                reqs, drafts, draft_probs = self._draft_on_device(reqs, ahead, k)
+                drafted = ahead if isinstance(ahead, _Ahead) else None
+                reqs, drafts, draft_probs = self._draft_on_device(reqs, drafted, k)
                 out = self._verify(reqs, drafts, k)
             elif all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs):
-                out, drafts, masked = self._masked_round(reqs, k)
+                stepped = ahead if isinstance(ahead, _MaskedAhead) else None
+                out, drafts, masked = self._masked_round(reqs, k, stepped)
                 draft_probs = [[None] * k for _ in reqs]
             else:
                 reqs, drafts, draft_probs = self._draft_on_host(reqs, k)
@@ -353,6 +399,8 @@ class SpecWorker:
                     self.scheduler.trim(req, keep)
         if self._ahead is not None:
             self._ahead.num_tokens = [r.num_tokens for r in reqs]
+        elif masked is not None:  # the next round's first draft step runs while the engine's bookkeeping does
+            self._ahead = self._step_ahead([r for r in reqs if not r.finished], k)
         return events
 
     def _verify_batch(
@@ -444,25 +492,52 @@ class SpecWorker:
             hidden = out.hidden
         return reqs, torch.stack(drafts, dim=1), no_probs
 
-    def _masked_round(self, reqs: list[Request], k: int) -> tuple[ForwardOutput, list[list[int]], torch.Tensor]:
+    def _first_step(self, reqs: list[Request], step: bool) -> _MaskedAhead:
+        """A masked round's first draft, its copy to the host queued behind it, and (`step`) its
+        draft step 2, whose logits the host masks once it has read the first draft."""
+        tokens, hidden = _first_drafts(reqs)
+        first = InFlight.of(reqs, tokens)
+        out = self.drafter.step(reqs, 2, tokens, hidden) if step else None
+        return _MaskedAhead(reqs, tokens, hidden, first, out, [r.num_tokens for r in reqs])
+
+    def _step_ahead(self, reqs: list[Request], k: int) -> _MaskedAhead | None:
+        """The next masked round's first draft step, launched once this round is committed and its
+        first drafts proposed (masked after the committed tokens): None for rounds of one draft
+        (the next is likely alike) or without room for the slot it writes."""
+        if (
+            k < 2
+            or not reqs
+            or not self.scheduler.has_room_ahead(reqs, [r.num_tokens + 1 - self.drafter.shift for r in reqs])
+        ):
+            return None
+        return self._first_step(reqs, step=True)
+
+    def _masked_round(
+        self, reqs: list[Request], k: int, ahead: _MaskedAhead | None = None
+    ) -> tuple[ForwardOutput, list[list[int]], torch.Tensor]:
         """Greedy drafts of requests whose only processor is their grammar, and their verify:
         each draft step's logits masked on the device after the drafts before it, then its argmax
         there. The host reads each draft (one small copy a step, queued behind its argmax and read
         once the next step is launched) to advance the matchers and fill the next step's masks,
         the last while the verify runs: k reads, and the verify's a (k + 1)-th. The verify's
-        masks at depths 0..k-1 are the draft steps'. Returns the verify and the drafts, on the
-        host and on the device `[B, k]`."""
+        masks at depths 0..k-1 are the draft steps'. `ahead`: the first draft and draft step 2,
+        launched by the round before. Returns the verify and the drafts, on the host and on the
+        device `[B, k]`."""
         self.masked_rounds += 1
-        tokens, hidden = _first_drafts(reqs)
-        on_device, drafts = [tokens], [[] for _ in reqs]
-        flight = InFlight.of(reqs, tokens)
-        for j in range(2, k + 1):
-            out = self.drafter.step(reqs, j, on_device[-1], hidden)
+        if ahead is None:
+            ahead = self._first_step(reqs, step=k > 1)
+        else:
+            self.masked_rounds_ahead += 1
+        on_device, drafts = [ahead.tokens], [[] for _ in reqs]
+        flight, out = ahead.first, ahead.step
+        for j in range(2, k + 1):  # draft step j is in flight
             for d, t in zip(drafts, flight.read()):
                 d.append(t)
             history = self.scheduler.history(reqs, drafts, self.drafter.partial_vocab)
             on_device.append(self.drafter.greedy_masked(out.logits, out.ids, history))
-            flight, hidden = InFlight.of(reqs, on_device[-1]), out.hidden
+            flight = InFlight.of(reqs, on_device[-1])
+            if j < k:
+                out = self.drafter.step(reqs, j + 1, on_device[-1], out.hidden)
         stacked = torch.stack(on_device, dim=1)
         out = self._verify(reqs, stacked, k)
         for d, t in zip(drafts, flight.read()):
