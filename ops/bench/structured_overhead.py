@@ -9,7 +9,8 @@ schema whose output cannot end within them (an array of at least 256 objects), c
 shipped tokenizer with masks as wide as the model's vocabulary, so every step of every request is
 masked. Reports decode tokens/s of each case and the grammar's cost over the same case without it
 (the issue's bar: at most 5%). With a draft, greedy rounds under the grammar must draft on the
-device (`masked_rounds`: the share of decode steps that did).
+device (`masked_rounds`: the share of decode steps that did; `masked_ahead`: the share of those
+whose draft step 2 the round before launched once it was committed).
 """
 
 from __future__ import annotations
@@ -50,14 +51,15 @@ SCHEMA = {
         "required": ["id", "name", "tags"],
     },
 }
-COLUMNS = ["tok_per_s", "ms_per_step", "overhead", "accept_length", "masked_rounds"]
+COLUMNS = ["tok_per_s", "ms_per_step", "overhead", "accept_length", "masked_rounds", "masked_ahead"]
 
 
 def decode(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -> dict:
     """Prefill, then time the decode steps until every request has its tokens. Under a grammar
     with drafts, the rounds must draft on the device (`SpecWorker._masked_round`): the share that
-    did is reported."""
+    did is reported, and the share of those whose draft step 2 the round before launched."""
     masked = engine.spec.masked_rounds if engine.spec is not None else 0
+    ahead = engine.spec.masked_rounds_ahead if engine.spec is not None else 0
     outs, tokens, steps, elapsed = timed_decode(engine, prompts, sampling)
     short = [o.finish_reason for o in outs if len(o.token_ids) < sampling.max_new_tokens]
     assert not short, f"requests ended early: {short}"
@@ -71,6 +73,7 @@ def decode(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -
         masked = engine.spec.masked_rounds - masked
         assert masked > 0, "no round under the grammar drafted on the device"
         figures["masked_rounds"] = masked / max(1, steps)
+        figures["masked_ahead"] = (engine.spec.masked_rounds_ahead - ahead) / masked
     return figures
 
 
