@@ -146,7 +146,7 @@ def measure(name: str, out_features: int, in_features: int, rows: int, sweep: bo
     row["tile"] = dataclasses.astuple(tile) if runs_gemv else "cuBLAS"
     if sweep and runs_gemv:
         if fp8:
-            grid = list(dict.fromkeys(_fit_block(t, rows, block) for t in grid))
+            grid = list(dict.fromkeys(gemv_tiles.fit_block(t, rows, block) for t in grid))
         timed = [
             (graph_ms([lambda w=w, t=t: ours(w, t) for w in stored], replays=5) * 1e3 / copies, t)
             for t in grid
@@ -155,16 +155,6 @@ def measure(name: str, out_features: int, in_features: int, rows: int, sweep: bo
         best = min(timed, key=lambda pair: pair[0])
         row["best_us"], row["best_tile"] = round(best[0], 2), dataclasses.astuple(best[1])
     return row
-
-
-def _fit_block(tile: gemv.Tile, rows: int, block: tuple[int, int] | None) -> gemv.Tile:
-    """A sweep tile as `fp8_tile_for` would run it for this scale layout: per block, one row
-    reads whole blocks, more rows read one block."""
-    if block is None:
-        return tile
-    if rows > 1:
-        return dataclasses.replace(tile, cols=block[1])
-    return tile if tile.cols % block[1] == 0 else dataclasses.replace(tile, cols=block[1])
 
 
 def main() -> None:

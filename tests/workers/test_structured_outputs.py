@@ -10,7 +10,6 @@ leaves no KV behind."""
 
 import collections
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -24,6 +23,7 @@ from scipy.stats import chisquare
 from ops import MODELS_DIR
 from tests.draft_models import make_perturbed_copy
 from tests.hf_models import make_tiny_model
+from tests.workers.test_adaptive_spec import Schedule
 from workers.engine import Engine, SamplingParams
 from workers.grammar import GrammarCompiler, GrammarMasks, MaskRow, Matcher, StructuredOutputs, xgrammar
 from workers.rank_loop import ErrorCode, RankLoop
@@ -219,20 +219,6 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
     eng.check_no_leak()
 
 
-class _Schedule:
-    """Draft lengths forced through `ks` in turn, a decode step each."""
-
-    def __init__(self, ks: list[int]) -> None:
-        self._ks = itertools.cycle(ks)
-        self.k = next(self._ks)
-
-    def choose(self, batch_size, expected_tokens) -> int:
-        return self.k
-
-    def observe(self, batch_size, k, seconds, clean=True) -> None:
-        self.k = next(self._ks)
-
-
 @pytest.mark.parametrize("algorithm", ["eagle", "frozen_kv_mtp"])
 def test_masked_rounds_launch_the_next_first_draft_step_before_the_engines_bookkeeping(
     prompts, plain_outputs, algorithm, monkeypatch
@@ -244,7 +230,7 @@ def test_masked_rounds_launch_the_next_first_draft_step_before_the_engines_bookk
     it, its slots given back. A request joining mid-way: greedy output equals plain decoding's."""
     params, want = plain_outputs
     eng = _engine(algorithm)
-    eng.spec.controller = _Schedule([3, 3, 2, 0, 3, 1])
+    eng.spec.controller = Schedule([3, 3, 2, 0, 3, 1])
     events, rounds, steps = [], [], [0]  # rounds: (k, engine step, rids, served, rids still running after it)
 
     def round_of(reqs, k):

@@ -120,7 +120,13 @@ def fp8_tile_for(out_features: int, in_features: int, rows: int, block: tuple[in
     None where no tile fits the layout (a block's columns neither a power of two nor at most a
     tile's): such products run as matrix products."""
     table = FP8_TILES if rows == 1 else FP8_ROW_TILES
-    tile = next(t for n, k, t in table if out_features >= n and in_features >= k)
+    return fit_block(next(t for n, k, t in table if out_features >= n and in_features >= k), rows, block)
+
+
+def fit_block(tile: Tile, rows: int, block: tuple[int, int] | None) -> Tile | None:
+    """`tile` as FP8 weights of this scale layout run it: per block, one row reads whole blocks
+    (`cols` a multiple of the block's, else the block's), more rows one block; None where the
+    block's columns are no power of two of at least 16 (or over 256 for more rows)."""
     if block is None:
         return tile
     cols = block[1]
