@@ -4,6 +4,7 @@
         [--all-reduce nccl,one_shot,one_shot_unfused]
     python -m ops.bench.tensor_parallel --out moe.json --shape gpt-oss-20b --all-reduce nccl \
         --moe-parallel tensor,expert
+    python -m ops.bench.tensor_parallel --out spec.json --batches 1 --all-reduce one_shot --speculative eagle3
 
 Each size runs in its own processes, one a GPU, exactly as a serving replica's rank actors do:
 NCCL for the model's collectives, gloo for the step plans, `RankLoop` in lockstep, CUDA graphs on
@@ -16,7 +17,10 @@ all-reduce before each norm fused with the residual add and the norm), `one_shot
 `one_shot` with those apart (the one-shot kernel, then the add + norm kernel: what the fusion
 saves is the difference); and, for the mixture-of-experts shapes (gemma4-26b-a4b, gpt-oss-20b),
 each `moe_parallel` asked for (experts split by tensor or by expert; runs of the latter are named
-`.../moe_expert`). Also measured: captured graphs of 64 all-reduces of one decode step's hidden
+`.../moe_expert`); and each `--speculative` draft of the shape (`decode_throughput`'s dummy drafts,
+4 steps a round, fixed rounds; runs named `.../spec_<draft>`), whose rounds are timed against the
+plain steps of the same size and all-reduce (`round_over_plain_step`: dummy drafts are almost
+never accepted, so a step is a round). Also measured: captured graphs of 64 all-reduces of one decode step's hidden
 state (bf16, batch 1 and 64), the collective's own cost per step, alone (`allreduce_us`) and
 with the residual add and RMSNorm after it (`allreduce_norm_us`, `TPGroup.all_reduce_add_rms_norm`).
 """
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ops.bench.decode_throughput import NEW, PROMPT, SHAPES, random_prompts, write_config
+from ops.bench.decode_throughput import NEW, PROMPT, SHAPES, SPEC_TARGETS, random_prompts, write_config
 from ops.bench.record import add_record_args, record_run
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
@@ -190,9 +194,28 @@ def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: st
     return out
 
 
-def run_name(world: int, all_reduce: str, moe_parallel: str) -> str:
-    """A run's key in the report: experts split by tensor (the default) go unnamed."""
-    return f"tp{world}/{all_reduce}" + ("" if moe_parallel == "tensor" else f"/moe_{moe_parallel}")
+def run_name(world: int, all_reduce: str, moe_parallel: str, draft: str | None = None) -> str:
+    """A run's key in the report: experts split by tensor (the default) and plain decoding go
+    unnamed."""
+    return (
+        f"tp{world}/{all_reduce}"
+        + ("" if moe_parallel == "tensor" else f"/moe_{moe_parallel}")
+        + ("" if draft is None else f"/spec_{draft}")
+    )
+
+
+def spec_settings(root: str, shape: str, names: str) -> dict[str, dict]:
+    """The speculative settings of `names` (comma-separated) among `shape`'s dummy drafts."""
+    wanted = [n for n in names.split(",") if n]
+    if not wanted:
+        return {}
+    if shape not in SPEC_TARGETS:
+        raise SystemExit(f"--speculative: {shape} has no drafts; shapes with drafts: {', '.join(SPEC_TARGETS)}")
+    specs = SPEC_TARGETS[shape][1](root)
+    unknown = sorted(set(wanted) - set(specs))
+    if unknown:
+        raise SystemExit(f"--speculative: {', '.join(unknown)} unknown for {shape}; choose from {', '.join(specs)}")
+    return {name: specs[name] for name in wanted}
 
 
 def cases(report: dict) -> dict[str, dict]:
@@ -224,6 +247,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--moe-parallel", default="tensor", help="moe_parallel settings to run at sizes > 1 (tensor,expert: both)"
     )
+    parser.add_argument(
+        "--speculative",
+        default="",
+        help="drafts to time rounds of besides plain steps (decode_throughput's: eagle, eagle3, frozen_kv_mtp "
+        "for llama3-8b, assistant for gemma4-31b), comma-separated",
+    )
     add_record_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -250,26 +279,45 @@ def main(argv: list[str] | None = None) -> dict:
         moe_modes = args.moe_parallel.split(",")
         if moe_modes != ["tensor"] and load_model_config(engine_kwargs["model"]).moe is None:
             raise SystemExit(f"--moe-parallel {args.moe_parallel}: {args.shape} has no mixture of experts")
-        runs = [(w, "nccl", "tensor") for w in sizes if w == 1] + [
-            (w, ar, moe) for w in sizes if w > 1 for ar in args.all_reduce.split(",") for moe in moe_modes
+        drafts = spec_settings(root, args.shape, args.speculative)
+        runs = [(w, "nccl", "tensor", d) for w in sizes if w == 1 for d in [None, *drafts]] + [
+            (w, ar, moe, d)
+            for w in sizes
+            if w > 1
+            for ar in args.all_reduce.split(",")
+            for moe in moe_modes
+            for d in [None, *drafts]
         ]
-        for world, all_reduce, moe in runs:
+        for world, all_reduce, moe, draft in runs:
             kwargs = {**engine_kwargs, "moe_parallel": moe}
-            report[run_name(world, all_reduce, moe)] = run_size(world, kwargs, batches, all_reduce)
+            if draft is not None:
+                kwargs["speculative"] = drafts[draft]
+            report[run_name(world, all_reduce, moe, draft)] = run_size(world, kwargs, batches, all_reduce)
     base = report.get("tp1/nccl", {})
-    for world, all_reduce, moe in runs:
+    for world, all_reduce, moe, draft in runs:
+        plain = report[run_name(world, all_reduce, moe)]
         for b in batches:
-            got = report[run_name(world, all_reduce, moe)][f"b{b}"]
-            if f"b{b}" in base:
+            got = report[run_name(world, all_reduce, moe, draft)][f"b{b}"]
+            if draft is None and f"b{b}" in base:
                 got["speedup_over_tp1"] = got["tok_per_s"] / base[f"b{b}"]["tok_per_s"]
+            if draft is not None:
+                got["round_over_plain_step"] = got["ms_per_step"] / plain[f"b{b}"]["ms_per_step"]
             print(
-                f"tp {world} ({all_reduce}, experts by {moe}) batch {b}: {got['tok_per_s']:.1f} tok/s, "
-                f"{got['ms_per_step']:.2f} ms/step"
+                f"tp {world} ({all_reduce}, experts by {moe}{', draft ' + draft if draft else ''}) batch {b}: "
+                f"{got['tok_per_s']:.1f} tok/s, {got['ms_per_step']:.2f} ms/step"
                 + (f", {got['speedup_over_tp1']:.2f}x tp1" if "speedup_over_tp1" in got else "")
+                + (f", {got['round_over_plain_step']:.2f}x a plain step" if "round_over_plain_step" in got else "")
             )
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    metrics = ["tok_per_s", "ms_per_step", "speedup_over_tp1", "allreduce_us", "allreduce_norm_us"]
+    metrics = [
+        "tok_per_s",
+        "ms_per_step",
+        "speedup_over_tp1",
+        "round_over_plain_step",
+        "allreduce_us",
+        "allreduce_norm_us",
+    ]
     record_run(args, "tensor_parallel", cases(report), metrics)
     return report
 

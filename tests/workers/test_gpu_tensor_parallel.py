@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.draft_models import make_perturbed_copy
+from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_gemma4_assistant, make_perturbed_copy
 from tests.hf_models import TINY_MODELS, make_tiny_model
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from tests.workers.test_gpu_moe import EXPERT_FIELDS, MODEL_NOISE, _tiny_moe_model, assert_rounding_noise, differences
@@ -27,15 +27,50 @@ pytestmark = pytest.mark.gpu
 SAMPLING = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True, return_logits=True)
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-@pytest.mark.parametrize("all_reduce", ["nccl", "one_shot"])
+def _draft(kind: str, target: str, root) -> dict:
+    """Speculative settings of `kind` over `target` (fixed rounds: one rank's accept lengths are
+    the group's)."""
+    if kind == "standalone":
+        draft = make_perturbed_copy(target, str(root / "draft"), noise=0.0)
+        return {"algorithm": "standalone", "draft_model": draft, "draft_pool": "full"}
+    if kind == "eagle3":
+        return {"algorithm": "eagle", "draft_model": make_eagle_head(target, str(root / "eagle3"), 3)}
+    if kind == "frozen_kv_mtp":
+        return {"algorithm": "frozen_kv_mtp", "draft_model": make_frozen_kv_head(target, str(root / "frozen"))}
+    return {"algorithm": "mtp", "draft_model": make_gemma4_assistant(target, str(root / "assistant"), copies=10.0)}
+
+
+@pytest.mark.parametrize(
+    "speculative, all_reduce",
+    [
+        (None, "nccl"),
+        (None, "one_shot"),
+        ("standalone", "nccl"),
+        ("standalone", "one_shot"),
+        ("eagle3", "one_shot"),
+        ("frozen_kv_mtp", "one_shot"),
+        ("assistant", "one_shot"),
+    ],
+)
 def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative, all_reduce):
+    """Every speculative algorithm at TP 2 under CUDA graphs gives one GPU's greedy tokens (the
+    Gemma 4 assistant over a tiny Gemma 4, the others over a tiny Gemma 3)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    target = str(tmp_path / "gemma3")
-    make_tiny_model(
-        "gemma3", target, hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=32
-    )
+    name = "gemma4" if speculative == "assistant" else "gemma3"
+    target = str(tmp_path / name)
+    if name == "gemma4":
+        make_tiny_model("gemma4", target)
+    else:
+        make_tiny_model(
+            "gemma3",
+            target,
+            hidden_size=256,
+            head_dim=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=32,
+        )
     kwargs = dict(
         model=target,
         device="cuda",
@@ -46,14 +81,7 @@ def test_two_gpu_tensor_parallel_matches_one_gpu(tmp_path, speculative, all_redu
         debug_kv_checks=True,
     )
     if speculative:
-        draft = make_perturbed_copy(target, str(tmp_path / "draft"), noise=0.0)
-        kwargs["speculative"] = {
-            "algorithm": "standalone",
-            "draft_model": draft,
-            "num_steps": 4,
-            "draft_pool": "full",
-            "adaptive": False,  # fixed rounds: one rank's accept lengths are the group's
-        }
+        kwargs["speculative"] = {**_draft(speculative, target, tmp_path), "num_steps": 4, "adaptive": False}
     ref = Engine(**kwargs).generate(prompt_token_ids=PROMPTS, sampling=SAMPLING)
     got = run_tp(2, {**kwargs, "tp_all_reduce": all_reduce}, SAMPLING)
     diverged, worst = compare_bf16_runs(ref, got, f"tp2 {all_reduce} speculative={speculative}")

@@ -1,0 +1,30 @@
+"""The tensor-parallel benchmark's settings and report shape (its runs need two GPUs)."""
+
+import pytest
+
+from ops.bench.tensor_parallel import cases, run_name, spec_settings
+
+
+def test_speculative_drafts_are_the_shapes_dummy_drafts(tmp_path):
+    got = spec_settings(str(tmp_path), "llama3-8b", "eagle3,frozen_kv_mtp")
+    assert list(got) == ["eagle3", "frozen_kv_mtp"]
+    assert got["eagle3"]["algorithm"] == "eagle" and got["eagle3"]["adaptive"] is False
+    assert spec_settings(str(tmp_path), "gpt-oss-20b", "") == {}
+    with pytest.raises(SystemExit, match="medusa unknown for llama3-8b; choose from eagle, eagle3"):
+        spec_settings(str(tmp_path), "llama3-8b", "eagle,medusa")
+    with pytest.raises(SystemExit, match="gpt-oss-20b has no drafts"):
+        spec_settings(str(tmp_path), "gpt-oss-20b", "eagle3")
+
+
+def test_cases_name_each_run_and_batch():
+    assert run_name(2, "one_shot", "tensor") == "tp2/one_shot"
+    assert run_name(2, "nccl", "expert", "eagle3") == "tp2/nccl/moe_expert/spec_eagle3"
+    report = {
+        "shape": "llama3-8b",
+        "tp2/one_shot": {"b1": {"tok_per_s": 300.0}, "allreduce_us/b1": 5.0, "allreduce_norm_us/b1": 6.0},
+        "tp2/one_shot/spec_eagle3": {"b1": {"tok_per_s": 250.0, "round_over_plain_step": 1.2}},
+    }
+    assert cases(report) == {
+        "tp2/one_shot/b1": {"tok_per_s": 300.0, "allreduce_us": 5.0, "allreduce_norm_us": 6.0},
+        "tp2/one_shot/spec_eagle3/b1": {"tok_per_s": 250.0, "round_over_plain_step": 1.2},
+    }
