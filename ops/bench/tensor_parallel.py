@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import pickle
+import queue
 import socket
 import tempfile
 import threading
@@ -186,7 +187,19 @@ def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: st
     ]
     for p in procs:
         p.start()
-    out = pickle.loads(results.get(timeout=1800))
+    deadline = time.monotonic() + 1800
+    while True:
+        try:
+            out = pickle.loads(results.get(timeout=5))
+            break
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(
+                    f"tp {world}: a rank exited with {failed[0]}" if failed else f"tp {world}: timed out"
+                )
     for p in procs:
         p.join(timeout=120)
         if p.exitcode != 0:
@@ -292,12 +305,18 @@ def main(argv: list[str] | None = None) -> dict:
             kwargs = {**engine_kwargs, "moe_parallel": moe}
             if draft is not None:
                 kwargs["speculative"] = drafts[draft]
-            report[run_name(world, all_reduce, moe, draft)] = run_size(world, kwargs, batches, all_reduce)
+            try:
+                report[run_name(world, all_reduce, moe, draft)] = run_size(world, kwargs, batches, all_reduce)
+            except RuntimeError:  # the other runs still measure; the report names the failed one
+                logger.exception("%s failed", run_name(world, all_reduce, moe, draft))
+                report.setdefault("failed", []).append(run_name(world, all_reduce, moe, draft))
     base = report.get("tp1/nccl", {})
     for world, all_reduce, moe, draft in runs:
-        plain = report[run_name(world, all_reduce, moe)]
+        name, plain = run_name(world, all_reduce, moe, draft), report.get(run_name(world, all_reduce, moe))
+        if name not in report or plain is None:
+            continue
         for b in batches:
-            got = report[run_name(world, all_reduce, moe, draft)][f"b{b}"]
+            got = report[name][f"b{b}"]
             if draft is None and f"b{b}" in base:
                 got["speedup_over_tp1"] = got["tok_per_s"] / base[f"b{b}"]["tok_per_s"]
             if draft is not None:
