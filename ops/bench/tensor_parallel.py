@@ -197,9 +197,8 @@ def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: st
             if failed or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
-                raise RuntimeError(
-                    f"tp {world}: a rank exited with {failed[0]}" if failed else f"tp {world}: timed out"
-                )
+                why = f"a rank exited with {failed[0]}" if failed else "timed out"
+                raise RuntimeError(f"tp {world}: {why}") from None
     for p in procs:
         p.join(timeout=120)
         if p.exitcode != 0:
