@@ -1,13 +1,21 @@
 """The serving benchmark on the in-process engine: every request completes with the lengths the
 workload asked for, multi-turn prompts grow by the previous answer, and the report carries
-bench_serving's metric names with consistent values."""
+bench_serving's metric names with consistent values. The in-process engine at TP 2 (a rank in a
+process of its own, gloo on CPU) gives one rank's greedy tokens; a launched application's router
+policy reaches its settings and the run's case name."""
 
 import asyncio
 import json
 import logging
 import time
 
+import pytest
+import torch.distributed as dist
+
+from cluster.config import AppArgs, RouterArgs
 from ops.bench import serve_bench
+from workers.engine import Engine
+from workers.sampling_params import SamplingParams
 
 COMMON = ["--backend", "engine", "--model", "tiny-gemma3", "--device", "cpu", "--disable-tqdm"]
 
@@ -49,14 +57,15 @@ def test_compare_rounds_draw_new_prompts_each_round(monkeypatch):
     """Both sides of a round run the same prompts; no round repeats an earlier one's (they would
     be prefix-cache hits in both engines)."""
     prompts: list[tuple[str, list[int]]] = []
+    sizes: list[int] = []
 
     def fake_measure(backend, args, vocab, metrics_url=None):
         prompts.append((backend, serve_bench.conversations(args, vocab)[0][0][0]))
         return {"median_ttft_ms": 1.0, "median_tpot_ms": 1.0, "median_itl_ms": 1.0, "output_throughput": 1.0}
 
     class FakeEngineBackend:
-        def __init__(self, settings):
-            pass
+        def __init__(self, settings, tp_size=1):
+            sizes.append(tp_size)
 
         def __str__(self):
             return "engine"
@@ -67,9 +76,12 @@ def test_compare_rounds_draw_new_prompts_each_round(monkeypatch):
     monkeypatch.setattr(serve_bench, "measure", fake_measure)
     monkeypatch.setattr(serve_bench, "EngineBackend", FakeEngineBackend)
     monkeypatch.setattr(serve_bench, "make_backend", lambda args, settings: ("stack", None))
-    args = serve_bench.parse_args(["--backend", "grpc", "--compare-rounds", "3", "--num-prompts", "4"])
+    args = serve_bench.parse_args(
+        ["--backend", "grpc", "--compare-rounds", "3", "--num-prompts", "4", "--tp-size", "2"]
+    )
     result = serve_bench.compare(args, {}, 1000)
     assert len(result["rounds"]) == 3 and len(prompts) == 6
+    assert sizes == [2]  # the in-process side runs at the stack's TP size
     by_round = [prompts[i : i + 2] for i in range(0, 6, 2)]
     assert all(str(a) != str(b) and pa == pb for (a, pa), (b, pb) in by_round)  # both sides, one set
     firsts = [pa for (_, pa), _ in by_round]
@@ -103,3 +115,54 @@ def test_an_abandoned_engine_stream_frees_its_request(caplog):
         assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         backend.close()
+
+
+def test_in_process_engine_at_tp2_gives_one_ranks_tokens():
+    """`--backend engine --tp-size 2`: rank 0 here, rank 1 in a process of its own; concurrent
+    greedy requests get the tokens one rank's engine generates, and closing ends the other rank
+    and leaves the process group."""
+    args = ["--device", "cpu", "--page-size", "4", "--max-total-tokens", "2048", "--num-prompts", "3"]
+    args = serve_bench.parse_args(args + ["--random-input-len", "24", "--random-output-len", "8", "--tp-size", "2"])
+    settings = serve_bench.engine_settings(args)
+    requests = [turns[0] for turns in serve_bench.conversations(args, 1000)]
+    backend, metrics_url = serve_bench.make_backend(args, settings)
+    try:
+        assert metrics_url is None and backend.engine.tp.size == 2
+
+        async def run_all() -> list[serve_bench.Result]:
+            return await asyncio.gather(*(serve_bench._one(backend.stream, p, n) for p, n in requests))
+
+        results = asyncio.run(run_all())
+        backend.engine.check_no_leak()
+    finally:
+        backend.close()
+    assert [p.exitcode for p in backend.ranks] == [0] and not dist.is_initialized()
+    sampling = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    expected = Engine(**settings).generate([p for p, _ in requests], sampling)
+    assert [r.error for r in results] == [None] * len(requests)
+    assert [r.output_ids for r in results] == [o.token_ids for o in expected]
+
+
+def test_router_policy_reaches_the_launched_application_and_the_case_name():
+    args = ["--backend", "grpc", "--num-replicas", "2", "--max-concurrency", "64", "--router-policy", "cache_aware"]
+    args = serve_bench.parse_args(args)
+    assert AppArgs.from_flat(serve_bench.app_settings(args)).router.policy == "cache_aware"
+    assert serve_bench.workload(args) == "tiny-gemma3/grpc/r2/router-cache_aware/c64/in256-out64"
+    default = serve_bench.parse_args(["--backend", "grpc"])
+    assert AppArgs.from_flat(serve_bench.app_settings(default)).router.policy == RouterArgs().policy
+    explicit_default = serve_bench.parse_args(["--backend", "grpc", "--router-policy", RouterArgs().policy])
+    names = {serve_bench.workload(default), serve_bench.workload(explicit_default)}
+    assert names == {"tiny-gemma3/grpc/rateinf/in256-out64"}  # the default policy goes unnamed
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--backend", "engine", "--router-policy", "round_robin"],
+        ["--backend", "grpc", "--host", "127.0.0.1", "--router-policy", "round_robin"],
+        ["--backend", "http", "--base-url", "http://127.0.0.1:8000/generate", "--router-policy", "round_robin"],
+    ],
+)
+def test_router_policy_is_refused_without_a_launched_application(argv):
+    with pytest.raises(SystemExit, match="--router-policy"):
+        serve_bench.parse_args(argv)

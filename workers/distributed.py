@@ -17,6 +17,7 @@ CUDA graphs.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Literal
 
 import torch
@@ -152,3 +153,32 @@ class TPGroup:
 
 
 SINGLE_RANK = TPGroup()
+
+
+def join_tp_group(
+    rank: int, size: int, init_method: str, device: str, timeout: datetime.timedelta, fuse_norm: bool = True
+) -> tuple[TPGroup, dist.ProcessGroup | None]:
+    """Join a replica's process group as `rank` of `size`: NCCL for the model's collectives on
+    CUDA, gloo on CPU. Returns this rank's `TPGroup` and the gloo group rank 0's step plans are
+    broadcast over (`RankLoop`'s; the whole group on CPU). Alone: no process group, and no plans
+    to broadcast."""
+    if size == 1:
+        return SINGLE_RANK, None
+    cuda = device == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout
+    )
+    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
+    return TPGroup(rank, size, dist.group.WORLD, fuse_norm=fuse_norm), control
+
+
+def leave_tp_group(control: dist.ProcessGroup | None, device: str) -> None:
+    """Leave what `join_tp_group` joined once every rank is done: after a barrier (no rank closes
+    its connections while another still reads from them), the group is destroyed on CPU. On CUDA
+    it is left as is: NCCL's communicators are captured in the engine's graphs, which tearing them
+    down would break; the process exits with them."""
+    if control is None:
+        return
+    dist.barrier(group=control)
+    if device != "cuda":
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 
@@ -12,3 +13,10 @@ def emit(result: dict[str, Any], out: str | None) -> None:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
     print(json.dumps(result))
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for a process group's rendezvous, a server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

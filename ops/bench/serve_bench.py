@@ -3,11 +3,14 @@
     python -m ops.bench.serve_bench --backend engine --model tiny-gemma3 --num-prompts 8 --output-file r.json
     python -m ops.bench.serve_bench --backend grpc --model tiny-gemma3 --num-prompts 64 --max-concurrency 8
     python -m ops.bench.serve_bench --backend grpc --host 127.0.0.1 --port 50051 ...   # a running server
+    python -m ops.bench.serve_bench --backend grpc --compare-rounds 3 --tp-size 2 ...  # both sides at TP 2
 
-Backends: `engine` (the in-process engine, driven through the rank loop a rank actor runs), `grpc`
-and `http` (the whole serving stack: a local Ray Serve application started with the same engine
-settings unless --host/--port (--base-url for http) name a running one). The same workload on
-`engine` and on `grpc` makes the stack's overhead one subtraction.
+Backends: `engine` (the in-process engine, driven through the rank loop a rank actor runs; with
+--tp-size N, rank 0 of N ranks whose others run in processes of their own, one GPU each, as a
+replica's rank actors do), `grpc` and `http` (the whole serving stack: a local Ray Serve
+application started with the same engine settings, --tp-size, --num-replicas and --router-policy
+unless --host/--port (--base-url for http) name a running one). The same workload on `engine` and
+on `grpc` makes the stack's overhead one subtraction.
 
 Datasets: `random` (input/output lengths drawn uniformly from [len x (1 - range ratio), len]),
 `multi-turn` (locally generated conversations: each turn's prompt is the last prompt, its
@@ -33,17 +36,21 @@ import random
 import statistics
 import threading
 import time
+import typing
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from cluster.config import RouterArgs
 from ops import MODELS_DIR
-from ops.bench import emit
+from ops.bench import emit, free_port
 from ops.bench.record import add_record_args, record_run
 
 logger = logging.getLogger(__name__)
+ROUTER_POLICIES = typing.get_args(RouterArgs.model_fields["policy"].annotation)
+DEFAULT_ROUTER = RouterArgs().policy
 
 
 @dataclasses.dataclass
@@ -117,15 +124,62 @@ def scrape_phase_totals(metrics_url: str) -> dict[str, list[float]]:
     return totals
 
 
-class EngineBackend:
-    """The in-process engine behind a `RankLoop` in a thread, as a rank actor runs it."""
+TP_TIMEOUT = datetime.timedelta(seconds=300)  # joining the group, and each collective after
 
-    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
+
+def _tp_init(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
+
+
+def _serve_rank(rank: int, size: int, port: int, engine_kwargs: dict[str, Any]) -> None:
+    """Rank `rank` (> 0) of the in-process engine's group, in its own process (one GPU each on
+    CUDA): rank 0's plans until it stops the loop."""
+    from workers.distributed import join_tp_group, leave_tp_group
+    from workers.engine import Engine
+    from workers.rank_loop import RankLoop
+
+    device = engine_kwargs.get("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    tp, control = join_tp_group(rank, size, _tp_init(port), device, TP_TIMEOUT)
+    loop = RankLoop(Engine(**engine_kwargs, tp=tp), rank, control)
+    loop.run()
+    if loop.error is not None:  # logged by the loop; rank 0's loop fails on its next collective
+        os._exit(1)
+    leave_tp_group(control, device)
+    # Without C++ static destructors: at interpreter exit gloo's threads were now and then
+    # destroyed while joinable; NCCL's communicators stay up (`leave_tp_group`).
+    os._exit(0)
+
+
+class EngineBackend:
+    """The in-process engine behind a `RankLoop` in a thread, as a rank actor runs it. With
+    `tp_size` > 1 it is rank 0 of a tensor-parallel group whose other ranks run in processes of
+    their own on this host, as one replica's rank actors do (one GPU each on CUDA)."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], tp_size: int = 1) -> None:
+        import torch.multiprocessing as mp
+
+        from workers.distributed import SINGLE_RANK, join_tp_group
         from workers.engine import Engine
         from workers.rank_loop import RankLoop
 
-        self.engine = Engine(**engine_kwargs)
-        self.loop = RankLoop(self.engine, 0, None, self._on_updates)
+        self.device = engine_kwargs.get("device", "cpu")
+        self.ranks: list[mp.Process] = []
+        tp, self.control = SINGLE_RANK, None
+        if tp_size > 1:
+            port, ctx = free_port(), mp.get_context("spawn")
+            self.ranks = [
+                ctx.Process(target=_serve_rank, args=(r, tp_size, port, engine_kwargs), daemon=True)
+                for r in range(1, tp_size)
+            ]
+            for p in self.ranks:
+                p.start()
+            if self.device == "cuda":
+                torch.cuda.set_device(0)
+            tp, self.control = join_tp_group(0, tp_size, _tp_init(port), self.device, TP_TIMEOUT)
+        self.engine = Engine(**engine_kwargs, tp=tp)
+        self.loop = RankLoop(self.engine, 0, self.control, self._on_updates)
         self.queues: dict[str, asyncio.Queue] = {}
         self.aio: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self.loop.run, daemon=True)
@@ -175,8 +229,23 @@ class EngineBackend:
                 self.loop.abort(rid)
 
     def close(self) -> None:
+        """Stop the loop; with other ranks, they stop with it, exit, and the group is left."""
+        from workers.distributed import leave_tp_group
+
         self.loop.stop()
         self.thread.join(timeout=30)
+        if not self.ranks:
+            return
+        if self.loop.error is None and not self.thread.is_alive():
+            leave_tp_group(self.control, self.device)
+        for p in self.ranks:
+            p.join(timeout=30)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        failed = [f"rank {r} ({p.exitcode})" for r, p in enumerate(self.ranks, 1) if p.exitcode]
+        if failed:
+            logger.warning("in-process engine: %s exited with an error", ", ".join(failed))
 
 
 class GrpcBackend:
@@ -378,27 +447,8 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def launch(args: argparse.Namespace) -> dict[str, str]:
-    """A local Ray Serve application with the benchmark's engine settings: its gRPC target and
-    HTTP route."""
-    import socket
-
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http_port = s.getsockname()[1]
-    ray.init(
-        address="local",
-        num_cpus=max(8, os.cpu_count() or 1),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+def app_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """A launched application's settings: the engine's, and how the stack around it runs."""
     app = {
         **engine_settings(args),
         "num_replicas": args.num_replicas,
@@ -408,7 +458,29 @@ def launch(args: argparse.Namespace) -> dict[str, str]:
         "stream_interval": args.stream_interval,
         "rank0_transport": args.rank0_transport,
     }
-    handle = serve.run(build_app(app), name="bench", route_prefix="/")
+    if args.router_policy is not None:
+        app["router"] = {"policy": args.router_policy}
+    return app
+
+
+def launch(args: argparse.Namespace) -> dict[str, str]:
+    """A local Ray Serve application with the benchmark's engine settings: its gRPC target and
+    HTTP route."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    http_port = free_port()
+    ray.init(
+        address="local",
+        num_cpus=max(8, os.cpu_count() or 1),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    handle = serve.run(build_app(app_settings(args)), name="bench", route_prefix="/")
     grpc_port = handle.ports.remote().result()["grpc"]
     return {"grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{http_port}"}
 
@@ -433,7 +505,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--num-replicas", type=int, default=1)
-    p.add_argument("--tp-size", type=int, default=1, help="launched application: tensor-parallel ranks per replica")
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks of a launched application's replicas, and of the in-process engine (its other "
+        "ranks in processes of their own, one GPU each on CUDA)",
+    )
+    p.add_argument(
+        "--router-policy",
+        choices=ROUTER_POLICIES,
+        help=f"launched application: how requests are spread over replicas (default: the config's, {DEFAULT_ROUTER})",
+    )
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -482,6 +565,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="of this process (info: the in-process engine's start-up, graph capture times)",
     )
     args = p.parse_args(argv)
+    if args.router_policy is not None and (args.backend == "engine" or args.host or args.base_url):
+        raise SystemExit(
+            "--router-policy: sets the router of an application this benchmark launches (--backend "
+            "grpc, http or openai, without --host or --base-url)"
+        )
     if args.warmup_requests is None:
         args.warmup_requests = max(2, args.max_concurrency or 0)
     return args
@@ -491,9 +579,7 @@ def make_backend(args: argparse.Namespace, settings: dict[str, Any]):
     """The backend `--backend` names, launching an application when no running one is given,
     and where its metrics are (`--metrics-url`, or the launched application's)."""
     if args.backend == "engine":
-        if args.tp_size > 1:
-            raise SystemExit("--tp-size: the in-process engine is one rank; ops.bench.tensor_parallel measures TP")
-        return EngineBackend(settings), None
+        return EngineBackend(settings, args.tp_size), None
     target = f"{args.host}:{args.port}" if args.host else None
     url, metrics_url = args.base_url, args.metrics_url
     if (args.backend == "grpc" and target is None) or (args.backend != "grpc" and url is None):
@@ -572,7 +658,7 @@ def compare(args: argparse.Namespace, settings: dict[str, Any], vocab: int) -> d
     prompts (`--seed` plus the round), the same for both sides: with one set for every round,
     the later rounds found their prompts in both engines' prefix caches and measured another
     workload than the first (on the CPU, round 1's TTFT was six times the later rounds')."""
-    engine, (stack, metrics_url) = EngineBackend(settings), make_backend(args, settings)
+    engine, (stack, metrics_url) = EngineBackend(settings, args.tp_size), make_backend(args, settings)
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         for i in range(args.compare_rounds):
@@ -623,12 +709,13 @@ COLUMNS = [
 
 def workload(args: argparse.Namespace) -> str:
     """A run's case in a record: model (+ speculation), backend, replicas and ranks, the stack's
-    streaming and transport where not the defaults, load, and the dataset's lengths."""
+    router, streaming and transport where not the defaults, load, and the dataset's lengths."""
     model = os.path.basename(args.model.rstrip("/"))
     parts = [model + (f"+{args.speculative_algorithm}" if args.speculative_algorithm else "")]
     parts.append(f"{args.backend}-vs-engine" if args.compare_rounds else args.backend)
     parts += [f"r{args.num_replicas}"] * (args.num_replicas > 1) + [f"tp{args.tp_size}"] * (args.tp_size > 1)
     if args.backend != "engine":
+        parts += [f"router-{args.router_policy}"] * (args.router_policy not in (None, DEFAULT_ROUTER))
         parts += [f"si{args.stream_interval}"] * (args.stream_interval != 1)
         parts += [f"rank0-{args.rank0_transport}"] * (args.rank0_transport != "socket")
     parts.append(f"c{args.max_concurrency}" if args.max_concurrency else f"rate{args.request_rate:g}")

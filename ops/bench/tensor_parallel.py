@@ -34,29 +34,22 @@ import logging
 import os
 import pickle
 import queue
-import socket
 import tempfile
 import threading
 import time
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ops.bench import free_port
 from ops.bench.decode_throughput import NEW, PROMPT, SHAPES, SPEC_TARGETS, random_prompts, write_config
 from ops.bench.record import add_record_args, record_run
-from workers.distributed import TPGroup
+from workers.distributed import TPGroup, join_tp_group, leave_tp_group
 from workers.engine import Engine, SamplingParams
 from workers.models import load_model_config
 from workers.rank_loop import RankLoop, Update
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class BatchClock:
@@ -135,16 +128,9 @@ def _rank_main(
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank}/{world} %(message)s")
     torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    control = dist.new_group(backend="gloo")
     setting, fuse_norm = ALL_REDUCES[all_reduce]
-    tp = TPGroup(rank, world, dist.group.WORLD, fuse_norm=fuse_norm)
+    init = f"tcp://127.0.0.1:{port}"
+    tp, control = join_tp_group(rank, world, init, "cuda", datetime.timedelta(seconds=300), fuse_norm)
     engine = Engine(**engine_kwargs, tp=tp, tp_all_reduce=setting)
     out: dict = {}
     if world > 1:
@@ -152,7 +138,7 @@ def _rank_main(
             out[f"allreduce_us/b{batch}"] = allreduce_graph_us(tp, engine.cfg.hidden_size, batch)
             out[f"allreduce_norm_us/b{batch}"] = allreduce_graph_us(tp, engine.cfg.hidden_size, batch, norm=True)
     clock = BatchClock(0)
-    loop = RankLoop(engine, rank, control if world > 1 else None, lambda updates: clock.on_updates(updates))
+    loop = RankLoop(engine, rank, control, lambda updates: clock.on_updates(updates))
     if rank != 0:
         loop.run()
     else:
@@ -172,15 +158,14 @@ def _rank_main(
         thread.join()
         results.put(pickle.dumps(out))
     engine.check_no_leak()
-    dist.barrier(group=control)
-    # Leave without tearing NCCL down: its communicators are captured in this process's graphs.
-    os._exit(0)
+    leave_tp_group(control, "cuda")
+    os._exit(0)  # without tearing NCCL down (`leave_tp_group`)
 
 
 def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: str) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, batches, all_reduce, results))
         for r in range(world)
