@@ -37,20 +37,23 @@ ONE_SHOT_METHODS: tuple[tuple[int, Method], ...] = (
     (1 << 20, "one_shot"),
 )
 PEER_BUFFER_BYTES = max(bound for bound, _ in ONE_SHOT_METHODS)
-FUSED_PROGRAMS = 64  # the most programs of the fused kernel (each owns rows; its barrier slots scale with it)
+FUSED_PROGRAMS = 64  # the most programs of the fused kernel (each owns rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class PeerMemory:
-    """This rank's buffer in symmetric memory (`TPGroup.use_one_shot_all_reduce`), its rendezvous
-    group's name, every rank's buffer and signal pad address (int64, on the device: what the fused
-    kernel reads), and the programs the fused kernel may run (each needs two barrier slots a rank)."""
+    """This rank's buffer in symmetric memory for torch's one-shot kernel and its rendezvous
+    group's name; for the fused kernel (`TPGroup.use_one_shot_all_reduce`), every rank's push
+    buffer address (int64, on the device), this rank's generation state and the elements of a
+    rank's slot (the largest message, `PEER_BUFFER_BYTES`)."""
 
     buffer: torch.Tensor
     group_name: str
-    buffer_ptrs: torch.Tensor
-    pad_ptrs: torch.Tensor
-    programs: int
+    push_buffer: torch.Tensor
+    push_ptrs: torch.Tensor
+    state: torch.Tensor
+    slot_size: int
+    programs: int = FUSED_PROGRAMS
 
 
 @dataclasses.dataclass
@@ -77,16 +80,24 @@ class TPGroup:
             raise ValueError(f"tp_all_reduce: 'one_shot' needs CUDA devices, not {device.type}")
         import torch.distributed._symmetric_memory as symm_mem
 
+        from workers.models.all_reduce_norm import empty_push_buffer
+
         name = (self.group or dist.group.WORLD).group_name
-        buffer = symm_mem.empty(PEER_BUFFER_BYTES // dtype.itemsize, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(buffer, name)
-        slots = handle.get_signal_pad(self.rank).numel()  # 32-bit slots of each rank's signal pad
+        slot_size = PEER_BUFFER_BYTES // dtype.itemsize
+        buffer = symm_mem.empty(slot_size, dtype=dtype, device=device)
+        symm_mem.rendezvous(buffer, name)  # where torch's one-shot kernel finds the peers' copies
+        push = symm_mem.empty(2 * self.size * slot_size, dtype=dtype, device=device)
+        push_handle = symm_mem.rendezvous(push, name)
+        empty_push_buffer(push)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=self.group)  # every rank's buffer empty before any peer pushes
         self._peer = PeerMemory(
             buffer,
             name,
-            torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device),
-            torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
-            min(FUSED_PROGRAMS, slots // (2 * self.size)),
+            push,
+            torch.tensor(push_handle.buffer_ptrs, dtype=torch.int64, device=device),
+            torch.zeros(2, dtype=torch.int32, device=device),
+            slot_size,
         )
 
     def method(self, x: torch.Tensor, then_norm: bool = False) -> Method:
@@ -94,7 +105,7 @@ class TPGroup:
         peer = self._peer
         if peer is None or x.dtype != peer.buffer.dtype or not x.is_contiguous():
             return "nccl"
-        fused = then_norm and self.fuse_norm and peer.programs > 0
+        fused = then_norm and self.fuse_norm
         nbytes = x.numel() * x.element_size()
         for bound, method in ONE_SHOT_METHODS:
             if nbytes <= bound and (fused or method != "one_shot_fused"):
@@ -133,9 +144,9 @@ class TPGroup:
             from workers.models.all_reduce_norm import all_reduce_add_rms_norm
 
             peer = self._peer
-            pointers = (peer.buffer_ptrs, peer.pad_ptrs)
+            push = (peer.push_ptrs, peer.state, peer.slot_size)
             return all_reduce_add_rms_norm(
-                x, residual, weight, eps, gemma, before, bias, *pointers, self.rank, self.size, peer.programs
+                x, residual, weight, eps, gemma, before, bias, *push, self.rank, self.size, peer.programs
             )
         from workers.models.ops import ops_for
 

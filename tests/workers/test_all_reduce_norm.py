@@ -3,11 +3,11 @@
 projection's all-reduce followed by the norm gave (on one rank here; two ranks over gloo run the
 layers in test_tensor_parallel.py); the size table picks each message's method; and the fused
 kernel (`workers/models/all_reduce_norm.py`) on the CPU through Triton's interpreter, every rank
-of a group simulated in turn with plain tensors standing in for its peers' buffers and signal
-pads (the peers' signals set beforehand), against the torch op set over the float32 sum: within
-float32 noise in float32, in bfloat16 at most one rounding apart and equal but for a few; every
-rank gets the same bits, leaves its own signal pad as it found it and signals each peer's once a
-meeting at its own slots. The interpreter cases are skipped where triton is not installed (CPU
+of a group simulated in turn with plain tensors standing in for its peers' push buffers (the
+peers' rows pushed beforehand), once in each generation, against the torch op set over the
+float32 sum: within float32 noise in float32, in bfloat16 at most one rounding apart and equal
+but for a few; every rank gets the same bits, pushes its rows into its slot of each peer's
+buffer, empties the slots it read and moves to the next generation. The interpreter cases are skipped where triton is not installed (CPU
 machines need not have it).
 
 Triton reads TRITON_INTERPRET as it defines its own library, so the kernel runs in a child
@@ -86,8 +86,8 @@ def test_the_size_table_picks_each_messages_method():
     (fused_bound, _), (one_shot_bound, _) = ONE_SHOT_METHODS
     tp = TPGroup()
     assert tp.method(torch.empty(1, 8, dtype=torch.bfloat16), then_norm=True) == "nccl"
-    pointers = torch.zeros(2, dtype=torch.int64)
-    tp._peer = PeerMemory(torch.empty(one_shot_bound // 2, dtype=torch.bfloat16), "tp", pointers, pointers, 64)
+    buffer = torch.empty(one_shot_bound // 2, dtype=torch.bfloat16)
+    tp._peer = PeerMemory(buffer, "tp", buffer, torch.zeros(2, dtype=torch.int64), torch.zeros(2), buffer.numel())
 
     def rows(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes // 8192, 4096, dtype=torch.bfloat16)
@@ -142,35 +142,46 @@ def _as_the_gpu_does() -> None:
     builder.cast_impl, builder.binary_op = cast_impl, binary_op
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
 def _one_rank(case: tuple, rank: int, xs: list[torch.Tensor], residual: torch.Tensor, weights: tuple) -> dict:
-    """Rank `rank`'s fused kernel over peers that have written their rows and signalled: its
-    outputs, and whether its buffer, its pad and its signals to each peer's pad are as they
-    should be."""
-    from workers.models.all_reduce_norm import all_reduce_add_rms_norm
+    """Rank `rank`'s fused kernel, once a generation, over peers that have pushed their rows
+    into its buffer: its outputs, and whether both calls gave the same, each pushed its rows
+    into its slot of every peer's buffer (a -0.0 as +0.0), left its own buffer empty (the slots
+    read emptied) and the state at the next generation."""
+    from workers.models.all_reduce_norm import all_reduce_add_rms_norm, empty_push_buffer
 
     _, world, rows, size, programs, _ = case
     norm, before, bias = weights
-    buffers = [torch.zeros_like(x).view(-1) if r == rank else x.clone().view(-1) for r, x in enumerate(xs)]
-    pads = [torch.zeros(2 * programs * world, dtype=torch.int32) for _ in range(world)]
-    grid = min(rows, programs)
-    slots = [meeting * programs + p for meeting in range(2) for p in range(grid)]
-    for peer in range(world):
-        if peer != rank:
-            pads[rank][[slot * world + peer for slot in slots]] = 1  # the peer's signals
-    addresses = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64) for ts in (buffers, pads)]
+    n, slot = rows * size, rows * size + 3  # slots larger than the message, as the real ones are
+    buffers = [torch.empty(2 * world * slot, dtype=xs[0].dtype) for _ in range(world)]
+    for b in buffers:
+        empty_push_buffer(b)
+    state = torch.zeros(2, dtype=torch.int32)
+    push = (torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64), state, slot)
     w_before = None if before is None else before.weight
-    x, res, group = xs[rank].clone(), residual.clone(), (rank, world, programs)
-    out, res = all_reduce_add_rms_norm(x, res, norm.weight, EPS, norm.gemma, w_before, bias, *addresses, *group)
-    signalled = [
-        pads[peer].nonzero().flatten().tolist() == [slot * world + rank for slot in slots]
-        for peer in range(world)
-        if peer != rank
-    ]
-    return {
-        "out": out,
-        "residual": res,
-        "bookkeeping": torch.equal(buffers[rank], xs[rank].view(-1)) and not pads[rank].any() and all(signalled),
-    }
+    pushed = torch.where(xs[rank] == 0, torch.zeros_like(xs[rank]), xs[rank]).view(-1)
+    outs, kept = [], True
+    for generation in (0, 1):
+        for peer in range(world):
+            if peer != rank:
+                at = (generation * world + peer) * slot
+                buffers[rank][at : at + n] = xs[peer].view(-1)
+        x, res = xs[rank].clone(), residual.clone()
+        outs.append(
+            all_reduce_add_rms_norm(x, res, norm.weight, EPS, norm.gemma, w_before, bias, *push, rank, world, programs)
+        )
+        mine = (generation * world + rank) * slot
+        for peer in range(world):
+            if peer != rank:  # what it pushed there, then the peer's read empties it
+                kept &= torch.equal(_bits(buffers[peer][mine : mine + n]), _bits(pushed))
+                empty_push_buffer(buffers[peer][mine : mine + n])
+        kept &= all(bool((_bits(b) == torch.iinfo(_bits(b).dtype).min).all()) for b in buffers)
+        kept &= state.tolist() == [1 - generation, 0]
+    agree = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
+    return {"out": outs[1][0], "residual": outs[1][1], "bookkeeping": kept and agree}
 
 
 def interpreted() -> dict[str, dict]:

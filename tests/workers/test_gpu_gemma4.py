@@ -31,12 +31,9 @@ HAS_ASSISTANT = hasattr(transformers, "Gemma4AssistantForCausalLM")
 GREEDY = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True, return_logits=True)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    root = tmp_path_factory.mktemp("gpu-gemma4")
-    target = str(root / "gemma4")
+def make_gpu_gemma4(target: str) -> str:
+    """A tiny Gemma 4 of the widths the GPU kernels take (sliding head dim 256, full 512, one
+    global KV head), its query norms scaled down so that attention is not one-hot."""
     make_tiny_model(
         "gemma4",
         target,
@@ -53,6 +50,15 @@ def models(tmp_path_factory):
         if name.endswith("q_norm.weight"):
             tensors[name] = w / w.numel() ** 0.5
     save_file(tensors, weights, metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    root = tmp_path_factory.mktemp("gpu-gemma4")
+    target = make_gpu_gemma4(str(root / "gemma4"))
     return {
         "target": target,
         "standalone": make_perturbed_copy(target, str(root / "draft"), noise=0.05),

@@ -4,21 +4,23 @@ Triton kernel a rank, over peer memory (decode-sized messages, `TPGroup.all_redu
 A tensor-parallel decode step all-reduces each layer's attention and MLP outputs and adds each to
 the residual stream before normalising it: a collective kernel, then an add + norm kernel, twice
 a layer. Here one kernel does both, as SGLang's and vLLM's fused custom all-reduces do. Each
-program owns rows `pid, pid + programs, ...`: it copies them into this rank's buffer in symmetric
-memory (`TPGroup.use_one_shot_all_reduce`), meets the same program of every peer (`meet`), reads
-the rows from every rank's buffer, sums them in float32 in rank order (every rank gets the same
-bits) and rounds the sum to the model's dtype, as an all-reduce returns it; then what
-`add_rms_norm` does with it (`workers/models/ops.py`): the bias, a sandwich norm's first norm, the
-residual add in the model's dtype, the norm, rounded as Hugging Face rounds (`sandwich_norm.py`).
-A second meeting at the end keeps a rank from overwriting its buffer (its next call) while a peer
-still reads it.
+program owns rows `pid, pid + programs, ...`; it pushes them into its slot of every rank's
+buffer in symmetric memory (`TPGroup.use_one_shot_all_reduce`), then reads every rank's slot of
+its own buffer, sums them in float32 in rank order (every rank gets the same bits) and rounds the
+sum to the model's dtype, as an all-reduce returns it; then what `add_rms_norm` does with it
+(`workers/models/ops.py`): the bias, a sandwich norm's first norm, the residual add in the model's
+dtype, the norm, rounded as Hugging Face rounds (`sandwich_norm.py`).
 
-The meetings use torch's signal pads: one 32-bit slot a (program, peer) pair on every rank,
-`channel` slots apart for the two meetings. A program sets its slot on each peer's pad (0 -> 1,
-waiting while the peer has not yet taken the last signal) with release semantics, then takes each
-peer's slot on its own pad (1 -> 0) with acquire semantics, at system scope, as torch's own
-symmetric-memory kernels do (`sync_remote_blocks`). The slots end as they began, zero, so a
-CUDA graph replays the kernel as captured; the ranks launch the same grid, so program ids pair up.
+No barrier: the buffer's empty elements hold negative zero, which no pushed element does (a
+pushed -0.0 becomes +0.0: the same sum), so a reader polls its own memory until no element of
+a slot is empty (each element is stored whole), as TensorRT-LLM's Lamport all-reduce does; one
+one-way trip over NVLink instead of two meetings of round trips. A reader empties its slots as
+it reads them. The slots alternate between two generations, so that a fast peer's next call
+pushes where this call's reads cannot see it; a peer can run at most one call ahead (each call
+waits for every rank's push), and a rank's pushes of its next call come after its emptying of
+this one (kernel order). The generation lives on the device (`state`: the generation and how
+many programs have finished), flipped by the call's last program, so a CUDA graph replays the
+kernel as captured.
 """
 
 from __future__ import annotations
@@ -32,22 +34,12 @@ from workers.models.sandwich_norm import normed
 
 
 @triton.jit
-def meet(pads, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Wait until the program holding `slot` on every peer has come here too: what this program
-    wrote before is then visible to theirs, and what theirs wrote to this one (`pads`: each rank's
-    signal pad address)."""
-    tl.debug_barrier()  # every thread's writes happen before the release
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            theirs = tl.load(pads + peer).to(tl.pointer_type(tl.int32))
-            while tl.atomic_cas(theirs + slot * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-                pass
-    mine = tl.load(pads + RANK).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            while tl.atomic_cas(mine + slot * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
-    tl.debug_barrier()  # every thread's reads happen after the acquire
+def empty_slot(x, BITS: tl.constexpr):
+    """Where `x` holds the empty marker, negative zero (only the sign bit set)."""
+    if BITS == 16:
+        return x.to(tl.int16, bitcast=True) == -32768
+    else:
+        return x.to(tl.int32, bitcast=True) == -2147483648
 
 
 @triton.jit
@@ -59,17 +51,18 @@ def _all_reduce_add_rms_norm_kernel(
     w_before_ptr,
     bias_ptr,
     buffers,
-    pads,
+    state,
     rows,
     size,
     eps,
     stride_res,
-    channel,
+    slot_size,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     GEMMA: tl.constexpr,
     BEFORE: tl.constexpr,
     BIAS: tl.constexpr,
+    BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -79,16 +72,29 @@ def _all_reduce_add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < size
     dtype = out_ptr.dtype.element_ty
-    mine = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
+    generation = tl.load(state)
+    pushed = (generation * WORLD + RANK) * slot_size
     for row in range(pid, rows, programs):
-        tl.store(mine + row * size + cols, tl.load(x_ptr + row * size + cols, mask=mask), mask=mask)
-    meet(pads, pid, RANK, WORLD)
+        x = tl.load(x_ptr + row * size + cols, mask=mask, other=0.0)
+        x = tl.where(empty_slot(x, BITS), tl.zeros_like(x), x)
+        for peer in tl.static_range(WORLD):
+            theirs = tl.load(buffers + peer).to(tl.pointer_type(dtype))
+            tl.store(theirs + pushed + row * size + cols, x, mask=mask)
+    mine = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
+    if BITS == 16:
+        empty = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
+    else:
+        empty = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     for row in range(pid, rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
         for peer in tl.static_range(WORLD):
-            theirs = tl.load(buffers + peer).to(tl.pointer_type(dtype))
-            total += tl.load(theirs + row * size + cols, mask=mask, other=0.0).to(tl.float32)
+            at = mine + (generation * WORLD + peer) * slot_size + row * size + cols
+            got = tl.load(at, mask=mask, other=0.0, volatile=True)
+            while tl.sum((empty_slot(got, BITS) & mask).to(tl.int32), axis=0) > 0:
+                got = tl.load(at, mask=mask, other=0.0, volatile=True)
+            total += got.to(tl.float32)
+            tl.store(at, empty, mask=mask)
         x = total.to(dtype)
         if BIAS:
             x = (x.to(tl.float32) + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
@@ -99,7 +105,10 @@ def _all_reduce_add_rms_norm_kernel(
         res = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
         tl.store(res_ptr + row * stride_res + cols, res, mask=mask)
         tl.store(out_ptr + row * size + cols, normed(res.to(tl.float32), w, mask, eps, size, GEMMA, dtype), mask=mask)
-    meet(pads, channel + pid, RANK, WORLD)
+    tl.debug_barrier()  # every thread of the program is done before it counts itself finished
+    if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
+        tl.store(state + 1, 0)
+        tl.store(state, 1 - generation)
 
 
 def all_reduce_add_rms_norm(
@@ -111,25 +120,27 @@ def all_reduce_add_rms_norm(
     before: torch.Tensor | None,
     bias: torch.Tensor | None,
     buffers: torch.Tensor,
-    pads: torch.Tensor,
+    state: torch.Tensor,
+    slot_size: int,
     rank: int,
     world: int,
-    channel: int,
+    programs: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual'), residual') with residual' = residual + x', x' the sum of every rank's
     `x` (plus `bias`, through the `before` norm when given), over the last dimension; the residual
-    is updated in place. `x` and `residual` are contiguous; `buffers` and `pads` hold every rank's
-    buffer and signal pad address (int64), the buffer at least `x`'s size; at most `channel`
-    programs, whose slots (`2 * channel * world`) the pads hold. Every rank calls it with the same
-    shapes."""
+    is updated in place. `x` and `residual` are contiguous; `buffers` holds every rank's push
+    buffer address (int64; each buffer two generations of `world` slots of `slot_size` elements,
+    at least `x`'s, emptied by `empty_push_buffer` before first use), `state` this rank's
+    generation and finished-program count (int32, zeros at first); at most `programs` programs.
+    Every rank calls it with the same shapes, in the same order."""
     size = x.shape[-1]
     x2, res2 = x.view(-1, size), residual.view(-1, size)
     out = torch.empty_like(x)
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(size)
-        programs = min(rows, channel)
-        _all_reduce_add_rms_norm_kernel[(programs,)](
+        grid = min(rows, programs)
+        _all_reduce_add_rms_norm_kernel[(grid,)](
             x2,
             res2,
             out,
@@ -137,19 +148,26 @@ def all_reduce_add_rms_norm(
             weight if before is None else before,
             weight if bias is None else bias,
             buffers,
-            pads,
+            state,
             rows,
             size,
             eps,
             res2.stride(0),
-            channel,
+            slot_size,
             RANK=rank,
             WORLD=world,
             GEMMA=gemma,
             BEFORE=before is not None,
             BIAS=bias is not None,
+            BITS=8 * x.element_size(),
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
-            **pdl_options(programs),
+            **pdl_options(grid),
         )
     return out, residual
+
+
+def empty_push_buffer(buffer: torch.Tensor) -> None:
+    """Mark every element empty (negative zero: only the sign bit set)."""
+    bits = {2: torch.int16, 4: torch.int32}[buffer.element_size()]
+    buffer.view(bits).fill_(torch.iinfo(bits).min)
