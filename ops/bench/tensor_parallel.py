@@ -157,6 +157,8 @@ def _rank_main(
         loop.stop()
         thread.join()
         results.put(pickle.dumps(out))
+        results.close()
+        results.join_thread()  # the result is in the pipe before os._exit, which skips the queue's flush
     engine.check_no_leak()
     leave_tp_group(control, "cuda")
     os._exit(0)  # without tearing NCCL down (`leave_tp_group`)
@@ -179,10 +181,11 @@ def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: st
             break
         except queue.Empty:
             failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
+            silent = all(p.exitcode == 0 for p in procs)  # every rank gone without a result
+            if failed or silent or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
-                why = f"a rank exited with {failed[0]}" if failed else "timed out"
+                why = f"a rank exited with {failed[0]}" if failed else "no result" if silent else "timed out"
                 raise RuntimeError(f"tp {world}: {why}") from None
     for p in procs:
         p.join(timeout=120)
