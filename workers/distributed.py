@@ -5,20 +5,19 @@ With `size == 1` every collective is the identity, so single-rank code pays noth
 
 All-reduces of decode-sized messages are latency-bound: NCCL's ring costs ~20 us each on two
 NVLink-connected H200s, and a decode step has two a layer. `use_one_shot_all_reduce` routes
-small messages through peer memory instead (torch's symmetric memory: every rank copies its
-input into a buffer its peers can read, then one kernel reads all copies and sums them), as
-vLLM's and SGLang's custom all-reduces do; larger messages (prefill) stay on NCCL. Each of those
-all-reduces is followed by the residual add and an RMSNorm (`all_reduce_add_rms_norm`), which
-messages over peer memory fuse into the collective's kernel (`workers/models/all_reduce_norm.py`);
-which path a message takes is the size table `ONE_SHOT_METHODS`. Every path can be captured in
-CUDA graphs.
+small messages through peer memory instead (a buffer in torch's symmetric memory on every rank:
+one kernel pushes this rank's rows into every rank's buffer and sums what every rank pushed into
+its own; `workers/models/all_reduce_norm.py`), as vLLM's and SGLang's custom all-reduces do;
+larger messages (prefill) stay on NCCL. Most of those all-reduces are followed by the residual
+add and an RMSNorm (`all_reduce_add_rms_norm`), which the same kernel then does too. Which path
+a message takes is the size table `ONE_SHOT_METHODS`. Every path can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -29,31 +28,25 @@ Method = Literal["one_shot_fused", "one_shot", "nccl"]
 # How a message of up to so many bytes is all-reduced once peer memory is set up (`tp_all_reduce:
 # one_shot`): the first row that holds it decides; larger ones, and every message without peer
 # memory, take "nccl", the process group's own all-reduce (NCCL; gloo on CPU), then the add and
-# norm apart. "one_shot_fused": the kernel that also adds the residual and normalises
-# (`all_reduce_add_rms_norm`; a plain all-reduce takes the next row); "one_shot": torch's
-# one-shot kernel.
+# norm apart. "one_shot_fused": the push kernel that also adds the residual and normalises
+# (`all_reduce_add_rms_norm`; a plain all-reduce takes the next row); "one_shot": the push
+# kernel alone.
 ONE_SHOT_METHODS: tuple[tuple[int, Method], ...] = (
     (1 << 20, "one_shot_fused"),  # a batch of 128 hidden states of 4,096 in bf16
     (1 << 20, "one_shot"),
 )
 PEER_BUFFER_BYTES = max(bound for bound, _ in ONE_SHOT_METHODS)
-FUSED_PROGRAMS = 64  # the most programs of the fused kernel (each owns rows)
+FUSED_PROGRAMS = 64  # the most programs of the push kernel (each owns rows)
+MAX_ROW = 16384  # the widest row the push kernel takes (one program holds a row)
 
 
 @dataclasses.dataclass(frozen=True)
 class PeerMemory:
-    """This rank's buffer in symmetric memory for torch's one-shot kernel and its rendezvous
-    group's name; for the fused kernel (`TPGroup.use_one_shot_all_reduce`), every rank's push
-    buffer address (int64, on the device), this rank's generation state and the elements of a
-    rank's slot (the largest message, `PEER_BUFFER_BYTES`)."""
+    """This rank's push buffer in symmetric memory and what the kernels need of the group
+    (`workers.models.all_reduce_norm.PushGroup`), set up by `TPGroup.use_one_shot_all_reduce`."""
 
     buffer: torch.Tensor
-    group_name: str
-    push_buffer: torch.Tensor
-    push_ptrs: torch.Tensor
-    state: torch.Tensor
-    slot_size: int
-    programs: int = FUSED_PROGRAMS
+    group: Any  # PushGroup (the models' module imports this one)
 
 
 @dataclasses.dataclass
@@ -80,30 +73,22 @@ class TPGroup:
             raise ValueError(f"tp_all_reduce: 'one_shot' needs CUDA devices, not {device.type}")
         import torch.distributed._symmetric_memory as symm_mem
 
-        from workers.models.all_reduce_norm import empty_push_buffer
+        from workers.models.all_reduce_norm import PushGroup, empty_push_buffer
 
-        name = (self.group or dist.group.WORLD).group_name
         slot_size = PEER_BUFFER_BYTES // dtype.itemsize
-        buffer = symm_mem.empty(slot_size, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, name)  # where torch's one-shot kernel finds the peers' copies
-        push = symm_mem.empty(2 * self.size * slot_size, dtype=dtype, device=device)
-        push_handle = symm_mem.rendezvous(push, name)
-        empty_push_buffer(push)
+        buffer = symm_mem.empty(2 * self.size * slot_size, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(buffer, (self.group or dist.group.WORLD).group_name)
+        empty_push_buffer(buffer)
         torch.cuda.synchronize(device)
         dist.barrier(group=self.group)  # every rank's buffer empty before any peer pushes
-        self._peer = PeerMemory(
-            buffer,
-            name,
-            push,
-            torch.tensor(push_handle.buffer_ptrs, dtype=torch.int64, device=device),
-            torch.zeros(2, dtype=torch.int32, device=device),
-            slot_size,
-        )
+        pointers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        state = torch.zeros(2, dtype=torch.int32, device=device)
+        self._peer = PeerMemory(buffer, PushGroup(pointers, state, slot_size, self.rank, self.size, FUSED_PROGRAMS))
 
     def method(self, x: torch.Tensor, then_norm: bool = False) -> Method:
         """How `x` is all-reduced (`then_norm`: by `all_reduce_add_rms_norm`)."""
         peer = self._peer
-        if peer is None or x.dtype != peer.buffer.dtype or not x.is_contiguous():
+        if peer is None or x.dtype != peer.buffer.dtype or not x.is_contiguous() or x.shape[-1] > MAX_ROW:
             return "nccl"
         fused = then_norm and self.fuse_norm
         nbytes = x.numel() * x.element_size()
@@ -117,10 +102,9 @@ class TPGroup:
         if self.size == 1:
             return x
         if self.method(x) == "one_shot":
-            peer = self._peer
-            return torch.ops.symm_mem.one_shot_all_reduce_copy(
-                peer.buffer[: x.numel()], x.view(-1), "sum", peer.group_name
-            ).view_as(x)
+            from workers.models.all_reduce_norm import all_reduce
+
+            return all_reduce(x, self._peer.group)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -143,11 +127,7 @@ class TPGroup:
         if self.method(x, then_norm=True) == "one_shot_fused" and residual.is_contiguous():
             from workers.models.all_reduce_norm import all_reduce_add_rms_norm
 
-            peer = self._peer
-            push = (peer.push_ptrs, peer.state, peer.slot_size)
-            return all_reduce_add_rms_norm(
-                x, residual, weight, eps, gemma, before, bias, *push, self.rank, self.size, peer.programs
-            )
+            return all_reduce_add_rms_norm(x, residual, weight, eps, gemma, before, bias, self._peer.group)
         from workers.models.ops import ops_for
 
         x = self.all_reduce(x)

@@ -1,5 +1,7 @@
 """A row-parallel projection's all-reduce, the residual add and the RMSNorm after it, in one
-Triton kernel a rank, over peer memory (decode-sized messages, `TPGroup.all_reduce_add_rms_norm`).
+Triton kernel a rank, over peer memory (decode-sized messages, `TPGroup.all_reduce_add_rms_norm`);
+the same kernel without the add and norm is the group's all-reduce of such messages
+(`TPGroup.all_reduce`).
 
 A tensor-parallel decode step all-reduces each layer's attention and MLP outputs and adds each to
 the residual stream before normalising it: a collective kernel, then an add + norm kernel, twice
@@ -24,6 +26,8 @@ kernel as captured.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -59,6 +63,7 @@ def _all_reduce_add_rms_norm_kernel(
     slot_size,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
+    NORM: tl.constexpr,
     GEMMA: tl.constexpr,
     BEFORE: tl.constexpr,
     BIAS: tl.constexpr,
@@ -85,7 +90,8 @@ def _all_reduce_add_rms_norm_kernel(
         empty = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
     else:
         empty = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if NORM:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     for row in range(pid, rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
         for peer in tl.static_range(WORLD):
@@ -96,19 +102,38 @@ def _all_reduce_add_rms_norm_kernel(
             total += got.to(tl.float32)
             tl.store(at, empty, mask=mask)
         x = total.to(dtype)
-        if BIAS:
-            x = (x.to(tl.float32) + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-        if BEFORE:
-            w_before = tl.load(w_before_ptr + cols, mask=mask, other=0.0)
-            x = normed(x.to(tl.float32), w_before, mask, eps, size, GEMMA, dtype)
-        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        res = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
-        tl.store(res_ptr + row * stride_res + cols, res, mask=mask)
-        tl.store(out_ptr + row * size + cols, normed(res.to(tl.float32), w, mask, eps, size, GEMMA, dtype), mask=mask)
+        if NORM:
+            if BIAS:
+                x = (x.to(tl.float32) + tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            if BEFORE:
+                w_before = tl.load(w_before_ptr + cols, mask=mask, other=0.0)
+                x = normed(x.to(tl.float32), w_before, mask, eps, size, GEMMA, dtype)
+            res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+            res = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
+            tl.store(res_ptr + row * stride_res + cols, res, mask=mask)
+            normed_res = normed(res.to(tl.float32), w, mask, eps, size, GEMMA, dtype)
+            tl.store(out_ptr + row * size + cols, normed_res, mask=mask)
+        else:  # the all-reduce alone
+            tl.store(out_ptr + row * size + cols, x, mask=mask)
     tl.debug_barrier()  # every thread of the program is done before it counts itself finished
     if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
         tl.store(state + 1, 0)
         tl.store(state, 1 - generation)
+
+
+@dataclasses.dataclass(frozen=True)
+class PushGroup:
+    """What a rank's kernel needs of its group: every rank's push buffer address (int64; each
+    buffer two generations of `world` slots of `slot_size` elements, emptied by
+    `empty_push_buffer` before first use), this rank's generation state (int32 [generation,
+    finished programs], zeros at first), its rank, the group's size and the most programs."""
+
+    buffers: torch.Tensor
+    state: torch.Tensor
+    slot_size: int
+    rank: int
+    world: int
+    programs: int
 
 
 def all_reduce_add_rms_norm(
@@ -119,27 +144,40 @@ def all_reduce_add_rms_norm(
     gemma: bool,
     before: torch.Tensor | None,
     bias: torch.Tensor | None,
-    buffers: torch.Tensor,
-    state: torch.Tensor,
-    slot_size: int,
-    rank: int,
-    world: int,
-    programs: int,
+    group: PushGroup,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual'), residual') with residual' = residual + x', x' the sum of every rank's
     `x` (plus `bias`, through the `before` norm when given), over the last dimension; the residual
-    is updated in place. `x` and `residual` are contiguous; `buffers` holds every rank's push
-    buffer address (int64; each buffer two generations of `world` slots of `slot_size` elements,
-    at least `x`'s, emptied by `empty_push_buffer` before first use), `state` this rank's
-    generation and finished-program count (int32, zeros at first); at most `programs` programs.
-    Every rank calls it with the same shapes, in the same order."""
+    is updated in place. `x` and `residual` are contiguous, `x` at most a slot. Every rank calls
+    it (and `all_reduce`) with the same shapes, in the same order."""
+    res2 = residual.view(-1, x.shape[-1])
+    out = _launch(x, group, True, res2, weight, eps, gemma, before, bias)
+    return out, residual
+
+
+def all_reduce(x: torch.Tensor, group: PushGroup) -> torch.Tensor:
+    """The sum of every rank's `x` (contiguous, at most a slot), rounded to its dtype."""
+    return _launch(x, group, False, x.view(-1, x.shape[-1]), x, 0.0, False, None, None)
+
+
+def _launch(
+    x: torch.Tensor,
+    group: PushGroup,
+    norm: bool,
+    res2: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    before: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     size = x.shape[-1]
-    x2, res2 = x.view(-1, size), residual.view(-1, size)
+    x2 = x.view(-1, size)
     out = torch.empty_like(x)
     rows = x2.shape[0]
     if rows:
         block = triton.next_power_of_2(size)
-        grid = min(rows, programs)
+        grid = min(rows, group.programs)
         _all_reduce_add_rms_norm_kernel[(grid,)](
             x2,
             res2,
@@ -147,15 +185,16 @@ def all_reduce_add_rms_norm(
             weight,
             weight if before is None else before,
             weight if bias is None else bias,
-            buffers,
-            state,
+            group.buffers,
+            group.state,
             rows,
             size,
             eps,
             res2.stride(0),
-            slot_size,
-            RANK=rank,
-            WORLD=world,
+            group.slot_size,
+            RANK=group.rank,
+            WORLD=group.world,
+            NORM=norm,
             GEMMA=gemma,
             BEFORE=before is not None,
             BIAS=bias is not None,
@@ -164,7 +203,7 @@ def all_reduce_add_rms_norm(
             num_warps=min(16, max(1, block // 256)),
             **pdl_options(grid),
         )
-    return out, residual
+    return out
 
 
 def empty_push_buffer(buffer: torch.Tensor) -> None:
