@@ -6,9 +6,11 @@ from ops.bench.tensor_parallel import cases, run_name, spec_settings
 
 
 def test_speculative_drafts_are_the_shapes_dummy_drafts(tmp_path):
-    got = spec_settings(str(tmp_path), "llama3-8b", "eagle3,frozen_kv_mtp")
-    assert list(got) == ["eagle3", "frozen_kv_mtp"]
+    got = spec_settings(str(tmp_path), "llama3-8b", "eagle3,frozen_kv_mtp,eagle3-replicated")
+    assert list(got) == ["eagle3", "frozen_kv_mtp", "eagle3-replicated"]
     assert got["eagle3"]["algorithm"] == "eagle" and got["eagle3"]["adaptive"] is False
+    assert got["eagle3"]["draft_tp"] == "shard" and got["eagle3-replicated"]["draft_tp"] == "replicate"
+    assert got["eagle3-replicated"]["draft_model"] == got["eagle3"]["draft_model"]
     assert spec_settings(str(tmp_path), "gpt-oss-20b", "") == {}
     with pytest.raises(SystemExit, match="medusa unknown for llama3-8b; choose from eagle, eagle3"):
         spec_settings(str(tmp_path), "llama3-8b", "eagle,medusa")

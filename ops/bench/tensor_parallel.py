@@ -4,7 +4,8 @@
         [--all-reduce nccl,one_shot,one_shot_unfused]
     python -m ops.bench.tensor_parallel --out moe.json --shape gpt-oss-20b --all-reduce nccl \
         --moe-parallel tensor,expert
-    python -m ops.bench.tensor_parallel --out spec.json --batches 1 --all-reduce one_shot --speculative eagle3
+    python -m ops.bench.tensor_parallel --out spec.json --batches 1 --all-reduce one_shot \
+        --speculative eagle3,eagle3-replicated
 
 Each size runs in its own processes, one a GPU, exactly as a serving replica's rank actors do:
 NCCL for the model's collectives, gloo for the step plans, `RankLoop` in lockstep, CUDA graphs on
@@ -204,18 +205,26 @@ def run_name(world: int, all_reduce: str, moe_parallel: str, draft: str | None =
     )
 
 
+REPLICATED = "-replicated"  # a draft name's suffix: the draft whole on every rank (`draft_tp: replicate`)
+
+
 def spec_settings(root: str, shape: str, names: str) -> dict[str, dict]:
-    """The speculative settings of `names` (comma-separated) among `shape`'s dummy drafts."""
+    """The speculative settings of `names` (comma-separated) among `shape`'s dummy drafts, each
+    sharded like the target unless named with `REPLICATED`."""
     wanted = [n for n in names.split(",") if n]
     if not wanted:
         return {}
     if shape not in SPEC_TARGETS:
         raise SystemExit(f"--speculative: {shape} has no drafts; shapes with drafts: {', '.join(SPEC_TARGETS)}")
     specs = SPEC_TARGETS[shape][1](root)
-    unknown = sorted(set(wanted) - set(specs))
+    unknown = sorted({n.removesuffix(REPLICATED) for n in wanted} - set(specs))
     if unknown:
         raise SystemExit(f"--speculative: {', '.join(unknown)} unknown for {shape}; choose from {', '.join(specs)}")
-    return {name: specs[name] for name in wanted}
+    out = {}
+    for name in wanted:
+        base = name.removesuffix(REPLICATED)
+        out[name] = {**specs[base], "draft_tp": "replicate" if name != base else "shard"}
+    return out
 
 
 def cases(report: dict) -> dict[str, dict]:
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--speculative",
         default="",
         help="drafts to time rounds of besides plain steps (decode_throughput's: eagle, eagle3, frozen_kv_mtp "
-        "for llama3-8b, assistant for gemma4-31b), comma-separated",
+        f"for llama3-8b, assistant for gemma4-31b), comma-separated; a name ending {REPLICATED} runs the draft "
+        "whole on every rank",
     )
     add_record_args(parser)
     args = parser.parse_args(argv)
