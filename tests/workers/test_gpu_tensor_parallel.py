@@ -153,16 +153,28 @@ def test_one_shot_all_reduce_equals_nccl_under_graph_replay():
     the buffer takes NCCL."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    same, close = _on_two_gpus(_one_shot_rank, timeout=300)
+    assert same and close
+
+
+def _on_two_gpus(rank_main, timeout: float):
+    """What rank 0 of `rank_main(rank, port, results)` on each of two GPUs put on `results`; a
+    rank stuck waiting for its peer (it would spin for ever) is killed after `timeout` s."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_one_shot_rank, args=(r, port, results)) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, results)) for r in range(2)]
     for p in procs:
         p.start()
-    same, close = results.get(timeout=300)
+    try:
+        found = results.get(timeout=timeout)
+    except queue.Empty:
+        for p in procs:
+            p.kill()
+        raise
     for p in procs:
         p.join(timeout=60)
-    assert same and close
+    return found
 
 
 # Hidden sizes of the served shapes: Llama-3-8B, Gemma-3-27B (and Gemma-4-31B), Gemma-3-12B,
@@ -262,20 +274,7 @@ def test_fused_all_reduce_add_norm_matches_the_float32_oracle():
     and in both runs; a message past the size table takes NCCL and the add and norm apart."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_fused_rank, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        found = results.get(timeout=600)
-    except queue.Empty:
-        for p in procs:
-            p.kill()  # a rank stuck at a barrier spins for ever
-        raise
-    for p in procs:
-        p.join(timeout=60)
+    found = _on_two_gpus(_fused_rank, timeout=600)
     for name, got in found.items():
         assert got["method"] == ("nccl" if name == "past-the-table" else "one_shot_fused"), (name, got)
         assert_rounding_noise(torch.tensor(got["out"]), f"{name} out")
