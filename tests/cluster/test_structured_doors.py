@@ -16,12 +16,11 @@ import grpc
 import openai
 import pytest
 import requests
-from ray import serve
 
-from cluster.app import build_app
-from cluster.client import GenerationClient, build_request
+from cluster.client import build_request
 from cluster.proto.slidespec.v1 import generation_pb2 as pb
-from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops import DRAFT_MODELS
+from tests.cluster.openai_app import deploy
 
 TOKEN = "structured-test-token"
 MODEL = "tiny-gemma3"
@@ -43,23 +42,14 @@ CHAT = [{"role": "user", "content": "def f(x):"}]
 
 @pytest.fixture(scope="module")
 def app(ray_serve, tmp_path_factory):
-    token_file = tmp_path_factory.mktemp("structured") / "token"
-    token_file.write_text(TOKEN)
-    args = dict(
-        model=DEFAULT_MODEL,
-        page_size=4,
-        max_total_tokens=4096,
-        context_length=512,
-        num_replicas=1,
+    yield from deploy(
+        ray_serve,
+        tmp_path_factory.mktemp("structured") / "token",
+        TOKEN,
+        "so",
         speculative={"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": 3},
-        grpc={"port": 0, "auth_token_file": str(token_file)},
         tool_call_parser="hermes",  # the shipped template shows no tool-call format of its own
     )
-    handle = serve.run(build_app(args), name="so", route_prefix="/so")
-    grpc_client = GenerationClient(f"127.0.0.1:{handle.ports.remote().result()['grpc']}", token=TOKEN)
-    client = openai.OpenAI(base_url=f"{ray_serve}/so/v1", api_key=TOKEN, max_retries=0, timeout=60)
-    yield client, grpc_client, ray_serve
-    grpc_client.close()
 
 
 def _valid(text: str) -> dict:
@@ -208,10 +198,11 @@ def test_tool_choice_auto_parses_the_calls_out_of_the_text(app):
 
 
 def test_json_lines_route_and_grpc_take_structured_outputs(app):
-    _, grpc_client, base = app
+    _, grpc_client, v1 = app
     body = {"prompt": "def f(x):", "stream": False, "sampling": {"temperature": 0.0, "max_new_tokens": 40}}
     body["sampling"]["structured_outputs"] = {"choice": ["alpha", "beta"]}
-    reply = requests.post(f"{base}/so/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    route = f"{v1.removesuffix('/v1')}/generate"
+    reply = requests.post(route, json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     assert reply.status_code == 200, reply.text
     assert reply.json()["text"] in ("alpha", "beta")
     request = build_request("def f(x):", max_new_tokens=40, temperature=0.0)
