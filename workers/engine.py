@@ -247,7 +247,8 @@ class Engine:
         self._overlap = OverlapDecoder(self.scheduler, self.runner.forward)
         self._inflight: InFlight | None = None
         self._decode_end_ns: int | None = None  # when the decode step last told to the controller ended
-        self._disturbances = 0  # the speculative worker's count then
+        self._disturbances = 0  # the speculative worker's count when the work that step read last was launched
+        self._inflight_disturbances = 0  # its count when the step in flight was launched
         if warmup if warmup is not None else self.device.type == "cuda":
             self._rng, self._ids, self.failed_steps = random.Random(seed), itertools.count(), 0
             self._warm_up()
@@ -500,8 +501,9 @@ class Engine:
             return []
         k = self.spec.draft_steps(sb.reqs) if self.spec is not None and sb.mode is ForwardMode.DECODE else None
         self.last_step.draft_steps = k
+        launched = self.spec.disturbances if self.spec is not None else 0
         if self.overlap and not k and self._overlap.eligible(sb):
-            self._inflight = self._overlap.launch(sb.reqs, None)
+            self._inflight, self._inflight_disturbances = self._overlap.launch(sb.reqs, None), launched
             self._overlap.choose(self._inflight)
             return self._end_step(sb.reqs, [], timing="launch")
         try:
@@ -517,16 +519,21 @@ class Engine:
             events = []
             self.last_step.draft_steps = None
         self.scheduler.release_windows(sb.reqs)
-        return self._end_step(sb.reqs, events)
+        # what the step read last: a round's verify, after the draft caught up; a plain step's
+        # forward, before the draft catches up after it
+        read = self.spec.disturbances_read if k else launched
+        return self._end_step(sb.reqs, events, read=read)
 
     def _overlapped_step(self) -> list[tuple[str, list[int], bool]]:
         """Launch the next decode step if nothing else waits, then commit the one in flight."""
         flight, self._inflight = self._inflight, None
+        read = self._inflight_disturbances
         live = [r for r in flight.reqs if not r.finished]  # the others ended (and were reported) already
         following = self._overlap.can_continue(flight)
         if following and self.spec is not None and self.spec.draft_steps(following):
             following = []  # the next step drafts: the pipeline drains first
         if following:
+            self._inflight_disturbances = self.spec.disturbances if self.spec is not None else 0
             self._inflight = self._overlap.launch(following, flight)
             self.last_step.draft_steps = 0 if self.spec is not None else None
         events = self._overlap.collect(flight)
@@ -535,34 +542,38 @@ class Engine:
         if self.spec is not None:
             self.spec.after_plain(flight.reqs, flight.hidden)
         self.scheduler.release_windows(live)
-        return self._end_step(live, events, timing="step" if following else "drain")
+        return self._end_step(live, events, timing="step" if following else "drain", read=read)
 
     def _end_step(
-        self, reqs: list[Request], events: list[tuple[Request, list[int]]], timing: str = "step"
+        self, reqs: list[Request], events: list[tuple[Request, list[int]]], timing: str = "step", read: int = 0
     ) -> list[tuple[str, list[int], bool]]:
         """Close the step's record; a decode step of a speculative engine tells the controller
-        (`_tell_controller`) what it ran."""
+        (`_tell_controller`) what it ran (`read`: the speculative worker's count of disturbances
+        when the work the step read last was launched)."""
         step = self.last_step
         step.request_ids = [r.rid for r in reqs]
         step.seq_lens = [r.num_tokens for r in reqs]
         step.cached_tokens = [r.cached_tokens for r in reqs]
         step.end_ns = time.time_ns()
         if self.spec is not None:
-            self._tell_controller(len(reqs), step, timing)
+            self._tell_controller(len(reqs), step, timing, read)
         reported = {req.rid for req, _ in events}
         return [(req.rid, new, req.finished) for req, new in events] + [
             (req.rid, [], True) for req in reqs if req.finished and req.rid not in reported
         ]
 
-    def _tell_controller(self, batch_size: int, step: StepRecord, timing: str) -> None:
+    def _tell_controller(self, batch_size: int, step: StepRecord, timing: str, read: int) -> None:
         """Tell the controller the draft steps a decode step ran and how long it took: from the
         end of the decode step told before, so that whatever runs between steps (a rank loop's
         plan and hand-over) counts per step, as it costs; clean when the speculative worker ran
-        nothing besides (`SpecWorker.disturbances`) meanwhile. `timing`: "step"; "launch", a
-        plain step launched alone, whose time goes with the next step's (the one that commits
-        its tokens; a round launched ahead and dropped before it too); "drain", the commit of the
-        last plain step launched, with nothing launched after it: a plain step's time, not told,
-        the next step's counted from its end."""
+        nothing besides (`SpecWorker.disturbances`) since the work that the step before read last
+        was launched (`read`, its count then): on a GPU, work launched after a step's last read
+        runs in the time of the step that next reads past it, so a catch-up after an overlapped
+        plain step, launched behind the next step in flight, holds up the step after that one.
+        `timing`: "step"; "launch", a plain step launched alone, whose time goes with the next
+        step's (the one that commits its tokens; a round launched ahead and dropped before it
+        too); "drain", the commit of the last plain step launched, with nothing launched after
+        it: a plain step's time, not told, the next step's counted from its end."""
         if timing == "launch":
             return
         if step.draft_steps is None and timing != "drain":  # no decode step: the next one's time is unknown
@@ -573,7 +584,7 @@ class Engine:
             seconds = (step.end_ns - before) / 1e9 if before is not None else None
             clean = self.spec.disturbances == self._disturbances
             self.spec.controller.observe(batch_size, step.draft_steps, seconds, clean)
-        self._decode_end_ns, self._disturbances = step.end_ns, self.spec.disturbances
+        self._decode_end_ns, self._disturbances = step.end_ns, read
 
     def _run(self, sb: ScheduledBatch, k: int | None) -> list[tuple[Request, list[int]]]:
         """One forward (or a speculative round of `k` draft steps) and its commits."""

@@ -20,13 +20,14 @@ by a time limit (SIGTERM) still writes `--out` and the table of the cases it mea
 the table sets adaptive against max(plain, best fixed): the goal is to be within 3% of it
 (`of_best`), and at least 97% of plain where drafts are not accepted (`of_plain`).
 
-What the time of a speculative case went to, from each timed step's end to the next's: plain
-steps (`plain_ms`: per plain decode step, the launch that restarts overlapped decoding and the
-commit that drains it included) and rounds (`round_ms`, the catch-up before a round after plain
-steps included), the changes between them (`switches`), the draft's catch-ups after plain steps
-and rounds launched ahead and dropped; for adaptive cases also the controller's cost table for
-the batch (ms per k, as it estimates them, beside the start-up priors) and what it measured a
-switch and a probe from plain steps to cost beyond their steps (`changes_ms`).
+What the time of a speculative case went to, from each timed step's end to the next's (the
+first from its start: not the prefill before it): plain steps (`plain_ms`: per plain decode
+step, the launch that restarts overlapped decoding and the commit that drains it included) and
+rounds (`round_ms`, the catch-up before a round after plain steps included), the changes
+between them (`switches`), the draft's catch-ups after plain steps and rounds launched ahead
+and dropped; for adaptive cases also the controller's cost table for the batch (ms per k, as it
+estimates them, beside the start-up priors) and what it measured a switch and a probe from
+plain steps to cost beyond their steps (`changes_ms`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import logging
 import os
 import signal
 import tempfile
-import time
 import warnings
 
 import torch
@@ -86,11 +86,15 @@ def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     spec = engine.spec
     steps_run: list[tuple[int | None, int]] = []  # (draft steps, end ns) of each timed step
+    starts: list[int] = []  # the first timed step's start: the split leaves the submission and prefill out
+
+    def each_step() -> None:
+        if not starts:
+            starts.append(engine.last_step.start_ns)
+        steps_run.append((engine.last_step.draft_steps, engine.last_step.end_ns))
+
     before = (spec.catch_ups, spec.drops) if spec is not None else (0, 0)
-    start_ns = time.time_ns()
-    outs, tokens, steps, elapsed = timed_decode(
-        engine, prompts, sampling, lambda: steps_run.append((engine.last_step.draft_steps, engine.last_step.end_ns))
-    )
+    outs, tokens, steps, elapsed = timed_decode(engine, prompts, sampling, each_step)
     stats = [o.spec for o in outs if o.spec is not None]
     lengths = [n for s in stats for n in s.accept_lengths]
     drafted = [k for s in stats for k in s.draft_steps + [0] * s.plain_steps]
@@ -102,7 +106,7 @@ def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
         "plain_share": drafted.count(0) / len(drafted) if drafted else None,
     }
     if spec is not None:
-        out.update(time_split(steps_run, start_ns))
+        out.update(time_split(steps_run, starts[0] if starts else 0))
         out.update(catch_ups=spec.catch_ups - before[0], drops=spec.drops - before[1])
         if isinstance(spec.controller, AdaptiveDraftSteps):
             out.update(cost_table(spec.controller, len(prompts)))
@@ -110,9 +114,9 @@ def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
 
 
 def time_split(steps_run: list[tuple[int | None, int]], start_ns: int) -> dict:
-    """ms per plain decode step and per round, from each step's end to the next's (a step that
-    launched nothing, the drain of overlapped plain steps, counts with plain steps), and the
-    changes between plain steps and rounds."""
+    """ms per plain decode step and per round, from each step's end to the next's (the first
+    from `start_ns`, its start; a step that launched nothing, the drain of overlapped plain
+    steps, counts with plain steps), and the changes between plain steps and rounds."""
     plain = rounds = 0.0
     launches = verifies = switches = 0
     last_kind, end = None, start_ns

@@ -10,6 +10,7 @@ kind's."""
 
 import collections
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -293,6 +294,73 @@ def test_the_controller_is_told_which_steps_are_their_kinds(plain_tokens):
         # (a change to plain steps drops a round launched ahead; to rounds, the draft catches up)
         assert clean == (not changed), (i, [(k, c) for k, _, c in told.told])
     assert sum(o.spec.plain_steps for o in outs) > ks.count(0) * len(PROMPTS) / 2
+    eng.check_no_leak()
+
+
+class AsyncDevice:
+    """A GPU's one stream, emulated in virtual nanoseconds: launched work runs in order after the
+    work before it, a read waits for the work it reads (all of it, unnamed), and the host's clock
+    moves on by `host` a look."""
+
+    def __init__(self, host: int) -> None:
+        self.now_ns, self.free_ns, self.host = 0, 0, host
+
+    def time_ns(self) -> int:
+        self.now_ns += self.host
+        return self.now_ns
+
+    def launch(self, ns: int) -> int:
+        self.free_ns = max(self.free_ns, self.now_ns) + ns
+        return self.free_ns
+
+    def wait(self, done_ns: int | None) -> None:
+        self.now_ns = max(self.now_ns, self.free_ns if done_ns is None else done_ns)
+
+
+def test_a_catch_up_after_plain_steps_stays_out_of_their_time_on_an_asynchronous_device(monkeypatch):
+    """A standalone draft with the target's own weights and a full pool of its own, catching up
+    every few overlapped plain steps, on an emulated GPU stream (a plain step 1 ms, a round
+    3 ms, a catch-up 20 ms): the catch-up, launched behind the next step in flight, holds up
+    the step after that one, which is then not clean; every steady step told clean took what a
+    plain step costs, so the controller's k = 0 entry measures plain steps alone."""
+    import workers.engine as engine
+    import workers.speculative.worker as worker
+    from workers.overlap import InFlight
+
+    plain_ns, round_ns, catch_up_ns = 1_000_000, 3_000_000, 20_000_000
+    device = AsyncDevice(host=1_000)
+    monkeypatch.setattr(worker, "MAX_LAG", 2)
+    spec = {"algorithm": "standalone", "draft_model": DEFAULT_MODEL, "num_steps": K, "draft_pool": "full"}
+    eng = _tiny(False, spec, overlap_schedule=True)
+    eng.spec.controller = told = Told([K] + [0] * 12)
+    eng.spec.lag_tokens = 3 * len(PROMPTS)  # a catch-up every 3 plain steps
+
+    def timed(ns, run):
+        return lambda *args: (device.launch(ns), run(*args))[1]
+
+    def launch(*args):
+        flight = overlap_launch(*args)
+        flight.done_ns = device.free_ns  # its forward's end
+        return flight
+
+    def waited(flight):  # a round's reads wait for everything launched
+        device.wait(getattr(flight, "done_ns", None))
+        return read(flight)
+
+    overlap_launch, read = eng._overlap.launch, InFlight.read
+    eng._overlap.forward = timed(plain_ns, eng._overlap.forward)
+    eng._overlap.launch = launch
+    eng.spec.decode_round = timed(round_ns, eng.spec.decode_round)
+    eng.spec.drafter.catch_up = timed(catch_up_ns, eng.spec.drafter.catch_up)
+    monkeypatch.setattr(InFlight, "read", waited)
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(time_ns=device.time_ns))
+    eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+
+    plain = [(s, clean) for (k, s, clean), (j, _, _) in zip(told.told[1:], told.told) if k == j == 0]
+    held = [clean for s, clean in plain if s == pytest.approx((plain_ns + catch_up_ns) / 1e9, rel=1e-3)]
+    assert held and not any(held)  # the plain steps whose time holds a catch-up
+    steady = [s for s, clean in plain if clean]
+    assert steady and steady == pytest.approx([plain_ns / 1e9] * len(steady), rel=1e-3)
     eng.check_no_leak()
 
 

@@ -151,6 +151,9 @@ class SpecWorker:
         self._row_bytes = 0  # of the target hidden states kept per position
         self.catch_ups = 0  # catch-ups after plain decode steps
         self.drops = 0  # rounds launched ahead and dropped
+        # `disturbances` when the last round read its results: what is counted after (a round
+        # launched ahead, dropped once the read showed a request finished) runs in the next step's time
+        self.disturbances_read = 0
         # Plain decode steps run, and those since the draft last caught up with the target's hidden
         # states its catch-up may read: (the step's requests, their hidden states, a row each). Every
         # running request takes part in every decode step, so a request is as many plain steps
@@ -357,6 +360,7 @@ class SpecWorker:
                 )
                 early = True
             best = flight.read()
+        self.disturbances_read = self.disturbances
 
         events, live, judged = [], [], []
         self.last_accept_lengths = {}
