@@ -225,6 +225,7 @@ class Engine:
         if self.adaptive and self.spec.drafter.runner.pool is not None and self.spec.drafter.runner.pool.has_swa:
             # a draft behind by plain decode steps catches up reading its SWA window from there
             self.scheduler.window_from = lambda req: min(req.kv_len, req.spec.draft_len)
+            self.scheduler.windows_moved = self.spec.windows_moved
             self.scheduler.draft_lag = self.spec.max_lag
         self.cache: RadixCache | None = None
         if enable_prefix_caching:

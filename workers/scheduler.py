@@ -83,6 +83,10 @@ class Scheduler:
         # how far past it a request may run meanwhile: a draft catching up after plain decode
         # steps reads its SWA window from where it fell behind (set by the engine).
         self.window_from: Callable[[Request], int] = lambda req: req.kv_len
+        # Whether the last step may have moved a window_from (windows that wait for a draft stay
+        # put through most plain steps: `SpecWorker.windows_moved`)
+        self.windows_moved: Callable[[], bool] = lambda: True
+        self.finishes = 0  # requests ended so far
         self.draft_lag = 0
         self.token_counts = token_counts
         self.grammar_masks = grammar_masks
@@ -290,6 +294,8 @@ class Scheduler:
 
     def release_windows(self, reqs: list[Request]) -> None:
         """Give back the SWA slots that no later query of these requests can see."""
+        if not self.windows_moved():
+            return
         for req in reqs:
             if not req.finished:
                 self.allocator.release_window(req.row, self.window_from(req))
@@ -315,6 +321,7 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request and give back everything it holds."""
         req.finish_reason = reason
+        self.finishes += 1
         if req in self.waiting:
             self.waiting.remove(req)
             return

@@ -397,6 +397,41 @@ def _catch_ups_in(eng: Engine) -> list[int | None]:
     return at
 
 
+def test_plain_steps_skip_only_window_releases_that_free_nothing():
+    """A standalone draft in an SWA pool holds its requests' SWA windows back while it is behind
+    (`Scheduler.window_from`), so most plain steps of an adaptive engine leave every window
+    where it was and skip the release (`SpecWorker.windows_moved`): after every step of
+    overlapped plain runs, catch-ups and rounds, a release of every running request's window
+    regardless frees nothing, although windows were released along the way."""
+    spec = {"algorithm": "standalone", "draft_model": DRAFT_MODELS["standalone"], "num_steps": K}
+    eng = Engine(
+        model=DEFAULT_MODEL,
+        page_size=4,
+        max_total_tokens=1024,
+        context_length=128,
+        max_running_requests=2,
+        overlap_schedule=True,
+        speculative=spec,
+    )
+    eng.spec.controller, eng.spec.max_lag = Schedule([K] + [0] * 9), 4
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    for p in random_prompts([70, 50], vocab=2048, seed=5):
+        eng.add_request(p, sampling)
+    moved, skipped, freed = eng.scheduler.windows_moved, 0, 0
+    while eng.has_unfinished():
+        before, ended = eng.kv_stats()["swa_free"], eng.scheduler.finishes
+        eng.step()
+        skipped += not moved()
+        after = eng.kv_stats()["swa_free"]
+        freed += after > before and eng.scheduler.finishes == ended  # a window moved on
+        eng.scheduler.windows_moved = lambda: True
+        eng.scheduler.release_windows(eng.scheduler.running)
+        eng.scheduler.windows_moved = moved
+        assert eng.kv_stats()["swa_free"] == after, eng.last_step.draft_steps
+    assert skipped > 10 and freed > 2 and eng.spec.catch_ups > 0
+    eng.check_no_leak()
+
+
 @pytest.mark.parametrize("variant", ["standalone-swa", "eagle1-full", "frozen_kv_mtp-target"])
 def test_a_draft_behind_by_more_than_its_window_catches_up_exactly(models, variant):
     """Plain steps put the draft WINDOW + 4 tokens behind before each round (its SWA window keeps

@@ -154,13 +154,17 @@ class SpecWorker:
         # `disturbances` when the last round read its results: what is counted after (a round
         # launched ahead, dropped once the read showed a request finished) runs in the next step's time
         self.disturbances_read = 0
-        # Plain decode steps run, and those since the draft last caught up with the target's hidden
-        # states its catch-up may read: (the step's requests, their hidden states, a row each). Every
-        # running request takes part in every decode step, so a request is as many plain steps
-        # behind as were counted since it last caught up (`DraftState.synced`): no per-request work.
+        # Plain decode steps run, those since the draft last caught up (`_lag`), and of those the
+        # ones whose target hidden states its catch-up reads: (the step's requests, their hidden
+        # states, a row each). Every running request takes part in every decode step, so a request
+        # is as many plain steps behind as were counted since it last caught up
+        # (`DraftState.synced`): no per-request work.
         self._plain_count = 0
+        self._lag = 0
         self._plain: list[tuple[list[Request], torch.Tensor | None]] = []
         self._behind = 0  # draft positions behind since the last catch-up, over its requests
+        self._moved = 0  # the plain-step count when some request's draft last moved on
+        self._finishes = 0  # the scheduler's count of ended requests at the last plain step
 
     @property
     def disturbances(self) -> int:
@@ -188,6 +192,7 @@ class SpecWorker:
         self.drafter.catch_up(ForwardMode.EXTEND, live, rows)
         for req in live:
             req.spec.synced = self._plain_count
+        self._moved = self._plain_count
 
     def draft_steps(self, reqs: list[Request]) -> int:
         """How many draft steps a decode step of `reqs` runs (0: a plain decode step), as the
@@ -223,29 +228,41 @@ class SpecWorker:
         hidden states, a row each; a graph's, valid until its next replay): the draft falls a
         token behind and keeps the rows its catch-up reads (copied, unless only the last step's:
         no replay comes between a plain step and the round that reads them); a draft with KV of
-        its own catches up once too far behind."""
+        its own catches up once too far behind. The same few operations whatever the batch, but
+        for a catch-up, a step's copy of the rows an EAGLE head reads, and a look at the requests
+        once some request has ended."""
         self._plain_count += 1
-        for req in reqs:
-            if req.finished:  # (in this step or before it): its plain steps are counted now
-                self.settle(req)
-        kept = self.drafter.hidden_kept
-        if kept == 0 or hidden is None:
-            hidden = None
-        elif kept != 1:
-            hidden = hidden.clone()
-            self._row_bytes = hidden.shape[-1] * hidden.element_size()
-        self._plain.append((reqs, hidden))
+        self._lag += 1
         self._behind += len(reqs)
-        if kept:
-            self._plain = self._plain[-kept:]
-        if self.drafter.runner.pool is not None and (len(self._plain) >= self.max_lag or self._too_far_behind()):
+        if self.scheduler.finishes != self._finishes:  # one ended (in this step or before it)
+            self._finishes = self.scheduler.finishes
+            for req in reqs:
+                if req.finished:  # its plain steps are counted now
+                    self.settle(req)
+        kept = self.drafter.hidden_kept
+        if kept != 0:
+            if kept != 1 and hidden is not None:
+                hidden = hidden.clone()
+                self._row_bytes = hidden.shape[-1] * hidden.element_size()
+            self._plain.append((reqs, hidden))
+            if kept:
+                del self._plain[:-kept]
+        if self.drafter.runner.pool is not None and (self._lag >= self.max_lag or self._too_far_behind()):
             self._resume([r for r in reqs if not r.finished])
+
+    def windows_moved(self) -> bool:
+        """Whether a step may have moved some request's SWA window where windows wait for the
+        draft (`Scheduler.window_from`: from the lesser of the target's and the draft's length):
+        only a step in which a draft moved on (a prefill chunk, a catch-up, a round) and the
+        plain step after it, whose KV reaches the token that draft stopped at; later plain
+        steps leave the window at the draft's length."""
+        return self._plain_count - self._moved <= 1
 
     def _too_far_behind(self) -> bool:
         """Whether the draft positions behind (no sooner than MAX_LAG steps) reach `lag_tokens`
         or hold HIDDEN_BYTES of kept target hidden states."""
         limit = min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
-        return self._behind >= limit and len(self._plain) >= MAX_LAG
+        return self._behind >= limit and self._lag >= MAX_LAG
 
     def settle(self, req: Request) -> None:
         """Count the plain steps a request took part in since it last caught up, as it catches up
@@ -267,7 +284,8 @@ class SpecWorker:
             for req in behind:
                 self.settle(req)
             self.catch_ups += 1
-        self._plain, self._behind = [], 0
+        self._plain, self._behind, self._lag = [], 0, 0
+        self._moved = self._plain_count  # (a round's drafts move on after it too)
 
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
         """Each request's target hidden states of positions [first, kv_len): from the first its
