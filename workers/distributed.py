@@ -136,8 +136,23 @@ class TPGroup:
         return ops_for(x).add_rms_norm(x, residual, weight, eps, gemma, before)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim`, in rank order: through peer memory for a
+        decode-sized contiguous `[rows, shard]` along the last dimension (the LM head's logits),
+        else the process group's all-gather."""
         if self.size == 1:
             return x
+        peer = self._peer
+        if (
+            peer is not None
+            and x.dim() == 2
+            and dim in (-1, 1)
+            and x.dtype == peer.buffer.dtype
+            and x.is_contiguous()
+            and x.numel() * x.element_size() <= PEER_BUFFER_BYTES
+        ):
+            from workers.models.all_reduce_norm import all_gather
+
+            return all_gather(x, peer.group)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

@@ -218,7 +218,49 @@ def interpreted() -> dict[str, dict]:
             "sum_exact": torch.equal(ranks[0]["sum"], sum(x.float() for x in xs).to(dtype)),
             "bookkeeping": all(r["bookkeeping"] for r in ranks),
         }
+    for name, (world, rows, shard, dtype) in GATHERS.items():
+        gen = torch.Generator().manual_seed(rows * shard)
+        xs = [torch.randn(rows, shard, generator=gen).to(getattr(torch, dtype)) for _ in range(world)]
+        xs[0][0, 0] = -0.0  # arrives as +0.0
+        want = torch.cat([torch.where(x == 0, torch.zeros_like(x), x) for x in xs], dim=-1)
+        got = [_gather_rank(world, r, xs) for r in range(world)]
+        found[name] = {
+            "exact": all(torch.equal(_bits(out), _bits(want)) for out, _ in got),
+            "bookkeeping": all(kept for _, kept in got),
+        }
     return found
+
+
+# all-gathers (ranks, rows, elements a rank, dtype): more blocks than programs, a ragged last block
+GATHERS = {"gather-2-bfloat16": (2, 3, 700, "bfloat16"), "gather-4-float32": (4, 2, 1500, "float32")}
+
+
+def _gather_rank(world: int, rank: int, xs: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """Rank `rank`'s all-gather over peers that have pushed their rows into its buffer (two
+    programs at most): what it gathered, and whether it pushed its rows into its slot of every
+    peer's buffer, left its own buffer empty and moved to the next generation."""
+    from workers.models.all_reduce_norm import PushGroup, all_gather, empty_push_buffer
+
+    n = xs[0].numel()
+    slot = n + 5
+    buffers = [torch.empty(2 * world * slot, dtype=xs[0].dtype) for _ in range(world)]
+    for b in buffers:
+        empty_push_buffer(b)
+    state = torch.zeros(2, dtype=torch.int32)
+    group = PushGroup(torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64), state, slot, rank, world, 2)
+    pushes = [torch.where(x == 0, torch.zeros_like(x), x).view(-1) for x in xs]  # what each rank pushes
+    for peer in range(world):
+        if peer != rank:
+            buffers[rank][peer * slot : peer * slot + n] = pushes[peer]
+    out = all_gather(xs[rank].clone(), group)
+    pushed = pushes[rank]
+    mine, kept = rank * slot, state.tolist() == [1, 0]
+    for peer in range(world):
+        if peer != rank:
+            kept &= torch.equal(_bits(buffers[peer][mine : mine + n]), _bits(pushed))
+            empty_push_buffer(buffers[peer][mine : mine + n])
+    kept &= all(bool((_bits(b) == torch.iinfo(_bits(b).dtype).min).all()) for b in buffers)
+    return out, kept
 
 
 def _ulp(ref: torch.Tensor) -> torch.Tensor:
@@ -243,6 +285,14 @@ def test_fused_kernel_matches_the_torch_ops_in_the_interpreter(interpreter_findi
     else:
         assert found["ulps"] <= 1 and found["share"] <= 0.01, found
     assert found["ranks_agree"] and found["bookkeeping"] and found["sum_exact"], found
+
+
+@pytest.mark.parametrize("case", GATHERS)
+def test_all_gather_kernel_places_every_ranks_rows_in_the_interpreter(interpreter_findings, case):
+    """Every rank's rows side by side in rank order, bit for bit (a -0.0 as +0.0), each rank's
+    pushes in its slot of every peer's buffer, its own buffer left empty, the generation moved."""
+    found = interpreter_findings[case]
+    assert found["exact"] and found["bookkeeping"], found
 
 
 if __name__ == "__main__":

@@ -121,21 +121,25 @@ def _one_shot_rank(rank: int, port: int, results) -> None:
     g = torch.Generator(device="cuda").manual_seed(rank)
     inputs = [torch.randn(n, 4096, generator=g, device="cuda").to(torch.bfloat16) for n in (1, 3, 64)]
     big = torch.randn(256, 4096, generator=g, device="cuda").to(torch.bfloat16)  # past the buffer: NCCL
+    # LM-head shards (Llama 3's vocabulary over two ranks, a few rows) and one past the buffer
+    shards = [torch.randn(n, 64128, generator=g, device="cuda").to(torch.bfloat16) for n in (1, 5, 9)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside capture (NCCL connects lazily)
         for x in inputs:
             one_shot.all_reduce(x.clone())
         nccl.all_reduce(big.clone())
+        nccl.all_gather(shards[-1])
     torch.cuda.current_stream().wait_stream(stream)
     graph, outs = torch.cuda.CUDAGraph(), []
     with torch.cuda.graph(graph):
         # Back to back on one buffer, as a decode step's layers use it.
         outs = [one_shot.all_reduce(x.clone()) for x in inputs] + [one_shot.all_reduce(big.clone())]
+        outs += [one_shot.all_gather(x) for x in shards]
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    wants = [nccl.all_reduce(x.clone()) for x in inputs + [big]]
+    wants = [nccl.all_reduce(x.clone()) for x in inputs + [big]] + [nccl.all_gather(x) for x in shards]
     same = all(torch.equal(o, w) for o, w in zip(outs, wants, strict=True))
     # The reference itself: every rank's input, summed on the host in float32.
     gathered = [torch.empty_like(inputs[0]) for _ in range(2)]
@@ -149,8 +153,8 @@ def _one_shot_rank(rank: int, port: int, results) -> None:
 
 def test_one_shot_all_reduce_equals_nccl_under_graph_replay():
     """Two ranks' sums through peer memory, captured and replayed back to back on one buffer,
-    equal NCCL's bit for bit (a sum of two bf16 values rounds once either way); a message past
-    the buffer takes NCCL."""
+    equal NCCL's bit for bit (a sum of two bf16 values rounds once either way), and so do the
+    LM head's gathered vocabulary shards; messages past the buffer take NCCL."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     same, close = _on_two_gpus(_one_shot_rank, timeout=300)

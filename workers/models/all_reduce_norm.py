@@ -1,7 +1,8 @@
 """A row-parallel projection's all-reduce, the residual add and the RMSNorm after it, in one
 Triton kernel a rank, over peer memory (decode-sized messages, `TPGroup.all_reduce_add_rms_norm`);
 the same kernel without the add and norm is the group's all-reduce of such messages
-(`TPGroup.all_reduce`).
+(`TPGroup.all_reduce`), and a kernel of the same kind its all-gather (`TPGroup.all_gather`: the
+LM head's vocabulary shards).
 
 A tensor-parallel decode step all-reduces each layer's attention and MLP outputs and adds each to
 the residual stream before normalising it: a collective kernel, then an add + norm kernel, twice
@@ -121,6 +122,63 @@ def _all_reduce_add_rms_norm_kernel(
         tl.store(state, 1 - generation)
 
 
+@triton.jit
+def _all_gather_kernel(
+    x_ptr,
+    out_ptr,
+    buffers,
+    state,
+    n,
+    shard,
+    slot_size,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[r, s * shard + c] = rank s's x[r, c]: each program pushes its blocks of this rank's
+    `n` elements into its slot of every rank's buffer, then copies every rank's slot of its own
+    buffer into place, as the all-reduce does (same markers, slots and generations)."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    dtype = out_ptr.dtype.element_ty
+    generation = tl.load(state)
+    pushed = (generation * WORLD + RANK) * slot_size
+    for start in range(pid * BLOCK, n, step):
+        at = start + tl.arange(0, BLOCK)
+        inside = at < n
+        x = tl.load(x_ptr + at, mask=inside, other=0.0)
+        x = tl.where(empty_slot(x, BITS), tl.zeros_like(x), x)
+        for peer in tl.static_range(WORLD):
+            theirs = tl.load(buffers + peer).to(tl.pointer_type(dtype))
+            tl.store(theirs + pushed + at, x, mask=inside)
+    mine = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
+    if BITS == 16:
+        empty = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
+    else:
+        empty = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)
+    for start in range(pid * BLOCK, n, step):
+        at = start + tl.arange(0, BLOCK)
+        inside = at < n
+        row, col = at // shard, at % shard
+        for peer in tl.static_range(WORLD):
+            slot = mine + (generation * WORLD + peer) * slot_size + at
+            got = tl.load(slot, mask=inside, other=0.0, volatile=True)
+            while tl.sum((empty_slot(got, BITS) & inside).to(tl.int32), axis=0) > 0:
+                got = tl.load(slot, mask=inside, other=0.0, volatile=True)
+            tl.store(out_ptr + row * (WORLD * shard) + peer * shard + col, got, mask=inside)
+            tl.store(slot, empty, mask=inside)
+    tl.debug_barrier()  # every thread of the program is done before it counts itself finished
+    if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(state + 1, 0)
+        tl.store(state, 1 - generation)
+
+
+GATHER_BLOCK = 1024  # elements a program moves at a time
+
+
 @dataclasses.dataclass(frozen=True)
 class PushGroup:
     """What a rank's kernel needs of its group: every rank's push buffer address (int64; each
@@ -158,6 +216,31 @@ def all_reduce_add_rms_norm(
 def all_reduce(x: torch.Tensor, group: PushGroup) -> torch.Tensor:
     """The sum of every rank's `x` (contiguous, at most a slot), rounded to its dtype."""
     return _launch(x, group, False, x.view(-1, x.shape[-1]), x, 0.0, False, None, None)
+
+
+def all_gather(x: torch.Tensor, group: PushGroup) -> torch.Tensor:
+    """Every rank's `x` (contiguous, `[rows, shard]`, at most a slot) side by side along the
+    last dimension, rank order: `[rows, world * shard]`. A -0.0 arrives as +0.0."""
+    rows, shard = x.shape
+    out = torch.empty(rows, group.world * shard, dtype=x.dtype, device=x.device)
+    grid = min(triton.cdiv(x.numel(), GATHER_BLOCK), group.programs)
+    if grid:
+        _all_gather_kernel[(grid,)](
+            x,
+            out,
+            group.buffers,
+            group.state,
+            x.numel(),
+            shard,
+            group.slot_size,
+            RANK=group.rank,
+            WORLD=group.world,
+            BITS=8 * x.element_size(),
+            BLOCK=GATHER_BLOCK,
+            num_warps=4,
+            **pdl_options(grid),
+        )
+    return out
 
 
 def _launch(
