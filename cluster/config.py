@@ -144,8 +144,9 @@ class EngineArgs(BaseModel):
     )
     tp_all_reduce: Literal["nccl", "one_shot"] = Field(
         "nccl",
-        description="tensor-parallel all-reduces of decode size: NCCL, or one kernel over peer memory "
-        "(one_shot: CUDA only; prefill-sized messages stay on NCCL)",
+        description="tensor-parallel collectives of decode size (all-reduces, with the residual add and norm "
+        "after them, and the LM head's all-gather): NCCL, or one kernel over peer memory (one_shot: CUDA only; "
+        "prefill-sized messages stay on NCCL)",
     )
     moe_parallel: Literal["tensor", "expert"] = Field(
         "tensor",
