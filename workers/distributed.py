@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # the models' module imports this one, and Triton
+    from workers.models.all_reduce_norm import PushGroup
 
 AllReduce = Literal["nccl", "one_shot"]
 Method = Literal["one_shot_fused", "one_shot", "nccl"]
@@ -46,7 +49,7 @@ class PeerMemory:
     (`workers.models.all_reduce_norm.PushGroup`), set up by `TPGroup.use_one_shot_all_reduce`."""
 
     buffer: torch.Tensor
-    group: Any  # PushGroup (the models' module imports this one)
+    group: PushGroup
 
 
 @dataclasses.dataclass
@@ -87,8 +90,7 @@ class TPGroup:
 
     def method(self, x: torch.Tensor, then_norm: bool = False) -> Method:
         """How `x` is all-reduced (`then_norm`: by `all_reduce_add_rms_norm`)."""
-        peer = self._peer
-        if peer is None or x.dtype != peer.buffer.dtype or not x.is_contiguous() or x.shape[-1] > MAX_ROW:
+        if not self._peer_takes(x) or x.shape[-1] > MAX_ROW:
             return "nccl"
         fused = then_norm and self.fuse_norm
         nbytes = x.numel() * x.element_size()
@@ -96,6 +98,10 @@ class TPGroup:
             if nbytes <= bound and (fused or method != "one_shot_fused"):
                 return method
         return "nccl"
+
+    def _peer_takes(self, x: torch.Tensor) -> bool:
+        """Whether peer memory is set up for `x`'s dtype and `x` is contiguous."""
+        return self._peer is not None and x.dtype == self._peer.buffer.dtype and x.is_contiguous()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (NCCL sums in place: `x` is the result)."""
@@ -141,18 +147,15 @@ class TPGroup:
         else the process group's all-gather."""
         if self.size == 1:
             return x
-        peer = self._peer
         if (
-            peer is not None
-            and x.dim() == 2
+            x.dim() == 2
             and dim in (-1, 1)
-            and x.dtype == peer.buffer.dtype
-            and x.is_contiguous()
+            and self._peer_takes(x)
             and x.numel() * x.element_size() <= PEER_BUFFER_BYTES
         ):
             from workers.models.all_reduce_norm import all_gather
 
-            return all_gather(x, peer.group)
+            return all_gather(x, self._peer.group)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

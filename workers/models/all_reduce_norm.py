@@ -48,6 +48,44 @@ def empty_slot(x, BITS: tl.constexpr):
 
 
 @triton.jit
+def empty_marker(dtype, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """A block of empty markers in `dtype`."""
+    if BITS == 16:
+        return tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
+    else:
+        return tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)
+
+
+@triton.jit
+def push(src, mask, buffers, offsets, dtype, WORLD: tl.constexpr, BITS: tl.constexpr):
+    """Store the block at `src` at `offsets` of every rank's buffer (a -0.0 as +0.0: never empty)."""
+    x = tl.load(src, mask=mask, other=0.0)
+    x = tl.where(empty_slot(x, BITS), tl.zeros_like(x), x)
+    for peer in tl.static_range(WORLD):
+        theirs = tl.load(buffers + peer).to(tl.pointer_type(dtype))
+        tl.store(theirs + offsets, x, mask=mask)
+
+
+@triton.jit
+def take(at, mask, empty, BITS: tl.constexpr):
+    """The block a peer pushed at `at`, once no element of it is empty; the block emptied after."""
+    got = tl.load(at, mask=mask, other=0.0, volatile=True)
+    while tl.sum((empty_slot(got, BITS) & mask).to(tl.int32), axis=0) > 0:
+        got = tl.load(at, mask=mask, other=0.0, volatile=True)
+    tl.store(at, empty, mask=mask)
+    return got
+
+
+@triton.jit
+def finish_call(state, generation):
+    """Count this program finished; the call's last one moves the rank to the other generation."""
+    tl.debug_barrier()  # every thread of the program is done before it counts itself finished
+    if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(state + 1, 0)
+        tl.store(state, 1 - generation)
+
+
+@triton.jit
 def _all_reduce_add_rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -81,27 +119,16 @@ def _all_reduce_add_rms_norm_kernel(
     generation = tl.load(state)
     pushed = (generation * WORLD + RANK) * slot_size
     for row in range(pid, rows, programs):
-        x = tl.load(x_ptr + row * size + cols, mask=mask, other=0.0)
-        x = tl.where(empty_slot(x, BITS), tl.zeros_like(x), x)
-        for peer in tl.static_range(WORLD):
-            theirs = tl.load(buffers + peer).to(tl.pointer_type(dtype))
-            tl.store(theirs + pushed + row * size + cols, x, mask=mask)
+        push(x_ptr + row * size + cols, mask, buffers, pushed + row * size + cols, dtype, WORLD, BITS)
     mine = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
-    if BITS == 16:
-        empty = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
-    else:
-        empty = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)
+    empty = empty_marker(dtype, BITS, BLOCK)
     if NORM:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     for row in range(pid, rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
         for peer in tl.static_range(WORLD):
             at = mine + (generation * WORLD + peer) * slot_size + row * size + cols
-            got = tl.load(at, mask=mask, other=0.0, volatile=True)
-            while tl.sum((empty_slot(got, BITS) & mask).to(tl.int32), axis=0) > 0:
-                got = tl.load(at, mask=mask, other=0.0, volatile=True)
-            total += got.to(tl.float32)
-            tl.store(at, empty, mask=mask)
+            total += take(at, mask, empty, BITS).to(tl.float32)
         x = total.to(dtype)
         if NORM:
             if BIAS:
@@ -116,10 +143,7 @@ def _all_reduce_add_rms_norm_kernel(
             tl.store(out_ptr + row * size + cols, normed_res, mask=mask)
         else:  # the all-reduce alone
             tl.store(out_ptr + row * size + cols, x, mask=mask)
-    tl.debug_barrier()  # every thread of the program is done before it counts itself finished
-    if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == programs - 1:
-        tl.store(state + 1, 0)
-        tl.store(state, 1 - generation)
+    finish_call(state, generation)
 
 
 @triton.jit
@@ -149,31 +173,17 @@ def _all_gather_kernel(
     for start in range(pid * BLOCK, n, step):
         at = start + tl.arange(0, BLOCK)
         inside = at < n
-        x = tl.load(x_ptr + at, mask=inside, other=0.0)
-        x = tl.where(empty_slot(x, BITS), tl.zeros_like(x), x)
-        for peer in tl.static_range(WORLD):
-            theirs = tl.load(buffers + peer).to(tl.pointer_type(dtype))
-            tl.store(theirs + pushed + at, x, mask=inside)
+        push(x_ptr + at, inside, buffers, pushed + at, dtype, WORLD, BITS)
     mine = tl.load(buffers + RANK).to(tl.pointer_type(dtype))
-    if BITS == 16:
-        empty = tl.full([BLOCK], -32768, tl.int16).to(dtype, bitcast=True)
-    else:
-        empty = tl.full([BLOCK], -2147483648, tl.int32).to(dtype, bitcast=True)
+    empty = empty_marker(dtype, BITS, BLOCK)
     for start in range(pid * BLOCK, n, step):
         at = start + tl.arange(0, BLOCK)
         inside = at < n
         row, col = at // shard, at % shard
         for peer in tl.static_range(WORLD):
-            slot = mine + (generation * WORLD + peer) * slot_size + at
-            got = tl.load(slot, mask=inside, other=0.0, volatile=True)
-            while tl.sum((empty_slot(got, BITS) & inside).to(tl.int32), axis=0) > 0:
-                got = tl.load(slot, mask=inside, other=0.0, volatile=True)
+            got = take(mine + (generation * WORLD + peer) * slot_size + at, inside, empty, BITS)
             tl.store(out_ptr + row * (WORLD * shard) + peer * shard + col, got, mask=inside)
-            tl.store(slot, empty, mask=inside)
-    tl.debug_barrier()  # every thread of the program is done before it counts itself finished
-    if tl.atomic_add(state + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.store(state + 1, 0)
-        tl.store(state, 1 - generation)
+    finish_call(state, generation)
 
 
 GATHER_BLOCK = 1024  # elements a program moves at a time
