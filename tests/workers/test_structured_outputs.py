@@ -155,16 +155,24 @@ def test_each_kind_of_output_matches_its_reference_and_xgrammars_matcher(plain, 
     plain.check_no_leak()
 
 
-@pytest.mark.parametrize("algorithm, graphs", [(a, g) for a in sorted(DRAFTS) for g in (False, "emulate")])
-def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, algorithm, graphs, monkeypatch):
-    """Every draft step masked after the drafts before it, every verify position after its draft
-    prefix, acceptance over the masked distributions: the tokens are plain decoding's. The rounds
-    draft on the device (no host draw, no target-wide draft row) and read the device at most
-    k + 1 times: each draft, then the verify's choices. Under (emulated) graphs every draft step,
-    verify and catch-up replays its graph; a draft with a fixed catch-up window launches it before
-    the round's last read."""
+@pytest.mark.parametrize(
+    "algorithm, graphs, masked",
+    [(a, g, False) for a in sorted(DRAFTS) for g in (False, "emulate")]
+    + [(a, "emulate", True) for a in sorted(DRAFTS)],
+)
+def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, algorithm, graphs, masked, monkeypatch):
+    """Every verify position masked after its draft prefix (a prefix the grammar refuses masks
+    nothing: acceptance stops before it), acceptance over the masked distributions: the tokens are
+    plain decoding's. The rounds draft on the device (no host draw, no target-wide draft row).
+    With free drafts (the default) a round reads the device twice: its drafts while the verify
+    runs, to fill the verify's masks, then the verify's choices; with `masked_drafts` every draft
+    step is masked after the drafts before it and a round reads at most k + 1 times: each draft,
+    then the verify's choices. Under (emulated) graphs every draft step, verify and catch-up
+    replays its graph; a draft with a fixed catch-up window launches it before the round's last
+    read."""
     params, want = plain_outputs
     eng = _engine(algorithm, graphs)
+    eng.spec.drafter.masked_drafts = masked
     reads, rounds, launched = [], [], []  # launched: each round's forwards (mode, graphed) and reads
 
     def counted(flight):
@@ -207,8 +215,9 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
         assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), (i, a.text, b.text)
     accepted = [n for o in got for n in o.spec.accept_lengths]
     assert max(accepted) > 2 and min(accepted) < 4, f"drafts never partly accepted: {accepted}"
-    assert eng.spec.masked_rounds == len(rounds) > 0
-    assert all(n <= k + 1 for k, n in rounds) and any(n == k + 1 for k, n in rounds), rounds
+    assert rounds and eng.spec.masked_rounds == (len(rounds) if masked else 0)
+    most = [k + 1 if masked else 2 for k, _ in rounds]
+    assert all(n <= m for (_, n), m in zip(rounds, most)) and any(n == m for (_, n), m in zip(rounds, most)), rounds
     if graphs:  # (a catch-up after plain steps is ragged: eager by design)
         assert all(graphed for log in launched for mode, graphed in log if mode not in ("read", "EXTEND")), launched
     if eng.spec.drafter.fixed_window:
@@ -230,6 +239,7 @@ def test_masked_rounds_launch_the_next_first_draft_step_before_the_engines_bookk
     it, its slots given back. A request joining mid-way: greedy output equals plain decoding's."""
     params, want = plain_outputs
     eng = _engine(algorithm)
+    eng.spec.drafter.masked_drafts = True
     eng.spec.controller = Schedule([3, 3, 2, 0, 3, 1])
     events, rounds, steps = [], [], [0]  # rounds: (k, engine step, rids, served, rids still running after it)
 
@@ -340,8 +350,9 @@ def test_sampled_json_always_parses_and_validates_under_speculation(prompts):
 
 
 def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(prompts, plain, tmp_path, monkeypatch):
-    """A hot-token map holding no digit under a digits-only grammar: every draft row has nothing
-    left after the mask, so the draft proposes uniformly among the tokens the grammar allows.
+    """A hot-token map holding no digit under a digits-only grammar, drafts masked: every draft
+    row has nothing left after the mask, so the draft proposes uniformly among the tokens the
+    grammar allows.
     Greedy output is plain decoding's, and every greedy draft (on the device) is one the grammar
     allows after the drafts before it; sampled requests finish matching the grammar (without the
     fallback their draft distributions would be empty and the requests would fail)."""
@@ -357,6 +368,7 @@ def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(p
         context_length=256,
         speculative={"algorithm": "eagle", "draft_model": DRAFTS["eagle"], "token_map": str(tmp_path / "hot.json")},
     )
+    eng.spec.drafter.masked_drafts = True
     spec = StructuredOutputs(regex="[0-9]{6}")
     want = plain.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
     proposed = []  # (committed tokens, drafts) of each request in each greedy round

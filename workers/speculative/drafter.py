@@ -97,6 +97,10 @@ class Drafter:
         self.vocab_size = target.model.cfg.vocab_size
         # its rows may hold no token a grammar allows: a draft vocabulary, or a subset of each row's
         self.partial_vocab = self.token_map is not None or getattr(runner.model, "scores_subset", False)
+        # Greedy rounds under grammars: off, drafts are the draft's own argmax (graphs, no reads
+        # between steps) and only the verify is masked, each position after the drafts before
+        # it; on, every draft step is masked after the drafts before it (a read a step)
+        self.masked_drafts = False
 
     def greedy(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Each row's most likely draft token, as a target id (on the device); `ids`: the target
@@ -339,7 +343,7 @@ class Drafter:
         if not reqs:
             return
         if all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs):  # argmax on the device: no sync
-            if any(r.grammar is not None for r in reqs):  # masked after the committed tokens
+            if self.masked_drafts and any(r.grammar is not None for r in reqs):  # masked after the committed tokens
                 best = self.greedy_masked(logits, ids, self.scheduler.history(reqs, partial_vocab=self.partial_vocab))
             else:
                 best = self.greedy(logits, ids)

@@ -26,9 +26,13 @@ while the host commits this one and never waits for the host's next launch; the 
 starts from its results, and the round's trim keeps the slots it writes. Anything the host
 learns at the read that changes the batch (a request finished or failed) discards both.
 Sampled rounds draw each draft on the host, since rejection sampling needs every draft's
-distribution. Greedy rounds whose only processor is a grammar mask each draft step on the device
-and take its argmax there; the host reads each draft, a few bytes, to fill the next step's masks
-(`_masked_round`: k + 1 reads a round, no host draw). Nothing of the next such round can be
+distribution. Greedy rounds whose only processor is a grammar draft as plain greedy rounds do;
+the host reads the drafts while the verify runs and fills the verify's masks meanwhile (each
+position after the drafts before it), and the masked argmax feeds the device-side acceptance
+count from which the catch-up and the next round's drafts are launched before the read of the
+target's choices: two reads a round. With `Drafter.masked_drafts`, such rounds mask each draft
+step on the device and take its argmax there; the host reads each draft, a few bytes, to fill
+the next step's masks (`_masked_round`: k + 1 reads a round, no host draw). Nothing of the next such round can be
 launched before the read (its first draft's mask follows the bonus token), but once the round is
 committed its next first drafts are proposed and the next round's draft step 2 is launched
 (`_step_ahead`), so the device runs it while the host does the engine's bookkeeping between
@@ -322,6 +326,7 @@ class SpecWorker:
             self.drops += 1
         logits = chosen = None  # the verify's, and its rows' distributions, where the host may read them
         masked = None  # a masked round's drafts on the device
+        free = None  # the device drafts of a round whose grammars mask only its verify
         proposal = None  # a masked round's next first drafts, proposed once the round is committed
         if isinstance(ahead, _Ahead) and ahead.verified is not None:  # verified already: straight to acceptance
             self.rounds_drafted_ahead += 1
@@ -334,9 +339,16 @@ class SpecWorker:
                 reqs, drafts, draft_probs = self._draft_on_device(reqs, drafted, k)
                 out = self._verify(reqs, drafts, k)
             elif all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs):
-                stepped = ahead if isinstance(ahead, _MaskedAhead) else None
-                out, drafts, masked = self._masked_round(reqs, k, stepped)
-                draft_probs = [[None] * k for _ in reqs]
+                if self.drafter.masked_drafts:
+                    stepped = ahead if isinstance(ahead, _MaskedAhead) else None
+                    out, drafts, masked = self._masked_round(reqs, k, stepped)
+                    draft_probs = [[None] * k for _ in reqs]
+                else:
+                    drafted = ahead if isinstance(ahead, _Ahead) else None
+                    reqs, free, draft_probs = self._draft_on_device(reqs, drafted, k)
+                    copied = InFlight.of(reqs, free)  # queued before the verify: read while it runs
+                    out = self._verify(reqs, free, k)
+                    drafts = copied.read()
             else:
                 reqs, drafts, draft_probs = self._draft_on_host(reqs, k)
                 if not reqs:
@@ -345,7 +357,7 @@ class SpecWorker:
             logits, hidden = out.logits, out.hidden
             # rows of grammar-only greedy requests that read no logits: masked in place (the draft
             # steps' masks at depths 0..k-1), no copy of the verify's logits
-            in_place = masked is not None and not any(r.sampling.reads_logits for r in reqs)
+            in_place = (masked is not None or free is not None) and not any(r.sampling.reads_logits for r in reqs)
             # Position j of a request is processed as plain decoding would process it there:
             # after the pending token and drafts 1..j (the chain that reaches it).
             params = [r.sampling for r in reqs for _ in range(k + 1)]
@@ -358,17 +370,21 @@ class SpecWorker:
         starts = [r.num_tokens - 1 for r in reqs]  # the pending token's position
         on_device = isinstance(drafts, torch.Tensor)
         early = False  # the draft's catch-up launched before the read
-        if on_device:  # the round's one device-to-host copy: drafts and the target's choices
-            flight = InFlight.of(reqs, torch.cat([drafts, best], dim=1))
-            accepted = (drafts == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
+        if on_device or free is not None:  # the round's one copy of the target's choices (and drafts)
+            device_drafts = drafts if on_device else free
+            flight = InFlight.of(reqs, torch.cat([drafts, best], dim=1) if on_device else best)
+            accepted = (device_drafts == best[:, :k]).to(torch.int64).cumprod(dim=1).sum(dim=1)
             if self.drafter.fixed_window:  # the draft catches up, and drafts the next round, meanwhile
                 self.drafter.catch_up_verified(reqs, starts, accepted, k + 1, hidden, tokens=best.flatten())
             self._ahead = self._draft_ahead(reqs, accepted, best, hidden)
             early = self.drafter.fixed_window or self._ahead is not None  # a frozen-KV chain ahead is its catch-up
-            if self._ahead is not None:
+            if self._ahead is not None and on_device:  # (a grammar's verify masks need its drafts on the host)
                 self._ahead.verified = self._verify_ahead(reqs, accepted, best, self._ahead.drafts)
-            both = flight.read()
-            drafts, best = [row[:k] for row in both], [row[k:] for row in both]
+            if on_device:
+                both = flight.read()
+                drafts, best = [row[:k] for row in both], [row[k:] for row in both]
+            else:
+                best = flight.read()
         else:  # one device-to-host copy of the target's choices
             flight = InFlight.of(reqs, best)
             if masked is not None and self.drafter.fixed_window:  # the catch-up runs while the host commits
