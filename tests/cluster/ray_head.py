@@ -103,7 +103,10 @@ class Head:
         return run_cli("serve", "status", "-a", self.address, env=self.env, timeout=60).returncode == 0
 
     def status(self) -> str:
-        return run_cli("serve", "status", "-a", self.address, env=self.env, timeout=60).stdout
+        """`serve status`'s output; its error output where it fails (an empty answer says nothing)."""
+        done = run_cli("serve", "status", "-a", self.address, env=self.env, timeout=60)
+        assert done.returncode == 0 and done.stdout, f"serve status: rc {done.returncode}: {done.stderr[-2000:]}"
+        return done.stdout
 
     def wait_running(self, timeout: float = 240) -> None:
         """Until an application's status is RUNNING, as `serve status` would print it."""
