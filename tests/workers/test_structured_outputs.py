@@ -349,18 +349,12 @@ def test_sampled_json_always_parses_and_validates_under_speculation(prompts):
     eng.check_no_leak()
 
 
-def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(prompts, plain, tmp_path, monkeypatch):
-    """A hot-token map holding no digit under a digits-only grammar, drafts masked: every draft
-    row has nothing left after the mask, so the draft proposes uniformly among the tokens the
-    grammar allows.
-    Greedy output is plain decoding's, and every greedy draft (on the device) is one the grammar
-    allows after the drafts before it; sampled requests finish matching the grammar (without the
-    fallback their draft distributions would be empty and the requests would fail)."""
-    tokenizer, vocab = plain.tokenizer, plain.cfg.vocab_size
-    eos = plain.cfg.eos_token_ids
+def _digitless_draft_engine(plain: Engine, tmp_path) -> Engine:
+    """An EAGLE draft whose hot-token map holds no digit (nor a stop token)."""
+    tokenizer, vocab, eos = plain.tokenizer, plain.cfg.vocab_size, plain.cfg.eos_token_ids
     hot = [t for t in range(vocab) if t not in eos and not any(c.isdigit() for c in tokenizer.decode([t]))]
     (tmp_path / "hot.json").write_text(json.dumps(hot))
-    eng = Engine(
+    return Engine(
         model=TARGET,
         page_size=4,
         attention_backend="trtllm_mha",
@@ -368,7 +362,34 @@ def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(p
         context_length=256,
         speculative={"algorithm": "eagle", "draft_model": DRAFTS["eagle"], "token_map": str(tmp_path / "hot.json")},
     )
+
+
+def test_free_drafts_the_grammar_refuses_are_never_accepted(prompts, plain, tmp_path):
+    """Free drafts (the default) from a draft that can propose no digit, under a digits-only
+    grammar: every draft is refused at the verify's masked position, so every round commits only
+    the target's token, and greedy output is plain decoding's."""
+    eng = _digitless_draft_engine(plain, tmp_path)
+    spec = StructuredOutputs(regex="[0-9]{6}")
+    want = plain.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
+    got = eng.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    lengths = [n for o in got for n in o.spec.accept_lengths]
+    assert lengths and set(lengths) == {1}, lengths
+    assert eng.spec.masked_rounds == 0
+    eng.check_no_leak()
+
+
+def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(prompts, plain, tmp_path, monkeypatch):
+    """A hot-token map holding no digit under a digits-only grammar, drafts masked: every draft
+    row has nothing left after the mask, so the draft proposes uniformly among the tokens the
+    grammar allows.
+    Greedy output is plain decoding's, and every greedy draft (on the device) is one the grammar
+    allows after the drafts before it; sampled requests finish matching the grammar (without the
+    fallback their draft distributions would be empty and the requests would fail)."""
+    eng = _digitless_draft_engine(plain, tmp_path)
     eng.spec.drafter.masked_drafts = True
+    tokenizer, vocab, eos = plain.tokenizer, plain.cfg.vocab_size, plain.cfg.eos_token_ids
+    hot = eng.spec.drafter.token_map.tolist()
     spec = StructuredOutputs(regex="[0-9]{6}")
     want = plain.generate(prompt_token_ids=prompts, sampling=_greedy(spec))
     proposed = []  # (committed tokens, drafts) of each request in each greedy round
