@@ -95,6 +95,18 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
     finish(engine, rids)
     if trace:
         prof.export_chrome_trace(trace)
+    return {
+        "wall_ms_per_step": 1e3 * plain.seconds / steps,  # without the profiler
+        "starved": plain.starved,  # steps that found the device idle (decode_step.timed_steps)
+        "profiled_wall_ms_per_step": 1e3 * wall / steps,
+        **kernel_summary(prof, steps, top),
+        "sync_sites_per_4_steps": sites,
+    }
+
+
+def kernel_summary(prof: profile, steps: int, top: int) -> dict:
+    """What the device did in a profile of `steps` steps: GPU-busy time, kernel launches and host
+    synchronisations per step, the longest idle gaps and the `top` kernels by the time they add."""
     kernels = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
@@ -109,13 +121,9 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
         if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
     )
     return {
-        "wall_ms_per_step": 1e3 * plain.seconds / steps,  # without the profiler
-        "starved": plain.starved,  # steps that found the device idle (decode_step.timed_steps)
-        "profiled_wall_ms_per_step": 1e3 * wall / steps,
         "gpu_busy_ms_per_step": sum(added) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
         "syncs_per_step": syncs / steps,
-        "sync_sites_per_4_steps": sites,
         "idle_gaps": idle_gaps(kernels, steps, top),
         "top_kernels": [  # ranked by the time they add (`added_us`); `us_per_step`: their own durations
             {

@@ -24,6 +24,10 @@ plain steps of the same size and all-reduce (`round_over_plain_step`: dummy draf
 never accepted, so a step is a round). Also measured: captured graphs of 64 all-reduces of one decode step's hidden
 state (bf16, batch 1 and 64), the collective's own cost per step, alone (`allreduce_us`) and
 with the residual add and RMSNorm after it (`allreduce_norm_us`, `TPGroup.all_reduce_add_rms_norm`).
+With `--profile N`, rank 0 runs each batch once more under torch.profiler from the moment every
+request has its first token (`ops/bench/profile_step.py`'s summary: GPU-busy ms, kernel launches
+and host synchronisations per step, the N kernels that add the most time and the longest idle
+gaps), written to `--out` beside the timed figures and not recorded.
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ import time
 
 import torch
 import torch.multiprocessing as mp
+from torch.profiler import ProfilerActivity, profile
 
 from ops.bench import free_port
 from ops.bench.decode_throughput import NEW, PROMPT, SHAPES, SPEC_TARGETS, random_prompts, write_config
+from ops.bench.profile_step import kernel_summary
 from ops.bench.record import add_record_args, record_run
 from workers.distributed import TPGroup, join_tp_group, leave_tp_group
 from workers.engine import Engine, SamplingParams
@@ -61,6 +67,7 @@ class BatchClock:
         self.first: dict[str, float] = {}
         self.tokens = 0
         self.finished = 0
+        self.started = threading.Event()  # every request has its first token
         self.done = threading.Event()
 
     def on_updates(self, updates: list[Update]) -> None:
@@ -68,6 +75,8 @@ class BatchClock:
         for u in updates:
             if u.token_ids and u.rid not in self.first:
                 self.first[u.rid] = now
+                if len(self.first) == self.size:
+                    self.started.set()
             elif u.rid in self.first:
                 self.tokens += len(u.token_ids)
             if u.error:
@@ -125,7 +134,14 @@ def allreduce_graph_us(tp: TPGroup, hidden: int, batch: int, norm: bool = False,
 
 
 def _rank_main(
-    rank: int, world: int, port: int, engine_kwargs: dict, batches: list[int], all_reduce: str, results
+    rank: int,
+    world: int,
+    port: int,
+    engine_kwargs: dict,
+    batches: list[int],
+    all_reduce: str,
+    results,
+    profile_top: int = 0,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank}/{world} %(message)s")
     torch.cuda.set_device(rank)
@@ -155,6 +171,9 @@ def _rank_main(
             if tag != "warmup":
                 out[tag] = clock.result()
                 logger.info("tp %d batch %d: %.1f tok/s", world, batch, out[tag]["tok_per_s"])
+                if profile_top:
+                    clock = BatchClock(batch)
+                    out[tag]["profile"] = _profiled(loop, clock, engine.cfg.vocab_size, f"{tag}-profiled", profile_top)
         loop.stop()
         thread.join()
         results.put(pickle.dumps(out))
@@ -165,12 +184,28 @@ def _rank_main(
     os._exit(0)  # without tearing NCCL down (`leave_tp_group`)
 
 
-def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: str) -> dict:
+def _profiled(loop: RankLoop, clock: BatchClock, vocab: int, tag: str, top: int) -> dict:
+    """The batch of `clock` once more, its decode profiled from the moment every request has its
+    first token to the last token (`kernel_summary`; the steps counted in that time)."""
+    sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(vocab, clock.size, PROMPT, seed=clock.size)):
+        loop.submit(f"{tag}-{i}", prompt, sampling)
+    if not clock.started.wait(600):
+        raise TimeoutError(f"{tag}: the batch did not start")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        tokens = clock.tokens
+        if not clock.done.wait(600):
+            raise TimeoutError(f"{tag}: the batch did not finish")
+        steps = max(1, round((clock.tokens - tokens) / clock.size))
+    return kernel_summary(prof, steps, top)
+
+
+def run_size(world: int, engine_kwargs: dict, batches: list[int], all_reduce: str, profile_top: int = 0) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, batches, all_reduce, results))
+        ctx.Process(target=_rank_main, args=(r, world, port, engine_kwargs, batches, all_reduce, results, profile_top))
         for r in range(world)
     ]
     for p in procs:
@@ -244,7 +279,8 @@ def cases(report: dict) -> dict[str, dict]:
                     continue
                 keys = (f"{k}/{batch}" for k in ("allreduce_us", "allreduce_norm_us"))
                 reduce = {key.split("/")[0]: got[key] for key in keys if key in got}
-                out[f"{report['shape']}/{run}/{batch}"] = {**figures, **reduce}
+                timed = {k: v for k, v in figures.items() if k != "profile"}  # (a profile stays in --out)
+                out[f"{report['shape']}/{run}/{batch}"] = {**timed, **reduce}
     return out
 
 
@@ -268,6 +304,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="drafts to time rounds of besides plain steps (decode_throughput's: eagle, eagle3, frozen_kv_mtp "
         f"for llama3-8b, assistant for gemma4-31b), comma-separated; a name ending {REPLICATED} runs the draft "
         "whole on every rank",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="rank 0 profiles each batch once more: the N costliest kernels a step, in --out only",
     )
     add_record_args(parser)
     args = parser.parse_args(argv)
@@ -308,11 +351,12 @@ def main(argv: list[str] | None = None) -> dict:
             kwargs = {**engine_kwargs, "moe_parallel": moe}
             if draft is not None:
                 kwargs["speculative"] = drafts[draft]
+            name = run_name(world, all_reduce, moe, draft)
             try:
-                report[run_name(world, all_reduce, moe, draft)] = run_size(world, kwargs, batches, all_reduce)
+                report[name] = run_size(world, kwargs, batches, all_reduce, args.profile)
             except RuntimeError:  # the other runs still measure; the report names the failed one
-                logger.exception("%s failed", run_name(world, all_reduce, moe, draft))
-                report.setdefault("failed", []).append(run_name(world, all_reduce, moe, draft))
+                logger.exception("%s failed", name)
+                report.setdefault("failed", []).append(name)
     base = report.get("tp1/nccl", {})
     for world, all_reduce, moe, draft in runs:
         name, plain = run_name(world, all_reduce, moe, draft), report.get(run_name(world, all_reduce, moe))
