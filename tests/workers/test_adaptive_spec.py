@@ -17,8 +17,8 @@ import pytest
 
 from attention import ForwardMode
 from ops import DEFAULT_MODEL, DRAFT_MODELS
-from tests.draft_models import SPEC_VARIANTS
-from tests.hf_models import WINDOW, random_prompts
+from tests.draft_models import SPEC_VARIANTS, make_perturbed_copy
+from tests.hf_models import WINDOW, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
 from workers.speculative.acceptance import AcceptanceModel
 from workers.speculative.controller import AdaptiveDraftSteps
@@ -382,6 +382,39 @@ def test_a_draft_with_full_kv_of_its_own_catches_up_when_a_round_comes(plain_tok
         behind = [k for k in at if k is not None]  # (not a prefill's)
         assert behind and (0 in behind) == plain_catch_ups, behind
         eng.check_no_leak()
+
+
+def test_a_draft_that_holds_nothing_while_behind_catches_up_only_before_a_round(tmp_path, monkeypatch):
+    """A standalone draft of a target without sliding windows holds nothing while plain steps
+    leave it behind: however far behind (past MAX_LAG steps and `lag_tokens`), it catches up only
+    when a round comes, in forwards of at most a prefill chunk, and greedy output stays plain
+    decoding's."""
+    import workers.speculative.worker as worker
+
+    target = str(tmp_path / "llama")
+    make_tiny_model("llama", target)
+    spec = {"algorithm": "standalone", "draft_model": make_perturbed_copy(target, str(tmp_path / "draft"), 0.05)}
+    kwargs = dict(model=target, page_size=4, chunked_prefill_size=8, max_total_tokens=1024, max_running_requests=2)
+    prompts = random_prompts([20, 12], vocab=256, seed=3)
+    want = [o.token_ids for o in Engine(**kwargs).generate(prompt_token_ids=prompts, sampling=GREEDY)]
+    monkeypatch.setattr(worker, "MAX_LAG", 2)
+    eng = Engine(**kwargs, speculative=spec | {"num_steps": K})
+    assert eng.spec.catches_up_lazily
+    eng.spec.controller, eng.spec.lag_tokens = Schedule([K] + [0] * 9), 2
+    forwards = []  # (draft steps of the engine step, entries the forward ran)
+    catch_up = eng.spec.drafter.catch_up
+
+    def counted(mode, reqs, hidden, most=None):
+        entries = sum(r.spec.draft_len for r in reqs)
+        catch_up(mode, reqs, hidden, most)
+        forwards.append((eng.last_step.draft_steps, sum(r.spec.draft_len for r in reqs) - entries))
+
+    eng.spec.drafter.catch_up = counted
+    assert [o.token_ids for o in eng.generate(prompt_token_ids=prompts, sampling=GREEDY)] == want
+    behind = [(k, n) for k, n in forwards if k is not None]  # (not a prefill's)
+    assert behind and all(k == K for k, _ in behind), behind  # never during plain steps
+    assert all(0 < n <= 8 for _, n in behind) and sum(n == 8 for _, n in behind) > 1, behind
+    eng.check_no_leak()
 
 
 def _catch_ups_in(eng: Engine) -> list[int | None]:

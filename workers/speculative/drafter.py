@@ -160,10 +160,16 @@ class Drafter:
         entry at q reads the state at q)."""
         return req.spec.draft_len
 
-    def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
-        """Run the draft over each request's entries [draft_len, goal)."""
+    def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows, most: int | None = None) -> None:
+        """Run the draft over each request's entries [draft_len, goal); with `most`, over at
+        most that many entries in all (each request's next ones, in request order): a request
+        that does not reach its goal proposes nothing yet."""
         todo = [(r, r.spec.draft_len, self.goal(r)) for r in reqs]
         todo = [(r, a, b) for r, a, b in todo if b > a]
+        if most is not None:
+            ends = itertools.accumulate(b - a for _, a, b in todo)
+            todo = [(r, a, min(b, b - max(0, end - most))) for (r, a, b), end in zip(todo, ends)]
+            todo = [(r, a, b) for r, a, b in todo if b > a]
         if not todo:
             return
         proposes = [b + self.shift == r.num_tokens for r, _, b in todo]
@@ -395,9 +401,10 @@ class FrozenKVDrafter(Drafter):
         """Step 1 reads the target's state at the position before the pending token."""
         return req.kv_len - 1
 
-    def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows) -> None:
+    def catch_up(self, mode: ForwardMode, reqs: list[Request], hidden: HiddenRows, most: int | None = None) -> None:
         """Draft step 1 for requests whose pending token follows the target's KV: the pending
-        token and the target's hidden state of the position before it."""
+        token and the target's hidden state of the position before it (one entry a request:
+        `most` bounds nothing)."""
         ready = [r for r in reqs if r.prefilled and r.kv_len == r.num_tokens - 1]
         if not ready:
             return

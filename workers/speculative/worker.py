@@ -151,6 +151,13 @@ class SpecWorker:
         self.controller: DraftSteps = FixedDraftSteps(num_steps)
         swa = drafter.runner.pool is not None and drafter.runner.pool.has_swa
         self.max_lag = MAX_LAG if swa else LAG_TOKENS  # plain steps behind before a catch-up
+        # A draft with KV of its own that reads no target hidden states, in pools without
+        # sliding windows, holds nothing while it falls behind (its pages are the target's, no
+        # window waits for it): it catches up only before its next round, in forwards of at
+        # most a prefill chunk, so plain steps where speculation does not pay cost no draft work
+        self.catches_up_lazily = (
+            drafter.runner.pool is not None and not drafter.reads_hidden and not scheduler.allocator.is_hybrid
+        )
         self.lag_tokens = LAG_TOKENS  # draft positions behind, over its requests, before a catch-up
         self._row_bytes = 0  # of the target hidden states kept per position
         self.catch_ups = 0  # catch-ups after plain decode steps
@@ -251,7 +258,11 @@ class SpecWorker:
             self._plain.append((reqs, hidden))
             if kept:
                 del self._plain[:-kept]
-        if self.drafter.runner.pool is not None and (self._lag >= self.max_lag or self._too_far_behind()):
+        if (
+            self.drafter.runner.pool is not None
+            and not self.catches_up_lazily
+            and (self._lag >= self.max_lag or self._too_far_behind())
+        ):
             self._resume([r for r in reqs if not r.finished])
 
     def windows_moved(self) -> bool:
@@ -284,7 +295,11 @@ class SpecWorker:
         behind = [r for r in reqs if not r.finished and r.spec.synced < self._plain_count]  # (all decoding)
         if behind:
             rows = self._plain_hidden(behind) if self.drafter.reads_hidden else {}
-            self.drafter.catch_up(ForwardMode.EXTEND, behind, rows)
+            most = self.scheduler.chunk if self.drafter.runner.pool is not None else None
+            todo = behind
+            while todo:  # forwards of at most a prefill chunk
+                self.drafter.catch_up(ForwardMode.EXTEND, todo, rows, most)
+                todo = [r for r in todo if most and not r.finished and r.spec.draft_len < self.drafter.goal(r)]
             for req in behind:
                 self.settle(req)
             self.catch_ups += 1
