@@ -161,11 +161,9 @@ def _rank_main(
     else:
         thread = threading.Thread(target=loop.run, name="rank0-loop")
         thread.start()
-        sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
         for tag, batch in [("warmup", max(batches))] + [(f"b{b}", b) for b in batches]:
             clock = BatchClock(batch)
-            for i, prompt in enumerate(random_prompts(engine.cfg.vocab_size, batch, PROMPT, seed=batch)):
-                loop.submit(f"{tag}-{i}", prompt, sampling)
+            _submit(loop, engine.cfg.vocab_size, batch, tag)
             if not clock.done.wait(600):
                 raise TimeoutError(f"tp {world} batch {batch} did not finish")
             if tag != "warmup":
@@ -184,12 +182,17 @@ def _rank_main(
     os._exit(0)  # without tearing NCCL down (`leave_tp_group`)
 
 
+def _submit(loop: RankLoop, vocab: int, batch: int, tag: str) -> None:
+    """A batch of greedy requests (the same prompts for the same batch size), ids `tag-i`."""
+    sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(vocab, batch, PROMPT, seed=batch)):
+        loop.submit(f"{tag}-{i}", prompt, sampling)
+
+
 def _profiled(loop: RankLoop, clock: BatchClock, vocab: int, tag: str, top: int) -> dict:
     """The batch of `clock` once more, its decode profiled from the moment every request has its
     first token to the last token (`kernel_summary`; the steps counted in that time)."""
-    sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(random_prompts(vocab, clock.size, PROMPT, seed=clock.size)):
-        loop.submit(f"{tag}-{i}", prompt, sampling)
+    _submit(loop, vocab, clock.size, tag)
     if not clock.started.wait(600):
         raise TimeoutError(f"{tag}: the batch did not start")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

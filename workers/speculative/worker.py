@@ -296,11 +296,10 @@ class SpecWorker:
         behind = [r for r in reqs if not r.finished and r.spec.synced < self._plain_count]  # (all decoding)
         if behind:
             rows = self._plain_hidden(behind) if self.drafter.reads_hidden else {}
-            most = self.scheduler.chunk if self.drafter.runner.pool is not None else None
             todo = behind
             while todo:  # forwards of at most a prefill chunk
-                self.drafter.catch_up(ForwardMode.EXTEND, todo, rows, most)
-                todo = [r for r in todo if most and not r.finished and r.spec.draft_len < self.drafter.goal(r)]
+                self.drafter.catch_up(ForwardMode.EXTEND, todo, rows, self.scheduler.chunk)
+                todo = [r for r in todo if not r.finished and r.spec.draft_len < self.drafter.goal(r)]
             for req in behind:
                 self.settle(req)
             self.catch_ups += 1
@@ -350,21 +349,21 @@ class SpecWorker:
             drafts, best, hidden = ahead.verified.drafts, ahead.verified.best, ahead.verified.hidden
             draft_probs = [[None] * k for _ in reqs]
         else:
-            if all(r.sampling.greedy and not at_work(r) for r in reqs):
+            greedy = all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs)
+            grammars = any(r.grammar is not None for r in reqs)
+            if greedy and not (grammars and self.drafter.masked_drafts):
                 drafted = ahead if isinstance(ahead, _Ahead) else None
                 reqs, drafts, draft_probs = self._draft_on_device(reqs, drafted, k)
+                # the verify's grammar masks follow the drafts: their copy, queued before the
+                # verify, is read while it runs
+                copied = InFlight.of(reqs, drafts) if grammars else None
                 out = self._verify(reqs, drafts, k)
-            elif all(r.sampling.greedy and not at_work(r, grammar=False) for r in reqs):
-                if self.drafter.masked_drafts:
-                    stepped = ahead if isinstance(ahead, _MaskedAhead) else None
-                    out, drafts, masked = self._masked_round(reqs, k, stepped)
-                    draft_probs = [[None] * k for _ in reqs]
-                else:
-                    drafted = ahead if isinstance(ahead, _Ahead) else None
-                    reqs, free, draft_probs = self._draft_on_device(reqs, drafted, k)
-                    copied = InFlight.of(reqs, free)  # queued before the verify: read while it runs
-                    out = self._verify(reqs, free, k)
-                    drafts = copied.read()
+                if copied is not None:
+                    free, drafts = drafts, copied.read()
+            elif greedy:
+                stepped = ahead if isinstance(ahead, _MaskedAhead) else None
+                out, drafts, masked = self._masked_round(reqs, k, stepped)
+                draft_probs = [[None] * k for _ in reqs]
             else:
                 reqs, drafts, draft_probs = self._draft_on_host(reqs, k)
                 if not reqs:
