@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     add_record_args(parser)
     args = parser.parse_args(argv)
+    if args.profile < 0:
+        raise SystemExit(f"--profile: {args.profile} kernels; give 0 (no profile) or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(s) for s in args.tp_sizes.split(",")]
