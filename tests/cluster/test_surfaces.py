@@ -380,7 +380,8 @@ def test_a_metrics_port_held_by_another_process_is_a_warning_then_served_once_fr
         return lambda message, *args: logged.append((level, message % args))
 
     monkeypatch.setattr(ingress, "METRICS_PORT_PATIENCE_S", 2)
-    monkeypatch.setattr(ingress.asyncio, "sleep", sleep)
+    # only the ingress module's asyncio: loops other tests left running in this process sleep too
+    monkeypatch.setattr(ingress, "asyncio", types.SimpleNamespace(sleep=sleep))
     # the module's logger itself: Serve, started in this process by other tests, may configure logging
     monkeypatch.setattr(ingress, "logger", types.SimpleNamespace(info=record("info"), warning=record("warning")))
     fake = types.SimpleNamespace(
