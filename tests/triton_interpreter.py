@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +30,39 @@ def interpreter_findings(module: str) -> dict:
     )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])
+
+
+def as_the_gpu_does() -> None:
+    """Make the interpreter handle bfloat16 as the GPU does (it keeps bfloat16 as its bits,
+    uint16): float32 -> bfloat16 rounds to nearest even, and arithmetic and `tl.dot` read the
+    operands' values."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast, binary, dot = builder.cast_impl, builder.binary_op, builder.create_dot
+
+    def to_bits(values: np.ndarray) -> np.ndarray:
+        rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
+        return rounded.view(torch.int16).numpy().view(np.uint16)
+
+    def values(bits: np.ndarray) -> np.ndarray:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    def as_values(t):
+        return interpreter.TensorHandle(values(t.data), tl.float32) if t.dtype.scalar == tl.bfloat16 else t
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast(self, src, dst_type)
+        return interpreter.TensorHandle(to_bits(src.data), tl.bfloat16)
+
+    def binary_op(self, lhs, rhs, op):
+        if lhs.dtype.scalar != tl.bfloat16 or rhs.dtype.scalar != tl.bfloat16:
+            return binary(self, lhs, rhs, op)
+        return interpreter.TensorHandle(to_bits(op(values(lhs.data), values(rhs.data))), tl.bfloat16)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, as_values(a), as_values(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.cast_impl, builder.binary_op, builder.create_dot = cast_impl, binary_op, create_dot

@@ -19,10 +19,10 @@ and compute on values, as the GPU does. The two-GPU runs are in test_gpu_tensor_
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
+from tests.triton_interpreter import as_the_gpu_does
 from tests.triton_interpreter import interpreter_findings as run_interpreted
 from workers.distributed import MAX_ROW, ONE_SHOT_METHODS, PeerMemory, TPGroup
 from workers.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
@@ -114,35 +114,6 @@ CASES = {
 }
 
 
-def _as_the_gpu_does() -> None:
-    """Make the interpreter round float32 -> bfloat16 to nearest even and do bfloat16 arithmetic
-    on values (it keeps bfloat16 as its bits, uint16)."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    cast, binary = builder.cast_impl, builder.binary_op
-
-    def to_bits(values: np.ndarray) -> np.ndarray:
-        rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
-        return rounded.view(torch.int16).numpy().view(np.uint16)
-
-    def values(bits: np.ndarray) -> np.ndarray:
-        return (bits.astype(np.uint32) << 16).view(np.float32)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return cast(self, src, dst_type)
-        return interpreter.TensorHandle(to_bits(src.data), tl.bfloat16)
-
-    def binary_op(self, lhs, rhs, op):
-        if lhs.dtype.scalar != tl.bfloat16 or rhs.dtype.scalar != tl.bfloat16:
-            return binary(self, lhs, rhs, op)
-        return interpreter.TensorHandle(to_bits(op(values(lhs.data), values(rhs.data))), tl.bfloat16)
-
-    builder.cast_impl, builder.binary_op = cast_impl, binary_op
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
@@ -193,7 +164,7 @@ def interpreted() -> dict[str, dict]:
     """Each case's difference from the torch op set over the float32 sum (outputs and residuals:
     the largest in bfloat16 roundings, `_ulp`, and the share that differ), and whether every rank
     agrees and kept its bookkeeping (under TRITON_INTERPRET=1)."""
-    _as_the_gpu_does()
+    as_the_gpu_does()
     found = {}
     for name, case in CASES.items():
         variant, world, rows, size, _, dtype = case

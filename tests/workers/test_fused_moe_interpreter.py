@@ -14,10 +14,10 @@ float32 -> bfloat16 truncates; the child makes both do what the GPU does.
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
+from tests.triton_interpreter import as_the_gpu_does
 from tests.triton_interpreter import interpreter_findings as run_interpreted
 from tests.workers.test_gpu_moe import (
     KERNEL_NOISE,
@@ -44,35 +44,9 @@ EXPERT_MAP_CASES = [
 ]
 
 
-def _as_the_gpu_does() -> None:
-    """Make the interpreter read bfloat16 operands of `tl.dot` as values and round float32 ->
-    bfloat16 to nearest even (it keeps bfloat16 as its bits, uint16)."""
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def values(t):
-        if t.dtype.scalar != tl.bfloat16:
-            return t
-        return interpreter.TensorHandle((t.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return dot(self, values(a), values(b), d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
-            return cast(self, src, dst_type)
-        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-        return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-
-    builder.create_dot, builder.cast_impl = create_dot, cast_impl
-
-
 def interpreted_differences() -> dict[str, list[float]]:
     """Each case's `differences` of the kernels from the torch path (under TRITON_INTERPRET=1)."""
-    _as_the_gpu_does()
+    as_the_gpu_does()
     from workers.models.fused_moe import fused_experts
 
     out = {}

@@ -211,6 +211,41 @@ def test_qkv_projection_of_its_norm_matches_the_reference(gemma, shape):
             assert _rel(r, ref_r) < 1e-2 and _rel(y, ref_y) < 1e-2, (rows, w_before is None)
 
 
+@pytest.mark.parametrize("shape", [(1536, 1152), (256, 2560), (3072, 2560)])
+def test_scaled_streams_and_their_projections_match_the_reference(shape):
+    """Gemma 4's stream ends: the norm, add and layer scalar before the next layer's norm (and
+    its projection), and the stream projected unnormed (the per-layer input gate), one row and
+    three, against the torch ops."""
+    out_features, hidden = shape
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.randn(out_features, hidden, device="cuda", generator=g) * 0.05).bfloat16()
+    norm, before = ((torch.randn(hidden, device="cuda", generator=g) * 0.1 + 1).bfloat16() for _ in "nb")
+    scale = torch.tensor([0.6], device="cuda").bfloat16()
+    for rows in (1, 3):
+        x = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+        res = torch.randn(rows, hidden, device="cuda", generator=g).bfloat16()
+        ref_y, ref_r = TORCH_OPS.add_rms_norm(x, res.clone(), norm, 1e-6, False, before, scale)
+        y, r = FLASHINFER_OPS.add_rms_norm(x.clone(), res.clone(), norm, 1e-6, False, before, scale)
+        assert _rel(r, ref_r) < 1e-2 and _rel(y, ref_y) < 1e-2, rows
+        for n in (norm, None):
+            args = (n, 1e-6, False, before, w, None, scale)
+            ref_y, ref_r = TORCH_OPS.add_rms_norm_linear(x, res.clone(), *args)
+            y, r = FLASHINFER_OPS.add_rms_norm_linear(x.clone(), res.clone(), *args)
+            assert _rel(r, ref_r) < 1e-2 and _rel(y, ref_y) < 1e-2, (rows, n is None)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gated_projection_matches_the_reference(rows):
+    """W . (act(gate) * up) with gate and up apart: one row in one kernel (a strided row of the
+    per-layer inputs as up), more rows composed."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    w = (torch.randn(2560, 256, device="cuda", generator=g) * 0.05).bfloat16()
+    gate = torch.randn(rows, 256, device="cuda", generator=g).bfloat16()
+    up = torch.randn(rows, 42, 256, device="cuda", generator=g).bfloat16()[:, 7]
+    ref = TORCH_OPS.gated_linear(gate, up, "gelu_pytorch_tanh", w, None)
+    assert _rel(FLASHINFER_OPS.gated_linear(gate, up, "gelu_pytorch_tanh", w, None), ref) < 1e-2
+
+
 @pytest.mark.parametrize("norms", [None, "llama", "gemma"])
 @pytest.mark.parametrize("head_dim, rotary", [(128, 128), (256, 256), (128, 64)])
 def test_fused_rope_matches_the_reference(head_dim, rotary, norms):
@@ -235,12 +270,14 @@ def test_fused_rope_matches_the_reference(head_dim, rotary, norms):
     assert none is None and _rel(only_q, TORCH_OPS.rope(positions, q, None, cache, q_norms)[0]) < 1e-2
 
 
+@pytest.mark.parametrize("v_norm", [None, 1e-6])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("gemma", [False, True])
-def test_fused_rope_writes_kv_like_the_reference(page, gemma, kv):
-    """RoPE (with q/k norms on Gemma) writing the rotated keys and the values into a paged cache
-    at scattered slots, against the torch ops' rotate-then-write: same queries, same cache. An
+def test_fused_rope_writes_kv_like_the_reference(page, gemma, kv, v_norm):
+    """RoPE (with q/k norms on Gemma) writing the rotated keys and the values (each head normed
+    first with `v_norm`, Gemma 4) into a paged cache at scattered slots, against the torch ops'
+    rotate-then-write: same queries, same cache. An
     FP8 cache quantises with K scale 0.5 and V scale 2 (values bit for bit as the reference;
     keys rotate in float32 here and in bf16 there, so some round to the neighbouring FP8 value)."""
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -257,8 +294,8 @@ def test_fused_rope_writes_kv_like_the_reference(page, gemma, kv):
     slots = torch.randperm(8 * page, device="cuda", generator=g)[:tokens] + page
     dtype, scales = (torch.bfloat16, (1.0, 1.0)) if kv == "bf16" else (FP8_E4M3, (0.5, 2.0))
     ref_cache, out_cache = (torch.zeros(9, 2, k_heads, page, head_dim, device="cuda").to(dtype) for _ in "ro")
-    ref_q, _ = TORCH_OPS.rope(positions, q, k, cache, norms, (ref_cache, slots, v, scales))
-    out_q, out_k = FLASHINFER_OPS.rope(positions, q, k, cache, norms, (out_cache, slots, v, scales))
+    ref_q, _ = TORCH_OPS.rope(positions, q, k, cache, norms, (ref_cache, slots, v, scales), v_norm)
+    out_q, out_k = FLASHINFER_OPS.rope(positions, q, k, cache, norms, (out_cache, slots, v, scales), v_norm)
     assert out_k is None and _rel(out_q, ref_q) < 1e-2
     keys, ref_keys = out_cache[:, 0].float(), ref_cache[:, 0].float()
     if kv == "bf16":
@@ -267,7 +304,11 @@ def test_fused_rope_writes_kv_like_the_reference(page, gemma, kv):
         # own bf16 rounding (its rotation rounds every product: up to ~2^-6 where terms cancel; about
         # 4% of keys then round to the neighbouring FP8 value); a wrong scale is off by 2x or more
         assert torch.isclose(keys * scales[0], ref_keys * scales[0], rtol=0.125, atol=2**-6).all()
-    assert torch.equal(out_cache[:, 1].view(torch.uint8), ref_cache[:, 1].view(torch.uint8))  # values: copied
+    values, ref_values = out_cache[:, 1], ref_cache[:, 1]
+    if v_norm is None:  # values copied (quantised as the reference quantises them)
+        assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    else:  # normed: float32 statistics summed in another order, a few round to the neighbour
+        assert _rel(values.float(), ref_values.float()) < 2e-2
     assert not out_cache[0].view(torch.uint8).any()  # padding page 0 untouched
 
 

@@ -118,6 +118,10 @@ def test_gemma4_assistant_training_chain_matches_a_round_of_drafts(gemma4):
         hidden, _ = target_pass(eng.runner.model, backend, tokens[None, : len(prompt) + 1], "cpu")
         chain = assistant_steps(assistant, tokens[None], hidden, backend, k)
     for j, ((normed, state), out) in enumerate(zip(chain, seen[:k])):
-        torch.testing.assert_close(state[-1], out.hidden[0], atol=1e-4, rtol=1e-4, msg=f"draft {j + 1}")
+        # float32 noise between the two attention paths (about 1e-5 at the first draft) grows
+        # about fourfold with each draft step of this random assistant; a wrong position, token or
+        # state is off by the states' own size (about 1)
+        atol = 1e-4 * 4**j
+        torch.testing.assert_close(state[-1], out.hidden[0], atol=atol, rtol=1e-4, msg=f"draft {j + 1}")
         logits, ids = assistant.subset_logits(normed[-1:])
         assert int(ids[0, logits[0].argmax()]) == drafts[j], f"draft {j + 1}"

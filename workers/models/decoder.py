@@ -91,15 +91,15 @@ class SelfAttention(nn.Module):
             self.sinks = head_param(cfg.num_heads, tp)
             self.attn.sinks = self.sinks
 
+    @property
+    def projection(self) -> ColumnParallelLinear:
+        """The input projection: fused q/k/v, or the query's alone (a layer reading another's KV)."""
+        return self.qkv_proj if self.qkv_proj is not None else self.q_proj
+
     def forward(
         self, hidden: torch.Tensor, rope: RopeInputs, batch: ForwardBatch, reduce: bool = True
     ) -> torch.Tensor | Unreduced:
-        a = self.attn
-        if self.qkv_proj is None:
-            q = self.q_proj(hidden).reshape(-1, a.num_heads, a.head_dim)
-            q, _ = ops_for(q).rope(rope.positions, q, None, rope.caches[self.rope_key], self._norms())
-            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None), reduce)
-        return self._attend(self.qkv_proj(hidden), rope, batch, reduce)
+        return self._attend(self.projection(hidden), rope, batch, reduce)
 
     def after_norm(
         self,
@@ -110,12 +110,13 @@ class SelfAttention(nn.Module):
         rope: RopeInputs,
         batch: ForwardBatch,
         reduce: bool = True,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
-        """`forward(norm.add(hidden, residual, before)[0])` and the residual stream, the norm
-        inside the QKV projection where the device fuses it (fused QKV only); `hidden` may be the
-        previous block's partial sums (`ColumnParallelLinear.after_norm`)."""
-        qkv, residual = self.qkv_proj.after_norm(hidden, residual, norm, before)
-        return self._attend(qkv, rope, batch, reduce), residual
+        """`forward(norm.add(hidden, residual, before, scale)[0])` and the residual stream, the
+        norm inside the input projection where the device fuses it; `hidden` may be the previous
+        block's partial sums (`ColumnParallelLinear.after_norm`)."""
+        projected, residual = self.projection.after_norm(hidden, residual, norm, before, scale)
+        return self._attend(projected, rope, batch, reduce), residual
 
     def after_embedding(
         self, tokens: TokenIds, norm: RMSNorm, rope: RopeInputs, batch: ForwardBatch, reduce: bool = True
@@ -127,19 +128,25 @@ class SelfAttention(nn.Module):
         return self._attend(qkv, rope, batch, reduce), residual
 
     def _attend(
-        self, qkv: torch.Tensor, rope: RopeInputs, batch: ForwardBatch, reduce: bool
+        self, projected: torch.Tensor, rope: RopeInputs, batch: ForwardBatch, reduce: bool
     ) -> torch.Tensor | Unreduced:
+        """Attention from the input projection's output (`projection`) to the output projection."""
         a = self.attn
         positions, cache = rope.positions, rope.caches[self.rope_key]
-        q, k, v = self.qkv_proj.split(qkv)
+        if self.qkv_proj is None:
+            q = projected.reshape(-1, a.num_heads, a.head_dim)
+            q, _ = ops_for(q).rope(positions, q, None, cache, self._norms())
+            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None), reduce)
+        q, k, v = self.qkv_proj.split(projected)
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
-        if self.v_norm is not None:  # V may be K's projection: normed apart from K's norm and RoPE, in whole rows
-            v = self.v_norm(v.reshape(k.shape).contiguous()).reshape(v.shape[0], -1)
-        # K and V straight into the paged cache where the backend names the slots
+        # K and V straight into the paged cache where the backend names the slots, V normed there
         dest = batch.attn_backend.kv_destination(a)
+        v_norm_eps = None if self.v_norm is None or dest is None else self.v_norm.eps
+        if self.v_norm is not None and dest is None:  # V may be K's projection: normed apart, in whole rows
+            v = self.v_norm(v.reshape(k.shape).contiguous()).reshape(v.shape[0], -1)
         kv = None if dest is None else (dest.cache, dest.slots, v, dest.scales)
-        q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), kv)
+        q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), kv, v_norm_eps)
         if dest is not None:
             return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None), reduce)
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
@@ -173,11 +180,12 @@ class DecoderLayer(nn.Module):
     before attention (EAGLE-1's first layer).
 
     Layers pass the residual stream beside their output, so that each residual add is fused
-    into the norm that follows it: `layer(x, residual, before) -> (out, residual)`, where the
-    stream after the layer is `output_norm(out) + residual` (`out + residual` without an output
-    norm; `residual` is None before the first layer). A Gemma layer's last norm (after its MLP)
-    is such an output norm: the next layer's input norm applies it (`before`), one kernel for
-    norm, add and norm (`run_layers`). Under tensor parallelism the attention and MLP outputs
+    into the norm that follows it: `layer(x, residual, before, scale) -> (out, residual)`, where
+    the stream after the layer is `(output_norm(out) + residual) * output_scale` (`out +
+    residual` without an output norm, unscaled without an output scale; `residual` is None before
+    the first layer). A Gemma layer's last norm (after its MLP) is such an output norm, Gemma 4's
+    layer scalar such a scale: the next layer's input norm applies them (`before`, `scale`), one
+    kernel for norm, add, scale and norm (`run_layers`). Under tensor parallelism the attention and MLP outputs
     leave their blocks as partial sums (`Unreduced`, `out` too), so that the norm after each
     can all-reduce them in its own kernel (`TPGroup.all_reduce_add_rms_norm`).
 
@@ -202,6 +210,7 @@ class DecoderLayer(nn.Module):
         # Llama: the norm before the MLP. Gemma: the norm after attention (sandwich).
         self.post_attention_layernorm = RMSNorm(h, eps, one_plus)
         self.output_norm: RMSNorm | None = None
+        self.output_scale: torch.Tensor | None = None
         if gemma:
             self.pre_feedforward_layernorm = RMSNorm(h, eps, one_plus)
             self.post_feedforward_layernorm = RMSNorm(h, eps, one_plus)
@@ -209,8 +218,8 @@ class DecoderLayer(nn.Module):
 
     @property
     def embeds_tokens(self) -> bool:
-        """Whether the input norm runs inside the fused QKV projection (which can then also
-        start from `TokenIds`, embedding them itself)."""
+        """Whether the input norm runs inside the fused QKV projection, which can then start
+        from `TokenIds`, embedding them itself."""
         return self.input_layernorm is not None and self.self_attn.qkv_proj is not None
 
     def forward(
@@ -220,18 +229,19 @@ class DecoderLayer(nn.Module):
         rope: RopeInputs,
         batch: ForwardBatch,
         before: RMSNorm | None = None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
         if isinstance(hidden, TokenIds):
             attn, residual = self.self_attn.after_embedding(hidden, self.input_layernorm, rope, batch, reduce=False)
-        elif self.embeds_tokens and residual is not None:
+        elif self.input_layernorm is not None and residual is not None:
             attn, residual = self.self_attn.after_norm(
-                hidden, residual, self.input_layernorm, before, rope, batch, reduce=False
+                hidden, residual, self.input_layernorm, before, rope, batch, reduce=False, scale=scale
             )
         else:
             if self.input_layernorm is not None:
-                hidden, residual = self.input_layernorm.add(hidden, residual, before)
+                hidden, residual = self.input_layernorm.add(hidden, residual, before, scale)
             else:
-                hidden = residual = stream(hidden, residual, before)
+                hidden = residual = stream(hidden, residual, before, scale)
             attn = self.self_attn(hidden, rope, batch, reduce=False)
         if self.gemma:
             hidden, residual = self.pre_feedforward_layernorm.add(attn, residual, self.post_attention_layernorm)
@@ -240,34 +250,62 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden, reduce=False), residual
 
 
-def stream(hidden: torch.Tensor | Unreduced, residual: torch.Tensor | None, norm: RMSNorm | None) -> torch.Tensor:
-    """The residual stream after a layer: `norm(hidden) + residual` (no norm: `hidden`; no
-    residual yet: the first layer's input), `hidden` all-reduced first if it is not yet."""
+def stream(
+    hidden: torch.Tensor | Unreduced,
+    residual: torch.Tensor | None,
+    norm: RMSNorm | None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The residual stream after a layer: `(norm(hidden) + residual) * scale` (no norm: `hidden`;
+    no residual yet: the first layer's input; no scale: 1), `hidden` all-reduced first if it is
+    not yet."""
     hidden = reduced(hidden)
     hidden = norm(hidden) if norm is not None else hidden
-    return hidden if residual is None else hidden + residual
+    hidden = hidden if residual is None else residual + hidden
+    return hidden if scale is None else hidden * scale
+
+
+@dataclasses.dataclass
+class LayersOut:
+    """The end of `run_layers`: the stream after the last layer is `stream(out, residual, norm,
+    scale)` (`out` maybe partial sums, `Unreduced`), for the final norm to take in one kernel
+    (`final_norm`); `captured`: the streams after the layers numbered in `capture`."""
+
+    out: torch.Tensor | Unreduced
+    residual: torch.Tensor
+    norm: RMSNorm | None
+    scale: torch.Tensor | None
+    captured: dict[int, torch.Tensor]
+
+    def final_norm(self, norm: RMSNorm) -> torch.Tensor:
+        """`norm` of the stream after the last layer."""
+        return norm.add(self.out, self.residual, self.norm, self.scale)[0]
+
+    def stream(self) -> torch.Tensor:
+        """The stream after the last layer."""
+        return stream(self.out, self.residual, self.norm, self.scale)
 
 
 def run_layers(
     layers: Iterable[DecoderLayer],
-    hidden: torch.Tensor,
+    hidden: torch.Tensor | TokenIds,
     residual: torch.Tensor | None,
     rope: RopeInputs,
     batch: ForwardBatch,
     capture: tuple[int, ...] = (),
-) -> tuple[torch.Tensor | Unreduced, torch.Tensor, RMSNorm | None, dict[int, torch.Tensor]]:
-    """Layers in order over the residual stream: (out, residual, output norm, captured streams),
-    where the stream after the last layer is `stream(out, residual, output norm)` (`out` maybe
-    partial sums, `Unreduced`) and the captured ones are the streams after the layers numbered
-    in `capture`."""
-    before, captured = None, {}
+    per_layer: torch.Tensor | None = None,
+) -> LayersOut:
+    """Layers in order over the residual stream; `per_layer`: each layer's own input beside the
+    stream (`[T, layers, width]`, Gemma 4's per-layer inputs), the i-th layer's `[:, i]`."""
+    before, scale, captured = None, None, {}
     for i, layer in enumerate(layers):
-        hidden, residual = layer(hidden, residual, rope, batch, before)
-        before = layer.output_norm
+        extra = () if per_layer is None else (per_layer[:, i],)
+        hidden, residual = layer(hidden, residual, rope, batch, before, scale, *extra)
+        before, scale = layer.output_norm, layer.output_scale
         if i in capture:
             hidden = reduced(hidden)  # the next layer takes it reduced: partial sums reduce once
-            captured[i] = stream(hidden, residual, before)
-    return hidden, residual, before, captured
+            captured[i] = stream(hidden, residual, before, scale)
+    return LayersOut(hidden, residual, before, scale, captured)
 
 
 @dataclasses.dataclass
@@ -345,11 +383,14 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final-norm hidden states, captured layer outputs concatenated or None)."""
-        hidden, residual, before, captured = run_layers(
+        end = run_layers(
             self.layers, self._first_input(input_ids), None, self.rotary(positions), batch, self.capture_layers
         )
-        outputs = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if captured else None
-        return self.norm.add(hidden, residual, before)[0], outputs
+        return end.final_norm(self.norm), self.captured(end)
+
+    def captured(self, end: LayersOut) -> torch.Tensor | None:
+        """The captured layers' streams side by side, or None."""
+        return torch.cat([end.captured[i] for i in self.capture_layers], dim=-1) if end.captured else None
 
 
 class CausalLM(nn.Module):

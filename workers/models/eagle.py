@@ -39,7 +39,6 @@ from workers.models.decoder import (
     SelfAttention,
     load_weights,
     run_layers,
-    stream,
 )
 from workers.models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, VocabParallelEmbedding
 
@@ -154,10 +153,7 @@ class EagleHead(nn.Module):
         rope = self.rotary(batch.positions)
         hidden = batch.spec_hidden.to(embeds.dtype)
         if self.version == 1:
-            hidden, residual, before, _ = run_layers(
-                self.layers, self.fc(torch.cat([embeds, hidden], dim=-1)), None, rope, batch
-            )
-            hidden = stream(hidden, residual, before)
+            hidden = run_layers(self.layers, self.fc(torch.cat([embeds, hidden], dim=-1)), None, rope, batch).stream()
             return hidden, hidden
         if hidden.shape[-1] != self.cfg.hidden_size:  # target layers' outputs; draft steps pass their own
             hidden = self.fc(hidden)

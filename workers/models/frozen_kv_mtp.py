@@ -93,8 +93,7 @@ class FrozenKVMTPHead(nn.Module):
                 dim=-1,
             )
         )
-        hidden, residual, before, _ = run_layers(self.layers, hidden, None, self.rotary(batch.positions), batch)
-        hidden = self.norm.add(hidden, residual, before)[0]
+        hidden = run_layers(self.layers, hidden, None, self.rotary(batch.positions), batch).final_norm(self.norm)
         return hidden, hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

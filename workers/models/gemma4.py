@@ -12,8 +12,13 @@ What differs from Gemma 3, and where it lives:
   the other weights on the model's device (Gemma-4-E2B's is 4.7 GB in bf16); each token reads
   one row of it, so its weight is marked `read_by_row` for whatever counts the bytes a step
   reads (`ops/bench/decode_throughput.py`).
-- Each layer ends with a learned scalar times its whole output stream, so the stream leaves
-  each layer whole (no output norm handed to the next layer's input norm).
+- Each layer ends with a learned scalar times its whole output stream. The layer hands the
+  next its last norm's input, the stream before that norm and the scalar (`output_norm`,
+  `output_scale`): the next layer's input norm applies norm, add, scalar and its own norm in
+  one kernel (the final norm after the last layer too).
+- The per-layer input branch reads the stream after the MLP: that stream and the gate's
+  projection of it come from one kernel, and the activation times the per-layer input is
+  computed inside the kernel of the projection back (`ReplicatedLinear.after_add`, `gated`).
 - The last `num_kv_shared_layers` layers have only a query projection and read the KV of an
   earlier layer (`SelfAttention` with `kv_layer`); with `use_double_wide_mlp` their MLPs are
   twice as wide.
@@ -36,10 +41,26 @@ from torch import nn
 from workers.distributed import TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.models.config import ModelConfig
-from workers.models.decoder import MLP, CausalLM, DecoderLayer, DecoderModel, RopeInputs, load_weights, stream
-from workers.models.layers import ReplicatedLinear, RMSNorm, VocabParallelEmbedding, default_weight_loader, reduced
+from workers.models.decoder import (
+    MLP,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    RopeInputs,
+    TokenIds,
+    load_weights,
+    run_layers,
+)
+from workers.models.layers import (
+    ReplicatedLinear,
+    RMSNorm,
+    Unreduced,
+    VocabParallelEmbedding,
+    default_weight_loader,
+    reduced,
+)
 from workers.models.moe import Experts, Router
-from workers.models.ops import ops_for, scale_rows
+from workers.models.ops import scale_rows
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +70,15 @@ UNUSED_SHARED_KV = ("k_proj", "v_proj", "k_norm", "v_norm")
 
 class Gemma4DecoderLayer(DecoderLayer):
     """A Gemma decoder layer, then the per-layer-input branch and the layer's scalar:
-    `stream = (s + norm(up(act(gate(s)) * per_layer_input))) * layer_scalar`. `reads_kv_only`:
-    a query-only layer whatever its config says (the Gemma 4 assistant's, reading the target's KV)."""
+    `stream = (s + norm(up(act(gate(s)) * per_layer_input))) * layer_scalar`, returned as
+    `(up(...), s)` for the next layer's input norm to finish (`output_norm`, `output_scale`).
+    `reads_kv_only`: a query-only layer whatever its config says (the Gemma 4 assistant's,
+    reading the target's KV)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, reads_kv_only: bool = False) -> None:
         wide = cfg.double_wide_mlp and cfg.layers[layer_id].kv_layer != layer_id
         mlp = MLP(cfg, tp, cfg.intermediate_size * (2 if wide else 1))
         super().__init__(cfg, layer_id, tp, reads_kv_only=reads_kv_only, mlp=mlp)
-        self.output_norm = None  # the scalar scales the whole stream: it leaves the layer whole
         h, width, eps = cfg.hidden_size, cfg.per_layer_input_size, cfg.rms_norm_eps
         self.act = cfg.hidden_act
         if width:
@@ -66,6 +88,10 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.layer_scalar.weight_loader = default_weight_loader  # type: ignore[attr-defined]
         self.layer_scalar.identity = 1.0  # type: ignore[attr-defined]  # its value in random-weight models
+        # registered again after the norm it names, so that its parameter keeps the norm's name
+        del self.output_norm
+        self.output_norm = self.post_per_layer_input_norm if width else self.post_feedforward_layernorm
+        self.output_scale = self.layer_scalar
         if cfg.moe is not None:
             self.router = Router(h, cfg.moe, eps)
             self.experts = Experts(h, cfg.moe, tp)
@@ -75,20 +101,26 @@ class Gemma4DecoderLayer(DecoderLayer):
             self.post_feedforward_layernorm_2 = RMSNorm(h, eps, one_plus)
 
     def forward(  # type: ignore[override]
-        self, hidden: torch.Tensor, per_layer_input: torch.Tensor | None, rope: RopeInputs, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """The residual stream after this layer, from the stream before it."""
-        out, residual = super().forward(hidden, None, rope, batch)
-        out = reduced(out)  # the stream leaves the layer whole: no norm after it to fuse the all-reduce into
+        self,
+        hidden: torch.Tensor | Unreduced | TokenIds,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
+        batch: ForwardBatch,
+        before: RMSNorm | None = None,
+        scale: torch.Tensor | None = None,
+        per_layer_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
+        """(out, residual) as `DecoderLayer.forward`; `per_layer_input`: this layer's row of the
+        per-layer inputs (models with them)."""
+        out, residual = super().forward(hidden, residual, rope, batch, before, scale)
         if hasattr(self, "experts"):
+            out = reduced(out)
             experts = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
-        hidden = stream(out, residual, self.post_feedforward_layernorm)
-        if per_layer_input is not None:
-            gate = self.per_layer_input_gate(hidden)
-            branch = ops_for(gate).act_and_mul(torch.cat([gate, per_layer_input], dim=-1), self.act)
-            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(branch))
-        return hidden * self.layer_scalar
+        if not hasattr(self, "per_layer_input_gate"):
+            return out, residual
+        gate, residual = self.per_layer_input_gate.after_add(out, residual, self.post_feedforward_layernorm)
+        return self.per_layer_projection.gated(gate, per_layer_input, self.act), residual
 
 
 class Gemma4Model(DecoderModel):
@@ -118,16 +150,13 @@ class Gemma4Model(DecoderModel):
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(final-norm hidden states, captured layer outputs concatenated or None)."""
-        hidden = self.embed(input_ids)
-        per_layer = self.per_layer_inputs(input_ids, hidden) if self.cfg.per_layer_input_size else None
-        rope = self.rotary(positions)
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, None if per_layer is None else per_layer[:, i], rope, batch)
-            if i in self.capture_layers:
-                captured[i] = hidden
-        outputs = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if captured else None
-        return self.norm(hidden), outputs
+        if self.cfg.per_layer_input_size:
+            hidden = self.embed(input_ids)
+            per_layer = self.per_layer_inputs(input_ids, hidden)
+        else:
+            hidden, per_layer = self._first_input(input_ids), None
+        end = run_layers(self.layers, hidden, None, self.rotary(positions), batch, self.capture_layers, per_layer)
+        return end.final_norm(self.norm), self.captured(end)
 
 
 class Gemma4CausalLM(CausalLM):

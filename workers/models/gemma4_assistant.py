@@ -43,7 +43,7 @@ from attention import AttentionLayer
 from workers.distributed import TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.models.config import LayerConfig, ModelConfig, model_config_from_hf
-from workers.models.decoder import STACKED_PARAMS, CausalLM, RotaryTables, load_weights
+from workers.models.decoder import STACKED_PARAMS, CausalLM, RotaryTables, load_weights, run_layers
 from workers.models.gemma4 import Gemma4DecoderLayer
 from workers.models.layers import ParallelLMHead, ReplicatedLinear, RMSNorm, default_weight_loader
 
@@ -213,9 +213,7 @@ class Gemma4Assistant(nn.Module):
         embeds = self._target[0].model.embed(batch.input_ids)
         hidden = self.pre_projection(torch.cat([embeds, batch.spec_hidden.to(embeds.dtype)], dim=-1))
         rope = self.model.rotary(batch.positions)
-        for layer in self.model.layers:
-            hidden = layer(hidden, None, rope, batch)
-        hidden = self.model.norm(hidden)
+        hidden = run_layers(self.model.layers, hidden, None, rope, batch).final_norm(self.model.norm)
         return hidden, self.post_projection(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

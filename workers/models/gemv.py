@@ -30,7 +30,7 @@ import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start, preloads
-from workers.models.gemv_tiles import MAX_ROWS, Tile, preload_width, tile_for
+from workers.models.gemv_tiles import MAX_ROWS, PRELOAD_ELEMENTS, Tile, preload_width, tile_for
 from workers.models.sandwich_norm import normed
 
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
@@ -121,44 +121,54 @@ def _norm_gemv_kernel(
     b_ptr,
     y_ptr,
     res_out_ptr,
+    scale_ptr,
     N,
     K,
     eps,
-    scale,
+    embed_scale,
     HAS_BEFORE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    NORM: tl.constexpr,  # the stream normed before the product (else projected as it is)
     GEMMA: tl.constexpr,
     EMBED: tl.constexpr,  # the stream starts here: h is the embedding table, res the token id
     BLOCK_N: tl.constexpr,
     WIDTH: tl.constexpr,  # `preload_width`: the whole row block is read before the wait
     PDL: tl.constexpr,
 ):
-    """y = W . norm(res + before(h)) for one row, every program computing the row's norms itself
-    (no norm kernel, no ticket); program 0 writes the new residual stream to `res_out` (the
-    others still read `res`). With EMBED the stream is the token's embedding row times `scale`
-    (rounded as the model's dtype rounds it)."""
+    """y = W . norm((res + before(h)) * scale) for one row, every program computing the row's
+    norms itself (no norm kernel, no ticket); program 0 writes the new residual stream to
+    `res_out` (the others still read `res`). With EMBED the stream is the token's embedding row
+    times `embed_scale` (rounded as the model's dtype rounds it)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ks = tl.arange(0, WIDTH)
     in_k = ks < K
     w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=row_ok[:, None] & in_k[None, :], other=0.0)
-    w_norm = tl.load(norm_ptr + ks, mask=in_k, other=0.0)
+    if NORM:
+        w_norm = tl.load(norm_ptr + ks, mask=in_k, other=0.0)
     if HAS_BEFORE:
         w_before = tl.load(before_ptr + ks, mask=in_k, other=0.0)
+    dtype = y_ptr.dtype.element_ty
     pdl_start(PDL)
     if EMBED:
         token = tl.load(res_ptr).to(tl.int64)
-        res = (tl.load(h_ptr + token * K + ks, mask=in_k, other=0.0).to(tl.float32) * scale).to(y_ptr.dtype.element_ty)
+        res = (tl.load(h_ptr + token * K + ks, mask=in_k, other=0.0).to(tl.float32) * embed_scale).to(dtype)
     else:
         h = tl.load(h_ptr + ks, mask=in_k, other=0.0)
         res = tl.load(res_ptr + ks, mask=in_k, other=0.0)
         if HAS_BEFORE:
-            res += normed(h.to(tl.float32), w_before, in_k, eps, K, GEMMA, y_ptr.dtype.element_ty)
+            res += normed(h.to(tl.float32), w_before, in_k, eps, K, GEMMA, dtype)
         else:
             res += h
+        if HAS_SCALE:
+            res = (res.to(tl.float32) * tl.load(scale_ptr).to(dtype).to(tl.float32)).to(dtype)
     if tl.program_id(0) == 0:
         tl.store(res_out_ptr + ks, res, mask=in_k)
-    x = normed(res.to(tl.float32), w_norm, in_k, eps, K, GEMMA, y_ptr.dtype.element_ty)
+    if NORM:
+        x = normed(res.to(tl.float32), w_norm, in_k, eps, K, GEMMA, dtype)
+    else:
+        x = res
     _store(tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1), b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
 
@@ -213,6 +223,36 @@ def _gemv_act_mul_kernel(
             up_acc += _tile(up_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
     gate, up = tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1)
     tl.store(y_ptr + rows, (_act(gate, ACT) * up).to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _gated_gemv_kernel(
+    gate_ptr,
+    up_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,  # K rounded up to a power of two: the whole row block in registers
+    PDL: tl.constexpr,
+):
+    """y = W . (act(gate) * up) for one short row: the weights read before the wait, the input
+    computed by every program after it, rounded once to the dtype as the activation kernel
+    rounds it (Gemma 4's per-layer input branch: no activation kernel, no concatenation)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ks = tl.arange(0, WIDTH)
+    in_k = ks < K
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=row_ok[:, None] & in_k[None, :], other=0.0)
+    pdl_start(PDL)
+    gate = tl.load(gate_ptr + ks, mask=in_k, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + ks, mask=in_k, other=0.0).to(tl.float32)
+    x = (_act(gate, ACT) * up).to(y_ptr.dtype.element_ty).to(tl.float32)
+    _store(tl.sum(w.to(tl.float32) * x[None, :], axis=1), b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
 
 @triton.jit
@@ -367,6 +407,54 @@ def gemv_act_and_mul(x: torch.Tensor, weight: torch.Tensor, act: str, tile: Tile
     return _launch(x, weight, None, act, tile)
 
 
+GATED_MAX_K = 1024  # the gated GEMV's longest row: its program holds a row block of K whole
+
+
+def gated_applies(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gated_gemv` takes this product: one row of gate and up, each of unit stride, no
+    longer than GATED_MAX_K, against a contiguous half-precision weight of their dtype."""
+    k = weight.shape[1]
+    return (
+        gate.is_cuda
+        and gate.numel() == k == up.numel()
+        and gate.shape[-1] == k == up.shape[-1]
+        and k <= GATED_MAX_K
+        and gate.dtype == up.dtype == weight.dtype
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.is_contiguous()
+        and gate.stride(-1) == 1 == up.stride(-1)
+    )
+
+
+def gated_gemv(
+    gate: torch.Tensor, up: torch.Tensor, act: str, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`(act(gate) * up) @ weight.T + bias` for one row (`gated_applies`, `act` in ACTIVATIONS),
+    shaped like F.linear's."""
+    n, k = weight.shape
+    width = triton.next_power_of_2(k)
+    warps = 4
+    block_n = max(1, min(16, PRELOAD_ELEMENTS * 32 * warps // width))
+    y = torch.empty(*gate.shape[:-1], n, dtype=weight.dtype, device=weight.device)
+    blocks = triton.cdiv(n, block_n)
+    _gated_gemv_kernel[(blocks,)](
+        gate,
+        up,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        k,
+        ACT=ACTIVATIONS[act],
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        WIDTH=width,
+        num_warps=warps,
+        **pdl_options(blocks),
+    )
+    return y
+
+
 def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `add_norm_gemv` takes this row: one row of a shape whose row block is read whole
     before the PDL wait (`preload_width`), preloads on."""
@@ -378,16 +466,19 @@ def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def add_norm_gemv(
     x: torch.Tensor,
     residual: torch.Tensor,
-    norm: torch.Tensor,
+    norm: torch.Tensor | None,
     eps: float,
     gemma: bool,
     before: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W . rms_norm(residual + x') + b, residual + x') for one row (`norm_applies`), x' =
-    rms_norm(x, before) (x without `before`); the new residual in a new tensor."""
-    return _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, torch.empty_like(residual), None)
+    """(W . rms_norm(s) + b, s) for one row (`norm_applies`), s = (residual + x') * scale, x' =
+    rms_norm(x, before) (x without `before`; no scale: 1; no `norm`: W . s + b); the new
+    residual in a new tensor."""
+    out = torch.empty_like(residual)
+    return _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, out, None, scale)
 
 
 def embed_norm_gemv(
@@ -407,9 +498,9 @@ def embed_norm_gemv(
     return _norm_gemv(table, token, norm, eps, gemma, None, weight, bias, stream, rounded)
 
 
-def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, scale):
-    """The one launch behind `add_norm_gemv` (`scale` None: x added to residual) and
-    `embed_norm_gemv` (x the table, residual the token id, rows times `scale`)."""
+def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, embed_scale, scale=None):
+    """The one launch behind `add_norm_gemv` (`embed_scale` None: x added to residual) and
+    `embed_norm_gemv` (x the table, residual the token id, rows times `embed_scale`)."""
     k = weight.shape[1]
     t = tile_for(weight.shape[0], k)
     y = torch.empty(*res_out.shape[:-1], weight.shape[0], dtype=weight.dtype, device=weight.device)
@@ -417,20 +508,23 @@ def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, sca
     _norm_gemv_kernel[(blocks,)](
         x,
         residual,
-        before if before is not None else norm,
-        norm,
+        before if before is not None else weight,
+        norm if norm is not None else weight,
         weight,
         bias if bias is not None else weight,
         y,
         res_out,
+        scale if scale is not None else weight,
         weight.shape[0],
         k,
         eps,
-        1.0 if scale is None else scale,
+        1.0 if embed_scale is None else embed_scale,
         HAS_BEFORE=before is not None,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
+        NORM=norm is not None,
         GEMMA=gemma,
-        EMBED=scale is not None,
+        EMBED=embed_scale is not None,
         BLOCK_N=t.rows,
         WIDTH=preload_width(t, k),
         num_warps=t.warps,

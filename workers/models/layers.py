@@ -178,20 +178,26 @@ class ColumnParallelLinear(Projection):
         return ops_for(x).linear_act_and_mul(x, self.weight, self.bias, act)
 
     def after_norm(
-        self, x: torch.Tensor | Unreduced, residual: torch.Tensor, norm: RMSNorm, before: RMSNorm | None
+        self,
+        x: torch.Tensor | Unreduced,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        before: RMSNorm | None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This projection of `norm.add(x, residual, before)`'s output, and the residual stream,
-        fused where the device can: the norm inside the projection's kernel, or, for partial sums
-        whose group fuses their all-reduce with the add and norm, that kernel, then the
-        projection (FP8 weights: the norm, then the projection)."""
-        if isinstance(x, Unreduced) and not x.fuses_norm():
+        """This projection of `norm.add(x, residual, before, scale)`'s output, and the residual
+        stream, fused where the device can: the norm inside the projection's kernel, or, for
+        partial sums whose group fuses their all-reduce with the add and norm, that kernel, then
+        the projection (FP8 weights: the norm, then the projection)."""
+        if isinstance(x, Unreduced) and (scale is not None or not x.fuses_norm()):
             x = x.reduce()
         if self.weight_scale is not None or isinstance(x, Unreduced):
-            normed, residual = norm.add(x, residual, before)
+            normed, residual = norm.add(x, residual, before, scale)
             return self(normed), residual
         w_before = None if before is None else before.weight
-        ops = ops_for(x)
-        return ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps, norm.gemma, w_before, self.weight, self.bias)
+        return ops_for(x).add_rms_norm_linear(
+            x, residual, norm.weight, norm.eps, norm.gemma, w_before, self.weight, self.bias, scale
+        )
 
     def after_embedding(
         self, ids: torch.Tensor, table: torch.Tensor, scale: float, norm: RMSNorm
@@ -335,6 +341,21 @@ class ReplicatedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops_for(x).linear(x, self.weight, self.bias)
 
+    def after_add(
+        self, x: torch.Tensor | Unreduced, residual: torch.Tensor, before: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this projection of s, s) for the stream s = residual + before(x), in one kernel where
+        the device fuses them (Gemma 4's per-layer input gate reads the stream after the MLP)."""
+        x = reduced(x)
+        return ops_for(x).add_rms_norm_linear(
+            x, residual, None, before.eps, before.gemma, before.weight, self.weight, self.bias
+        )
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+        """This projection of `act(gate) * up`, the activation inside its kernel where the device
+        fuses it."""
+        return ops_for(gate).gated_linear(gate, up, act, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm (Gemma 2 and 3 scale by 1 + w); `add` fuses the residual add before it. The math
@@ -358,22 +379,28 @@ class RMSNorm(nn.Module):
         return ops_for(x).rms_norm(x, self.weight, self.eps, self.gemma)
 
     def add(
-        self, x: torch.Tensor | Unreduced, residual: torch.Tensor | None, before: RMSNorm | None = None
+        self,
+        x: torch.Tensor | Unreduced,
+        residual: torch.Tensor | None,
+        before: RMSNorm | None = None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x'), residual + x') with x' = before(x) (x without `before`: the norm
-        a sub-layer's output still needs, fused in); the first layer starts the residual stream.
-        Partial sums (`Unreduced`) are all-reduced first, in the same kernel where the group
-        fuses them (`TPGroup.all_reduce_add_rms_norm`)."""
+        """(norm(s), s) with s = (residual + x') * scale, x' = before(x) (x without `before`: the
+        norm a sub-layer's output still needs, fused in; no scale: 1); the first layer starts the
+        residual stream. Partial sums (`Unreduced`) are all-reduced first, in the same kernel
+        where the group fuses them (`TPGroup.all_reduce_add_rms_norm`, unscaled streams)."""
         if residual is None:
             x = reduced(x)
             x = before(x) if before is not None else x
+            x = x * scale if scale is not None else x
             return self(x), x
         w_before = None if before is None else before.weight
-        if isinstance(x, Unreduced):
+        if isinstance(x, Unreduced) and scale is None:
             return x.tp.all_reduce_add_rms_norm(
                 x.partial, residual, self.weight, self.eps, self.gemma, w_before, x.bias
             )
-        return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma, w_before)
+        x = reduced(x)
+        return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma, w_before, scale)
 
 
 def rope_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> torch.Tensor:

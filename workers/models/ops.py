@@ -4,12 +4,13 @@
 | --- | --- | --- |
 | RMSNorm (Llama, Gemma) | torch, float32 math | `flashinfer.norm.rmsnorm` / `gemma_rmsnorm` |
 | residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
-| RMSNorm, residual add + RMSNorm (Gemma's sandwich) | torch | Triton (`sandwich_norm.py`) |
-| RoPE from a cos/sin cache (q/k norms first; K and V into the cache) | torch | Triton (`rope.py`) |
+| RMSNorm, residual add (, stream scale) (+ RMSNorm) (Gemma's sandwich) | torch | Triton (`sandwich_norm.py`) |
+| RoPE from a cos/sin cache (q/k norms first; K and V, V normed or not, into the cache) | torch | Triton (`rope.py`) |
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
 | gate/up projection + activation | `F.linear`, then the above | 1-8 rows: fused Triton GEMV; more: as left |
-| add + RMSNorm + QKV projection | the above, in turn | one row, small QKV: one Triton GEMV (norms inside) |
+| projection of act(gate) * up, gate and up apart (Gemma 4) | torch | one row: Triton GEMV; more: as above |
+| add (+ scale) + RMSNorm + QKV projection | the above, in turn | one row, small QKV: one Triton GEMV (norms inside) |
 | embedding, scale, RMSNorm, QKV projection (layer 0) | the above, in turn | one token: the same GEMV, from the id |
 | float32 (soft-capped) logits + argmax | torch | Triton (`logits_argmax.py`) |
 | FP8 projection (§4.9) | dequantised, float32 `F.linear` | 1-8 rows: FP8 GEMV (`fp8_gemv.py`); more: W8A8 |
@@ -50,26 +51,37 @@ class OpSet:
     name: str
     # (x, weight, eps, gemma) -> normalised x; Gemma scales by (1 + weight)
     rms_norm: Callable[[Tensor, Tensor, float, bool], Tensor]
-    # (x, residual, weight, eps, gemma, before) -> (rms_norm(residual + x'), residual + x') where
-    # x' = rms_norm(x, before) (x itself when before is None); may reuse x's and residual's storage
-    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None], tuple[Tensor, Tensor]]
-    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms, kv) ->
-    # (q, k) rotated, each head RMS-normalised first when norms = (q weight, k weight, eps, gemma);
-    # with kv = (cache, slots, v, scales) the rotated keys and v go to the paged cache at the slots
-    # (quantised with the scales when it is FP8) and k comes back None; q, k and v may be strided
-    # views of a fused projection, which stays as it was
-    rope: Callable[[Tensor, Tensor, Tensor | None, Tensor, QKNorms | None, KVDest | None], tuple[Tensor, Tensor | None]]
+    # (x, residual, weight, eps, gemma, before, scale) -> (rms_norm(s), s) where s = (residual +
+    # x') * scale, x' = rms_norm(x, before) (x itself when before is None), scale a one-element
+    # tensor or None (no scale: Gemma 4's layer scalar scales the stream); may reuse x's and
+    # residual's storage
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor | None], tuple[Tensor, Tensor]]
+    # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms, kv,
+    # v_norm_eps) -> (q, k) rotated, each head RMS-normalised first when norms = (q weight, k
+    # weight, eps, gemma); with kv = (cache, slots, v, scales) the rotated keys and v go to the
+    # paged cache at the slots (quantised with the scales when it is FP8) and k comes back None,
+    # each value head RMS-normalised without a weight first when v_norm_eps is given (Gemma 4);
+    # q, k and v may be strided views of a fused projection, which stays as it was
+    rope: Callable[
+        [Tensor, Tensor, Tensor | None, Tensor, QKNorms | None, KVDest | None, float | None],
+        tuple[Tensor, Tensor | None],
+    ]
     # (gate_up [..., 2 * d], activation name) -> act(gate) * up
     act_and_mul: Callable[[Tensor, str], Tensor]
     # (x, weight [out, in], bias or None) -> x W^T + b
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor]
     # (x, merged gate/up weight [2 * d, in], bias or None, activation name) -> act(gate) * up
     linear_act_and_mul: Callable[[Tensor, Tensor, Tensor | None, str], Tensor]
-    # (x, residual, norm weight, eps, gemma, before, weight, bias) -> (linear(add_rms_norm's
-    # output), add_rms_norm's residual): a projection of the norm before it
+    # (x, residual, norm weight, eps, gemma, before, weight, bias, scale) -> (linear(add_rms_norm's
+    # output), add_rms_norm's residual): a projection of the norm before it; norm weight None: of
+    # the stream itself, unnormed
     add_rms_norm_linear: Callable[
-        [Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor, Tensor | None], tuple[Tensor, Tensor]
+        [Tensor, Tensor, Tensor | None, float, bool, Tensor | None, Tensor, Tensor | None, Tensor | None],
+        tuple[Tensor, Tensor],
     ]
+    # (gate, up, activation name, weight, bias or None) -> linear(act(gate) * up): gate and up
+    # apart (Gemma 4's per-layer input gate and the per-layer input)
+    gated_linear: Callable[[Tensor, Tensor, str, Tensor, Tensor | None], Tensor]
     # (token ids [T], embedding table, scale, norm weight, eps, gemma, weight, bias) -> (linear(
     # rms_norm(e)), e) where e = the ids' embedding rows times scale: a first layer's projection
     embed_rms_norm_linear: Callable[
@@ -97,12 +109,27 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
 
 
 def _add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool, before: Tensor | None = None
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    eps: float,
+    gemma: bool,
+    before: Tensor | None = None,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    residual = _stream(x, residual, eps, gemma, before, scale)
+    return _rms_norm(residual, weight, eps, gemma), residual
+
+
+def _stream(
+    x: Tensor, residual: Tensor, eps: float, gemma: bool, before: Tensor | None, scale: Tensor | None
+) -> Tensor:
+    """`(residual + rms_norm(x, before)) * scale`, each step rounded to the dtype as Hugging
+    Face's modules round it."""
     if before is not None:
         x = _rms_norm(x, before, eps, gemma)
     residual = residual + x
-    return _rms_norm(residual, weight, eps, gemma), residual
+    return residual if scale is None else residual * scale
 
 
 def _add_rms_norm_linear(
@@ -114,8 +141,12 @@ def _add_rms_norm_linear(
     before: Tensor | None,
     weight: Tensor,
     bias: Tensor | None,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    normed, residual = _add_rms_norm(x, residual, norm, eps, gemma, before)
+    if norm is None:
+        residual = _stream(x, residual, eps, gemma, before, scale)
+        return F.linear(residual, weight, bias), residual
+    normed, residual = _add_rms_norm(x, residual, norm, eps, gemma, before, scale)
     return F.linear(normed, weight, bias), residual
 
 
@@ -147,6 +178,7 @@ def _rope(
     cos_sin_cache: Tensor,
     norms: QKNorms | None = None,
     kv: KVDest | None = None,
+    v_norm_eps: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     if norms is not None:
         q_weight, k_weight, eps, gemma = norms
@@ -160,7 +192,10 @@ def _rope(
     if kv is None:
         return q, k
     cache, locs, v, (k_scale, v_scale) = kv
-    write_kv_torch(cache, locs, k, v.view(k.shape), k_scale, v_scale)
+    v = v.reshape(k.shape)
+    if v_norm_eps is not None:
+        v = _rms_norm(v, torch.ones(v.shape[-1], dtype=v.dtype, device=v.device), v_norm_eps, False)
+    write_kv_torch(cache, locs, k, v, k_scale, v_scale)
     return q, None
 
 
@@ -194,6 +229,10 @@ def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str
     return _act_and_mul(F.linear(x, weight, bias), act)
 
 
+def _gated_linear(gate: Tensor, up: Tensor, act: str, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(ACT2FN[act](gate) * up, weight, bias)
+
+
 def _fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None) -> Tensor:
     """The oracle of every FP8 path: the weights dequantised to float32 and the product in
     float32, cast to x's dtype."""
@@ -216,6 +255,7 @@ TORCH_OPS = OpSet(
     F.linear,
     _linear_act_and_mul,
     _add_rms_norm_linear,
+    _gated_linear,
     _embed_norm_linear(_rms_norm, F.linear),
     _logits_argmax,
     _fp8_linear,
@@ -242,10 +282,19 @@ def _fi_rms_norm(x: Tensor, weight: Tensor, eps: float, gemma: bool) -> Tensor:
 
 
 def _fi_add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, gemma: bool, before: Tensor | None = None
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    eps: float,
+    gemma: bool,
+    before: Tensor | None = None,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     if before is not None:
-        return _triton("sandwich_norm").norm_add_norm(x, residual, before, weight, eps, gemma)
+        return _triton("sandwich_norm").norm_add_norm(x, residual, before, weight, eps, gemma, scale)
+    if scale is not None:
+        residual = _stream(x, residual, eps, gemma, None, scale)
+        return _fi_rms_norm(residual, weight, eps, gemma), residual
     norm = _flashinfer().norm
     x = x.contiguous()
     (norm.gemma_fused_add_rmsnorm if gemma else norm.fused_add_rmsnorm)(x, residual, weight, eps)
@@ -259,10 +308,11 @@ def _cuda_rope(
     cos_sin_cache: Tensor,
     norms: QKNorms | None = None,
     kv: KVDest | None = None,
+    v_norm_eps: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     if q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1):
         q, k = q.contiguous(), None if k is None else k.contiguous()
-    return _triton("rope").rope(positions, q, k, cos_sin_cache, norms, kv)
+    return _triton("rope").rope(positions, q, k, cos_sin_cache, norms, kv, v_norm_eps)
 
 
 FLASHINFER_ACTS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}
@@ -304,12 +354,26 @@ def _cuda_add_rms_norm_linear(
     before: Tensor | None,
     weight: Tensor,
     bias: Tensor | None,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     gemv = _triton("gemv")
     if GEMV_ENABLED and residual.is_contiguous() and gemv.norm_applies(x, weight):
-        return gemv.add_norm_gemv(x, residual, norm, eps, gemma, before, weight, bias)
-    normed, residual = _fi_add_rms_norm(x, residual, norm, eps, gemma, before)
+        return gemv.add_norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, scale)
+    if norm is None:
+        if before is not None and residual.is_contiguous():
+            residual = _triton("sandwich_norm").norm_add(x, residual, before, eps, gemma, scale)
+        else:
+            residual = _stream(x, residual, eps, gemma, before, scale)
+        return _cuda_linear(residual, weight, bias), residual
+    normed, residual = _fi_add_rms_norm(x, residual, norm, eps, gemma, before, scale)
     return _cuda_linear(normed, weight, bias), residual
+
+
+def _cuda_gated_linear(gate: Tensor, up: Tensor, act: str, weight: Tensor, bias: Tensor | None) -> Tensor:
+    gemv = _triton("gemv")
+    if GEMV_ENABLED and act in gemv.ACTIVATIONS and gemv.gated_applies(gate, up, weight):
+        return gemv.gated_gemv(gate, up, act, weight, bias)
+    return _cuda_linear(_fi_act_and_mul(torch.cat([gate, up], dim=-1), act), weight, bias)
 
 
 def _cuda_fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None) -> Tensor:
@@ -356,6 +420,7 @@ FLASHINFER_OPS = OpSet(
     _cuda_linear,
     _cuda_linear_act_and_mul,
     _cuda_add_rms_norm_linear,
+    _cuda_gated_linear,
     _cuda_embed_rms_norm_linear,
     lambda raw, cap, out, tokens: _triton("logits_argmax").logits_argmax(raw, cap, out, tokens),
     _cuda_fp8_linear,

@@ -49,6 +49,7 @@ def _rope_kernel(
     stride_head,
     k_inv_scale,
     v_inv_scale,
+    v_eps,
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -56,6 +57,7 @@ def _rope_kernel(
     NORM: tl.constexpr,  # 0: none; 1: RMSNorm scaled by w (Qwen 3); 2: by 1 + w (Gemma 3)
     WRITE_KV: tl.constexpr,  # keys go to the paged cache at k_out (with v), not to a [T, Hk, D] tensor
     FP8: tl.constexpr,  # the cache is FP8: keys and values quantised with their scales (`fp8.py`)
+    V_NORM: tl.constexpr,  # each value head RMS-normalised (no weight) before it is written (Gemma 4)
     PDL: tl.constexpr,
 ):
     """Program (t, h): head h of token t, a query head for h < q_heads, else a key head."""
@@ -101,7 +103,11 @@ def _rope_kernel(
     elif WRITE_KV:
         loc = tl.load(locs_ptr + t).to(tl.int64)
         dst = k_out + (loc // page_size) * stride_page + (h - q_heads) * stride_head + (loc % page_size) * HEAD_DIM
-        value = tl.load(v_ptr + t.to(tl.int64) * stride_vt + (h - q_heads) * stride_vh + j, mask=j < HEAD_DIM)
+        v_src = v_ptr + t.to(tl.int64) * stride_vt + (h - q_heads) * stride_vh
+        value = tl.load(v_src + j, mask=j < HEAD_DIM, other=0.0)
+        if V_NORM:  # rounded to the model's dtype as the separate norm's output was
+            vf = value.to(tl.float32)
+            value = (vf * tl.rsqrt(tl.sum(vf * vf) / HEAD_DIM + v_eps)).to(dtype)
         if FP8:  # new names: a branch may not change a variable's type
             v_out = fp8_saturate(value, v_inv_scale)
             k1, k2, kp = fp8_saturate(y1, k_inv_scale), fp8_saturate(y2, k_inv_scale), fp8_saturate(yp, k_inv_scale)
@@ -131,6 +137,7 @@ def rope(
     cos_sin_cache: torch.Tensor,
     norms: tuple[torch.Tensor, torch.Tensor | None, float, bool] | None = None,
     kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[float, float]] | None = None,
+    v_norm_eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated copies of q `[T, Hq, D]` and k `[T, Hk, D]` (or None), contiguous; each may be a
     view with any token and head strides and unit stride along D. `cos_sin_cache`: float32
@@ -138,7 +145,8 @@ def rope(
     per-head RMSNorms applied first. `kv`: (paged cache `[pages, 2, Hk, page, D]`, slots, v,
     (K scale, V scale)): the rotated keys and v are written to the cache at the slots instead (k
     comes back None), cast to the cache's dtype, or quantised with the scales into an FP8 cache
-    exactly as `attention.kv_pool.quantize` does."""
+    exactly as `attention.kv_pool.quantize` does; with `v_norm_eps` each value head is
+    RMS-normalised (no weight) first."""
     if kv is not None and k is None:
         raise ValueError("rope: a KV destination needs the keys to write")
     tokens, q_heads, head_dim = q.shape
@@ -183,6 +191,7 @@ def rope(
         kv_cache.stride(2) if kv else 0,
         1.0 / scales[0],
         1.0 / scales[1],
+        0.0 if v_norm_eps is None else v_norm_eps,
         HEAD_DIM=head_dim,
         ROTARY=rotary,
         BLOCK_HALF=triton.next_power_of_2(rotary // 2),
@@ -190,6 +199,7 @@ def rope(
         NORM=0 if norms is None else 2 if gemma else 1,
         WRITE_KV=kv is not None,
         FP8=kv is not None and kv_cache.dtype == FP8_E4M3,
+        V_NORM=kv is not None and v_norm_eps is not None,
         **pdl_options(tokens * (q_heads + k_heads)),
     )
     return q_out, k_out
