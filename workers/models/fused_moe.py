@@ -4,7 +4,12 @@ pairs, the torch path of `workers/models/moe.py` their oracle (docs/design.md §
 Two shapes of work, chosen by how many pairs a forward routes (`GEMV_MAX_PAIRS`, data):
 - **Few pairs** (decode steps, small verifies): one program per (pair, block of outputs) reads
   its expert's weight rows and the pair's input row, GEMV-like. Only the chosen experts'
-  weights are read, once per pair that chose them.
+  weights are read, once per pair that chose them. Products accumulate in a tile of float32
+  sums reduced once after the K loop, as the dense GEMV's (a reduction every K tile holds back
+  the next tile's loads), and the kernels launch with PDL (`attention/kernels/launch.py`). The
+  last of a token's pairs to finish a block of outputs adds the pairs' rows in top-k order and
+  writes the token's output in the model's dtype (`attention/kernels/arrival.py`): no sum and
+  cast kernels after the down projection.
 - **Many pairs** (prefills, large batches): a grouped GEMM. The pairs are sorted by expert on
   the device and each expert's run padded to the tile height (`align`); each program multiplies
   one tile of one expert's pairs with `tl.dot`, reading that expert's weights once per tile.
@@ -29,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.arrival import counters, last_arrival
+from attention.kernels.launch import pdl_options, pdl_start
 from workers.models.moe import Activation
 
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
@@ -74,10 +81,12 @@ def _gemv_gate_up(
     ACT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of `act(gate) * up` for pair p. The
     expert's gate rows are rows [0, N) of its `[2N, K]` weight, its up rows [N, 2N). With a map,
     a pair whose expert is elsewhere (-1) writes nothing."""
+    pdl_start(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -89,15 +98,18 @@ def _gemv_gate_up(
     x_row = x_ptr + (p // top_k).to(tl.int64) * stride_x
     w_gate = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + N * stride_wn
-    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tile_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    tile_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         mask = n_ok[:, None] & k_ok[None, :]
-        acc_gate += tl.sum(tl.load(w_gate + k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
-        acc_up += tl.sum(tl.load(w_up + k[None, :], mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        tile_gate += (
+            tl.load(w_gate + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x
+        )
+        tile_up += tl.load(w_up + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x
+    acc_gate, acc_up = tl.sum(tile_gate, axis=1), tl.sum(tile_up, axis=1)
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
         acc_up += tl.load(b_ptr + e * stride_be + N + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -111,9 +123,12 @@ def _gemv_down(
     w_ptr,
     b_ptr,
     y_ptr,
+    out_ptr,
+    counter_ptr,
     ids_ptr,
     map_ptr,
     weights_ptr,
+    top_k,
     K,
     N,
     stride_h,
@@ -123,33 +138,47 @@ def _gemv_down(
     stride_y,
     HAS_BIAS: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,  # top_k rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of pair p's expert's down projection of
-    its intermediate row, plus the expert's bias, times the pair's routing weight (float32).
-    With a map, a pair whose expert is elsewhere (-1) writes zeros."""
+    its intermediate row, plus the expert's bias, times the pair's routing weight, into y
+    (float32); the last of the token's pairs to arrive writes the token's sum of them to `out`
+    in its dtype. With a map, a pair whose expert is elsewhere (-1) adds zeros."""
+    pdl_start(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     e = tl.load(ids_ptr + p).to(tl.int64)
     if HAS_MAP:
         e = tl.load(map_ptr + e).to(tl.int64)
-        if e < 0:
-            tl.store(y_ptr + p.to(tl.int64) * stride_y + n, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_ok)
-            return
-    h_row = h_ptr + p.to(tl.int64) * stride_h
-    w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * h, 1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-    acc *= tl.load(weights_ptr + p)
+    if e >= 0:
+        h_row = h_ptr + p.to(tl.int64) * stride_h
+        w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
+        tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(
+                w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
+            )
+            tile += w.to(tl.float32) * h
+        acc = tl.sum(tile, axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        acc *= tl.load(weights_ptr + p)
     tl.store(y_ptr + p.to(tl.int64) * stride_y + n, acc, mask=n_ok)
+    token = p // top_k
+    if last_arrival(counter_ptr + token * tl.num_programs(1) + tl.program_id(1), top_k):
+        j = tl.arange(0, TOP_K_PAD)
+        rows = y_ptr + (token * top_k + j).to(tl.int64)[:, None] * stride_y + n[None, :]
+        parts = tl.load(rows, mask=(j < top_k)[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+        total = tl.sum(parts, axis=0)
+        tl.store(out_ptr + token.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -328,16 +357,21 @@ def fused_experts(
     code = ACTIVATIONS[act.name]
     if pairs <= GEMV_MAX_PAIRS:
         bn, bk = GEMV_BLOCK_N, GEMV_BLOCK_K
-        _gemv_gate_up[(pairs, triton.cdiv(width, bn))](
+        up_blocks, down_blocks = triton.cdiv(width, bn), triton.cdiv(hidden, bn)
+        _gemv_gate_up[(pairs, up_blocks)](
             x, gate_up, gu_bias, h, ids, mapping, top_k, hidden, width,
             x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
             HAS_BIAS=gate_up_bias is not None, HAS_MAP=has_map, ACT=code, BLOCK_N=bn, BLOCK_K=bk,
+            **pdl_options(pairs * up_blocks),
         )  # fmt: skip
-        _gemv_down[(pairs, triton.cdiv(hidden, bn))](
-            h, down, d_bias, y, ids, mapping, weights, width, hidden,
-            h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
-            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, BLOCK_N=bn, BLOCK_K=bk,
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+        _gemv_down[(pairs, down_blocks)](
+            h, down, d_bias, y, out, counters(x.device, tokens * down_blocks), ids, mapping, weights, top_k,
+            width, hidden, h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
+            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, TOP_K_PAD=triton.next_power_of_2(top_k),
+            BLOCK_N=bn, BLOCK_K=bk, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
+        return out
     else:
         bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models: no TF32 rounding
