@@ -27,9 +27,10 @@ from tests.workers.test_gpu_moe import (
     differences,
     held_by,
     random_experts,
+    random_router,
     skewed_routing,
 )
-from workers.models.moe import experts_torch
+from workers.models.moe import experts_torch, route
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BOUNDS = {"float32": (1e-5, 1e-6), "bfloat16": (KERNEL_NOISE, ROUNDING_NOISE)}  # (largest, mean) differences
@@ -39,13 +40,48 @@ CASES = [
     for tokens in (1, 32, 33, 287)
     for dtype in DTYPES
 ]
+# the router kernels (workers/models/fused_router.py): Gemma 4's (norm, scales, 128 experts, top 8)
+# and gpt-oss's (bias, 32 experts, top 4) at 1 and 8 tokens
+ROUTER_CASES = [
+    f"{family}-{tokens}-{dtype}" for family in ("gemma4", "gpt-oss") for tokens in (1, 8) for dtype in DTYPES
+]
 EXPERT_MAP_CASES = [
     f"{shape}-{tokens}-bfloat16-map" for shape in ("tiny-gemma4-moe", "tiny-gpt-oss") for tokens in (32, 287)
 ]
 
 
-def interpreted_differences() -> dict[str, list[float]]:
-    """Each case's `differences` of the kernels from the torch path (under TRITON_INTERPRET=1)."""
+def _router_findings(case: str) -> dict:
+    """The logits kernel against the torch path's logits (largest difference in ulps of the
+    model's dtype, share unequal), and the top-k kernel over those same logits against `route`:
+    equal ids (float32 logits have no ties), the weights' largest difference."""
+    from workers.models import fused_router
+
+    family, tokens, dtype = case.rsplit("-", 2)
+    router = random_router(family, DTYPES[dtype])
+    hidden = router.proj.weight.shape[1]
+    x = torch.randn(int(tokens), hidden, generator=torch.Generator().manual_seed(int(tokens))).to(DTYPES[dtype])
+    with torch.no_grad():
+        gemma = router.norm is not None
+        norm = (router.scale, router.norm.eps, router.input_scale) if gemma else None
+        got = fused_router.logits(x, router.proj.weight, router.proj.bias, norm)
+        ref = router.proj(router.norm(x) * router.scale * router.input_scale if gemma else x)
+        spacing = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(2**-100))) - 7)
+        scores = torch.randn(int(tokens), ref.shape[1], generator=torch.Generator().manual_seed(7))
+        expert_scale = router.per_expert_scale.float() if gemma else None
+        weights, ids = fused_router.top_k_of(scores, router.top_k, expert_scale)
+        ref_weights, ref_ids = route(scores, router.top_k, expert_scale)
+    return {
+        "logit_ulps": float(((got.float() - ref.float()).abs() / spacing).max()),
+        "unequal": float((got != ref).float().mean()),
+        "relative": float((got.float() - ref.float()).norm() / ref.float().norm()),
+        "ids_equal": bool(torch.equal(ids, ref_ids)),
+        "weights": float((weights - ref_weights).abs().max()),
+    }
+
+
+def interpreted_differences() -> dict[str, list[float] | dict]:
+    """Each case's `differences` of the kernels from the torch path (under TRITON_INTERPRET=1),
+    and the router cases' findings."""
     as_the_gpu_does()
     from workers.models.fused_moe import fused_experts
 
@@ -71,6 +107,8 @@ def interpreted_differences() -> dict[str, list[float]]:
             args = (x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, expert_map)
             worst = torch.maximum(worst, differences(fused_experts(*args), experts_torch(*args)))
         out[case] = worst.tolist()
+    for case in ROUTER_CASES:
+        out[f"router-{case}"] = _router_findings(case)
     return out
 
 
@@ -87,6 +125,19 @@ def test_fused_experts_match_the_torch_path_in_the_interpreter(interpreted, case
 @pytest.mark.parametrize("case", EXPERT_MAP_CASES)
 def test_fused_experts_with_an_expert_map_match_the_torch_path_in_the_interpreter(interpreted, case):
     assert_rounding_noise(torch.tensor(interpreted[case]), case, BOUNDS["bfloat16"])
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+def test_router_kernels_match_the_torch_path_in_the_interpreter(interpreted, case):
+    """Logits equal in float32 to float32 noise, in bfloat16 equal but for a few a rounding apart
+    (whose float32 statistics round the other way), and the same experts in the same order with
+    softmax weights to float32 noise."""
+    found = interpreted[f"router-{case}"]
+    if case.endswith("float32"):
+        assert found["relative"] <= 1e-6, found
+    else:
+        assert found["logit_ulps"] <= 1.0 and found["unequal"] <= 0.02, found
+    assert found["ids_equal"] and found["weights"] <= 1e-6, found
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ and the two ranks' sums add up to the whole experts'. Under a CUDA graph a repla
 routing gives the new routing's result, with or without a map, and an eager call never
 synchronises with the host. In the tiny Gemma 4 MoE and gpt-oss models (bf16, trtllm_mha, CUDA
 graphs) every experts call, prefill and decode, matches the torch path on its own inputs; with every expert chosen,
-so that no routing decision can flip, the logits match the torch path's within bf16 noise.
+so that no routing decision can flip, the logits match the torch path's within bf16 noise. The
+router of a few tokens (two kernels) chooses what the torch path's top-k chooses over its logits,
+which are a rounding apart from the torch path's at most.
 """
 
 import pytest
@@ -21,7 +23,8 @@ from tests.hf_models import TINY_MODELS, make_tiny_model, random_prompts
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from workers.engine import Engine, SamplingParams
 from workers.models import moe
-from workers.models.moe import Activation, experts_torch, route
+from workers.models.config import MoEConfig
+from workers.models.moe import Activation, Router, experts_torch, route
 
 pytestmark = pytest.mark.gpu
 
@@ -64,6 +67,20 @@ def random_experts(shape: str, seed: int = 0, device: str = "cuda", dtype: torch
         rand(num, hidden, std=0.1) if bias else None,
     )
     return num, top_k, hidden, Activation(act, 1.702, limit), weights
+
+
+def random_router(family: str, dtype: torch.dtype) -> Router:
+    """A router at the real shapes with random weights (Gemma 4's scales and expert scales away
+    from 1, gpt-oss's bias)."""
+    gemma = family == "gemma4"
+    experts, top_k, hidden = (128, 8, 2816) if gemma else (32, 4, 2880)
+    moe = MoEConfig(experts, top_k, 64, "gelu_pytorch_tanh", router_norm=gemma, bias=not gemma, layout="packed")
+    router = Router(hidden, moe, 1e-6)
+    gen = torch.Generator().manual_seed(experts)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 1 else 0.05) + (p.dim() == 1) * gemma)
+    return router.to(dtype)
 
 
 def skewed_routing(
@@ -111,6 +128,38 @@ def assert_rounding_noise(
     (worst, mean), (worst_bound, mean_bound) = rel.tolist(), bounds
     assert worst <= worst_bound, f"{what}: {worst:.3g} of the largest output (bound {worst_bound:.3g})"
     assert mean <= mean_bound, f"{what}: mean difference {mean:.3g} of the mean output (bound {mean_bound:.3g})"
+
+
+@pytest.mark.parametrize("family", ["gemma4", "gpt-oss"])
+@pytest.mark.parametrize("tokens", [1, 8, 9])
+def test_router_kernels_match_the_torch_path(family, tokens):
+    """The router of a few tokens (Gemma 4's norm and scales, gpt-oss's bias) at the real shapes,
+    bf16: logits a rounding apart from the torch path's at most, and over them the experts the
+    torch path's top-k chooses, in its order, with its weights (rows whose top k + 1 logits hold
+    a tie choose among the tied by id; their chosen logits still match); past MAX_ROWS tokens the
+    torch path routes."""
+    from workers.models import fused_router
+
+    router = random_router(family, torch.bfloat16).cuda()
+    x = torch.randn(tokens, router.proj.weight.shape[1], device="cuda").to(torch.bfloat16)
+    gemma, k = router.norm is not None, router.top_k
+    expert_scale = router.per_expert_scale if gemma else None
+    with torch.no_grad():
+        ref_logits = router.proj(router.norm(x) * router.scale * router.input_scale if gemma else x)
+        weights, ids = router(x)
+        if tokens > fused_router.MAX_ROWS:
+            ref_weights, ref_ids = route(ref_logits, k, expert_scale)  # the same ops on the same device
+            assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+            return
+        norm = (router.scale, router.norm.eps, router.input_scale) if gemma else None
+        logits = fused_router.logits(x, router.proj.weight, router.proj.bias, norm)
+        ref_weights, ref_ids = route(logits, k, expert_scale)
+    assert ((logits.float() - ref_logits.float()).abs() <= ref_logits.float().abs() * 2**-7).all()
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, ref_ids))
+    top = logits.float().sort(dim=1, descending=True).values[:, : k + 1]
+    distinct = (top[:, 1:] != top[:, :-1]).all(dim=1)
+    assert torch.equal(ids[distinct], ref_ids[distinct])
+    assert torch.allclose(weights[distinct], ref_weights[distinct], atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -22,7 +22,8 @@ by expert, each keeps E/tp whole experts (`[E/tp, 2I, H]`) and runs only the cho
 them. Either way every rank holds the same tokens and routing and the partial outputs are
 all-reduced.
 
-The torch path below is the CPU path and the oracle of the CUDA kernels (`fused_moe.py`): it
+The torch path below is the CPU path and the oracle of the CUDA kernels (`fused_moe.py`, and
+`fused_router.py` for the router of a few tokens): it
 runs every expert over every token, weighted by its routing weight (zero where not chosen), so
 its shapes never depend on the routing and nothing is read back to the host (a CUDA graph can
 capture it). CUDA runs the kernels unless fused ops are off or autograd records
@@ -139,15 +140,23 @@ ExpertsFn = Callable[..., torch.Tensor]  # `experts_torch`'s signature
 
 
 @functools.cache
-def _fused() -> ExpertsFn:
-    return importlib.import_module("workers.models.fused_moe").fused_experts  # Triton: CUDA builds only
+def _fused(name: str = "fused_moe"):
+    """A module of Triton kernels (`fused_moe`, `fused_router`): CUDA builds only."""
+    return importlib.import_module(f"workers.models.{name}")
+
+
+def _kernels_on(x: torch.Tensor) -> bool:
+    return x.is_cuda and FUSED_MOE and FUSED_ENABLED and not torch.is_grad_enabled()
 
 
 def experts_for(x: torch.Tensor) -> ExpertsFn:
     """The experts' implementation for `x`: the Triton kernels on CUDA, else the torch path."""
-    if x.is_cuda and FUSED_MOE and FUSED_ENABLED and not torch.is_grad_enabled():
-        return _fused()
-    return experts_torch
+    return _fused().fused_experts if _kernels_on(x) else experts_torch
+
+
+def _fused_router(x: torch.Tensor) -> bool:
+    """Whether the router's Triton kernels route `x` (a few tokens on CUDA), else the torch path."""
+    return _kernels_on(x) and _fused("fused_router").applies(x)
 
 
 FUSED_MOE = os.environ.get("SLIDESPEC_FUSED_MOE", "1") != "0"
@@ -169,6 +178,10 @@ class Router(nn.Module):
                 p.identity = 1.0  # type: ignore[attr-defined]  # its value in random-weight models
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if _fused_router(x):
+            norm = None if self.norm is None else (self.scale, self.norm.eps, self.input_scale)
+            expert_scale = None if self.norm is None else self.per_expert_scale
+            return _fused("fused_router").route(x, self.proj.weight, self.proj.bias, self.top_k, norm, expert_scale)
         if self.norm is None:
             return route(self.proj(x), self.top_k)
         x = self.norm(x) * self.scale * self.input_scale

@@ -1,0 +1,188 @@
+"""A mixture of experts' router on CUDA for few tokens (decode steps, small verifies): two Triton
+kernels where the torch path runs four (gpt-oss: projection, cast, top-k, softmax) or nine
+(Gemma 4: its scale-free norm and two scalings before the projection, the expert scales after),
+the torch path of `workers/models/moe.py` (`Router`, `route`) their oracle.
+
+- `_logits_kernel`, a program per (token, block of experts): Gemma 4's input (the row RMS-
+  normalised without a weight, times the router's scale vector, times 1/sqrt(hidden), each step
+  rounded to the model's dtype as the torch ops round it) computed by every program from the
+  row's statistics, then the experts' logits, rounded to the model's dtype as the projection's
+  output is (and its bias added first, gpt-oss).
+- `_top_k_kernel`, a program per token: the top-k logits in descending order (the lowest expert
+  id first among equal ones), their softmax in float32, times each chosen expert's scale
+  (Gemma 4), into float32 weights and int64 ids.
+
+Nothing is read back to the host and no shape depends on the routing: CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.kernels.launch import pdl_options, pdl_start
+
+MAX_ROWS = 8  # tokens up to which these kernels route (each program reads its experts' rows)
+BLOCK_E, BLOCK_K = 8, 512  # experts a logits program computes; hidden features a loop step reads
+
+
+@triton.jit
+def _router_input(x_row, scale_ptr, k, k_ok, rstd, input_scale, NORM: tl.constexpr, dtype: tl.constexpr):
+    """Features `k` of the router's input, as float32 values of the model's dtype."""
+    x = tl.load(x_row + k, mask=k_ok, other=0.0)
+    if NORM:
+        x = (x.to(tl.float32) * rstd).to(dtype)
+        x = (x.to(tl.float32) * tl.load(scale_ptr + k, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+        x = (x.to(tl.float32) * input_scale).to(dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _logits_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    scale_ptr,
+    out_ptr,
+    E,
+    H,
+    stride_x,
+    eps,
+    input_scale,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # H rounded up to a power of two: the statistics' one pass
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    x_row = x_ptr + t * stride_x
+    dtype = out_ptr.dtype.element_ty
+    rstd = 0.0
+    if NORM:
+        hs = tl.arange(0, BLOCK_H)
+        whole = tl.load(x_row + hs, mask=hs < H, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(whole * whole) / H + eps)
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_E, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + cols
+        k_ok = k < H
+        x = _router_input(x_row, scale_ptr, k, k_ok, rstd, input_scale, NORM, dtype)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * H + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    logits = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        logits += tl.load(b_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * E + e, logits.to(dtype), mask=e_ok)
+
+
+@triton.jit
+def _top_k_kernel(
+    logits_ptr,
+    expert_scale_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,  # E rounded up to a power of two
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK)
+    left = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    j = tl.arange(0, K_PAD)
+    top = tl.full((K_PAD,), float("-inf"), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(left, axis=0)
+        first = tl.min(tl.where((left == best) & (e < E), e, BLOCK), axis=0)
+        top = tl.where(j == i, best, top)
+        ids = tl.where(j == i, first, ids)
+        left = tl.where(e == first, float("-inf"), left)
+    chosen = j < TOP_K
+    p = tl.where(chosen, tl.exp(top - tl.max(top, axis=0)), 0.0)
+    p = p / tl.sum(p, axis=0)
+    if HAS_SCALE:
+        p = p * tl.load(expert_scale_ptr + ids, mask=chosen, other=0.0).to(tl.float32)
+    tl.store(weights_ptr + t * TOP_K + j, p, mask=chosen)
+    tl.store(ids_ptr + t * TOP_K + j, ids.to(tl.int64), mask=chosen)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether these kernels route `x` (`[T, hidden]`): 1 to MAX_ROWS rows on CUDA, unit stride."""
+    return x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.stride(-1) == 1
+
+
+def route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    norm: tuple[torch.Tensor, float, float] | None = None,
+    expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights `[T, k]`, int64 expert ids `[T, k]`) of `moe.route` over the router's
+    logits (`logits`)."""
+    return top_k_of(logits(x, weight, bias, norm), top_k, expert_scale)
+
+
+def logits(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: tuple[torch.Tensor, float, float] | None
+) -> torch.Tensor:
+    """The router's logits `weight . x' + bias` `[T, E]` in x's dtype, x' = x or, with `norm` =
+    (scale vector, eps, input scale), rms_norm(x) * scale * input scale (Gemma 4)."""
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    out = torch.empty(tokens, experts, dtype=x.dtype, device=x.device)
+    scale, eps, input_scale = norm if norm is not None else (weight, 0.0, 1.0)  # no norm: never read
+    blocks = triton.cdiv(experts, BLOCK_E)
+    _logits_kernel[(tokens, blocks)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        scale,
+        out,
+        experts,
+        hidden,
+        x.stride(0),
+        eps,
+        input_scale,
+        NORM=norm is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_E=BLOCK_E,
+        BLOCK_K=BLOCK_K,
+        BLOCK_H=triton.next_power_of_2(hidden),
+        **pdl_options(tokens * blocks),
+    )
+    return out
+
+
+def top_k_of(
+    logits: torch.Tensor, top_k: int, expert_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route(logits, top_k, expert_scale)` from one kernel."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    _top_k_kernel[(tokens,)](
+        logits,
+        expert_scale if expert_scale is not None else logits,
+        weights,
+        ids,
+        experts,
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k),
+        HAS_SCALE=expert_scale is not None,
+        BLOCK=triton.next_power_of_2(experts),
+        **pdl_options(tokens),
+    )
+    return weights, ids
