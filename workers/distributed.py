@@ -123,23 +123,25 @@ class TPGroup:
         gemma: bool,
         before: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add_rms_norm(all_reduce(x) + bias, residual, weight, eps, gemma, before)` of the op
-        set (`workers/models/ops.py`): (rms_norm(residual'), residual') with residual' = residual
-        + x', x' the all-reduced `x` plus `bias`, passed through the `before` norm (Gemma's
-        sandwich) when given. One kernel where `method` says "one_shot_fused" (the residual
-        updated in place); else the all-reduce, then the op set's add and norm."""
+        """`add_rms_norm(all_reduce(x) + bias, residual, weight, eps, gemma, before, scale)` of
+        the op set (`workers/models/ops.py`): (rms_norm(residual'), residual') with residual' =
+        (residual + x') * scale, x' the all-reduced `x` plus `bias`, passed through the `before`
+        norm (Gemma's sandwich) when given, `scale` Gemma 4's layer scalar or None. One kernel
+        where `method` says "one_shot_fused" (the residual updated in place); else the
+        all-reduce, then the op set's add and norm."""
         # imported here: the models import this module
         if self.method(x, then_norm=True) == "one_shot_fused" and residual.is_contiguous():
             from workers.models.all_reduce_norm import all_reduce_add_rms_norm
 
-            return all_reduce_add_rms_norm(x, residual, weight, eps, gemma, before, bias, self._peer.group)
+            return all_reduce_add_rms_norm(x, residual, weight, eps, gemma, before, bias, self._peer.group, scale)
         from workers.models.ops import ops_for
 
         x = self.all_reduce(x)
         if bias is not None:
             x = x + bias
-        return ops_for(x).add_rms_norm(x, residual, weight, eps, gemma, before)
+        return ops_for(x).add_rms_norm(x, residual, weight, eps, gemma, before, scale)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order: through peer memory for a

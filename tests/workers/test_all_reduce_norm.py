@@ -5,7 +5,8 @@ layers in test_tensor_parallel.py); the size table picks each message's method; 
 kernel (`workers/models/all_reduce_norm.py`) on the CPU through Triton's interpreter, every rank
 of a group simulated in turn with plain tensors standing in for its peers' push buffers (the
 peers' rows pushed beforehand), once in each generation, against the torch op set over the
-float32 sum: within float32 noise in float32, in bfloat16 at most one rounding apart and equal
+float32 sum (a Gemma 4 case with its layer scalar after the add among them): within float32
+noise in float32, in bfloat16 at most one rounding apart and equal
 but for a few; every rank gets the same bits, pushes its rows into its slot of each peer's
 buffer, empties the slots it read and moves to the next generation; the kernel without the add
 and norm (the plain all-reduce) gives the float32 sum rounded, bit for bit. The interpreter cases
@@ -35,7 +36,8 @@ VARIANTS = ("llama", "gemma", "sandwich", "bias")  # Gemma: 1 + w; sandwich: a n
 def _norms(variant: str, size: int, gen: torch.Generator) -> tuple[RMSNorm, RMSNorm | None]:
     """(the norm after the add, the norm before it or None), with random weights."""
     gemma = variant in ("gemma", "sandwich")
-    norm, before = RMSNorm(size, EPS, gemma), RMSNorm(size, EPS, gemma) if variant == "sandwich" else None
+    sandwich = variant in ("sandwich", "scaled")
+    norm, before = RMSNorm(size, EPS, gemma), RMSNorm(size, EPS, gemma) if sandwich else None
     for n in (norm, before):
         if n is not None:
             n.weight.data.copy_(torch.randn(size, generator=gen))
@@ -111,6 +113,7 @@ CASES = {
     "sandwich-2-bfloat16": ("sandwich", 2, 5, 300, 2, "bfloat16"),
     "bias-4-float32": ("bias", 4, 3, 200, 2, "float32"),
     "sandwich-4-float32": ("sandwich", 4, 2, 160, 64, "float32"),
+    "scaled-2-bfloat16": ("scaled", 2, 3, 300, 4, "bfloat16"),  # Gemma 4: a sandwich, then the layer scalar
 }
 
 
@@ -127,7 +130,7 @@ def _one_rank(case: tuple, rank: int, xs: list[torch.Tensor], residual: torch.Te
     from workers.models.all_reduce_norm import PushGroup, all_reduce, all_reduce_add_rms_norm, empty_push_buffer
 
     _, world, rows, size, programs, _ = case
-    norm, before, bias = weights
+    norm, before, bias, scale = weights
     n, slot = rows * size, rows * size + 3  # slots larger than the message, as the real ones are
     buffers = [torch.empty(2 * world * slot, dtype=xs[0].dtype) for _ in range(world)]
     for b in buffers:
@@ -146,7 +149,7 @@ def _one_rank(case: tuple, rank: int, xs: list[torch.Tensor], residual: torch.Te
                 buffers[rank][at : at + n] = xs[peer].view(-1)
         x, res = xs[rank].clone(), residual.clone()
         if fused:
-            outs.append(all_reduce_add_rms_norm(x, res, norm.weight, EPS, norm.gemma, w_before, bias, group))
+            outs.append(all_reduce_add_rms_norm(x, res, norm.weight, EPS, norm.gemma, w_before, bias, group, scale))
         else:
             outs.append(all_reduce(x, group))
         mine = (generation * world + rank) * slot
@@ -173,13 +176,15 @@ def interpreted() -> dict[str, dict]:
         norm, before = _norms(variant, size, gen)
         norm, before = norm.to(dtype), before.to(dtype) if before is not None else None
         bias = torch.randn(size, generator=gen).to(dtype) if variant == "bias" else None
+        scale = torch.tensor([0.75], dtype=dtype) if variant == "scaled" else None
         xs = [torch.randn(rows, size, generator=gen).to(dtype) for _ in range(world)]
         residual = torch.randn(rows, size, generator=gen).to(dtype)
         total = sum(x.float() for x in xs).to(dtype)
         total = total + bias if bias is not None else total
         w_before = None if before is None else before.weight
-        ref_out, ref_res = TORCH_OPS.add_rms_norm(total, residual.clone(), norm.weight, EPS, norm.gemma, w_before)
-        ranks = [_one_rank(case, r, xs, residual, (norm, before, bias)) for r in range(world)]
+        args = (norm.weight, EPS, norm.gemma, w_before, scale)
+        ref_out, ref_res = TORCH_OPS.add_rms_norm(total, residual.clone(), *args)
+        ranks = [_one_rank(case, r, xs, residual, (norm, before, bias, scale)) for r in range(world)]
         got = torch.cat([ranks[0]["out"], ranks[0]["residual"]]).float()
         ref = torch.cat([ref_out, ref_res]).float()
         found[name] = {

@@ -185,12 +185,13 @@ def _on_two_gpus(rank_main, timeout: float):
 # Gemma-3-4B (and Gemma-4-E4B), Gemma-4-E2B, Gemma-3-1B
 FUSED_HIDDEN = (4096, 5376, 3840, 2560, 1536, 1152)
 FUSED_ROWS = (1, 2, 7, 64)
-NORM_VARIANTS = ("llama", "gemma", "sandwich", "bias")  # Gemma: 1 + w; sandwich: a norm before the add
+# Gemma: 1 + w; sandwich: a norm before the add; scaled: Gemma 4's (w, a sandwich, then the layer scalar)
+NORM_VARIANTS = ("llama", "gemma", "sandwich", "bias", "scaled")
 
 
 def _fused_case(variant: str, hidden: int, rows: int, rank: int) -> tuple:
-    """(this rank's partial sums, residual, norm weight, eps, gemma, before weight, bias): the
-    partial sums differ between ranks, the rest is the same on each."""
+    """(this rank's partial sums, residual, norm weight, eps, gemma, before weight, bias, scale):
+    the partial sums differ between ranks, the rest is the same on each."""
     mine = torch.Generator(device="cuda").manual_seed(1000 * rank + hidden + rows)
     shared = torch.Generator(device="cuda").manual_seed(hidden + rows)
     gemma = variant in ("gemma", "sandwich")
@@ -201,9 +202,10 @@ def _fused_case(variant: str, hidden: int, rows: int, rank: int) -> tuple:
     x = torch.randn(rows, hidden, device="cuda", generator=mine).bfloat16()
     residual = torch.randn(rows, hidden, device="cuda", generator=shared).bfloat16()
     norm = weight()
-    before = weight() if variant == "sandwich" else None
+    before = weight() if variant in ("sandwich", "scaled") else None
     bias = torch.randn(hidden, device="cuda", generator=shared).bfloat16() if variant == "bias" else None
-    return x, residual, norm, 1e-6, gemma, before, bias
+    scale = torch.tensor([0.75], device="cuda").bfloat16() if variant == "scaled" else None
+    return x, residual, norm, 1e-6, gemma, before, bias, scale
 
 
 def _fused_rank(rank: int, port: int, results) -> None:
@@ -223,12 +225,12 @@ def _fused_rank(rank: int, port: int, results) -> None:
     # The oracle: every rank's partial sums summed in float32 and rounded (the all-reduce), then
     # the torch op set's add and norm.
     oracle = {}
-    for name, (x, residual, norm, eps, gemma, before, bias) in cases.items():
+    for name, (x, residual, norm, eps, gemma, before, bias, scale) in cases.items():
         parts = [torch.empty_like(x) for _ in range(2)]
         dist.all_gather(parts, x)
         total = sum(p.float() for p in parts).bfloat16()
         total = total + bias if bias is not None else total
-        oracle[name] = TORCH_OPS.add_rms_norm(total, residual.clone(), norm, eps, gemma, before)
+        oracle[name] = TORCH_OPS.add_rms_norm(total, residual.clone(), norm, eps, gemma, before, scale)
 
     def run_all() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Every case back to back on the one buffer, a plain all-reduce between each two."""

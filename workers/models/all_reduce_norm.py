@@ -12,7 +12,7 @@ buffer in symmetric memory (`TPGroup.use_one_shot_all_reduce`), then reads every
 its own buffer, sums them in float32 in rank order (every rank gets the same bits) and rounds the
 sum to the model's dtype, as an all-reduce returns it; then what `add_rms_norm` does with it
 (`workers/models/ops.py`): the bias, a sandwich norm's first norm, the residual add in the model's
-dtype, the norm, rounded as Hugging Face rounds (`sandwich_norm.py`).
+dtype, Gemma 4's layer scalar, the norm, rounded as Hugging Face rounds (`sandwich_norm.py`).
 
 No barrier: the buffer's empty elements hold negative zero, which no pushed element does (a
 pushed -0.0 becomes +0.0: the same sum), so a reader polls its own memory until no element of
@@ -93,6 +93,7 @@ def _all_reduce_add_rms_norm_kernel(
     w_ptr,
     w_before_ptr,
     bias_ptr,
+    scale_ptr,
     buffers,
     state,
     rows,
@@ -106,6 +107,7 @@ def _all_reduce_add_rms_norm_kernel(
     GEMMA: tl.constexpr,
     BEFORE: tl.constexpr,
     BIAS: tl.constexpr,
+    SCALE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
@@ -138,6 +140,8 @@ def _all_reduce_add_rms_norm_kernel(
                 x = normed(x.to(tl.float32), w_before, mask, eps, size, GEMMA, dtype)
             res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
             res = (res.to(tl.float32) + x.to(tl.float32)).to(dtype)
+            if SCALE:
+                res = (res.to(tl.float32) * tl.load(scale_ptr).to(dtype).to(tl.float32)).to(dtype)
             tl.store(res_ptr + row * stride_res + cols, res, mask=mask)
             normed_res = normed(res.to(tl.float32), w, mask, eps, size, GEMMA, dtype)
             tl.store(out_ptr + row * size + cols, normed_res, mask=mask)
@@ -213,13 +217,14 @@ def all_reduce_add_rms_norm(
     before: torch.Tensor | None,
     bias: torch.Tensor | None,
     group: PushGroup,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual'), residual') with residual' = residual + x', x' the sum of every rank's
-    `x` (plus `bias`, through the `before` norm when given), over the last dimension; the residual
-    is updated in place. `x` and `residual` are contiguous, `x` at most a slot. Every rank calls
-    it (and `all_reduce`) with the same shapes, in the same order."""
+    """(rms_norm(residual'), residual') with residual' = (residual + x') * scale, x' the sum of
+    every rank's `x` (plus `bias`, through the `before` norm when given; no scale: 1), over the
+    last dimension; the residual is updated in place. `x` and `residual` are contiguous, `x` at
+    most a slot. Every rank calls it (and `all_reduce`) with the same shapes, in the same order."""
     res2 = residual.view(-1, x.shape[-1])
-    out = _launch(x, group, True, res2, weight, eps, gemma, before, bias)
+    out = _launch(x, group, True, res2, weight, eps, gemma, before, bias, scale)
     return out, residual
 
 
@@ -263,6 +268,7 @@ def _launch(
     gemma: bool,
     before: torch.Tensor | None,
     bias: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     size = x.shape[-1]
     x2 = x.view(-1, size)
@@ -278,6 +284,7 @@ def _launch(
             weight,
             weight if before is None else before,
             weight if bias is None else bias,
+            weight if scale is None else scale,
             group.buffers,
             group.state,
             rows,
@@ -291,6 +298,7 @@ def _launch(
             GEMMA=gemma,
             BEFORE=before is not None,
             BIAS=bias is not None,
+            SCALE=scale is not None,
             BITS=8 * x.element_size(),
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),

@@ -189,7 +189,7 @@ class ColumnParallelLinear(Projection):
         stream, fused where the device can: the norm inside the projection's kernel, or, for
         partial sums whose group fuses their all-reduce with the add and norm, that kernel, then
         the projection (FP8 weights: the norm, then the projection)."""
-        if isinstance(x, Unreduced) and (scale is not None or not x.fuses_norm()):
+        if isinstance(x, Unreduced) and not x.fuses_norm():
             x = x.reduce()
         if self.weight_scale is not None or isinstance(x, Unreduced):
             normed, residual = norm.add(x, residual, before, scale)
@@ -388,18 +388,17 @@ class RMSNorm(nn.Module):
         """(norm(s), s) with s = (residual + x') * scale, x' = before(x) (x without `before`: the
         norm a sub-layer's output still needs, fused in; no scale: 1); the first layer starts the
         residual stream. Partial sums (`Unreduced`) are all-reduced first, in the same kernel
-        where the group fuses them (`TPGroup.all_reduce_add_rms_norm`, unscaled streams)."""
+        where the group fuses them (`TPGroup.all_reduce_add_rms_norm`)."""
         if residual is None:
             x = reduced(x)
             x = before(x) if before is not None else x
             x = x * scale if scale is not None else x
             return self(x), x
         w_before = None if before is None else before.weight
-        if isinstance(x, Unreduced) and scale is None:
+        if isinstance(x, Unreduced):
             return x.tp.all_reduce_add_rms_norm(
-                x.partial, residual, self.weight, self.eps, self.gemma, w_before, x.bias
+                x.partial, residual, self.weight, self.eps, self.gemma, w_before, x.bias, scale
             )
-        x = reduced(x)
         return ops_for(x).add_rms_norm(x, residual, self.weight, self.eps, self.gemma, w_before, scale)
 
 
