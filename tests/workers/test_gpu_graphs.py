@@ -214,8 +214,8 @@ def test_qkv_projection_of_its_norm_matches_the_reference(gemma, shape):
 @pytest.mark.parametrize("shape", [(1536, 1152), (256, 2560), (3072, 2560)])
 def test_scaled_streams_and_their_projections_match_the_reference(shape):
     """Gemma 4's stream ends: the norm, add and layer scalar before the next layer's norm (and
-    its projection), and the stream projected unnormed (the per-layer input gate), one row and
-    three, against the torch ops."""
+    its projection), the stream alone, and the stream projected unnormed (the per-layer input
+    gate), one row and three, against the torch ops."""
     out_features, hidden = shape
     g = torch.Generator(device="cuda").manual_seed(5)
     w = (torch.randn(out_features, hidden, device="cuda", generator=g) * 0.05).bfloat16()
@@ -227,6 +227,9 @@ def test_scaled_streams_and_their_projections_match_the_reference(shape):
         ref_y, ref_r = TORCH_OPS.add_rms_norm(x, res.clone(), norm, 1e-6, False, before, scale)
         y, r = FLASHINFER_OPS.add_rms_norm(x.clone(), res.clone(), norm, 1e-6, False, before, scale)
         assert _rel(r, ref_r) < 1e-2 and _rel(y, ref_y) < 1e-2, rows
+        for s in (scale, None):  # the stream alone (Gemma 4's MoE branches: no scale)
+            ref = TORCH_OPS.norm_add(x, res.clone(), before, 1e-6, False, s)
+            assert _rel(FLASHINFER_OPS.norm_add(x, res.clone(), before, 1e-6, False, s), ref) < 1e-2, rows
         for n in (norm, None):
             args = (n, 1e-6, False, before, w, None, scale)
             ref_y, ref_r = TORCH_OPS.add_rms_norm_linear(x, res.clone(), *args)

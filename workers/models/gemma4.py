@@ -116,7 +116,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         if hasattr(self, "experts"):
             out = reduced(out)
             experts = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
-            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
+            out = self.post_feedforward_layernorm_1.added_to(out, self.post_feedforward_layernorm_2(experts))
         if not hasattr(self, "per_layer_input_gate"):
             return out, residual
         gate, residual = self.per_layer_input_gate.after_add(out, residual, self.post_feedforward_layernorm)

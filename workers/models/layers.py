@@ -378,6 +378,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops_for(x).rms_norm(x, self.weight, self.eps, self.gemma)
 
+    def added_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + self(x)`, in one kernel where the device fuses them (residual's storage
+        may be reused)."""
+        return ops_for(x).norm_add(x, residual, self.weight, self.eps, self.gemma, None)
+
     def add(
         self,
         x: torch.Tensor | Unreduced,

@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | RMSNorm (Llama, Gemma) | torch, float32 math | `flashinfer.norm.rmsnorm` / `gemma_rmsnorm` |
 | residual add + RMSNorm | torch | `flashinfer.norm.fused_add_rmsnorm` / `gemma_fused_add_rmsnorm` |
-| RMSNorm, residual add (, stream scale) (+ RMSNorm) (Gemma's sandwich) | torch | Triton (`sandwich_norm.py`) |
+| RMSNorm, add, scale, RMSNorm or not (Gemma's sandwich, `norm_add`) | torch | Triton (`sandwich_norm.py`) |
 | RoPE from a cos/sin cache (q/k norms first; K and V, V normed or not, into the cache) | torch | Triton (`rope.py`) |
 | SiLU / GELU-tanh / GELU and mul | torch | `flashinfer.activation.*_and_mul` |
 | projection (`x W^T + b`) | `F.linear` | 1-8 rows: Triton GEMV (`gemv.py`); more rows: `F.linear` |
@@ -56,6 +56,9 @@ class OpSet:
     # tensor or None (no scale: Gemma 4's layer scalar scales the stream); may reuse x's and
     # residual's storage
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor | None], tuple[Tensor, Tensor]]
+    # (x, residual, before weight, eps, gemma, scale) -> (residual + rms_norm(x, before)) * scale
+    # (no scale: 1): a stream no norm follows; may reuse residual's storage
+    norm_add: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None], Tensor]
     # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms, kv,
     # v_norm_eps) -> (q, k) rotated, each head RMS-normalised first when norms = (q weight, k
     # weight, eps, gemma); with kv = (cache, slots, v, scales) the rotated keys and v go to the
@@ -250,6 +253,7 @@ TORCH_OPS = OpSet(
     "torch",
     _rms_norm,
     _add_rms_norm,
+    lambda x, residual, before, eps, gemma, scale: _stream(x, residual, eps, gemma, before, scale),
     _rope,
     _act_and_mul,
     F.linear,
@@ -360,13 +364,21 @@ def _cuda_add_rms_norm_linear(
     if GEMV_ENABLED and residual.is_contiguous() and gemv.norm_applies(x, weight):
         return gemv.add_norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, scale)
     if norm is None:
-        if before is not None and residual.is_contiguous():
-            residual = _triton("sandwich_norm").norm_add(x, residual, before, eps, gemma, scale)
+        if before is not None:
+            residual = _cuda_norm_add(x, residual, before, eps, gemma, scale)
         else:
-            residual = _stream(x, residual, eps, gemma, before, scale)
+            residual = _stream(x, residual, eps, gemma, None, scale)
         return _cuda_linear(residual, weight, bias), residual
     normed, residual = _fi_add_rms_norm(x, residual, norm, eps, gemma, before, scale)
     return _cuda_linear(normed, weight, bias), residual
+
+
+def _cuda_norm_add(
+    x: Tensor, residual: Tensor, before: Tensor, eps: float, gemma: bool, scale: Tensor | None
+) -> Tensor:
+    if residual.is_contiguous() and x.stride(-1) == 1:
+        return _triton("sandwich_norm").norm_add(x, residual, before, eps, gemma, scale)
+    return _stream(x, residual, eps, gemma, before, scale)
 
 
 def _cuda_gated_linear(gate: Tensor, up: Tensor, act: str, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -415,6 +427,7 @@ FLASHINFER_OPS = OpSet(
     "flashinfer",
     _fi_rms_norm,
     _fi_add_rms_norm,
+    _cuda_norm_add,
     _cuda_rope,
     _fi_act_and_mul,
     _cuda_linear,
