@@ -1,0 +1,98 @@
+"""The Triton kernels the decode step runs, compiled for Hopper (sm_90) on any machine with
+triton installed, no GPU needed: each variant the model code launches compiles, and none spills
+registers to the stack (a spill turns a memory-bound GEMV's register tiles into local-memory
+traffic). The resource counts come from the cubin (`cuobjdump`, shipped with triton's CUDA
+backend). Skipped where triton is not installed (CPU machines need not have it); where triton
+lacks the tool, only the compile is checked."""
+
+import itertools
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+# pointer types by argument name (others: *bf16 for a name ending in _ptr, i32 for the rest)
+POINTERS = {
+    "ids_ptr": "*i64",
+    "map_ptr": "*i64",
+    "pos_ptr": "*i64",
+    "locs_ptr": "*i64",
+    "cache_ptr": "*fp32",
+    "y_ptr": "*fp32",
+    "weights_ptr": "*fp32",
+    "counter_ptr": "*i32",
+    "buffers": "*i64",
+    "state": "*i32",
+    "q_out": "*bf16",
+    "k_out": "*bf16",
+}
+FLOATS = {"eps", "embed_scale", "alpha", "limit", "input_scale", "k_inv_scale", "v_inv_scale", "v_eps"}
+
+
+def _cases() -> list[tuple[str, str, str, dict, int]]:
+    """(case id, module, kernel, constexprs, warps) as the model code launches them; the fused
+    all-reduce's stack frame is not counted (it keeps one even without a norm, compiled as it is
+    served), only its compile."""
+    cases = []
+    for scale, after in itertools.product([False, True], repeat=2):
+        cases.append(
+            ("sandwich_norm", "_norm_add_norm_kernel", dict(GEMMA=False, HAS_SCALE=scale, AFTER=after, BLOCK=4096), 16)
+        )
+    for scale, norm in itertools.product([False, True], repeat=2):
+        flags = dict(HAS_BEFORE=True, HAS_BIAS=False, HAS_SCALE=scale, NORM=norm, GEMMA=False, EMBED=False)
+        cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=2048), 4))
+    cases.append(("gemv", "_gated_gemv_kernel", dict(ACT=1, HAS_BIAS=False, BLOCK_N=16, WIDTH=256), 4))
+    for v_norm in (False, True):
+        dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_HALF=128, BLOCK_DIM=256)
+        cases.append(("rope", "_rope_kernel", dict(dims, NORM=1, WRITE_KV=True, FP8=False, V_NORM=v_norm), 4))
+    for has_map in (False, True):
+        tile = dict(BLOCK_N=16, BLOCK_K=256)
+        cases.append(("fused_moe", "_gemv_gate_up", dict(tile, HAS_BIAS=True, HAS_MAP=has_map, ACT=1), 4))
+        cases.append(("fused_moe", "_gemv_down", dict(tile, HAS_BIAS=True, HAS_MAP=has_map, TOP_K_PAD=8), 4))
+    for norm in (False, True):
+        tile = dict(BLOCK_E=8, BLOCK_K=512, BLOCK_H=4096)
+        cases.append(("fused_router", "_logits_kernel", dict(tile, NORM=norm, HAS_BIAS=not norm), 4))
+    cases.append(("fused_router", "_top_k_kernel", dict(TOP_K=8, K_PAD=8, HAS_SCALE=True, BLOCK=128), 4))
+    flags = dict(RANK=0, WORLD=2, NORM=True, GEMMA=False, BEFORE=True, BIAS=False, SCALE=True, BITS=16, BLOCK=8192)
+    cases.append(("all_reduce_norm", "_all_reduce_add_rms_norm_kernel", flags, 16))
+    return [(f"{m}.{k}-{i}", m, k, {**c, "PDL": 2}, w) for i, (m, k, c, w) in enumerate(cases)]
+
+
+CASES = _cases()
+
+
+def _type(name: str) -> str:
+    if name in POINTERS:
+        return POINTERS[name]
+    return "*bf16" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernel_compiles_for_hopper_without_spilling(case, tmp_path: Path):
+    import importlib
+
+    _, module, name, constexprs, warps = case
+    fn = getattr(importlib.import_module(f"workers.models.{module}"), name)
+    signature = {a: "constexpr" if a in constexprs else _type(a) for a in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options={"num_warps": warps})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if module == "all_reduce_norm" or (not tool.exists() and shutil.which("cuobjdump") is None):
+        return
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run(
+        [str(tool) if tool.exists() else "cuobjdump", "--dump-resource-usage", str(cubin)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    stack = re.search(r"STACK:(\d+)", usage)
+    assert stack is not None and int(stack.group(1)) == 0, usage
