@@ -1,4 +1,5 @@
-"""The one-row GEMV's tile choice and its SLIDESPEC_GEMV_TILES overrides (no GPU needed)."""
+"""The one-row GEMV's tile choice and its SLIDESPEC_GEMV_TILES and SLIDESPEC_FP8_GEMV_TILES overrides (no GPU
+needed)."""
 
 import pytest
 
@@ -70,3 +71,19 @@ def test_fp8_tiles_fit_their_scale_layout(shape, rows):
     assert per_channel is not None and block is not None
     assert block.cols % 128 == 0 if rows == 1 else block.cols == 128
     assert gemv_tiles.fp8_tile_for(*shape, rows, (128, 96)) is None
+
+
+def test_an_fp8_override_wins_for_its_shape_and_one_row_and_still_reads_whole_blocks(monkeypatch):
+    table = gemv_tiles.fp8_tile_for(28672, 4096, 1, None)
+    assert table == Tile(4, 4096, 4, 2)  # the table's: an 8B model's gate/up projection
+    monkeypatch.setattr(gemv_tiles, "FP8_OVERRIDES", {(28672, 4096): Tile(4, 2048, 8, 3)})
+    gemv_tiles.fp8_tile_for.cache_clear()
+    try:
+        assert gemv_tiles.fp8_tile_for(28672, 4096, 1, None) == Tile(4, 2048, 8, 3)
+        assert gemv_tiles.fp8_tile_for(28672, 4096, 1, (128, 128)) == Tile(4, 2048, 8, 3)  # whole blocks
+        assert gemv_tiles.fp8_tile_for(28672, 4096, 4, None) == Tile(64, 128, 4, 4)  # few rows: the row table
+        assert gemv_tiles.fp8_tile_for(6144, 4096, 1, None) == Tile(8, 2048, 4, 3)  # other shapes: the table
+    finally:
+        gemv_tiles.fp8_tile_for.cache_clear()
+    with pytest.raises(ValueError, match="SLIDESPEC_FP8_GEMV_TILES: cannot read"):
+        gemv_tiles._overrides("28672x4096=4,2048", "SLIDESPEC_FP8_GEMV_TILES")

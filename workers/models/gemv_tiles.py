@@ -5,7 +5,9 @@ choice and its overrides are testable anywhere.
 captured decode step (where a kernel's launch overlaps the one before and isolated timings
 mislead): `OUTxIN=rows,cols,warps,stages[,splits[,unroll]]`, several separated by `;`, e.g.
 `1152x6912=8,256,4,4,3` for Gemma-3-1B's down projection with three splits, or
-`13824x1152=16,128,8,4,1,0` for its gate/up projection's looped tile.
+`13824x1152=16,128,8,4,1,0` for its gate/up projection's looped tile. `SLIDESPEC_FP8_GEMV_TILES`
+does the same for the FP8 one-row GEMV (`OUTxIN=rows,cols,warps,stages`; a block-scaled weight
+still reads whole blocks, `fit_block`).
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ FP8_ROW_TILES: tuple[tuple[int, int, Tile], ...] = (
 PRELOAD_ELEMENTS = 64
 
 
-def _overrides(text: str) -> dict[tuple[int, int], Tile]:
-    """`SLIDESPEC_GEMV_TILES`'s tiles by (out_features, in_features)."""
+def _overrides(text: str, name: str = "SLIDESPEC_GEMV_TILES") -> dict[tuple[int, int], Tile]:
+    """The tiles of environment variable `name` (its value `text`) by (out_features, in_features)."""
     tiles = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
@@ -83,16 +85,17 @@ def _overrides(text: str) -> dict[tuple[int, int], Tile]:
             tile = Tile(*values[:5], *map(bool, values[5:]))  # more than six: a TypeError
         except (ValueError, TypeError) as e:
             raise ValueError(
-                f"SLIDESPEC_GEMV_TILES: cannot read {item!r}; want OUTxIN=rows,cols,warps,stages[,splits[,unroll]]"
+                f"{name}: cannot read {item!r}; want OUTxIN=rows,cols,warps,stages[,splits[,unroll]]"
             ) from e
         powers = (tile.rows, tile.cols, tile.warps)
         if any(v < 1 or v & (v - 1) for v in powers) or tile.stages < 1 or tile.splits < 1:
-            raise ValueError(f"SLIDESPEC_GEMV_TILES: {item!r}: rows, cols and warps must be powers of two, all >= 1")
+            raise ValueError(f"{name}: {item!r}: rows, cols and warps must be powers of two, all >= 1")
         tiles[(out_features, in_features)] = tile
     return tiles
 
 
 OVERRIDES = _overrides(os.environ.get("SLIDESPEC_GEMV_TILES", ""))
+FP8_OVERRIDES = _overrides(os.environ.get("SLIDESPEC_FP8_GEMV_TILES", ""), "SLIDESPEC_FP8_GEMV_TILES")
 
 
 @functools.cache  # asked by `applies` and again at launch, for every projection call
@@ -119,6 +122,8 @@ def fp8_tile_for(out_features: int, in_features: int, rows: int, block: tuple[in
     """The FP8 GEMV's tile for a weight of this shape and scale layout and `rows` input rows;
     None where no tile fits the layout (a block's columns neither a power of two nor at most a
     tile's): such products run as matrix products."""
+    if rows == 1 and (out_features, in_features) in FP8_OVERRIDES:
+        return fit_block(FP8_OVERRIDES[(out_features, in_features)], rows, block)
     table = FP8_TILES if rows == 1 else FP8_ROW_TILES
     return fit_block(next(t for n, k, t in table if out_features >= n and in_features >= k), rows, block)
 
