@@ -185,9 +185,9 @@ class DecoderLayer(nn.Module):
     residual` without an output norm, unscaled without an output scale; `residual` is None before
     the first layer). A Gemma layer's last norm (after its MLP) is such an output norm, Gemma 4's
     layer scalar such a scale: the next layer's input norm applies them (`before`, `scale`), one
-    kernel for norm, add, scale and norm (`run_layers`). Under tensor parallelism the attention and MLP outputs
-    leave their blocks as partial sums (`Unreduced`, `out` too), so that the norm after each
-    can all-reduce them in its own kernel (`TPGroup.all_reduce_add_rms_norm`).
+    kernel for norm, add, scale and norm (`run_layers`). Under tensor parallelism the attention
+    and MLP outputs leave their blocks as partial sums (`Unreduced`, `out` too), so that the
+    norm after each can all-reduce them in its own kernel (`TPGroup.all_reduce_add_rms_norm`).
 
     `mlp`: the feed-forward block when it is not the config's gated MLP (Gemma 4's double-wide
     ones, a mixture of experts), taking `reduce` as `MLP` does."""

@@ -53,8 +53,7 @@ class OpSet:
     rms_norm: Callable[[Tensor, Tensor, float, bool], Tensor]
     # (x, residual, weight, eps, gemma, before, scale) -> (rms_norm(s), s) where s = (residual +
     # x') * scale, x' = rms_norm(x, before) (x itself when before is None), scale a one-element
-    # tensor or None (no scale: Gemma 4's layer scalar scales the stream); may reuse x's and
-    # residual's storage
+    # tensor (Gemma 4's layer scalar) or None (1); may reuse x's and residual's storage
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor | None], tuple[Tensor, Tensor]]
     # (x, residual, before weight, eps, gemma, scale) -> (residual + rms_norm(x, before)) * scale
     # (no scale: 1): a stream no norm follows; may reuse residual's storage
