@@ -137,7 +137,7 @@ def _stream(
 def _add_rms_norm_linear(
     x: Tensor,
     residual: Tensor,
-    norm: Tensor,
+    norm: Tensor | None,
     eps: float,
     gemma: bool,
     before: Tensor | None,
@@ -351,7 +351,7 @@ def _cuda_linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act
 def _cuda_add_rms_norm_linear(
     x: Tensor,
     residual: Tensor,
-    norm: Tensor,
+    norm: Tensor | None,
     eps: float,
     gemma: bool,
     before: Tensor | None,
