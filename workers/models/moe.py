@@ -33,8 +33,6 @@ capture it). CUDA runs the kernels unless fused ops are off or autograd records
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 import os
 from collections.abc import Callable
 
@@ -53,7 +51,7 @@ from workers.models.layers import (
     default_weight_loader,
     weight_param,
 )
-from workers.models.ops import FUSED_ENABLED
+from workers.models.ops import FUSED_ENABLED, triton_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,24 +137,18 @@ def experts_torch(
 ExpertsFn = Callable[..., torch.Tensor]  # `experts_torch`'s signature
 
 
-@functools.cache
-def _fused(name: str = "fused_moe"):
-    """A module of Triton kernels (`fused_moe`, `fused_router`): CUDA builds only."""
-    return importlib.import_module(f"workers.models.{name}")
-
-
 def _kernels_on(x: torch.Tensor) -> bool:
     return x.is_cuda and FUSED_MOE and FUSED_ENABLED and not torch.is_grad_enabled()
 
 
 def experts_for(x: torch.Tensor) -> ExpertsFn:
     """The experts' implementation for `x`: the Triton kernels on CUDA, else the torch path."""
-    return _fused().fused_experts if _kernels_on(x) else experts_torch
+    return triton_module("fused_moe").fused_experts if _kernels_on(x) else experts_torch
 
 
 def _fused_router(x: torch.Tensor) -> bool:
     """Whether the router's Triton kernels route `x` (a few tokens on CUDA), else the torch path."""
-    return _kernels_on(x) and _fused("fused_router").applies(x)
+    return _kernels_on(x) and triton_module("fused_router").applies(x)
 
 
 FUSED_MOE = os.environ.get("SLIDESPEC_FUSED_MOE", "1") != "0"
@@ -181,7 +173,8 @@ class Router(nn.Module):
         if _fused_router(x):
             norm = None if self.norm is None else (self.scale, self.norm.eps, self.input_scale)
             expert_scale = None if self.norm is None else self.per_expert_scale
-            return _fused("fused_router").route(x, self.proj.weight, self.proj.bias, self.top_k, norm, expert_scale)
+            kernels = triton_module("fused_router")
+            return kernels.route(x, self.proj.weight, self.proj.bias, self.top_k, norm, expert_scale)
         if self.norm is None:
             return route(self.proj(x), self.top_k)
         x = self.norm(x) * self.scale * self.input_scale

@@ -119,12 +119,12 @@ def _add_rms_norm(
     before: Tensor | None = None,
     scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    residual = _stream(x, residual, eps, gemma, before, scale)
+    residual = _stream(x, residual, before, eps, gemma, scale)
     return _rms_norm(residual, weight, eps, gemma), residual
 
 
 def _stream(
-    x: Tensor, residual: Tensor, eps: float, gemma: bool, before: Tensor | None, scale: Tensor | None
+    x: Tensor, residual: Tensor, before: Tensor | None, eps: float, gemma: bool, scale: Tensor | None
 ) -> Tensor:
     """`(residual + rms_norm(x, before)) * scale`, each step rounded to the dtype as Hugging
     Face's modules round it."""
@@ -146,7 +146,7 @@ def _add_rms_norm_linear(
     scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     if norm is None:
-        residual = _stream(x, residual, eps, gemma, before, scale)
+        residual = _stream(x, residual, before, eps, gemma, scale)
         return F.linear(residual, weight, bias), residual
     normed, residual = _add_rms_norm(x, residual, norm, eps, gemma, before, scale)
     return F.linear(normed, weight, bias), residual
@@ -252,7 +252,7 @@ TORCH_OPS = OpSet(
     "torch",
     _rms_norm,
     _add_rms_norm,
-    lambda x, residual, before, eps, gemma, scale: _stream(x, residual, eps, gemma, before, scale),
+    _stream,
     _rope,
     _act_and_mul,
     F.linear,
@@ -294,9 +294,9 @@ def _fi_add_rms_norm(
     scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     if before is not None:
-        return _triton("sandwich_norm").norm_add_norm(x, residual, before, weight, eps, gemma, scale)
+        return triton_module("sandwich_norm").norm_add_norm(x, residual, before, weight, eps, gemma, scale)
     if scale is not None:
-        residual = _stream(x, residual, eps, gemma, None, scale)
+        residual = _stream(x, residual, None, eps, gemma, scale)
         return _fi_rms_norm(residual, weight, eps, gemma), residual
     norm = _flashinfer().norm
     x = x.contiguous()
@@ -315,7 +315,7 @@ def _cuda_rope(
 ) -> tuple[Tensor, Tensor | None]:
     if q.stride(-1) != 1 or (k is not None and k.stride(-1) != 1):
         q, k = q.contiguous(), None if k is None else k.contiguous()
-    return _triton("rope").rope(positions, q, k, cos_sin_cache, norms, kv, v_norm_eps)
+    return triton_module("rope").rope(positions, q, k, cos_sin_cache, norms, kv, v_norm_eps)
 
 
 FLASHINFER_ACTS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu": "gelu_and_mul"}
@@ -329,20 +329,20 @@ def _fi_act_and_mul(x: Tensor, act: str) -> Tensor:
 
 
 @functools.cache
-def _triton(name: str):
-    """A module of Triton kernels (`gemv`, `fp8_gemv`, `fp8_matmul`, `rope`, `sandwich_norm`);
+def triton_module(name: str):
+    """A module of Triton kernels under `workers/models` (`gemv`, `fp8_gemv`, `fused_moe`, ...):
     Triton ships with CUDA builds of torch only."""
     return importlib.import_module(f"workers.models.{name}")
 
 
 def _cuda_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    if GEMV_ENABLED and _triton("gemv").applies(x, weight):
-        return _triton("gemv").gemv(x, weight, bias)
+    if GEMV_ENABLED and triton_module("gemv").applies(x, weight):
+        return triton_module("gemv").gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def _cuda_linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
-    gemv = _triton("gemv")
+    gemv = triton_module("gemv")
     if GEMV_ENABLED and bias is None and act in gemv.ACTIVATIONS and gemv.applies(x, weight):
         return gemv.gemv_act_and_mul(x, weight, act)
     return _fi_act_and_mul(F.linear(x, weight, bias), act)
@@ -359,14 +359,14 @@ def _cuda_add_rms_norm_linear(
     bias: Tensor | None,
     scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    gemv = _triton("gemv")
+    gemv = triton_module("gemv")
     if GEMV_ENABLED and residual.is_contiguous() and gemv.norm_applies(x, weight):
         return gemv.add_norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, scale)
     if norm is None:
         if before is not None:
             residual = _cuda_norm_add(x, residual, before, eps, gemma, scale)
         else:
-            residual = _stream(x, residual, eps, gemma, None, scale)
+            residual = _stream(x, residual, None, eps, gemma, scale)
         return _cuda_linear(residual, weight, bias), residual
     normed, residual = _fi_add_rms_norm(x, residual, norm, eps, gemma, before, scale)
     return _cuda_linear(normed, weight, bias), residual
@@ -376,28 +376,28 @@ def _cuda_norm_add(
     x: Tensor, residual: Tensor, before: Tensor, eps: float, gemma: bool, scale: Tensor | None
 ) -> Tensor:
     if residual.is_contiguous() and x.stride(-1) == 1:
-        return _triton("sandwich_norm").norm_add(x, residual, before, eps, gemma, scale)
-    return _stream(x, residual, eps, gemma, before, scale)
+        return triton_module("sandwich_norm").norm_add(x, residual, before, eps, gemma, scale)
+    return _stream(x, residual, before, eps, gemma, scale)
 
 
 def _cuda_gated_linear(gate: Tensor, up: Tensor, act: str, weight: Tensor, bias: Tensor | None) -> Tensor:
-    gemv = _triton("gemv")
+    gemv = triton_module("gemv")
     if GEMV_ENABLED and act in gemv.ACTIVATIONS and gemv.gated_applies(gate, up, weight):
         return gemv.gated_gemv(gate, up, act, weight, bias)
     return _cuda_linear(_fi_act_and_mul(torch.cat([gate, up], dim=-1), act), weight, bias)
 
 
 def _cuda_fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None) -> Tensor:
-    gemv = _triton("fp8_gemv")
+    gemv = triton_module("fp8_gemv")
     if GEMV_ENABLED and gemv.applies(x, weight, block):
         return gemv.gemv(x, weight, scale, block, bias)
-    return _triton("fp8_matmul").linear(x, weight, scale, block, bias)
+    return triton_module("fp8_matmul").linear(x, weight, scale, block, bias)
 
 
 def _cuda_fp8_linear_act_and_mul(
     x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None, act: str
 ) -> Tensor:
-    gemv = _triton("fp8_gemv")
+    gemv = triton_module("fp8_gemv")
     if GEMV_ENABLED and bias is None and act in gemv.ACTIVATIONS and gemv.applies(x, weight, block):
         return gemv.gemv_act_and_mul(x, weight, scale, block, act)
     return _fi_act_and_mul(_cuda_fp8_linear(x, weight, scale, block, bias), act)
@@ -416,7 +416,7 @@ def _cuda_embed_rms_norm_linear(
     weight: Tensor,
     bias: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    gemv = _triton("gemv")
+    gemv = triton_module("gemv")
     if GEMV_ENABLED and ids.numel() == 1 and table.is_contiguous() and gemv.norm_applies(table[:1], weight):
         return gemv.embed_norm_gemv(ids.view(1), table, scale, norm, eps, gemma, weight, bias)
     return _cuda_embed_composed(ids, table, scale, norm, eps, gemma, weight, bias)
@@ -434,7 +434,7 @@ FLASHINFER_OPS = OpSet(
     _cuda_add_rms_norm_linear,
     _cuda_gated_linear,
     _cuda_embed_rms_norm_linear,
-    lambda raw, cap, out, tokens: _triton("logits_argmax").logits_argmax(raw, cap, out, tokens),
+    lambda raw, cap, out, tokens: triton_module("logits_argmax").logits_argmax(raw, cap, out, tokens),
     _cuda_fp8_linear,
     _cuda_fp8_linear_act_and_mul,
 )

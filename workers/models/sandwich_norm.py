@@ -102,7 +102,10 @@ def _launch(x, residual, before, weight, eps, gemma, scale, out) -> torch.Tensor
     size = x.shape[-1]
     x2, res2 = x.reshape(-1, size), residual.view(-1, size)
     if x2.stride(-1) != 1 or res2.stride(-1) != 1:
-        raise ValueError("norm_add_norm: rows need unit stride")
+        raise ValueError(
+            f"sandwich norm: rows need unit stride along the last dimension, got x strides {tuple(x.stride())}, "
+            f"residual strides {tuple(residual.stride())}"
+        )
     if x2.shape[0]:
         block = triton.next_power_of_2(size)
         _norm_add_norm_kernel[(x2.shape[0],)](
