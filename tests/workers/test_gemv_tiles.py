@@ -53,11 +53,15 @@ def test_an_override_wins_for_its_shape_and_one_row_only(monkeypatch):
         ((6144, 4096), 0),
         ((4096, 4096), 0),
         ((1152, 6912), 0),
+        ((3072, 2560), 4096),
+        ((256, 2560), 4096),
+        ((2560, 2560), 0),
     ],
 )
 def test_small_row_blocks_are_read_whole_and_the_rest_stream(shape, width):
-    """Gemma-3-1B's QKV and O (and tiny models') fit a program's registers; an 8B model's
-    projections and a split down projection do not."""
+    """Gemma-3-1B's QKV and O (and tiny models') fit a program's registers, and so do
+    Gemma-4-E4B's projections from its stream at their 8-warp tiles; an 8B model's projections,
+    a split down projection and a square 2560 projection (the rules' 4-warp tile) do not."""
     assert gemv_tiles.preload_width(gemv_tiles.tile_for(*shape), shape[1]) == width
 
 
