@@ -57,8 +57,10 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
         tile = dict(BLOCK_N=16, BLOCK_K=256)
         cases.append(("fused_moe", "_gemv_gate_up", dict(tile, HAS_BIAS=True, HAS_MAP=has_map, ACT=1), 4))
         cases.append(("fused_moe", "_gemv_down", dict(tile, HAS_BIAS=True, HAS_MAP=has_map, TOP_K_PAD=8), 4))
+    from workers.models import fused_router
+
     for norm in (False, True):
-        tile = dict(BLOCK_E=8, BLOCK_K=512, BLOCK_H=4096)
+        tile = dict(BLOCK_E=fused_router.BLOCK_E, BLOCK_K=fused_router.MAX_BLOCK_K, BLOCK_H=4096)
         cases.append(("fused_router", "_logits_kernel", dict(tile, NORM=norm, HAS_BIAS=not norm), 4))
     cases.append(("fused_router", "_top_k_kernel", dict(TOP_K=8, K_PAD=8, HAS_SCALE=True, BLOCK=128), 4))
     flags = dict(RANK=0, WORLD=2, NORM=True, GEMMA=False, BEFORE=True, BIAS=False, SCALE=True, BITS=16, BLOCK=8192)
