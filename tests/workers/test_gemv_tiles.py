@@ -31,6 +31,15 @@ def test_a_malformed_override_names_itself(text):
         gemv_tiles._overrides(text)
 
 
+def test_moe_kernel_overrides_are_read_by_kernel_name():
+    tiles = gemv_tiles._overrides("gate_up=8,512,4,1; down=32,128,8,1", "X", gemv_tiles._moe_kernel)
+    assert tiles == {"gate_up": Tile(8, 512, 4, 1), "down": Tile(32, 128, 8, 1)}
+    with pytest.raises(ValueError, match="X: cannot read 'up=8,512,4,1'"):
+        gemv_tiles._overrides("up=8,512,4,1", "X", gemv_tiles._moe_kernel)
+    with pytest.raises(ValueError, match="powers of two"):
+        gemv_tiles._overrides("down=12,512,4,1", "X", gemv_tiles._moe_kernel)
+
+
 def test_an_override_wins_for_its_shape_and_one_row_only(monkeypatch):
     table = gemv_tiles.tile_for(1152, 6912)
     assert table == Tile(4, 128, 8, 1, unroll=True)  # the table's: Gemma-3-1B's down projection

@@ -53,11 +53,16 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     for v_norm in (False, True):
         dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_HALF=128, BLOCK_DIM=256)
         cases.append(("rope", "_rope_kernel", dict(dims, NORM=1, WRITE_KV=True, FP8=False, V_NORM=v_norm), 4))
-    for has_map in (False, True):
-        tile = dict(BLOCK_N=16, BLOCK_K=256)
-        cases.append(("fused_moe", "_gemv_gate_up", dict(tile, HAS_BIAS=True, HAS_MAP=has_map, ACT=1), 4))
-        cases.append(("fused_moe", "_gemv_down", dict(tile, HAS_BIAS=True, HAS_MAP=has_map, TOP_K_PAD=8), 4))
     from workers.models import fused_router
+    from workers.models.gemv_tiles import MOE_GEMV_TILES
+
+    up, down = MOE_GEMV_TILES["gate_up"], MOE_GEMV_TILES["down"]
+    for has_map in (False, True):
+        flags = dict(HAS_BIAS=True, HAS_MAP=has_map)
+        tile = dict(BLOCK_N=up.rows, BLOCK_K=up.cols)
+        cases.append(("fused_moe", "_gemv_gate_up", dict(tile, **flags, ACT=1), up.warps))
+        tile = dict(BLOCK_N=down.rows, BLOCK_K=down.cols)
+        cases.append(("fused_moe", "_gemv_down", dict(tile, **flags, TOP_K_PAD=8), down.warps))
 
     for norm in (False, True):
         tile = dict(BLOCK_E=fused_router.BLOCK_E, BLOCK_K=fused_router.MAX_BLOCK_K, BLOCK_H=4096)

@@ -36,13 +36,11 @@ import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
+from workers.models.gemv_tiles import MOE_GEMV_TILES
 from workers.models.moe import Activation
 
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
 GEMV_MAX_PAIRS = 64  # routed pairs up to which the GEMV-like kernels run (batch 8 at top-8)
-# outputs and K elements a GEMV-like program reads a loop step: the dense GEMV's tile for wide
-# gate/up projections (`gemv_tiles.py`); wider tiles hold more float32 sums than registers fit
-GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 256, 4
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64, 64
 
 
@@ -358,20 +356,20 @@ def fused_experts(
     mapping = ids if expert_map is None else expert_map  # no map: never read
     code = ACTIVATIONS[act.name]
     if pairs <= GEMV_MAX_PAIRS:
-        bn, bk = GEMV_BLOCK_N, GEMV_BLOCK_K
-        up_blocks, down_blocks = triton.cdiv(width, bn), triton.cdiv(hidden, bn)
+        up, dn = MOE_GEMV_TILES["gate_up"], MOE_GEMV_TILES["down"]
+        up_blocks, down_blocks = triton.cdiv(width, up.rows), triton.cdiv(hidden, dn.rows)
         _gemv_gate_up[(pairs, up_blocks)](
             x, gate_up, gu_bias, h, ids, mapping, top_k, hidden, width,
             x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
-            HAS_BIAS=gate_up_bias is not None, HAS_MAP=has_map, ACT=code, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=GEMV_WARPS, **pdl_options(pairs * up_blocks),
+            HAS_BIAS=gate_up_bias is not None, HAS_MAP=has_map, ACT=code, BLOCK_N=up.rows, BLOCK_K=up.cols,
+            num_warps=up.warps, **pdl_options(pairs * up_blocks),
         )  # fmt: skip
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         _gemv_down[(pairs, down_blocks)](
             h, down, d_bias, y, out, counters(x.device, tokens * down_blocks), ids, mapping, weights, top_k,
             width, hidden, h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
             HAS_BIAS=down_bias is not None, HAS_MAP=has_map, TOP_K_PAD=triton.next_power_of_2(top_k),
-            BLOCK_N=bn, BLOCK_K=bk, num_warps=GEMV_WARPS, **pdl_options(pairs * down_blocks),
+            BLOCK_N=dn.rows, BLOCK_K=dn.cols, num_warps=dn.warps, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
         return out
     else:

@@ -7,7 +7,8 @@ mislead): `OUTxIN=rows,cols,warps,stages[,splits[,unroll]]`, several separated b
 `1152x6912=8,256,4,4,3` for Gemma-3-1B's down projection with three splits, or
 `13824x1152=16,128,8,4,1,0` for its gate/up projection's looped tile. `SLIDESPEC_FP8_GEMV_TILES`
 does the same for the FP8 one-row GEMV (`OUTxIN=rows,cols,warps,stages`; a block-scaled weight
-still reads whole blocks, `fit_block`).
+still reads whole blocks, `fit_block`), and `SLIDESPEC_MOE_GEMV_TILES` for the MoE decode
+kernels by kernel name (`gate_up=rows,cols,warps,stages;down=...`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,24 +86,43 @@ FP8_ROW_TILES: tuple[tuple[int, int, Tile], ...] = (
 PRELOAD_ELEMENTS = 64
 
 
-def _overrides(text: str, name: str = "SLIDESPEC_GEMV_TILES") -> dict[tuple[int, int], Tile]:
-    """The tiles of environment variable `name` (its value `text`) by (out_features, in_features)."""
+def _overrides(
+    text: str, name: str = "SLIDESPEC_GEMV_TILES", key: Callable[[str], Any] | None = None
+) -> dict[Any, Tile]:
+    """The tiles of environment variable `name` (its value `text`) by (out_features, in_features),
+    or by what `key` makes of the text before `=`."""
     tiles = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         try:
             shape, fields = item.split("=")
-            out_features, in_features = (int(v) for v in shape.lower().split("x"))
+            where = key(shape) if key else tuple(int(v) for v in shape.lower().split("x"))
+            if not key and len(where) != 2:
+                raise ValueError(shape)
             values = [int(v) for v in fields.split(",")]
             tile = Tile(*values[:5], *map(bool, values[5:]))  # more than six: a TypeError
         except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"{name}: cannot read {item!r}; want OUTxIN=rows,cols,warps,stages[,splits[,unroll]]"
-            ) from e
+            want = "KERNEL=rows,cols,warps,stages" if key else "OUTxIN=rows,cols,warps,stages[,splits[,unroll]]"
+            raise ValueError(f"{name}: cannot read {item!r}; want {want}") from e
         powers = (tile.rows, tile.cols, tile.warps)
         if any(v < 1 or v & (v - 1) for v in powers) or tile.stages < 1 or tile.splits < 1:
             raise ValueError(f"{name}: {item!r}: rows, cols and warps must be powers of two, all >= 1")
-        tiles[(out_features, in_features)] = tile
+        tiles[where] = tile
     return tiles
+
+
+def _moe_kernel(name: str) -> str:
+    if name not in MOE_GEMV_TILES:
+        raise ValueError(f"unknown kernel {name!r}; one of {sorted(MOE_GEMV_TILES)}")
+    return name
+
+
+# The MoE decode kernels' tiles (`fused_moe.py`, few routed pairs): `rows` outputs a program
+# computes, `cols` K elements it reads a loop step (`stages` unused). The dense GEMV's tile for
+# wide gate/up projections; `SLIDESPEC_MOE_GEMV_TILES` overrides them, e.g. `gate_up=8,256,4,1;down=8,512,4,1`.
+MOE_GEMV_TILES: dict[str, Tile] = {"gate_up": Tile(16, 256, 4, 1), "down": Tile(16, 256, 4, 1)}
+MOE_GEMV_TILES.update(
+    _overrides(os.environ.get("SLIDESPEC_MOE_GEMV_TILES", ""), "SLIDESPEC_MOE_GEMV_TILES", _moe_kernel)
+)
 
 
 OVERRIDES = _overrides(os.environ.get("SLIDESPEC_GEMV_TILES", ""))
