@@ -40,6 +40,14 @@ def test_moe_kernel_overrides_are_read_by_kernel_name():
         gemv_tiles._overrides("down=12,512,4,1", "X", gemv_tiles._moe_kernel)
 
 
+def test_moe_tiles_follow_the_experts_width_and_an_override_wins(monkeypatch):
+    assert gemv_tiles.moe_tile_for("gate_up", 2880) == Tile(4, 256, 4, 1)  # gpt-oss-20b
+    assert gemv_tiles.moe_tile_for("down", 704) == Tile(16, 256, 4, 1)  # Gemma-4-26B-A4B
+    monkeypatch.setattr(gemv_tiles, "MOE_OVERRIDES", {"down": Tile(8, 512, 4, 1)})
+    assert gemv_tiles.moe_tile_for("down", 704) == Tile(8, 512, 4, 1)
+    assert gemv_tiles.moe_tile_for("gate_up", 704) == Tile(16, 256, 4, 1)
+
+
 def test_an_override_wins_for_its_shape_and_one_row_only(monkeypatch):
     table = gemv_tiles.tile_for(1152, 6912)
     assert table == Tile(4, 128, 8, 1, unroll=True)  # the table's: Gemma-3-1B's down projection

@@ -56,8 +56,8 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     from workers.models import fused_router
     from workers.models.gemv_tiles import MOE_GEMV_TILES
 
-    up, down = MOE_GEMV_TILES["gate_up"], MOE_GEMV_TILES["down"]
-    for has_map in (False, True):
+    for (_, tiles), has_map in itertools.product(MOE_GEMV_TILES, (False, True)):
+        up, down = tiles["gate_up"], tiles["down"]
         flags = dict(HAS_BIAS=True, HAS_MAP=has_map)
         tile = dict(BLOCK_N=up.rows, BLOCK_K=up.cols)
         cases.append(("fused_moe", "_gemv_gate_up", dict(tile, **flags, ACT=1), up.warps))

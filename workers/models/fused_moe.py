@@ -36,7 +36,7 @@ import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
-from workers.models.gemv_tiles import MOE_GEMV_TILES
+from workers.models.gemv_tiles import moe_tile_for
 from workers.models.moe import Activation
 
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
@@ -356,7 +356,7 @@ def fused_experts(
     mapping = ids if expert_map is None else expert_map  # no map: never read
     code = ACTIVATIONS[act.name]
     if pairs <= GEMV_MAX_PAIRS:
-        up, dn = MOE_GEMV_TILES["gate_up"], MOE_GEMV_TILES["down"]
+        up, dn = moe_tile_for("gate_up", width), moe_tile_for("down", width)
         up_blocks, down_blocks = triton.cdiv(width, up.rows), triton.cdiv(hidden, dn.rows)
         _gemv_gate_up[(pairs, up_blocks)](
             x, gate_up, gu_bias, h, ids, mapping, top_k, hidden, width,
