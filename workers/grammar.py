@@ -265,7 +265,9 @@ class Matcher:
             self._matcher.rollback(len(self._ahead) - same)
             del self._ahead[same:]
         for token in drafts[same:]:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+            # (an id past the grammar's vocabulary, a draft's padding id, is refused here: xgrammar
+            # would log a warning for each)
+            if token >= self.vocab_size or self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 return False
             self._ahead.append(token)
         return not self._matcher.is_terminated()
