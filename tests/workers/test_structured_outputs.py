@@ -165,7 +165,9 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
     nothing: acceptance stops before it), acceptance over the masked distributions: the tokens are
     plain decoding's. The rounds draft on the device (no host draw, no target-wide draft row).
     With free drafts (the default) a round reads the device twice: its drafts while the verify
-    runs, to fill the verify's masks, then the verify's choices; with `masked_drafts` every draft
+    runs, to fill the verify's masks, then the verify's choices; under graphs the next round's
+    verify is launched ahead with its drafts' copy, read once this round is committed to fill
+    its masks (a third read, and the round it serves reads once more); with `masked_drafts` every draft
     step is masked after the drafts before it and a round reads at most k + 1 times: each draft,
     then the verify's choices. Under (emulated) graphs every draft step, verify and catch-up
     replays its graph; a draft with a fixed catch-up window launches it before the round's last
@@ -216,8 +218,10 @@ def test_greedy_under_speculation_equals_plain_decoding(prompts, plain_outputs, 
     accepted = [n for o in got for n in o.spec.accept_lengths]
     assert max(accepted) > 2 and min(accepted) < 4, f"drafts never partly accepted: {accepted}"
     assert rounds and eng.spec.masked_rounds == (len(rounds) if masked else 0)
-    most = [k + 1 if masked else 2 for k, _ in rounds]
+    most = [k + 1 if masked else 3 if graphs else 2 for k, _ in rounds]
     assert all(n <= m for (_, n), m in zip(rounds, most)) and any(n == m for (_, n), m in zip(rounds, most)), rounds
+    if graphs and not masked:  # the next round's verify launched ahead, its masks filled once this one is committed
+        assert eng.spec.rounds_verified_ahead > len(rounds) // 4, (eng.spec.rounds_verified_ahead, len(rounds))
     if graphs:  # (a catch-up after plain steps is ragged: eager by design)
         assert all(graphed for log in launched for mode, graphed in log if mode not in ("read", "EXTEND")), launched
     if eng.spec.drafter.fixed_window:
@@ -417,6 +421,23 @@ def test_a_draft_vocabulary_without_an_allowed_token_proposes_from_the_grammar(p
     outs = eng.generate(prompt_token_ids=[prompts[s % 2] for s in range(8)], sampling=sampled)
     assert all(o.finish_reason == "stop" and re.fullmatch("[0-9]{6}", o.text) for o in outs), outs
     eng.check_no_leak()
+
+
+def test_a_draft_past_the_grammars_vocabulary_is_refused_quietly(plain, capfd):
+    """A draft id past the tokenizer's ids (an LM head's padding, as a draft with random or
+    mismatched weights proposes) is refused without reaching xgrammar, which logs a warning for
+    each: a batch-64 round of them flooded the log. The matcher stays where it was."""
+    tokenizer, eos = plain.tokenizer, plain.cfg.eos_token_ids
+    compiled = GrammarCompiler.of_tokenizer(tokenizer, plain.cfg.vocab_size, eos).compile(
+        StructuredOutputs(choice=CHOICE)
+    )
+    matcher = Matcher(compiled)
+    beta = tokenizer.encode("beta")
+    capfd.readouterr()
+    assert not matcher.seek([beta[0], matcher.vocab_size])
+    assert not matcher.seek([matcher.vocab_size + 5])
+    assert "out of range" not in capfd.readouterr().err
+    assert matcher.seek(beta[:1]) and all(matcher.accept(t) for t in beta) and matcher.committed == len(beta)
 
 
 def test_batched_masks_are_each_rows_own_and_matchers_keep_their_committed_tokens(plain):

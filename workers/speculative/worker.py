@@ -30,7 +30,10 @@ distribution. Greedy rounds whose only processor is a grammar draft as plain gre
 the host reads the drafts while the verify runs and fills the verify's masks meanwhile (each
 position after the drafts before it), and the masked argmax feeds the device-side acceptance
 count from which the catch-up and the next round's drafts are launched before the read of the
-target's choices: two reads a round. With `Drafter.masked_drafts`, such rounds mask each draft
+target's choices: two reads a round. Under CUDA graphs the next round's verify is launched ahead
+too, its drafts' copy queued before it; once this round is committed the host reads them, fills
+the masks of its positions after the committed tokens, and queues the masking and the argmax
+behind the verify (`_mask_verified`), so the device verifies while the host commits. With `Drafter.masked_drafts`, such rounds mask each draft
 step on the device and take its argmax there; the host reads each draft, a few bytes, to fill
 the next step's masks (`_masked_round`: k + 1 reads a round, no host draw). Nothing of the next
 such round can be launched before the read (its first draft's mask follows the bonus token),
@@ -87,11 +90,14 @@ HIDDEN_BYTES = 64 << 20
 
 @dataclasses.dataclass
 class _Verified:
-    """The next round's verify, launched before this round's read."""
+    """The next round's verify, launched before this round's read. Under grammars its choices
+    wait for the masks, filled once this round is committed (`_mask_verified`)."""
 
     drafts: torch.Tensor  # [B, k] the drafts it verifies
-    best: torch.Tensor  # [B, k + 1] the target's choices
+    best: torch.Tensor | None  # [B, k + 1] the target's choices (None: their masks not applied yet)
     hidden: torch.Tensor  # its hidden states, k + 1 rows a request
+    logits: torch.Tensor | None = None  # under grammars, until masked (a graph's: valid until its next replay)
+    copied: InFlight | None = None  # under grammars, the drafts' copy to the host
 
 
 @dataclasses.dataclass
@@ -343,7 +349,8 @@ class SpecWorker:
         masked = None  # a masked round's drafts on the device
         free = None  # the device drafts of a round whose grammars mask only its verify
         proposal = None  # a masked round's next first drafts, proposed once the round is committed
-        if isinstance(ahead, _Ahead) and ahead.verified is not None:  # verified already: straight to acceptance
+        if isinstance(ahead, _Ahead) and ahead.verified is not None and ahead.verified.best is not None:
+            # verified already: straight to acceptance
             self.rounds_drafted_ahead += 1
             self.rounds_verified_ahead += 1
             drafts, best, hidden = ahead.verified.drafts, ahead.verified.best, ahead.verified.hidden
@@ -393,7 +400,7 @@ class SpecWorker:
                 self.drafter.catch_up_verified(reqs, starts, accepted, k + 1, hidden, tokens=best.flatten())
             self._ahead = self._draft_ahead(reqs, accepted, best, hidden)
             early = self.drafter.fixed_window or self._ahead is not None  # a frozen-KV chain ahead is its catch-up
-            if self._ahead is not None and on_device:  # (a grammar's verify masks need its drafts on the host)
+            if self._ahead is not None:
                 self._ahead.verified = self._verify_ahead(reqs, accepted, best, self._ahead.drafts)
             if on_device:
                 both = flight.read()
@@ -452,6 +459,8 @@ class SpecWorker:
                     self.scheduler.trim(req, keep)
         if self._ahead is not None:
             self._ahead.num_tokens = [r.num_tokens for r in reqs]
+            if self._ahead.verified is not None and self._ahead.verified.best is None:
+                self._mask_verified(self._ahead, k)
         elif masked is not None:  # the next round's first draft step runs while the engine's bookkeeping does
             self._ahead = self._step_ahead([r for r in reqs if not r.finished], k)
         return events
@@ -510,10 +519,29 @@ class SpecWorker:
         bonus = best.gather(1, accepted[:, None])
         drafts = torch.cat([torch.stack([r.spec.next_token for r in reqs])[:, None], drafts_ahead], dim=1)
         batch.use_device_ids(torch.cat([bonus, drafts], dim=1).flatten())
+        # under grammars the masks follow the drafts: their copy, queued before the verify
+        copied = InFlight.of(reqs, drafts) if any(r.grammar is not None for r in reqs) else None
         out = self.target.forward_ahead(batch, accepted, k)
         if out is None:
             return None
+        if copied is not None:
+            return _Verified(drafts, None, out.hidden, out.logits, copied)
         return _Verified(drafts, out.logits.argmax(dim=-1).view(len(reqs), k + 1), out.hidden)
+
+    def _mask_verified(self, ahead: _Ahead, k: int) -> None:
+        """The choices of a verify launched ahead under grammars, once this round is committed:
+        each position's mask after the committed tokens and the drafts before it (the host reads
+        the drafts while the verify runs), applied to its logits in place, then their argmax, all
+        queued before the next round replays the verify's graph."""
+        verified, reqs = ahead.verified, ahead.reqs
+        drafts = verified.copied.read()
+        params = [r.sampling for r in reqs for _ in range(k + 1)]
+        history = self.scheduler.history(
+            [r for r in reqs for _ in range(k + 1)], [d[:j] for d in drafts for j in range(k + 1)]
+        )
+        processed = process(verified.logits, params, history, in_place=True)
+        verified.best = processed.argmax(dim=-1).view(len(reqs), k + 1)
+        verified.logits = verified.copied = None
 
     def _draft_ahead(
         self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, hidden: torch.Tensor
