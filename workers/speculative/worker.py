@@ -33,10 +33,11 @@ count from which the catch-up and the next round's drafts are launched before th
 target's choices: two reads a round. Under CUDA graphs the next round's verify is launched ahead
 too, its drafts' copy queued before it; once this round is committed the host reads them, fills
 the masks of its positions after the committed tokens, and queues the masking and the argmax
-behind the verify (`_mask_verified`), so the device verifies while the host commits. With `Drafter.masked_drafts`, such rounds mask each draft
-step on the device and take its argmax there; the host reads each draft, a few bytes, to fill
-the next step's masks (`_masked_round`: k + 1 reads a round, no host draw). Nothing of the next
-such round can be launched before the read (its first draft's mask follows the bonus token),
+behind the verify (`_mask_verified`), so the device verifies while the host commits. With
+`Drafter.masked_drafts`, such rounds mask each draft step on the device and take its argmax
+there; the host reads each draft, a few bytes, to fill the next step's masks (`_masked_round`:
+k + 1 reads a round, no host draw). Nothing of the next such round can be launched before the
+read (its first draft's mask follows the bonus token),
 but once the round is committed its next first drafts are proposed and the next round's draft
 step 2 is launched (`_step_ahead`), so the device runs it while the host does the engine's
 bookkeeping between rounds; a change of requests, a plain step or a prefill between them drops
