@@ -230,6 +230,9 @@ def test_scaled_streams_and_their_projections_match_the_reference(shape):
         for s in (scale, None):  # the stream alone (Gemma 4's MoE branches: no scale)
             ref = TORCH_OPS.norm_add(x, res.clone(), before, 1e-6, False, s)
             assert _rel(FLASHINFER_OPS.norm_add(x, res.clone(), before, 1e-6, False, s), ref) < 1e-2, rows
+        ref = TORCH_OPS.rms_norm(res, norm, 1e-6, True) + TORCH_OPS.rms_norm(x, before, 1e-6, True)
+        got = FLASHINFER_OPS.norm_add(x, res.clone(), before, 1e-6, True, None, norm)  # two normed branches
+        assert _rel(got, ref) < 1e-2, rows
         for n in (norm, None):
             args = (n, 1e-6, False, before, w, None, scale)
             ref_y, ref_r = TORCH_OPS.add_rms_norm_linear(x, res.clone(), *args)

@@ -42,10 +42,9 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     all-reduce's stack frame is not counted (it keeps one even without a norm, compiled as it is
     served), only its compile."""
     cases = []
-    for scale, after in itertools.product([False, True], repeat=2):
-        cases.append(
-            ("sandwich_norm", "_norm_add_norm_kernel", dict(GEMMA=False, HAS_SCALE=scale, AFTER=after, BLOCK=4096), 16)
-        )
+    for scale, after, res_norm in itertools.product([False, True], repeat=3):
+        flags = dict(GEMMA=False, HAS_SCALE=scale, AFTER=after, RES_NORM=res_norm, BLOCK=4096)
+        cases.append(("sandwich_norm", "_norm_add_norm_kernel", flags, 16))
     for scale, norm in itertools.product([False, True], repeat=2):
         flags = dict(HAS_BEFORE=True, HAS_BIAS=False, HAS_SCALE=scale, NORM=norm, GEMMA=False, EMBED=False)
         cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=2048), 4))

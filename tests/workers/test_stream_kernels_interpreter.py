@@ -1,7 +1,7 @@
 """The kernels that finish a Gemma 4 layer's stream on CUDA, on the CPU through Triton's
 interpreter, against the torch op set (the reference the model's CPU path runs, equal to Hugging
 Face's): the sandwich kernel with the layer scalar (norm, add, scale and the next layer's norm;
-and stopping at the stream), the one-row norm GEMV with the scalar and without its norm (the
+and stopping at the stream; and adding two normed rows), the one-row norm GEMV with the scalar and without its norm (the
 stream projected as it is: the per-layer input gate), the gated GEMV that computes
 act(gate) * per-layer input inside the projection, and the RoPE kernel normalising each value
 head as it writes it to the paged cache. In float32 they agree to float32 noise; in
@@ -32,6 +32,7 @@ CASES = [
     for kernel, shapes in (
         ("norm_add_norm", ((1, 2560), (5, 96))),
         ("norm_add", ((1, 2560), (3, 96))),
+        ("norms_add", ((1, 2816), (3, 96))),
         ("norm_gemv", ((1, 96), (1, 200))),
         ("stream_gemv", ((1, 96), (1, 200))),
         ("gated_gemv", ((1, 256), (1, 24))),
@@ -68,6 +69,9 @@ def _one(kernel: str, rows: int, width: int, dtype: torch.dtype) -> dict:
     elif kernel == "norm_add":
         got = (sandwich_norm.norm_add(x, residual.clone(), before, EPS, False, scale),)
         ref = (TORCH_OPS.add_rms_norm(x, residual, norm, EPS, False, before, scale)[1],)
+    elif kernel == "norms_add":  # two normed rows added (Gemma 4's MoE-block branches: Gemma norms, no scale)
+        got = (sandwich_norm.norm_add(x, residual.clone(), before, EPS, True, None, norm),)
+        ref = (TORCH_OPS.rms_norm(residual, norm, EPS, True) + TORCH_OPS.rms_norm(x, before, EPS, True),)
     elif kernel in ("norm_gemv", "stream_gemv"):
         weight = rand(40, width)
         normed = norm if kernel == "norm_gemv" else None

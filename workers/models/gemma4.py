@@ -25,8 +25,9 @@ What differs from Gemma 3, and where it lives:
 - With `enable_moe_block` (26B-A4B) every layer's MLP runs beside a mixture of experts
   (`workers/models/moe.py`): the router reads the stream before the MLP, the experts its own
   norm of it (`pre_feedforward_layernorm_2`), and the two branches, each normed
-  (`post_feedforward_layernorm_1`, `_2`), add up to the block's output, which the layer's
-  post-feedforward norm takes as it takes the dense MLP's.
+  (`post_feedforward_layernorm_1`, `_2`), add up to the block's output (both norms and the add
+  one kernel on CUDA: `RMSNorm.added_to`), which the layer's post-feedforward norm takes as it
+  takes the dense MLP's.
 - Multimodal checkpoints (`Gemma4ForConditionalGeneration`) load their language model only.
 """
 
@@ -116,7 +117,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         if hasattr(self, "experts"):
             out = reduced(out)
             experts = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
-            out = self.post_feedforward_layernorm_1.added_to(out, self.post_feedforward_layernorm_2(experts))
+            out = self.post_feedforward_layernorm_1.added_to(out, experts, self.post_feedforward_layernorm_2)
         if not hasattr(self, "per_layer_input_gate"):
             return out, residual
         gate, residual = self.per_layer_input_gate.after_add(out, residual, self.post_feedforward_layernorm)

@@ -378,10 +378,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops_for(x).rms_norm(x, self.weight, self.eps, self.gemma)
 
-    def added_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual + self(x)`, in one kernel where the device fuses them (residual's storage
-        may be reused)."""
-        return ops_for(x).norm_add(x, residual, self.weight, self.eps, self.gemma, None)
+    def added_to(self, x: torch.Tensor, residual: torch.Tensor, residual_norm: RMSNorm | None = None) -> torch.Tensor:
+        """`residual + self(x)`, or `residual_norm(residual) + self(x)` (a norm of the same
+        kind), in one kernel where the device fuses them (residual's storage may be reused)."""
+        if residual_norm is not None and (residual_norm.eps, residual_norm.gemma) != (self.eps, self.gemma):
+            have, want = (residual_norm.eps, residual_norm.gemma), (self.eps, self.gemma)
+            raise ValueError(f"added_to: residual_norm's (eps, gemma) {have} differ from this norm's {want}")
+        other = None if residual_norm is None else residual_norm.weight
+        return ops_for(x).norm_add(x, residual, self.weight, self.eps, self.gemma, None, other)
 
     def add(
         self,

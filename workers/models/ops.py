@@ -57,7 +57,7 @@ class OpSet:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None, Tensor | None], tuple[Tensor, Tensor]]
     # (x, residual, before weight, eps, gemma, scale) -> (residual + rms_norm(x, before)) * scale
     # (no scale: 1): a stream no norm follows; may reuse residual's storage
-    norm_add: Callable[[Tensor, Tensor, Tensor, float, bool, Tensor | None], Tensor]
+    norm_add: Callable[..., Tensor]  # (x, residual, before, eps, gemma, scale, residual_norm=None)
     # (positions, q [T, H, D], k [T, Hk, D] or None, cos_sin_cache [max_pos, rot], norms, kv,
     # v_norm_eps) -> (q, k) rotated, each head RMS-normalised first when norms = (q weight, k
     # weight, eps, gemma); with kv = (cache, slots, v, scales) the rotated keys and v go to the
@@ -124,10 +124,18 @@ def _add_rms_norm(
 
 
 def _stream(
-    x: Tensor, residual: Tensor, before: Tensor | None, eps: float, gemma: bool, scale: Tensor | None
+    x: Tensor,
+    residual: Tensor,
+    before: Tensor | None,
+    eps: float,
+    gemma: bool,
+    scale: Tensor | None,
+    residual_norm: Tensor | None = None,
 ) -> Tensor:
-    """`(residual + rms_norm(x, before)) * scale`, each step rounded to the dtype as Hugging
-    Face's modules round it."""
+    """`(r + rms_norm(x, before)) * scale`, r the residual or rms_norm(residual, residual_norm),
+    each step rounded to the dtype as Hugging Face's modules round it."""
+    if residual_norm is not None:
+        residual = _rms_norm(residual, residual_norm, eps, gemma)
     if before is not None:
         x = _rms_norm(x, before, eps, gemma)
     residual = residual + x
@@ -373,11 +381,17 @@ def _cuda_add_rms_norm_linear(
 
 
 def _cuda_norm_add(
-    x: Tensor, residual: Tensor, before: Tensor, eps: float, gemma: bool, scale: Tensor | None
+    x: Tensor,
+    residual: Tensor,
+    before: Tensor,
+    eps: float,
+    gemma: bool,
+    scale: Tensor | None,
+    residual_norm: Tensor | None = None,
 ) -> Tensor:
     if residual.is_contiguous() and x.stride(-1) == 1:
-        return triton_module("sandwich_norm").norm_add(x, residual, before, eps, gemma, scale)
-    return _stream(x, residual, before, eps, gemma, scale)
+        return triton_module("sandwich_norm").norm_add(x, residual, before, eps, gemma, scale, residual_norm)
+    return _stream(x, residual, before, eps, gemma, scale, residual_norm)
 
 
 def _cuda_gated_linear(gate: Tensor, up: Tensor, act: str, weight: Tensor, bias: Tensor | None) -> Tensor:

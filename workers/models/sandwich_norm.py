@@ -9,7 +9,8 @@ layer's input norm). One program a token row: float32 statistics, `norm_a(x)` ro
 model's dtype and added to the residual in that dtype, as Hugging Face's modules compute it.
 Gemma 4 scales the stream after each layer by a learned scalar (read from the device, rounded
 as a multiply in the dtype rounds) before the next layer's norm; where no norm follows (the
-stream a projection reads whole: Gemma 4's per-layer input gate) `norm_add` stops at the stream.
+stream a projection reads whole: Gemma 4's per-layer input gate) `norm_add` stops at the stream;
+it may norm its residual operand first, adding two normed rows (Gemma 4's MoE-block branches).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def _norm_add_norm_kernel(
     res_ptr,
     w_before_ptr,
     w_ptr,
+    w_res_ptr,
     scale_ptr,
     out_ptr,
     size,
@@ -53,6 +55,7 @@ def _norm_add_norm_kernel(
     GEMMA: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     AFTER: tl.constexpr,  # the norm after the add (else the stream alone)
+    RES_NORM: tl.constexpr,  # the residual operand normed first (Gemma 4's two MoE-block branches)
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -67,6 +70,8 @@ def _norm_add_norm_kernel(
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
     if AFTER:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if RES_NORM:
+        res = normed(res.to(tl.float32), tl.load(w_res_ptr + cols, mask=mask, other=0.0), mask, eps, size, GEMMA, dtype)
     res += normed(x, w_before, mask, eps, size, GEMMA, dtype)
     if HAS_SCALE:
         res = (res.to(tl.float32) * tl.load(scale_ptr).to(dtype).to(tl.float32)).to(dtype)
@@ -91,14 +96,21 @@ def norm_add_norm(
 
 
 def norm_add(
-    x: torch.Tensor, residual: torch.Tensor, before: torch.Tensor, eps: float, gemma: bool, scale: torch.Tensor | None
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    before: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    scale: torch.Tensor | None,
+    residual_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`(residual + rms_norm(x, before)) * scale` (no scale: 1) over the last dimension, into the
-    residual, which is returned."""
-    return _launch(x, residual, before, None, eps, gemma, scale, None)
+    """`(r + rms_norm(x, before)) * scale` (no scale: 1) over the last dimension, r the residual
+    or, with `residual_norm`, rms_norm(residual, residual_norm); into the residual, which is
+    returned."""
+    return _launch(x, residual, before, None, eps, gemma, scale, None, residual_norm)
 
 
-def _launch(x, residual, before, weight, eps, gemma, scale, out) -> torch.Tensor:
+def _launch(x, residual, before, weight, eps, gemma, scale, out, residual_norm=None) -> torch.Tensor:
     size = x.shape[-1]
     x2, res2 = x.reshape(-1, size), residual.view(-1, size)
     if x2.stride(-1) != 1 or res2.stride(-1) != 1:
@@ -113,6 +125,7 @@ def _launch(x, residual, before, weight, eps, gemma, scale, out) -> torch.Tensor
             res2,
             before,
             weight if weight is not None else before,
+            residual_norm if residual_norm is not None else before,
             scale if scale is not None else before,
             out if out is not None else res2,
             size,
@@ -122,6 +135,7 @@ def _launch(x, residual, before, weight, eps, gemma, scale, out) -> torch.Tensor
             GEMMA=gemma,
             HAS_SCALE=scale is not None,
             AFTER=weight is not None,
+            RES_NORM=residual_norm is not None,
             BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
             **pdl_options(x2.shape[0]),
