@@ -65,9 +65,12 @@ def _router_findings(case: str) -> dict:
         norm = (router.scale, router.norm.eps, router.input_scale) if gemma else None
         got = fused_router.logits(x, router.proj.weight, router.proj.bias, norm)
         ref = router.proj(router.norm(x) * router.scale * router.input_scale if gemma else x)
+        expert_scale = router.per_expert_scale.float() if gemma else None
+        # one launch: the top-k in the program that stores a token's last logit, over the stored logits
+        fused = fused_router.route(x, router.proj.weight, router.proj.bias, router.top_k, norm, expert_scale)
+        apart = fused_router.top_k_of(got, router.top_k, expert_scale)
         spacing = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp_min(2**-100))) - 7)
         scores = torch.randn(int(tokens), ref.shape[1], generator=torch.Generator().manual_seed(7))
-        expert_scale = router.per_expert_scale.float() if gemma else None
         weights, ids = fused_router.top_k_of(scores, router.top_k, expert_scale)
         ref_weights, ref_ids = route(scores, router.top_k, expert_scale)
     return {
@@ -76,6 +79,7 @@ def _router_findings(case: str) -> dict:
         "relative": float((got.float() - ref.float()).norm() / ref.float().norm()),
         "ids_equal": bool(torch.equal(ids, ref_ids)),
         "weights": float((weights - ref_weights).abs().max()),
+        "one_launch_equal": all(torch.equal(f, a) for f, a in zip(fused, apart)),
     }
 
 
@@ -138,6 +142,7 @@ def test_router_kernels_match_the_torch_path_in_the_interpreter(interpreted, cas
     else:
         assert found["logit_ulps"] <= 1.0 and found["unequal"] <= 0.02, found
     assert found["ids_equal"] and found["weights"] <= 1e-6, found
+    assert found["one_launch_equal"], found  # the logits kernel's own top-k: the two kernels' result
 
 
 if __name__ == "__main__":

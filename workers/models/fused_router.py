@@ -1,7 +1,7 @@
-"""A mixture of experts' router on CUDA for few tokens (decode steps, small verifies): two Triton
-kernels where the torch path runs four (gpt-oss: projection, cast, top-k, softmax) or nine
+"""A mixture of experts' router on CUDA for few tokens (decode steps, small verifies): one Triton
+kernel where the torch path runs four (gpt-oss: projection, cast, top-k, softmax) or nine
 (Gemma 4: its scale-free norm and two scalings before the projection, the expert scales after),
-the torch path of `workers/models/moe.py` (`Router`, `route`) their oracle.
+the torch path of `workers/models/moe.py` (`Router`, `route`) its oracle.
 
 - `_logits_kernel`, a program per (token, expert): one expert's row is a few KB, read in one
   load where the hidden size allows, so the kernel takes a DRAM round trip or two rather than a
@@ -10,9 +10,11 @@ the torch path of `workers/models/moe.py` (`Router`, `route`) their oracle.
   rounded to the model's dtype as the torch ops round it) computed by every program from the
   row's statistics, then the experts' logits, rounded to the model's dtype as the projection's
   output is (and its bias added first, gpt-oss).
-- `_top_k_kernel`, a program per token: the top-k logits in descending order (the lowest expert
-  id first among equal ones), their softmax in float32, times each chosen expert's scale
-  (Gemma 4), into float32 weights and int64 ids.
+- `_top_k_row`: the top-k logits of a token in descending order (the lowest expert id first
+  among equal ones), their softmax in float32, times each chosen expert's scale (Gemma 4), into
+  float32 weights and int64 ids. `route` runs it in the logits kernel's program that stores a
+  token's last logit (`attention/kernels/arrival.py`), reading the logits the others stored:
+  no second launch. `top_k_of` runs it alone, a program per token.
 
 Nothing is read back to the host and no shape depends on the routing: CUDA graphs capture it.
 """
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
 
 MAX_ROWS = 8  # tokens up to which these kernels route (each program reads its experts' rows)
@@ -48,6 +51,10 @@ def _logits_kernel(
     b_ptr,
     scale_ptr,
     out_ptr,
+    expert_scale_ptr,
+    weights_ptr,
+    ids_ptr,
+    counter_ptr,
     E,
     H,
     stride_x,
@@ -58,6 +65,10 @@ def _logits_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,  # H rounded up to a power of two: the statistics' one pass
+    TOP_K: tl.constexpr,  # 0: the logits alone; else the token's last program routes it
+    K_PAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_EXPERTS: tl.constexpr,  # E rounded up to a power of two
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -83,25 +94,28 @@ def _logits_kernel(
     if HAS_BIAS:
         logits += tl.load(b_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * E + e, logits.to(dtype), mask=e_ok)
+    if TOP_K:
+        if last_arrival(counter_ptr + t, tl.num_programs(1)):
+            _top_k_row(out_ptr, expert_scale_ptr, weights_ptr, ids_ptr, t, E, TOP_K, K_PAD, HAS_SCALE, BLOCK_EXPERTS)
 
 
 @triton.jit
-def _top_k_kernel(
+def _top_k_row(
     logits_ptr,
     expert_scale_ptr,
     weights_ptr,
     ids_ptr,
+    t,
     E,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,  # E rounded up to a power of two
-    PDL: tl.constexpr,
 ):
-    pdl_start(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    """Token t's top-k experts and weights from its logits (stored by other programs, maybe on
+    other SMs: read past the L1 cache)."""
     e = tl.arange(0, BLOCK)
-    left = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    left = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     j = tl.arange(0, K_PAD)
     top = tl.full((K_PAD,), float("-inf"), dtype=tl.float32)
     ids = tl.zeros((K_PAD,), dtype=tl.int32)
@@ -120,6 +134,24 @@ def _top_k_kernel(
     tl.store(ids_ptr + t * TOP_K + j, ids.to(tl.int64), mask=chosen)
 
 
+@triton.jit
+def _top_k_kernel(
+    logits_ptr,
+    expert_scale_ptr,
+    weights_ptr,
+    ids_ptr,
+    E,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,  # E rounded up to a power of two
+    PDL: tl.constexpr,
+):
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    _top_k_row(logits_ptr, expert_scale_ptr, weights_ptr, ids_ptr, t, E, TOP_K, K_PAD, HAS_SCALE, BLOCK)
+
+
 def applies(x: torch.Tensor) -> bool:
     """Whether these kernels route `x` (`[T, hidden]`): 1 to MAX_ROWS rows on CUDA, unit stride."""
     return x.is_cuda and 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.stride(-1) == 1
@@ -134,8 +166,8 @@ def route(
     expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 weights `[T, k]`, int64 expert ids `[T, k]`) of `moe.route` over the router's
-    logits (`logits`)."""
-    return top_k_of(logits(x, weight, bias, norm), top_k, expert_scale)
+    logits (`logits`), from one launch."""
+    return _launch(x, weight, bias, norm, top_k, expert_scale)[1:]
 
 
 def logits(
@@ -143,9 +175,23 @@ def logits(
 ) -> torch.Tensor:
     """The router's logits `weight . x' + bias` `[T, E]` in x's dtype, x' = x or, with `norm` =
     (scale vector, eps, input scale), rms_norm(x) * scale * input scale (Gemma 4)."""
+    return _launch(x, weight, bias, norm, 0, None)[0]
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float, float] | None,
+    top_k: int,
+    expert_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, weights, ids); without `top_k` the weights and ids are empty."""
     tokens, hidden = x.shape
     experts = weight.shape[0]
     out = torch.empty(tokens, experts, dtype=x.dtype, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     scale, eps, input_scale = norm if norm is not None else (weight, 0.0, 1.0)  # no norm: never read
     blocks = triton.cdiv(experts, BLOCK_E)
     _logits_kernel[(tokens, blocks)](
@@ -154,6 +200,10 @@ def logits(
         bias if bias is not None else weight,
         scale,
         out,
+        expert_scale if expert_scale is not None else weight,
+        weights,
+        ids,
+        counters(x.device, tokens),
         experts,
         hidden,
         x.stride(0),
@@ -164,9 +214,13 @@ def logits(
         BLOCK_E=BLOCK_E,
         BLOCK_K=min(triton.next_power_of_2(hidden), MAX_BLOCK_K),
         BLOCK_H=triton.next_power_of_2(hidden),
+        TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(max(top_k, 1)),
+        HAS_SCALE=expert_scale is not None,
+        BLOCK_EXPERTS=triton.next_power_of_2(experts),
         **pdl_options(tokens * blocks),
     )
-    return out
+    return out, weights, ids
 
 
 def top_k_of(
