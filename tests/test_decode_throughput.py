@@ -97,6 +97,23 @@ def test_the_31b_assistant_shape_drafts_for_the_31b_shape(tmp_path):
     assert [layer.kv_layer for layer in ac.cfg.layers] == [58, 58, 58, 59] and ac.num_centroids == 0
 
 
+def test_the_moe_shapes_drafts_pass_their_start_up_checks(tmp_path):
+    """The spec part's drafts for the MoE shapes: gpt-oss-20b's EAGLE-3 head reads three of its
+    layers with a 32K draft vocabulary; the 26B-A4B assistant's layers read the target's last
+    sliding and full KV layers in their geometry."""
+    from ops.bench.decode_throughput import GEMMA4_26B_A4B_ASSISTANT, GPT_OSS_20B_EAGLE3, write_config
+    from workers.models import load_model_config
+    from workers.models.eagle import load_eagle_config
+    from workers.models.gemma4_assistant import assistant_config
+
+    target = load_model_config(write_config(str(tmp_path), "oss", SHAPES["gpt-oss-20b"]))
+    ec = load_eagle_config(write_config(str(tmp_path), "e3", GPT_OSS_20B_EAGLE3), target, "dummy")
+    assert (ec.version, ec.draft_vocab_size, len(ec.aux_layer_ids)) == (3, 32000, 3)
+    target = load_model_config(write_config(str(tmp_path), "moe", SHAPES["gemma4-26b-a4b"]))
+    ac = assistant_config(write_config(str(tmp_path), "a", GEMMA4_26B_A4B_ASSISTANT), target)
+    assert [layer.kv_layer for layer in ac.cfg.layers] == [28, 28, 28, 29]
+
+
 def test_roofline_counts_the_share_of_experts_a_batch_chooses(tmp_path):
     """A mixture of experts' experts count as the share a batch's tokens choose at uniform
     routing (1 - (1 - k/E)^batch); everything else as for a dense model."""

@@ -20,7 +20,8 @@
    `--prompt` sets the contexts (4096: the KV a step reads weighs against the weights).
 3. Prefill: 8 x 2,048-token prompts on the 8B shape, model FLOPs over the matmul rate.
 4. Speculation at batch 1: on the 8B shape an EAGLE round and a frozen-KV MTP round (4 steps),
-   on the Gemma-4-31B shape (`--spec-shape gemma4-31b`) a round of its assistant's shape, each
+   on the Gemma-4-31B shape (`--spec-shape gemma4-31b`) a round of its assistant's shape, on
+   gpt-oss-20b an EAGLE-3 round and on Gemma-4-26B-A4B an assistant's (`--spec-shape`), each
    against a plain decode step, and the host synchronisations per step.
 5. The shipped tiny models with their three trained drafts at batches 1 and 16: speculation
    against plain decoding with the measured accept lengths.
@@ -286,6 +287,36 @@ GEMMA4_31B_ASSISTANT = dict(
         rms_norm_eps=1e-6,
         hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
+    ),
+)
+
+# An EAGLE-3 head for gpt-oss-20b in the layout of the published speculators-format heads for it
+# (one Llama layer 2880 wide, 64 query heads of 64, 8 KV heads, a 32K-token draft vocabulary).
+GPT_OSS_20B_EAGLE3 = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLMEagle3"],
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=1,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=201088,
+    draft_vocab_size=32000,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+)
+# An assistant for Gemma-4-26B-A4B in the 31B assistant's layout (four query-only layers, 1024
+# wide) over the 26B-A4B's KV geometry (8 sliding KV heads of 256, 2 full of 512) and width: a
+# stand-in of the same cost structure where no published shape is at hand.
+GEMMA4_26B_A4B_ASSISTANT = dict(
+    GEMMA4_31B_ASSISTANT,
+    backbone_hidden_size=2816,
+    text_config=dict(
+        GEMMA4_31B_ASSISTANT["text_config"], num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2
     ),
 )
 
@@ -643,8 +674,33 @@ def assistant_specs(root: str) -> dict[str, dict]:
     return {"assistant": spec}
 
 
+def _dummy_draft(root: str, name: str, algorithm: str, config: dict) -> dict[str, dict]:
+    """One dummy-weight draft of 4 steps a round, named `name`."""
+    path = write_config(root, name, config)
+    return {
+        name.rsplit("-", 1)[-1]: {
+            "algorithm": algorithm,
+            "draft_model": path,
+            "num_steps": 4,
+            "adaptive": False,
+            "draft_load_format": "dummy",
+        }
+    }
+
+
 # shape -> (case prefix, its drafts' settings)
-SPEC_TARGETS = {"llama3-8b": ("spec", draft_specs), "gemma4-31b": ("spec/gemma4-31b", assistant_specs)}
+SPEC_TARGETS = {
+    "llama3-8b": ("spec", draft_specs),
+    "gemma4-31b": ("spec/gemma4-31b", assistant_specs),
+    "gpt-oss-20b": (
+        "spec/gpt-oss-20b",
+        lambda root: _dummy_draft(root, "gpt-oss-20b-eagle3", "eagle", GPT_OSS_20B_EAGLE3),
+    ),
+    "gemma4-26b-a4b": (
+        "spec/gemma4-26b-a4b",
+        lambda root: _dummy_draft(root, "gemma4-26b-a4b-assistant", "mtp", GEMMA4_26B_A4B_ASSISTANT),
+    ),
+}
 
 
 def spec_part(root: str, batch: int, drafts: list[str] | None, shape: str = "llama3-8b") -> dict:
