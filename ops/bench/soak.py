@@ -197,15 +197,34 @@ def idle_loads(client, limit_s: float = 60.0) -> list[dict[str, int]]:
         time.sleep(0.5)
 
 
-def serving_rss_mb() -> float:
-    """Resident memory of the processes hosting rank actors and Serve replicas (Linux /proc)."""
+def local_raylet_pid() -> str:
+    """The pid of this Ray cluster's raylet on this host: its workers carry it in their
+    environment (`RAY_RAYLET_PID`), where another cluster's on the same host carry theirs."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.get(ray.remote(num_cpus=0)(_raylet_pid).options(scheduling_strategy=here).remote())
+
+
+def _raylet_pid() -> str:
+    return os.environ.get("RAY_RAYLET_PID", "")
+
+
+def serving_rss_mb(raylet_pid: str) -> float:
+    """Resident memory of the processes hosting this cluster's rank actors and Serve replicas on
+    this host (Linux /proc; `raylet_pid`: `local_raylet_pid`)."""
     total = 0
+    own = f"RAY_RAYLET_PID={raylet_pid}".encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().decode(errors="replace")
             if not cmd.startswith("ray::") or not ("RankActor" in cmd or "ServeReplica" in cmd):
                 continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if own not in f.read().split(b"\0"):
+                    continue
             with open(f"/proc/{pid}/status") as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
         except (OSError, StopIteration):
@@ -214,7 +233,9 @@ def serving_rss_mb() -> float:
 
 
 # -- rounds ---------------------------------------------------------------------------------------
-def run_round(client, route: str, n: int, concurrency: int, hang_s: float, seed: int) -> dict[str, Any]:
+def run_round(
+    client, route: str, n: int, concurrency: int, hang_s: float, seed: int, raylet_pid: str
+) -> dict[str, Any]:
     rng = random.Random(seed)
     reqs = [_request(rng, i) for i in range(n)]
     statuses: collections.Counter = collections.Counter()
@@ -261,14 +282,15 @@ def run_round(client, route: str, n: int, concurrency: int, hang_s: float, seed:
         "faults": faults,
         "loads_after": loads,
         "kv_used_after": sum(x["kv_full_used"] + x["kv_swa_used"] for x in loads),
-        "serving_rss_mb": serving_rss_mb(),
+        "serving_rss_mb": serving_rss_mb(raylet_pid),
     }
 
 
 def soak(client, route: str, rounds: int, requests_per_round: int, concurrency: int, hang_s: float) -> dict[str, Any]:
     out = []
+    raylet_pid = local_raylet_pid()
     for r in range(rounds):
-        result = run_round(client, route, requests_per_round, concurrency, hang_s, seed=r)
+        result = run_round(client, route, requests_per_round, concurrency, hang_s, r, raylet_pid)
         logger.info(
             "round %d: %.0f s, %s, hangs %d, KV used after %d, RSS %.0f MB, recovery %s",
             r,
