@@ -48,6 +48,7 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     for scale, norm in itertools.product([False, True], repeat=2):
         flags = dict(HAS_BEFORE=True, HAS_BIAS=False, HAS_SCALE=scale, NORM=norm, GEMMA=False, EMBED=False)
         cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=2048), 4))
+        cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=4096), 8))  # Gemma-4-E4B's 8-warp tiles
     cases.append(("gemv", "_gated_gemv_kernel", dict(ACT=1, HAS_BIAS=False, BLOCK_N=16, WIDTH=256), 4))
     for v_norm in (False, True):
         dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_HALF=128, BLOCK_DIM=256)
