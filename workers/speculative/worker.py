@@ -37,11 +37,10 @@ behind the verify (`_mask_verified`), so the device verifies while the host comm
 `Drafter.masked_drafts`, such rounds mask each draft step on the device and take its argmax
 there; the host reads each draft, a few bytes, to fill the next step's masks (`_masked_round`:
 k + 1 reads a round, no host draw). Nothing of the next such round can be launched before the
-read (its first draft's mask follows the bonus token),
-but once the round is committed its next first drafts are proposed and the next round's draft
-step 2 is launched (`_step_ahead`), so the device runs it while the host does the engine's
-bookkeeping between rounds; a change of requests, a plain step or a prefill between them drops
-it.
+read (its first draft's mask follows the bonus token), but once the round is committed its next
+first drafts are proposed and the next round's draft step 2 is launched (`_step_ahead`), so the
+device runs it while the host does the engine's bookkeeping between rounds; a change of
+requests, a plain step or a prefill between them drops it.
 
 How many draft steps a round runs is chosen every decode step (`draft_steps`: the controller,
 `workers/speculative/controller.py`; k = num_steps every step unless `speculative.adaptive`).
