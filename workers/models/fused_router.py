@@ -5,11 +5,11 @@ the torch path of `workers/models/moe.py` (`Router`, `route`) its oracle.
 
 - `_logits_kernel`, a program per (token, expert): one expert's row is a few KB, read in one
   load where the hidden size allows, so the kernel takes a DRAM round trip or two rather than a
-  loop of them (at 8 experts a program, gpt-oss-20b's router took 9 us a layer). Gemma 4's input (the row RMS-
-  normalised without a weight, times the router's scale vector, times 1/sqrt(hidden), each step
-  rounded to the model's dtype as the torch ops round it) computed by every program from the
-  row's statistics, then the experts' logits, rounded to the model's dtype as the projection's
-  output is (and its bias added first, gpt-oss).
+  loop of them (at 8 experts a program, gpt-oss-20b's router took 9 us a layer). Gemma 4's
+  input (the row RMS-normalised without a weight, times the router's scale vector, times
+  1/sqrt(hidden), each step rounded to the model's dtype as the torch ops round it) computed by
+  every program from the row's statistics, then the expert's logit, rounded to the model's
+  dtype as the projection's output is (and its bias added first, gpt-oss).
 - `_top_k_row`: the top-k logits of a token in descending order (the lowest expert id first
   among equal ones), their softmax in float32, times each chosen expert's scale (Gemma 4), into
   float32 weights and int64 ids. `route` runs it in the logits kernel's program that stores a
