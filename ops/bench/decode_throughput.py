@@ -649,13 +649,7 @@ def draft_specs(root: str) -> dict[str, dict]:
         "frozen_kv_mtp": {**t, "architectures": ["FrozenKVMTPForCausalLM"], "kv_source_layers": [31]},
     }
     specs = {
-        name: {
-            "algorithm": "eagle" if name == "eagle3" else name,
-            "draft_model": write_config(root, f"llama3-8b-{name}", config),
-            "num_steps": 4,
-            "adaptive": False,  # rounds of 4 drafts every step: what a round costs (ops.bench.adaptive_spec: adaptive)
-            "draft_load_format": "dummy",
-        }
+        name: dummy_draft(root, f"llama3-8b-{name}", "eagle" if name == "eagle3" else name, config)
         for name, config in drafts.items()
     }
     hot = os.path.join(root, "hot-32k.json")
@@ -669,22 +663,18 @@ def draft_specs(root: str) -> dict[str, dict]:
 def assistant_specs(root: str) -> dict[str, dict]:
     """Gemma-4-31B's assistant (dummy weights of google/gemma-4-31B-it-assistant's shape), 4
     drafts a round."""
-    draft = write_config(root, "gemma4-31b-assistant", GEMMA4_31B_ASSISTANT)
-    spec = {"algorithm": "mtp", "draft_model": draft, "num_steps": 4, "adaptive": False, "draft_load_format": "dummy"}
-    return {"assistant": spec}
+    return {"assistant": dummy_draft(root, "gemma4-31b-assistant", "mtp", GEMMA4_31B_ASSISTANT)}
 
 
-def _dummy_draft(root: str, name: str, algorithm: str, config: dict) -> dict[str, dict]:
-    """One dummy-weight draft of 4 steps a round, named `name`."""
-    path = write_config(root, name, config)
+def dummy_draft(root: str, name: str, algorithm: str, config: dict) -> dict:
+    """The speculative settings of a dummy-weight draft of `config` (written as `name`), 4
+    drafts every round: what a round costs (`ops.bench.adaptive_spec` measures adaptive)."""
     return {
-        name.rsplit("-", 1)[-1]: {
-            "algorithm": algorithm,
-            "draft_model": path,
-            "num_steps": 4,
-            "adaptive": False,
-            "draft_load_format": "dummy",
-        }
+        "algorithm": algorithm,
+        "draft_model": write_config(root, name, config),
+        "num_steps": 4,
+        "adaptive": False,
+        "draft_load_format": "dummy",
     }
 
 
@@ -694,11 +684,11 @@ SPEC_TARGETS = {
     "gemma4-31b": ("spec/gemma4-31b", assistant_specs),
     "gpt-oss-20b": (
         "spec/gpt-oss-20b",
-        lambda root: _dummy_draft(root, "gpt-oss-20b-eagle3", "eagle", GPT_OSS_20B_EAGLE3),
+        lambda root: {"eagle3": dummy_draft(root, "gpt-oss-20b-eagle3", "eagle", GPT_OSS_20B_EAGLE3)},
     ),
     "gemma4-26b-a4b": (
         "spec/gemma4-26b-a4b",
-        lambda root: _dummy_draft(root, "gemma4-26b-a4b-assistant", "mtp", GEMMA4_26B_A4B_ASSISTANT),
+        lambda root: {"assistant": dummy_draft(root, "gemma4-26b-a4b-assistant", "mtp", GEMMA4_26B_A4B_ASSISTANT)},
     ),
 }
 

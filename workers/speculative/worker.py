@@ -69,6 +69,7 @@ from workers.overlap import InFlight
 from workers.processors import at_work, process
 from workers.request import Request
 from workers.sampler import distribution_logits, draw_each
+from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative.accept import verify_greedy, verify_sampling
 from workers.speculative.acceptance import AcceptanceModel
@@ -380,12 +381,8 @@ class SpecWorker:
             # rows of grammar-only greedy requests that read no logits: masked in place (the draft
             # steps' masks at depths 0..k-1), no copy of the verify's logits
             in_place = (masked is not None or free is not None) and not any(r.sampling.reads_logits for r in reqs)
-            # Position j of a request is processed as plain decoding would process it there:
-            # after the pending token and drafts 1..j (the chain that reaches it).
-            params = [r.sampling for r in reqs for _ in range(k + 1)]
-            prefixes = None if isinstance(drafts, torch.Tensor) else [d[:j] for d in drafts for j in range(k + 1)]
-            history = self.scheduler.history([r for r in reqs for _ in range(k + 1)], prefixes)
-            processed = process(logits, params, history, in_place)
+            host_drafts = None if isinstance(drafts, torch.Tensor) else drafts
+            processed, params = self._processed(reqs, k, logits, host_drafts, in_place)
             chosen = distribution_logits(processed, params)
             best = processed.argmax(dim=-1).view(len(reqs), k + 1)
 
@@ -534,14 +531,20 @@ class SpecWorker:
         the drafts while the verify runs), applied to its logits in place, then their argmax, all
         queued before the next round replays the verify's graph."""
         verified, reqs = ahead.verified, ahead.reqs
-        drafts = verified.copied.read()
-        params = [r.sampling for r in reqs for _ in range(k + 1)]
-        history = self.scheduler.history(
-            [r for r in reqs for _ in range(k + 1)], [d[:j] for d in drafts for j in range(k + 1)]
-        )
-        processed = process(verified.logits, params, history, in_place=True)
+        processed, _ = self._processed(reqs, k, verified.logits, verified.copied.read(), in_place=True)
         verified.best = processed.argmax(dim=-1).view(len(reqs), k + 1)
         verified.logits = verified.copied = None
+
+    def _processed(
+        self, reqs: list[Request], k: int, logits: torch.Tensor, drafts: list[list[int]] | None, in_place: bool
+    ) -> tuple[torch.Tensor, list[SamplingParams]]:
+        """A verify's logits processed (and each row's sampling parameters): position j of a
+        request as plain decoding would process it there, after the pending token and drafts
+        1..j (`drafts` on the host; None: the rows need no prefixes)."""
+        params = [r.sampling for r in reqs for _ in range(k + 1)]
+        prefixes = None if drafts is None else [d[:j] for d in drafts for j in range(k + 1)]
+        history = self.scheduler.history([r for r in reqs for _ in range(k + 1)], prefixes)
+        return process(logits, params, history, in_place), params
 
     def _draft_ahead(
         self, reqs: list[Request], accepted: torch.Tensor, best: torch.Tensor, hidden: torch.Tensor
