@@ -11,11 +11,12 @@ def test_speculative_drafts_are_the_shapes_dummy_drafts(tmp_path):
     assert got["eagle3"]["algorithm"] == "eagle" and got["eagle3"]["adaptive"] is False
     assert got["eagle3"]["draft_tp"] == "shard" and got["eagle3-replicated"]["draft_tp"] == "replicate"
     assert got["eagle3-replicated"]["draft_model"] == got["eagle3"]["draft_model"]
-    assert spec_settings(str(tmp_path), "gpt-oss-20b", "") == {}
+    assert spec_settings(str(tmp_path), "gemma3-12b", "") == {}
+    assert list(spec_settings(str(tmp_path), "gpt-oss-20b", "eagle3")) == ["eagle3"]
     with pytest.raises(SystemExit, match="medusa unknown for llama3-8b; choose from eagle, eagle3"):
         spec_settings(str(tmp_path), "llama3-8b", "eagle,medusa")
-    with pytest.raises(SystemExit, match="gpt-oss-20b has no drafts"):
-        spec_settings(str(tmp_path), "gpt-oss-20b", "eagle3")
+    with pytest.raises(SystemExit, match="gemma3-12b has no drafts"):
+        spec_settings(str(tmp_path), "gemma3-12b", "eagle3")
 
 
 def test_cases_name_each_shape_run_and_batch():
