@@ -6,9 +6,10 @@ LM head; and the KV of the layers that store it. Both counted here from config.j
 import json
 
 import pytest
+import torch
 
 from ops.bench.decode_throughput import SHAPES, kv_bytes_per_token, weight_bytes
-from workers.engine import Engine
+from workers.engine import Engine, SamplingParams
 
 FLOAT32 = 4
 CONFIG = dict(
@@ -131,6 +132,33 @@ def test_roofline_counts_the_share_of_experts_a_batch_chooses(tmp_path):
         share = 1 - (1 - top_k / experts) ** batch
         expected = (dense - embedding + config["num_hidden_layers"] * per_layer_experts * share) * FLOAT32
         assert abs(weight_bytes(engine, batch) - expected) <= 1, batch
+
+
+def test_roofline_counts_mxfp4_experts_as_stored(tmp_path):
+    """The `mxfp4` variant: gpt-oss's experts half a byte a weight and a byte a 32-weight group's
+    scale (their biases and the rest in the model's dtype), held as stored; the dummy codes decode
+    to weights of about the configured spread, and a greedy decode of them stays finite."""
+    from ops.bench.decode_throughput import VARIANTS
+    from tests.hf_models import COMMON, TINY_MODELS
+
+    _, model_cls, kwargs = TINY_MODELS["gpt_oss"]
+    config = {**COMMON, **kwargs, "architectures": [model_cls], "model_type": "gpt_oss", **VARIANTS["mxfp4"][1]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(model=str(tmp_path), load_format="dummy", dtype="float32", max_total_tokens=256)
+    experts, top_k, width, h, layers = 8, 2, config["intermediate_size"], config["hidden_size"], 4
+    matrices = experts * 3 * width * h * 17 // 32  # blocks and scales
+    biases = experts * (2 * width + h) * FLOAT32
+    model = engine.runner.model
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    dense = everything - layers * (matrices + biases) - config["vocab_size"] * h * FLOAT32
+    for batch in (1, 8):
+        share = 1 - (1 - top_k / experts) ** batch
+        assert abs(weight_bytes(engine, batch) - (dense + layers * (matrices + biases) * share)) <= 1, batch
+    gate_up, down = model.model.layers[0].mlp.experts.matrices()
+    spread = torch.stack([gate_up.expert(e) for e in range(experts)]).pow(2).mean().sqrt().item()
+    assert config["initializer_range"] / 2 <= spread <= config["initializer_range"] * 2, spread
+    out = engine.generate(prompt_token_ids=[[1, 2, 3]], sampling=SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert len(out[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("shape, experts, top_k", [("gemma4-26b-a4b", 128, 8), ("gpt-oss-20b", 32, 4)])

@@ -15,7 +15,9 @@
    uniform routing) and HF `generate`. `--variants` runs each shape with FP8 weights (`fp8`: dummy
    weights quantised with a scale per output channel, as `quantization: fp8`; `fp8-block`: 128 x
    128 blocks, as Qwen3-FP8 ships), an FP8 KV cache (`kv8`) or both (`fp8+kv8`) beside bf16
-   (`bf16`); the roofline counts the bytes as stored (a byte an FP8 weight or KV entry), and each
+   (`bf16`), or gpt-oss's experts in MXFP4 as its checkpoints ship them (`mxfp4`: random codes
+   under one scale); the roofline counts the bytes as stored (a byte an FP8 weight or KV entry,
+   half a byte an MXFP4 weight and a byte its group's scale), and each
    variant reports the KV tokens `--mem-fraction` of the GPU's memory holds beside its weights.
    `--prompt` sets the contexts (4096: the KV a step reads weighs against the weights).
 3. Prefill: 8 x 2,048-token prompts on the 8B shape, model FLOPs over the matmul rate.
@@ -68,6 +70,7 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "fp8-block": ({}, {"quantization_config": FP8_BLOCKS}),
     "kv8": ({"kv_cache_dtype": "fp8_e4m3"}, {}),
     "fp8+kv8": ({"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}, {}),
+    "mxfp4": ({}, {"quantization_config": {"quant_method": "mxfp4"}}),  # gpt-oss's experts as it ships them
 }
 GEMMA4_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -222,8 +225,8 @@ SHAPES = {
         tie_word_embeddings=True,
     ),
     # openai/gpt-oss-20b: 32 experts (4 a token, 2880 wide, clamped SwiGLU with biases), sliding
-    # layers of 128 keys alternating with full ones, sinks, YaRN; its MXFP4 experts are dummy
-    # bf16 weights here (slidespec dequantises them at load).
+    # layers of 128 keys alternating with full ones, sinks, YaRN; its experts dummy bf16 weights,
+    # or in MXFP4 as the checkpoint ships them (variant `mxfp4`).
     "gpt-oss-20b": dict(
         model_type="gpt_oss",
         architectures=["GptOssForCausalLM"],

@@ -2,8 +2,11 @@
 against the torch path, at the tiny test models' expert shapes (8 experts, 2 a token, 256 -> 32,
 narrower than every tile of the kernels): 1 and 32 tokens (2 and 64 pairs, the GEMV-like
 kernels), 33 and a 287-token prefill (66 and 574 pairs, the grouped GEMM); with an expert map
-(each of two ranks holding half the experts), 32 and 287 tokens. In float32 they agree to float32
-noise; in bfloat16 they round in the same places, so most outputs are equal. Skipped where triton
+(each of two ranks holding half the experts), 32 and 287 tokens; gpt-oss's MXFP4 experts (read
+as stored, decoded in the kernels) at the tiny shape and at gpt-oss-20b's for one token (several
+K tiles of several scale groups), against the torch path dequantising the same codes, with and
+without a map. In float32 they agree to float32 noise; in bfloat16 they round in the same places,
+so most outputs are equal. Skipped where triton
 is not installed (CPU machines need not have it).
 
 Triton reads TRITON_INTERPRET as it defines its own library, so the kernels run in a child
@@ -22,6 +25,7 @@ from tests.triton_interpreter import interpreter_findings as run_interpreted
 from tests.workers.test_gpu_moe import (
     KERNEL_NOISE,
     ROUNDING_NOISE,
+    as_mxfp4,
     assert_rounding_noise,
     dealt_routing,
     differences,
@@ -47,6 +51,11 @@ ROUTER_CASES = [
 ]
 EXPERT_MAP_CASES = [
     f"{shape}-{tokens}-bfloat16-map" for shape in ("tiny-gemma4-moe", "tiny-gpt-oss") for tokens in (32, 287)
+]
+MXFP4_CASES = [f"tiny-gpt-oss-{tokens}-{dtype}" for tokens in (1, 32, 287) for dtype in DTYPES] + [
+    "gpt-oss-20b-1-bfloat16",
+    "tiny-gpt-oss-32-bfloat16-map",
+    "tiny-gpt-oss-287-bfloat16-map",
 ]
 
 
@@ -111,6 +120,19 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
             args = (x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, expert_map)
             worst = torch.maximum(worst, differences(fused_experts(*args), experts_torch(*args)))
         out[case] = worst.tolist()
+    for case in MXFP4_CASES:
+        mapped = case.endswith("-map")
+        shape, tokens, dtype = case.removesuffix("-map").rsplit("-", 2)
+        num, top_k, hidden, act, experts = random_experts(shape, device="cpu", dtype=DTYPES[dtype])
+        experts = as_mxfp4(experts)
+        x = torch.randn(int(tokens), hidden, generator=torch.Generator().manual_seed(int(tokens))).to(DTYPES[dtype])
+        weights, ids = dealt_routing(int(tokens), num, top_k, seed=int(tokens), device="cpu")
+        worst = torch.zeros(2)
+        for rank in range(2 if mapped else 1):
+            held, expert_map = held_by(rank, 2, experts) if mapped else (experts, None)
+            args = (x, *held[:2], weights, ids, act, *held[2:], expert_map)
+            worst = torch.maximum(worst, differences(fused_experts(*args), experts_torch(*args)))
+        out[f"mxfp4-{case}"] = worst.tolist()
     for case in ROUTER_CASES:
         out[f"router-{case}"] = _router_findings(case)
     return out
@@ -129,6 +151,12 @@ def test_fused_experts_match_the_torch_path_in_the_interpreter(interpreted, case
 @pytest.mark.parametrize("case", EXPERT_MAP_CASES)
 def test_fused_experts_with_an_expert_map_match_the_torch_path_in_the_interpreter(interpreted, case):
     assert_rounding_noise(torch.tensor(interpreted[case]), case, BOUNDS["bfloat16"])
+
+
+@pytest.mark.parametrize("case", MXFP4_CASES)
+def test_mxfp4_fused_experts_match_the_torch_path_in_the_interpreter(interpreted, case):
+    dtype = case.removesuffix("-map").rsplit("-", 1)[1]
+    assert_rounding_noise(torch.tensor(interpreted[f"mxfp4-{case}"]), case, BOUNDS[dtype])
 
 
 @pytest.mark.parametrize("case", ROUTER_CASES)

@@ -13,7 +13,9 @@ synchronises with the host. In the tiny Gemma 4 MoE and gpt-oss models (bf16, tr
 graphs) every experts call, prefill and decode, matches the torch path on its own inputs; with every expert chosen,
 so that no routing decision can flip, the logits match the torch path's within bf16 noise. The
 router of a few tokens (two kernels) chooses what the torch path's top-k chooses over its logits,
-which are a rounding apart from the torch path's at most.
+which are a rounding apart from the torch path's at most. MXFP4 experts (gpt-oss's checkpoints',
+4-bit codes read by the kernels as stored) match the torch path dequantising the same codes, with
+and without an expert map.
 """
 
 import pytest
@@ -21,10 +23,12 @@ import torch
 
 from tests.hf_models import TINY_MODELS, make_tiny_model, random_prompts
 from tests.workers.test_gpu_engine import compare_bf16_runs
+from tests.workers.test_moe import quantize_mxfp4
 from workers.engine import Engine, SamplingParams
 from workers.models import moe
 from workers.models.config import MoEConfig
 from workers.models.moe import Activation, Router, experts_torch, route
+from workers.models.mxfp4 import Mxfp4Experts
 
 pytestmark = pytest.mark.gpu
 
@@ -69,6 +73,19 @@ def random_experts(shape: str, seed: int = 0, device: str = "cuda", dtype: torch
     return num, top_k, hidden, Activation(act, 1.702, limit), weights
 
 
+def as_mxfp4(experts: tuple) -> tuple:
+    """`random_experts`' weights with the matrices quantised to MXFP4: (gate_up, down as
+    `Mxfp4Experts`, biases as they were)."""
+    gate_up, down, *biases = experts
+
+    def packed(w: torch.Tensor) -> Mxfp4Experts:
+        quantized = [quantize_mxfp4(expert) for expert in w]  # one at a time: the rounding's search is 8x its size
+        blocks, scales = (torch.stack(parts) for parts in zip(*quantized))
+        return Mxfp4Experts(blocks.flatten(2), scales)
+
+    return (packed(gate_up), packed(down), *biases)
+
+
 def random_router(family: str, dtype: torch.dtype) -> Router:
     """A router at the real shapes with random weights (Gemma 4's scales and expert scales away
     from 1, gpt-oss's bias)."""
@@ -108,8 +125,15 @@ def held_by(rank: int, ranks: int, experts: tuple) -> tuple[tuple, torch.Tensor]
     gives each rank a contiguous run of num / ranks experts; the map sends the others to -1."""
     num = experts[0].shape[0]
     count = num // ranks
-    held = tuple(None if t is None else t[rank * count : (rank + 1) * count] for t in experts)
-    index = torch.arange(num, device=experts[0].device) - rank * count
+
+    def part(t):
+        if isinstance(t, Mxfp4Experts):
+            return Mxfp4Experts(part(t.blocks), part(t.scales))
+        return None if t is None else t[rank * count : (rank + 1) * count]
+
+    held = tuple(part(t) for t in experts)
+    device = experts[1].blocks.device if isinstance(experts[1], Mxfp4Experts) else experts[1].device
+    index = torch.arange(num, device=device) - rank * count
     return held, torch.where((index >= 0) & (index < count), index, -1)
 
 
@@ -204,6 +228,25 @@ def test_fused_experts_with_an_expert_map_match_the_torch_path(shape, tokens):
         assert ids.numel() < 16 or (held.any() and not held.all()), "each rank should skip some pairs and run some"
     whole = experts_torch(x, *experts[:2], weights, ids, act, *experts[2:])
     assert_rounding_noise(differences(total, whole), f"{shape} {tokens} tokens, two ranks' sums", RANK_SUMS_NOISE)
+
+
+@pytest.mark.parametrize("shape", ["gpt-oss-20b", "tiny-gpt-oss"])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mxfp4_fused_experts_match_the_torch_path(shape, tokens, expert_parallel):
+    """gpt-oss's MXFP4 experts read as stored (the GEMV kernels at 1 and 8 tokens, the grouped
+    GEMM at 64 and 300), against the torch path dequantising the same codes; under expert
+    parallelism each of two ranks against its own torch path."""
+    from workers.models.fused_moe import fused_experts
+
+    num, top_k, hidden, act, experts = random_experts(shape)
+    experts = as_mxfp4(experts)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    weights, ids = dealt_routing(tokens, num, top_k, seed=tokens)
+    for rank in range(2 if expert_parallel else 1):
+        held, expert_map = held_by(rank, 2, experts) if expert_parallel else (experts, None)
+        args = (x, *held[:2], weights, ids, act, *held[2:], expert_map)
+        assert_rounding_noise(differences(fused_experts(*args), experts_torch(*args)), f"{shape} {tokens}, rank {rank}")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -56,9 +56,10 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     from workers.models import fused_router
     from workers.models.gemv_tiles import MOE_GEMV_TILES
 
-    for (_, tiles), has_map in itertools.product(MOE_GEMV_TILES, (False, True)):
-        up, down = tiles["gate_up"], tiles["down"]
-        flags = dict(HAS_BIAS=True, HAS_MAP=has_map)
+    for (_, tiles), has_map, w4 in itertools.product(MOE_GEMV_TILES, (False, True), (False, True)):
+        suffix = "_mxfp4" if w4 else ""
+        up, down = tiles["gate_up" + suffix], tiles["down" + suffix]
+        flags = dict(HAS_BIAS=True, HAS_MAP=has_map, W4=w4)
         tile = dict(BLOCK_N=up.rows, BLOCK_K=up.cols)
         cases.append(("fused_moe", "_gemv_gate_up", dict(tile, **flags, ACT=1), up.warps))
         tile = dict(BLOCK_N=down.rows, BLOCK_K=down.cols)
@@ -78,7 +79,9 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
 CASES = _cases()
 
 
-def _type(name: str) -> str:
+def _type(name: str, constexprs: dict) -> str:
+    if constexprs.get("W4") and name in ("w_ptr", "s_ptr"):  # MXFP4 codes and scales
+        return "*u8"
     if name in POINTERS:
         return POINTERS[name]
     return "*bf16" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32"
@@ -90,7 +93,7 @@ def test_kernel_compiles_for_hopper_without_spilling(case, tmp_path: Path):
 
     _, module, name, constexprs, warps = case
     fn = getattr(importlib.import_module(f"workers.models.{module}"), name)
-    signature = {a: "constexpr" if a in constexprs else _type(a) for a in fn.arg_names}
+    signature = {a: "constexpr" if a in constexprs else _type(a, constexprs) for a in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options={"num_warps": warps})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if module == "all_reduce_norm" or (not tool.exists() and shutil.which("cuobjdump") is None):

@@ -152,7 +152,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = weight.float().unflatten(-1, (-1, 32))
     amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
     exp = torch.ceil(torch.log2(amax / 6.0))
-    magnitudes = torch.tensor(FP4_VALUES[:8])
+    magnitudes = torch.tensor(FP4_VALUES[:8], device=weight.device)
     scaled = groups / torch.exp2(exp)
     code = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
     pairs = code.to(torch.uint8).unflatten(-1, (16, 2))
@@ -182,9 +182,9 @@ def quantize_checkpoint_mxfp4(path: str) -> None:
 
 
 def test_mxfp4_checkpoint_gives_the_dequantised_models_tokens(tmp_path):
-    """A random gpt-oss with its experts quantised to MXFP4 loads, dequantised, and gives the
-    tokens and logits of transformers' model dequantising the same file; transformers' weights
-    are the originals within FP4's error, so the file is in its format."""
+    """A random gpt-oss with its experts quantised to MXFP4 loads, its experts kept in 4 bits, and
+    gives the tokens and logits of transformers' model dequantising the same file; transformers'
+    weights are the originals within FP4's error, so the file is in its format."""
     path = str(tmp_path / "gpt_oss")
     original = make_tiny_model("gpt_oss", path)
     quantize_checkpoint_mxfp4(path)
@@ -200,6 +200,10 @@ def test_mxfp4_checkpoint_gives_the_dequantised_models_tokens(tmp_path):
     expected = hf_reference(hf, PROMPTS)
     eng = Engine(model=path, dtype="float32", page_size=16, attention_backend="trtllm_mha", max_total_tokens=2048)
     assert eng.cfg.quantization == "mxfp4"
+    for layer in eng.runner.model.model.layers:  # held in 4 bits: blocks and scales as the file stores them
+        experts = layer.mlp.experts
+        assert experts.mxfp4 and not hasattr(experts, "gate_up_proj")
+        assert experts.gate_up_proj_blocks.dtype == torch.uint8 and experts.down_proj_scales.dtype == torch.uint8
     sinks = [layer.self_attn.attn.sinks for layer in eng.runner.model.model.layers]
     assert all(s.dtype == torch.float32 and s.shape == (COMMON["num_attention_heads"],) for s in sinks)
     assert min(s.abs().min().item() for s in sinks) > 0, "every head's sink is random and non-zero"
@@ -227,6 +231,11 @@ def test_routing_reads_nothing_back_from_the_device(name):
         ("gpt_oss", {"num_local_experts": 0}, "num_local_experts must be a positive integer"),
         ("gpt_oss", {"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8' is not supported"),
         ("gemma4_moe", {"quantization_config": {"quant_method": "mxfp4"}}, "quant_method 'mxfp4' is not supported"),
+        (
+            "gpt_oss",
+            {"intermediate_size": 48, "quantization_config": {"quant_method": "mxfp4"}},
+            "intermediate_size 48 must be multiples of 32 for MXFP4 experts",
+        ),
     ],
 )
 def test_configs_it_cannot_serve_are_refused_naming_the_field(name, change, message):
@@ -241,6 +250,26 @@ def test_experts_refuse_a_width_the_ranks_cannot_split():
     cfg = model_config_from_hf(tiny_config("gpt_oss", intermediate_size=30))
     with pytest.raises(ValueError, match="moe intermediate size 30 is not divisible by tp_size 4"):
         Experts(cfg.hidden_size, cfg.moe, _FakeGroup(4))
+
+
+@pytest.mark.parametrize("tp, packed", [(1, True), (2, True), (4, False)])
+def test_mxfp4_experts_stay_in_4_bits_where_each_ranks_share_splits_into_whole_groups(tp, packed):
+    """64-wide experts: a rank's 64 or 32 intermediate columns hold whole 32-value groups (held as
+    blocks and scales: half a byte a value and a byte a group of 32, 17/64 of bf16's bytes); 16 do
+    not (dequantised)."""
+    hf = tiny_config("gpt_oss", intermediate_size=64)
+    hf.quantization_config = {"quant_method": "mxfp4"}
+    cfg = model_config_from_hf(hf)
+    experts = Experts(cfg.hidden_size, cfg.moe, _FakeGroup(tp))
+    assert experts.mxfp4 == packed
+    names = {name for name, _ in experts.named_parameters()}
+    if packed:
+        bf16_bytes = 2 * cfg.moe.num_experts * 3 * cfg.hidden_size * 64 // tp
+        held = sum(p.numel() for n, p in experts.named_parameters() if n.endswith(("_blocks", "_scales")))
+        assert held * 64 == bf16_bytes * 17
+        assert not names & {"gate_up_proj", "down_proj"}
+    else:
+        assert {"gate_up_proj", "down_proj"} <= names
 
 
 def test_expert_parallelism_refuses_experts_the_ranks_cannot_share(tmp_path):

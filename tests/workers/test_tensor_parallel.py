@@ -208,7 +208,8 @@ def test_mixture_of_experts_tensor_parallel_matches_one_rank(tmp_path, name):
     """The experts shared by two ranks both ways, the router on every rank: split by their
     intermediate dimension (gpt-oss's down-projection bias added by one rank), and by expert
     (`moe_parallel: expert`, four whole experts a rank, each adding its experts' biases), gpt-oss's
-    sinks split with the heads and its experts loaded from MXFP4: the same tokens as one rank.
+    sinks split with the heads and its experts loaded from MXFP4 (one rank and whole experts in 4
+    bits, 16-column shares dequantised as they load): the same tokens as one rank.
     Every expert of every layer is chosen by some token, so every rank's experts take part."""
     path = str(tmp_path / name)
     make_tiny_model(name, path)

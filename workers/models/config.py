@@ -22,6 +22,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from workers.models.fp8 import Fp8Layout, checkpoint_layout, quantization_layout
 from workers.models.geometry import global_field, kv_layers, layer_geometry
+from workers.models.mxfp4 import GROUP, splits_into_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_parallel: bool = False  # ranks hold whole experts, not slices of every one (`with_moe_parallel`)
+    mxfp4: bool = False  # the checkpoint stores them in MXFP4 (`workers/models/mxfp4.py`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +273,10 @@ SIZES = (
 UNSUPPORTED = (("use_bidirectional_attention", (None, False, "vision"), "text tokens attend causally"),)
 
 
-def _moe(hf: PretrainedConfig, arch: ArchSpec) -> MoEConfig | None:
+def _moe(hf: PretrainedConfig, arch: ArchSpec, mxfp4: bool = False) -> MoEConfig | None:
     """The experts of an architecture with a mixture of experts (when its switch is on), sizes
-    checked: positive, and no more experts chosen than exist."""
+    checked: positive, and no more experts chosen than exist; `mxfp4`: stored in MXFP4, whose
+    32-value groups must tile the matrices' rows."""
     style = arch.moe
     if style is None or (style.switch is not None and not getattr(hf, style.switch, False)):
         return None
@@ -289,6 +292,11 @@ def _moe(hf: PretrainedConfig, arch: ArchSpec) -> MoEConfig | None:
         raise ValueError(
             f"config.json: {style.top_k} {sizes[style.top_k]} exceeds {style.experts} {sizes[style.experts]}"
         )
+    if mxfp4 and not splits_into_groups(hf.hidden_size, sizes[style.width]):
+        raise ValueError(
+            f"config.json: hidden_size {hf.hidden_size} and {style.width} {sizes[style.width]} must be multiples "
+            f"of {GROUP} for MXFP4 experts (quantization_config.quant_method 'mxfp4')"
+        )
     return MoEConfig(
         num_experts=sizes[style.experts],
         top_k=sizes[style.top_k],
@@ -299,6 +307,7 @@ def _moe(hf: PretrainedConfig, arch: ArchSpec) -> MoEConfig | None:
         layout=style.layout,
         swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
         swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+        mxfp4=mxfp4,
     )
 
 
@@ -416,7 +425,7 @@ def model_config_from_hf(
         per_layer_input_size=per_layer,
         per_layer_vocab_size=per_layer_vocab if per_layer else 0,
         double_wide_mlp=bool(getattr(hf, "use_double_wide_mlp", False)),
-        moe=_moe(hf, arch),
+        moe=_moe(hf, arch, mxfp4=quantization == "mxfp4"),
         quantization=quantization,
         fp8=checkpoint_layout(_quant_config(top)) if quantization == "fp8" else None,
     )

@@ -23,6 +23,11 @@ weight into float32 rows; each token's top-k rows are then summed. Nothing is re
 host and no shape depends on the routing, so CUDA graphs capture both paths. Float32 inputs
 multiply in full precision (`tl.dot` would round them to TF32).
 
+MXFP4 experts (`Mxfp4Experts`: 4-bit codes, a power-of-two scale per 32 inputs of a row) are read
+as they are stored, a quarter of bf16's bytes, and decoded exactly in registers (`_e2m1`,
+`_e8m0`) before they multiply (W4A16): the GEMV kernels take a byte's two inputs as its even and
+odd columns, the grouped GEMM multiplies the even and odd halves of each K tile in two `tl.dot`s.
+
 Under expert parallelism (`expert_map`, as vLLM's) a rank holds some of the experts: a pair
 routed to another rank's expert is skipped (its GEMV programs return, or write a zero row; the
 grouped GEMM sorts it into a run of tiles that only zero its rows), so it costs no weight reads.
@@ -38,6 +43,7 @@ from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
 from workers.models.gemv_tiles import moe_tile_for
 from workers.models.moe import Activation
+from workers.models.mxfp4 import Mxfp4Experts
 
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
 GEMV_MAX_PAIRS = 64  # routed pairs up to which the GEMV-like kernels run (batch 8 at top-8)
@@ -59,9 +65,52 @@ def _act(gate, up, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
+def _e2m1(code):
+    """float32 values of E2M1 codes (int32, 0..15: sign bit 3, two exponent bits, one mantissa
+    bit), built from their bits: exponent e > 0 is 2^(e - 1) x (1 + m / 2), e = 0 is m / 2."""
+    mag = code & 7
+    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
+    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 126 << 23, 0)) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(exponent):
+    """2^(s - 127) in float32 from E8M0 scales s (uint8)."""
+    s = exponent.to(tl.int32)
+    return tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _mx_products(x_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K: tl.constexpr):
+    """One K tile of a GEMV over MXFP4 rows: `[rows, BLOCK_K / 2]` float32, each byte's two
+    weights times x's inputs [k0, k0 + BLOCK_K) there (the even input in the low nibble)."""
+    j = tl.arange(0, BLOCK_K // 2)
+    k = k0 + 2 * j  # each byte's even input
+    k_ok = k < K
+    x_even = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    x_odd = tl.load(x_row + k + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    mask = n_ok[:, None] & k_ok[None, :]
+    byte = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
+    scale = _e8m0(tl.load(s_rows + (k // 32)[None, :], mask=mask, other=127))
+    return (_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd) * scale
+
+
+@triton.jit
+def _mx_tiles(w_cols, s_cols, k0, mask, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of MXFP4 weights for `tl.dot`, as (even inputs, odd inputs): `[BLOCK_K / 2,
+    cols]` each in `dtype` (exact: two significant bits times a power of two)."""
+    j = tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(w_cols + (k0 // 2 + j)[:, None], mask=mask, other=0).to(tl.int32)
+    scale = _e8m0(tl.load(s_cols + ((k0 + 2 * j) // 32)[:, None], mask=mask, other=127))
+    return (_e2m1(byte & 15) * scale).to(dtype), (_e2m1(byte >> 4) * scale).to(dtype)
+
+
+@triton.jit
 def _gemv_gate_up(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     h_ptr,
     ids_ptr,
@@ -72,6 +121,8 @@ def _gemv_gate_up(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_be,
     stride_h,
     alpha,
@@ -79,13 +130,15 @@ def _gemv_gate_up(
     HAS_BIAS: tl.constexpr,
     HAS_MAP: tl.constexpr,
     ACT: tl.constexpr,
+    W4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of `act(gate) * up` for pair p. The
-    expert's gate rows are rows [0, N) of its `[2N, K]` weight, its up rows [N, 2N). With a map,
-    a pair whose expert is elsewhere (-1) writes nothing."""
+    expert's gate rows are rows [0, N) of its `[2N, K]` weight, its up rows [N, 2N) (W4: MXFP4
+    bytes `[2N, K / 2]`, scales `[2N, K / 32]` at `s_ptr`). With a map, a pair whose expert is
+    elsewhere (-1) writes nothing."""
     pdl_start(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,17 +151,26 @@ def _gemv_gate_up(
     x_row = x_ptr + (p // top_k).to(tl.int64) * stride_x
     w_gate = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + N * stride_wn
-    tile_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    tile_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        mask = n_ok[:, None] & k_ok[None, :]
-        tile_gate += (
-            tl.load(w_gate + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x
-        )
-        tile_up += tl.load(w_up + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * x
+    if W4:
+        s_gate = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
+        s_up = s_gate + N * stride_sn
+        tile_gate = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        tile_up = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            tile_gate += _mx_products(x_row, w_gate, s_gate, k0, n_ok, K, BLOCK_K)
+            tile_up += _mx_products(x_row, w_up, s_up, k0, n_ok, K, BLOCK_K)
+    else:
+        tile_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        tile_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            mask = n_ok[:, None] & k_ok[None, :]
+            w_g = tl.load(w_gate + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            tile_gate += w_g.to(tl.float32) * x
+            w_u = tl.load(w_up + k[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            tile_up += w_u.to(tl.float32) * x
     acc_gate, acc_up = tl.sum(tile_gate, axis=1), tl.sum(tile_up, axis=1)
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -121,6 +183,7 @@ def _gemv_gate_up(
 def _gemv_down(
     h_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     y_ptr,
     out_ptr,
@@ -134,10 +197,13 @@ def _gemv_down(
     stride_h,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_be,
     stride_y,
     HAS_BIAS: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    W4: tl.constexpr,
     TOP_K_PAD: tl.constexpr,  # top_k rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -146,7 +212,8 @@ def _gemv_down(
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of pair p's expert's down projection of
     its intermediate row, plus the expert's bias, times the pair's routing weight, into y
     (float32); the last of the token's pairs to arrive writes the token's sum of them to `out`
-    in its dtype. With a map, a pair whose expert is elsewhere (-1) adds zeros."""
+    in its dtype (W4: MXFP4 weights, as `_gemv_gate_up`'s). With a map, a pair whose expert is
+    elsewhere (-1) adds zeros."""
     pdl_start(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,15 +225,21 @@ def _gemv_down(
     if e >= 0:
         h_row = h_ptr + p.to(tl.int64) * stride_h
         w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
-        tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(
-                w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
-            )
-            tile += w.to(tl.float32) * h
+        if W4:
+            s_rows = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
+            tile = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                tile += _mx_products(h_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K)
+        else:
+            tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < K
+                h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(
+                    w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
+                )
+                tile += w.to(tl.float32) * h
         acc = tl.sum(tile, axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -185,6 +258,7 @@ def _gemv_down(
 def _gemm_gate_up(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     h_ptr,
     pair_ptr,
@@ -197,19 +271,23 @@ def _gemm_gate_up(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_be,
     stride_h,
     alpha,
     limit,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    W4: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Program (m, n): tile m of the expert-sorted pairs (one expert's, `align`) times that
-    expert's gate and up rows [n * BLOCK_N, +BLOCK_N), activated, into the pairs' rows of h."""
+    expert's gate and up rows [n * BLOCK_N, +BLOCK_N), activated, into the pairs' rows of h (W4:
+    MXFP4 weights, as `_gemv_gate_up`'s)."""
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if e >= num_experts:
         return
@@ -223,15 +301,32 @@ def _gemm_gate_up(
     w_up = w_gate + N * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(x_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        w_g = tl.load(w_gate + k[:, None], mask=w_mask, other=0.0)
-        w_u = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)
-        acc_gate = tl.dot(a, w_g, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(a, w_u, acc_up, input_precision=PRECISION)
+    if W4:
+        s_gate = s_ptr + e * stride_se + n[None, :].to(tl.int64) * stride_sn
+        s_up = s_gate + N * stride_sn
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # each byte's even input
+            k_ok = k < K
+            a_mask = valid[:, None] & k_ok[None, :]
+            a_even = tl.load(x_rows + k[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(x_rows + k[None, :] + 1, mask=a_mask, other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            g_even, g_odd = _mx_tiles(w_gate, s_gate, k0, w_mask, a_even.dtype, BLOCK_K)
+            u_even, u_odd = _mx_tiles(w_up, s_up, k0, w_mask, a_even.dtype, BLOCK_K)
+            acc_gate = tl.dot(a_even, g_even, acc_gate, input_precision=PRECISION)
+            acc_gate = tl.dot(a_odd, g_odd, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a_even, u_even, acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(a_odd, u_odd, acc_up, input_precision=PRECISION)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(x_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            w_g = tl.load(w_gate + k[:, None], mask=w_mask, other=0.0)
+            w_u = tl.load(w_up + k[:, None], mask=w_mask, other=0.0)
+            acc_gate = tl.dot(a, w_g, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, w_u, acc_up, input_precision=PRECISION)
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(b_ptr + e * stride_be + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -244,6 +339,7 @@ def _gemm_gate_up(
 def _gemm_down(
     h_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     y_ptr,
     pair_ptr,
@@ -256,10 +352,13 @@ def _gemm_down(
     stride_h,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_be,
     stride_y,
     HAS_BIAS: tl.constexpr,
     HAS_MAP: tl.constexpr,
+    W4: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -267,7 +366,8 @@ def _gemm_down(
 ):
     """Program (m, n): tile m of the expert-sorted pairs' intermediate rows times that expert's
     down rows [n * BLOCK_N, +BLOCK_N), plus its bias, times each pair's routing weight. With a
-    map, a tile past the experts' runs writes zero rows for the pairs in it (other ranks')."""
+    map, a tile past the experts' runs writes zero rows for the pairs in it (other ranks'). W4:
+    MXFP4 weights, as `_gemv_gate_up`'s."""
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,12 +384,24 @@ def _gemm_down(
     h_rows = h_ptr + pairs.to(tl.int64)[:, None] * stride_h
     w_cols = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(h_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if W4:
+        s_cols = s_ptr + e * stride_se + n[None, :].to(tl.int64) * stride_sn
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # each byte's even input
+            k_ok = k < K
+            a_mask = valid[:, None] & k_ok[None, :]
+            a_even = tl.load(h_rows + k[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(h_rows + k[None, :] + 1, mask=a_mask, other=0.0)
+            w_even, w_odd = _mx_tiles(w_cols, s_cols, k0, k_ok[:, None] & n_ok[None, :], a_even.dtype, BLOCK_K)
+            acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
+            acc = tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(h_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
@@ -328,10 +440,19 @@ def align(
     return pair_of_row, block_expert
 
 
+def _operands(weights: torch.Tensor | Mxfp4Experts) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
+    """(weights or MXFP4 blocks, scales (the weights again, never read, where not MXFP4), their
+    expert and row strides)."""
+    if isinstance(weights, Mxfp4Experts):
+        w, s = weights.blocks, weights.scales
+        return w, s, (w.stride(0), w.stride(1), s.stride(0), s.stride(1))
+    return weights, weights, (weights.stride(0), weights.stride(1), 0, 0)
+
+
 def fused_experts(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Mxfp4Experts,
+    down: torch.Tensor | Mxfp4Experts,
     weights: torch.Tensor,
     ids: torch.Tensor,
     act: Activation,
@@ -350,25 +471,31 @@ def fused_experts(
     ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous()
     h = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    gu_bias = gate_up if gate_up_bias is None else gate_up_bias  # no bias: never read
-    d_bias = down if down_bias is None else down_bias
+    w4 = isinstance(gate_up, Mxfp4Experts)
+    if w4 != isinstance(down, Mxfp4Experts):
+        raise ValueError("gate_up and down: both MXFP4 or neither")
+    gu_w, gu_s, gu_strides = _operands(gate_up)
+    dn_w, dn_s, dn_strides = _operands(down)
+    gu_bias = gu_w if gate_up_bias is None else gate_up_bias  # no bias: never read
+    d_bias = dn_w if down_bias is None else down_bias
     has_map = expert_map is not None
     mapping = ids if expert_map is None else expert_map  # no map: never read
     code = ACTIVATIONS[act.name]
     if pairs <= GEMV_MAX_PAIRS:
-        up, dn = moe_tile_for("gate_up", width), moe_tile_for("down", width)
+        suffix = "_mxfp4" if w4 else ""
+        up, dn = moe_tile_for("gate_up" + suffix, width), moe_tile_for("down" + suffix, width)
         up_blocks, down_blocks = triton.cdiv(width, up.rows), triton.cdiv(hidden, dn.rows)
         _gemv_gate_up[(pairs, up_blocks)](
-            x, gate_up, gu_bias, h, ids, mapping, top_k, hidden, width,
-            x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
-            HAS_BIAS=gate_up_bias is not None, HAS_MAP=has_map, ACT=code, BLOCK_N=up.rows, BLOCK_K=up.cols,
+            x, gu_w, gu_s, gu_bias, h, ids, mapping, top_k, hidden, width,
+            x.stride(0), *gu_strides, gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
+            HAS_BIAS=gate_up_bias is not None, HAS_MAP=has_map, ACT=code, W4=w4, BLOCK_N=up.rows, BLOCK_K=up.cols,
             num_warps=up.warps, **pdl_options(pairs * up_blocks),
         )  # fmt: skip
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         _gemv_down[(pairs, down_blocks)](
-            h, down, d_bias, y, out, counters(x.device, tokens * down_blocks), ids, mapping, weights, top_k,
-            width, hidden, h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
-            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, TOP_K_PAD=triton.next_power_of_2(top_k),
+            h, dn_w, dn_s, d_bias, y, out, counters(x.device, tokens * down_blocks), ids, mapping, weights, top_k,
+            width, hidden, h.stride(0), *dn_strides, d_bias.stride(0), y.stride(0),
+            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, TOP_K_PAD=triton.next_power_of_2(top_k),
             BLOCK_N=dn.rows, BLOCK_K=dn.cols, num_warps=dn.warps, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
         return out
@@ -378,13 +505,15 @@ def fused_experts(
         pair_of_row, block_expert = align(ids, num_experts, bm, expert_map)
         tiles = block_expert.shape[0]
         _gemm_gate_up[(tiles, triton.cdiv(width, bn))](
-            x, gate_up, gu_bias, h, pair_of_row, block_expert, pairs, num_experts, top_k, hidden, width,
-            x.stride(0), gate_up.stride(0), gate_up.stride(1), gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
-            HAS_BIAS=gate_up_bias is not None, ACT=code, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            x, gu_w, gu_s, gu_bias, h, pair_of_row, block_expert, pairs, num_experts, top_k, hidden, width,
+            x.stride(0), *gu_strides, gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
+            HAS_BIAS=gate_up_bias is not None, ACT=code, W4=w4, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk,
         )  # fmt: skip
         _gemm_down[(tiles, triton.cdiv(hidden, bn))](
-            h, down, d_bias, y, pair_of_row, block_expert, weights, pairs, num_experts, width, hidden,
-            h.stride(0), down.stride(0), down.stride(1), d_bias.stride(0), y.stride(0),
-            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            h, dn_w, dn_s, d_bias, y, pair_of_row, block_expert, weights, pairs, num_experts, width, hidden,
+            h.stride(0), *dn_strides, d_bias.stride(0), y.stride(0),
+            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk,
         )  # fmt: skip
     return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)

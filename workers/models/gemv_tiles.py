@@ -122,9 +122,27 @@ def _moe_kernel(name: str) -> str:
 # 2.69 ms at 4 rows against 2.81 at 16; Gemma-4-26B-A4B (704 wide, 8 experts a token) 3.38 ms at
 # 16 rows against 3.51 at 8 and 3.53 at 4. `SLIDESPEC_MOE_GEMV_TILES` overrides a kernel's tile at
 # every width, e.g. `gate_up=8,256,4,1;down=8,512,4,1`.
+# The MXFP4 kernels (`*_mxfp4`) read half a byte an element: at 4 rows twice the columns for as
+# many bytes a loop step (not yet measured against other tiles).
 MOE_GEMV_TILES: tuple[tuple[int, dict[str, Tile]], ...] = (
-    (2048, {"gate_up": Tile(4, 256, 4, 1), "down": Tile(4, 256, 4, 1)}),
-    (0, {"gate_up": Tile(16, 256, 4, 1), "down": Tile(16, 256, 4, 1)}),
+    (
+        2048,
+        {
+            "gate_up": Tile(4, 256, 4, 1),
+            "down": Tile(4, 256, 4, 1),
+            "gate_up_mxfp4": Tile(4, 512, 4, 1),
+            "down_mxfp4": Tile(4, 512, 4, 1),
+        },
+    ),
+    (
+        0,
+        {
+            "gate_up": Tile(16, 256, 4, 1),
+            "down": Tile(16, 256, 4, 1),
+            "gate_up_mxfp4": Tile(16, 128, 8, 1),  # wider spills at 4 warps (two tiles and their decoding)
+            "down_mxfp4": Tile(16, 128, 8, 1),
+        },
+    ),
 )
 
 
@@ -138,7 +156,8 @@ MOE_OVERRIDES = _overrides(os.environ.get("SLIDESPEC_MOE_GEMV_TILES", ""), "SLID
 
 
 def moe_tile_for(kernel: str, width: int) -> Tile:
-    """The MoE decode kernel's (`gate_up` or `down`) tile for experts `width` wide; an override first."""
+    """The MoE decode kernel's (`gate_up` or `down`, `_mxfp4` for MXFP4 experts) tile for experts
+    `width` wide; an override first."""
     if kernel in MOE_OVERRIDES:
         return MOE_OVERRIDES[kernel]
     return next(tiles[kernel] for at_least, tiles in MOE_GEMV_TILES if width >= at_least)

@@ -9,7 +9,8 @@ What differs from Llama, and where it lives:
 - The MLP is `SparseMoE` (`workers/models/moe.py`): a biased router, top-k then softmax, and
   experts with biases and a clamped SwiGLU, stored in the checkpoint as `[E, in, out]` with gate
   and up columns alternating.
-- Checkpoints ship the experts in MXFP4 (`workers/models/mxfp4.py`), dequantised as they load.
+- Checkpoints ship the experts in MXFP4 (`workers/models/mxfp4.py`): kept in 4 bits for the MoE
+  kernels, or dequantised as they load where a rank's share does not split into whole groups.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from workers.distributed import TPGroup
 from workers.models.config import ModelConfig
 from workers.models.decoder import CausalLM, DecoderLayer, DecoderModel, load_weights
 from workers.models.moe import SparseMoE
-from workers.models.mxfp4 import dequantized
+from workers.models.mxfp4 import SUFFIXES, dequantized
 
 # Checkpoint names of the router's projection -> its parameter's.
 RENAMES = ((".mlp.router.weight", ".mlp.router.proj.weight"), (".mlp.router.bias", ".mlp.router.proj.bias"))
@@ -42,9 +43,11 @@ class GptOssCausalLM(CausalLM):
     model_class = GptOssModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's tensors, MXFP4 experts dequantised to the serving dtype."""
+        """The checkpoint's tensors; MXFP4 experts the model does not hold in MXFP4 dequantised
+        to the serving dtype."""
         if self.cfg.quantization == "mxfp4":
-            weights = dequantized(weights, self.lm_head.weight.dtype)
+            kept = {name for name, _ in self.named_parameters() if name.endswith(SUFFIXES)}
+            weights = dequantized(weights, self.lm_head.weight.dtype, kept)
         skip = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
         load_weights(self, _renamed(weights), self.cfg.architecture, skip=skip)
 

@@ -19,8 +19,8 @@ from workers.models import fp8
 from workers.models.ops import embed_rows, ops_for
 
 
-def weight_param(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+def weight_param(shape: tuple[int, ...], loader: Callable[..., None], dtype: torch.dtype | None = None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     return p
 

@@ -15,12 +15,13 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from workers.distributed import SINGLE_RANK, TPGroup
-from workers.models import fp8
+from workers.models import fp8, mxfp4
 from workers.models.config import ModelConfig
 from workers.models.decoder import STACKED_PARAMS, CausalLM
 from workers.models.gemma4 import Gemma4CausalLM
 from workers.models.gpt_oss import GptOssCausalLM
 from workers.models.layers import RMSNorm
+from workers.models.moe import Experts
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
     """Normal(0, std) matrices (a `weight`, or any parameter of two or more dimensions: stacked
     experts), zero biases, norms and scalars (`identity`) at their identity; drawn on the
     parameters' device (a GPU fills an 8B model in a moment). FP8 projections hold such values
-    quantised as a checkpoint's are, with the scales that gives."""
+    quantised as a checkpoint's are, with the scales that gives; MXFP4 experts random codes under
+    a scale of about `std` (`mxfp4.fill_dummy`)."""
     gens: dict[torch.device, torch.Generator] = {}
     for module in model.modules():
         if isinstance(module, RMSNorm):
@@ -88,6 +90,8 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
         quantized = getattr(module, fp8.SCALE, None) is not None
         for name, param in module.named_parameters(recurse=False):
             gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+            if param.dtype == torch.uint8:  # MXFP4 experts' blocks and scales: below
+                continue
             if quantized and name in ("weight", fp8.SCALE):
                 if name == "weight":
                     values = torch.randn(param.shape, generator=gen, device=param.device) * std
@@ -96,6 +100,11 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float) -> None:
                 param.data.fill_(getattr(param, "identity", 0.0))
             else:
                 param.data.copy_(torch.randn(param.shape, generator=gen, device=param.device) * std)
+        if isinstance(module, Experts) and module.mxfp4:
+            for packed in module.matrices():
+                device = packed.blocks.device
+                gen = gens.setdefault(device, torch.Generator(device=device).manual_seed(seed))
+                mxfp4.fill_dummy(packed.blocks.data, packed.scales.data, gen, std)
 
 
 def build_model(

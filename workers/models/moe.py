@@ -20,7 +20,9 @@ option `moe_parallel`): by tensor, each rank keeps its slice of every expert's i
 dimension (`[E, 2I/tp, H]`, the column/row scheme of the dense MLP, `workers/models/layers.py`);
 by expert, each keeps E/tp whole experts (`[E/tp, 2I, H]`) and runs only the chosen ones among
 them. Either way every rank holds the same tokens and routing and the partial outputs are
-all-reduced.
+all-reduced. MXFP4 checkpoints' experts stay in 4 bits (`Mxfp4Experts`, `workers/models/mxfp4.py`)
+where each rank's share splits into whole 32-value groups: the kernels read them as they are, the
+torch path dequantises one expert at a time.
 
 The torch path below is the CPU path and the oracle of the CUDA kernels (`fused_moe.py`, and
 `fused_router.py` for the router of a few tokens): it
@@ -51,6 +53,7 @@ from workers.models.layers import (
     default_weight_loader,
     weight_param,
 )
+from workers.models.mxfp4 import GROUP, Mxfp4Experts, splits_into_groups
 from workers.models.ops import FUSED_ENABLED, triton_module
 
 
@@ -120,6 +123,7 @@ def experts_torch(
     `expert_map` (expert parallelism, int64 `[all experts]`): each expert's index in these
     weights, -1 for one another rank holds, which adds nothing here; None: `ids` index the weights."""
     num_experts = gate_up.shape[0]
+    matrix = _dequantized if isinstance(gate_up, Mxfp4Experts) else _float
     if expert_map is not None:
         local = expert_map[ids]
         ids = torch.where(local >= 0, local, num_experts)  # other ranks' experts: the column no expert reads
@@ -127,11 +131,19 @@ def experts_torch(
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xf = x.float()
     for e in range(num_experts):
-        h = F.linear(xf, gate_up[e].float(), None if gate_up_bias is None else gate_up_bias[e].float())
+        h = F.linear(xf, matrix(gate_up, e), None if gate_up_bias is None else gate_up_bias[e].float())
         h = act(*h.chunk(2, dim=-1)).to(x.dtype).float()  # as the kernels store the intermediate rows
-        y = F.linear(h, down[e].float(), None if down_bias is None else down_bias[e].float())
+        y = F.linear(h, matrix(down, e), None if down_bias is None else down_bias[e].float())
         out += combine[:, e, None] * y
     return out.to(x.dtype)
+
+
+def _float(weights: torch.Tensor, e: int) -> torch.Tensor:
+    return weights[e].float()
+
+
+def _dequantized(weights: Mxfp4Experts, e: int) -> torch.Tensor:
+    return weights.expert(e)
 
 
 ExpertsFn = Callable[..., torch.Tensor]  # `experts_torch`'s signature
@@ -187,7 +199,9 @@ class Experts(nn.Module):
     the whole of num_experts / tp_size consecutive experts); `forward(x, weights, ids)` is the
     all-reduced weighted sum of the chosen experts' outputs. The down projection's bias is part of
     each expert's weighted output: by tensor every rank holds it whole and rank 0 alone adds it,
-    by expert the rank holding the expert adds it."""
+    by expert the rank holding the expert adds it. MXFP4 experts (`MoEConfig.mxfp4`) are held as
+    their checkpoint's blocks and scales (`gate_up_proj_blocks`, ...) where this rank's matrices
+    split into whole groups, else dequantised as they load."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, tp: TPGroup) -> None:
         super().__init__()
@@ -212,8 +226,17 @@ class Experts(nn.Module):
         self.width = width
         self.act = Activation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
         e, h, n = self.count, hidden_size, self.local
-        self.gate_up_proj = weight_param((e, 2 * n, h), self._load_gate_up)
-        self.down_proj = weight_param((e, h, n), self._load_down)
+        self.mxfp4 = moe.mxfp4 and splits_into_groups(h, n)
+        if self.mxfp4:  # values per byte: 2 in the blocks, 32 a scale
+            for name, (rows, cols) in {"gate_up_proj": (2 * n, h), "down_proj": (h, n)}.items():
+                load = self._load_gate_up if name == "gate_up_proj" else self._load_down
+                for suffix, per in (("_blocks", 2), ("_scales", GROUP)):
+                    param = weight_param((e, rows, cols // per), load, dtype=torch.uint8)
+                    param.values_per_element = per  # type: ignore[attr-defined]
+                    setattr(self, name + suffix, param)
+        else:
+            self.gate_up_proj = weight_param((e, 2 * n, h), self._load_gate_up)
+            self.down_proj = weight_param((e, h, n), self._load_down)
         self.gate_up_proj_bias = weight_param((e, 2 * n), self._load_gate_up) if moe.bias else None
         self.down_proj_bias = weight_param((e, h), self._load_down_bias) if moe.bias else None
         expert_map = None  # each expert's index among those held, -1 for another rank's
@@ -222,10 +245,17 @@ class Experts(nn.Module):
             expert_map = index.where((index >= 0) & (index < self.count), -1)
         self.register_buffer("expert_map", expert_map, persistent=False)
 
-    def _canonical(self, loaded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def _canonical(self, param: torch.Tensor, loaded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The checkpoint tensor, its whole shape checked in the checkpoint's layout, as `shape`
-        (`[E, out, in]` matrices), narrowed to the experts this rank holds."""
-        if self.layout.transposed and len(shape) == 3:
+        (`[E, out, in]` matrices), narrowed to the experts this rank holds. MXFP4 blocks and
+        scales are `[E, out, in / per]` already (the blocks' last two dimensions flattened)."""
+        per = getattr(param, "values_per_element", None)
+        if per is not None:
+            if per == 2 and loaded.dim() == 4:
+                loaded = loaded.flatten(2)
+            shape = (*shape[:2], shape[2] // per)
+            check_shape(loaded, shape)
+        elif self.layout.transposed and len(shape) == 3:
             check_shape(loaded, (shape[0], shape[2], shape[1]))
             loaded = loaded.transpose(1, 2)
         else:
@@ -233,26 +263,37 @@ class Experts(nn.Module):
         return loaded.narrow(0, self.first, self.count)
 
     def _load_gate_up(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        shape = (self.num_experts, 2 * self.width, *param.shape[2:])
-        full = self._canonical(loaded, shape)
+        shape = (self.num_experts, 2 * self.width, self.hidden_size)[: param.dim()]
+        full = self._canonical(param, loaded, shape)
         gate, up = (full[:, 0::2], full[:, 1::2]) if self.layout.interleaved else full.chunk(2, dim=1)
         start, n = self.start, self.local
         param.data.copy_(torch.cat([gate.narrow(1, start, n), up.narrow(1, start, n)], dim=1))
 
     def _load_down(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        full = self._canonical(loaded, (self.num_experts, self.hidden_size, self.width))
-        param.data.copy_(full.narrow(2, self.start, self.local))
+        full = self._canonical(param, loaded, (self.num_experts, self.hidden_size, self.width))
+        per = getattr(param, "values_per_element", 1)  # the intermediate columns held, in elements
+        param.data.copy_(full.narrow(2, self.start // per, self.local // per))
 
     def _load_down_bias(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-        param.data.copy_(self._canonical(loaded, (self.num_experts, self.hidden_size)))
+        param.data.copy_(self._canonical(param, loaded, (self.num_experts, self.hidden_size)))
+
+    def matrices(self) -> tuple[torch.Tensor | Mxfp4Experts, torch.Tensor | Mxfp4Experts]:
+        """The gate/up and down matrices as the experts' implementations take them."""
+        if not self.mxfp4:
+            return self.gate_up_proj, self.down_proj
+        return (
+            Mxfp4Experts(self.gate_up_proj_blocks, self.gate_up_proj_scales),
+            Mxfp4Experts(self.down_proj_blocks, self.down_proj_scales),
+        )
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True
     ) -> torch.Tensor | Unreduced:
         """The experts' output, all-reduced; `reduce=False`: this rank's part (`Unreduced`)."""
         down_bias = self.down_proj_bias if self.expert_parallel or self.tp.rank == 0 else None
-        gate_up, down, gate_up_bias = self.gate_up_proj, self.down_proj, self.gate_up_proj_bias
-        out = experts_for(x)(x, gate_up, down, weights, ids, self.act, gate_up_bias, down_bias, self.expert_map)
+        gate_up, down = self.matrices()
+        biases = (self.gate_up_proj_bias, down_bias)
+        out = experts_for(x)(x, gate_up, down, weights, ids, self.act, *biases, self.expert_map)
         return self.tp.all_reduce(out) if reduce else Unreduced(out, None, self.tp)
 
 

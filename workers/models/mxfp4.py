@@ -1,27 +1,68 @@
-"""MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, as gpt-oss ships its experts),
-dequantised while they load.
+"""MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, as gpt-oss ships its experts):
+the experts kept in 4 bits for the MoE kernels, or dequantised while they load.
 
 The format is OCP's microscaling FP4 as OpenAI and transformers store it: a matrix `[..., rows,
 cols]` becomes `<name>_blocks`, uint8 `[..., rows, cols / 32, 16]` (two E2M1 values a byte, the
 even column in the low nibble), and `<name>_scales`, uint8 `[..., rows, cols / 32]` (an E8M0
 exponent biased by 127 per 32 values). The rows are the matrix's outputs; transformers' gpt-oss
-parameter is the transpose (`[E, in, out]`), and that is what the loader hands on, under the
-plain name, so the model loads it as it loads an unquantised checkpoint. Hopper has no FP4 tensor
-cores: the weights are kept in the serving dtype (every E2M1 value times a power of two is exact
-in bf16).
+parameter is the transpose (`[E, in, out]`).
+
+Hopper has no FP4 tensor cores, but a decode step is bound by the bytes it reads, and 4-bit
+experts are a quarter of bf16's: the experts stay in MXFP4 (`Mxfp4Experts`, the blocks flattened
+to `[E, out, in / 2]`) and the MoE kernels multiply them as they read them (W4A16, as vLLM's and
+SGLang's Hopper paths do), in float32 after an exact decode (every E2M1 value times a power of
+two is exact in bf16). Where a rank's share of the experts does not split into whole 32-value
+groups (tensor parallelism over a narrow intermediate dimension), the loader dequantises them to
+the serving dtype instead, under the plain name and in transformers' layout, so the model loads
+them as it loads an unquantised checkpoint (`dequantized`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import dataclasses
+import math
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
 # E2M1 by its 4-bit code: sign bit 3, two exponent bits, one mantissa bit.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
+GROUP = 32  # values sharing one scale, along a row
 SUFFIXES = ("_blocks", "_scales")
 CHUNK_ROWS = 1 << 20  # 32-value groups dequantised at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Experts:
+    """Stacked expert matrices `[E, out, in]` held in MXFP4: `blocks` uint8 `[E, out, in / 2]`
+    (the even input in the low nibble), `scales` uint8 `[E, out, in / 32]`."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The matrices' logical shape, `[E, out, in]`."""
+        experts, rows, half = self.blocks.shape
+        return experts, rows, 2 * half
+
+    def expert(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert `e`'s matrix `[out, in]`, dequantised."""
+        return dequantize(self.blocks[e].unflatten(-1, (-1, GROUP // 2)), self.scales[e], dtype)
+
+
+def splits_into_groups(*widths: int) -> bool:
+    """Whether matrices of these input widths (a rank's share) hold whole 32-value groups."""
+    return all(w % GROUP == 0 for w in widths)
+
+
+def fill_dummy(blocks: torch.Tensor, scales: torch.Tensor, generator: torch.Generator, std: float) -> None:
+    """Random codes, each equally likely, under one scale that puts the values' RMS near `std`
+    (the E2M1 values' is 2.9; a trained checkpoint's scales vary by group, but what a step reads
+    does not depend on them)."""
+    blocks.copy_(torch.randint(0, 256, blocks.shape, generator=generator, device=blocks.device, dtype=torch.uint8))
+    scales.fill_(SCALE_BIAS + round(math.log2(std / 2.9)))
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,14 +86,17 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
     return out.view(*lead, groups * 2 * width)
 
 
-def dequantized(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized(
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, kept: Collection[str] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each `<name>_blocks` / `<name>_scales` pair replaced by
-    `<name>`, dequantised and transposed to transformers' parameter layout; a pair missing its
-    other half is an error naming it."""
+    `<name>`, dequantised and transposed to transformers' parameter layout, but for those named in
+    `kept` (the model holds them in MXFP4), handed on as they are; a pair missing its other half is
+    an error naming it."""
     pending: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         suffix = next((s for s in SUFFIXES if name.endswith(s)), None)
-        if suffix is None:
+        if suffix is None or name in kept:
             yield name, tensor
             continue
         pending[name] = tensor
