@@ -2,8 +2,10 @@
 
     python -m ops.bench.decode_step --shape gemma3-1b --batch 1 --max-batch 64 --tag after
     python -m ops.bench.decode_step --shape gemma3-1b --against ../before --pairs 3
+    python -m ops.bench.decode_step --shape gpt-oss-20b --variant mxfp4
 
-One engine (dummy weights, CUDA graphs, the decode table's engine of `--max-batch` requests);
+One engine (dummy weights, CUDA graphs, the decode table's engine of `--max-batch` requests;
+`--variant`: the shape's weights and KV as `decode_throughput --variants` stores them);
 `--repeats` times: `--batch` requests of a 128-token prompt, 10 warm-up steps, then `--steps`
 timed decode steps. Prints one JSON line of ms a step per repeat, and per repeat the share of
 steps that found the device idle when the host came back for them (`starved`: near 0 when the
@@ -33,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ops.bench.decode_throughput import PROMPT, SHAPES, engine_for, random_prompts, write_config
+from ops.bench.decode_throughput import PROMPT, SHAPES, VARIANTS, case_name, engine_for, random_prompts, write_config
 from ops.bench.record import add_record_args, record_run
 from workers.engine import Engine, SamplingParams
 
@@ -122,6 +124,7 @@ def steady_ms(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="bf16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-batch", type=int, default=64, help="the engine's max_running_requests")
     parser.add_argument("--steps", type=int, default=150)
@@ -137,16 +140,18 @@ def main() -> None:
     if args.against:
         record_run(args, "decode_step", compare(args), COLUMNS)
         return
-    engine = engine_for(write_config(tempfile.mkdtemp(), args.shape, SHAPES[args.shape]), True, args.max_batch)
+    options, fields = VARIANTS[args.variant]
+    config = write_config(tempfile.mkdtemp(), args.shape, {**SHAPES[args.shape], **fields})
+    engine = engine_for(config, True, args.max_batch, **options)
     clocks = [ReplayClock() if args.replay_clock else None for _ in range(args.repeats)]
     runs = [steady_ms(engine, args.batch, args.steps, clock=clock) for clock in clocks]
-    line = {"shape": args.shape, "batch": args.batch, "max_batch": args.max_batch}
+    line = {"shape": case_name(args.shape, args.variant, PROMPT), "batch": args.batch, "max_batch": args.max_batch}
     line.update(ms_per_step=[ms for ms, _ in runs], starved=[share for _, share in runs], tag=args.tag)
     if args.replay_clock:
         medians = [clock.medians() for clock in clocks]
         line.update(graph_ms=[inside for inside, _ in medians], between_us=[gap for _, gap in medians])
     print(json.dumps(line))
-    case = f"{args.shape}/b{args.batch}" + (f"/{args.tag}" if args.tag else "")
+    case = f"{line['shape']}/b{args.batch}" + (f"/{args.tag}" if args.tag else "")
     figures = {k: v for k, v in line.items() if k not in ("shape", "batch", "tag")}
     record_run(args, "decode_step", {case: {"median_ms": statistics.median(line["ms_per_step"]), **figures}}, COLUMNS)
 
@@ -163,7 +168,8 @@ def tree_process(tree: str, here: str, argv: list[str]) -> tuple[list[str], dict
 def compare(args: argparse.Namespace) -> dict[str, dict]:
     """Alternate processes of this tree and of `args.against`; the ratio of their medians, and
     each side's readings as cases to record."""
-    flags = ["--shape", args.shape, "--batch", str(args.batch), "--max-batch", str(args.max_batch)]
+    flags = ["--shape", args.shape, "--variant", args.variant, "--batch", str(args.batch)]
+    flags += ["--max-batch", str(args.max_batch)]
     flags += ["--steps", str(args.steps), "--repeats", str(args.repeats)] + ["--replay-clock"] * args.replay_clock
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     trees = {"this": here, "against": os.path.abspath(args.against)}
@@ -177,7 +183,7 @@ def compare(args: argparse.Namespace) -> dict[str, dict]:
     medians = {tag: statistics.median(ms) for tag, ms in readings.items()}
     ratio = medians["this"] / medians["against"]
     print(json.dumps({"median_ms": medians, "this_over_against": ratio}))
-    case = f"{args.shape}/b{args.batch}"
+    case = f"{case_name(args.shape, args.variant, PROMPT)}/b{args.batch}"
     return {
         f"{case}/{tag}": {
             "median_ms": medians[tag],
