@@ -38,11 +38,15 @@ def test_moe_kernel_overrides_are_read_by_kernel_name():
         gemv_tiles._overrides("up=8,512,4,1", "X", gemv_tiles._moe_kernel)
     with pytest.raises(ValueError, match="powers of two"):
         gemv_tiles._overrides("down=12,512,4,1", "X", gemv_tiles._moe_kernel)
+    assert gemv_tiles._moe_overrides("down_mxfp4=4,1024,4,1") == {"down_mxfp4": Tile(4, 1024, 4, 1)}
+    with pytest.raises(ValueError, match="down_mxfp4 cols 16: at least 32"):
+        gemv_tiles._moe_overrides("down_mxfp4=4,16,4,1")
 
 
 def test_moe_tiles_follow_the_experts_width_and_an_override_wins(monkeypatch):
     assert gemv_tiles.moe_tile_for("gate_up", 2880) == Tile(4, 256, 4, 1)  # gpt-oss-20b
     assert gemv_tiles.moe_tile_for("down", 704) == Tile(16, 256, 4, 1)  # Gemma-4-26B-A4B
+    assert gemv_tiles.moe_tile_for("gate_up_mxfp4", 2880) == Tile(4, 512, 4, 1)  # gpt-oss-20b's MXFP4 experts
     monkeypatch.setattr(gemv_tiles, "MOE_OVERRIDES", {"down": Tile(8, 512, 4, 1)})
     assert gemv_tiles.moe_tile_for("down", 704) == Tile(8, 512, 4, 1)
     assert gemv_tiles.moe_tile_for("gate_up", 704) == Tile(16, 256, 4, 1)

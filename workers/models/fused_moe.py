@@ -25,7 +25,8 @@ multiply in full precision (`tl.dot` would round them to TF32).
 
 MXFP4 experts (`Mxfp4Experts`: 4-bit codes, a power-of-two scale per 32 inputs of a row) are read
 as they are stored, a quarter of bf16's bytes, and decoded exactly in registers (`_e2m1`,
-`_e8m0`) before they multiply (W4A16): the GEMV kernels take a byte's two inputs as its even and
+`_e8m0`: a few integer operations a value, through float16's subnormals) before they multiply
+(W4A16): the GEMV kernels take a byte's two inputs as its even and
 odd columns, the grouped GEMM multiplies the even and odd halves of each K tile in two `tl.dot`s.
 
 Under expert parallelism (`expert_map`, as vLLM's) a rank holds some of the experts: a pair
@@ -67,33 +68,38 @@ def _act(gate, up, ACT: tl.constexpr, alpha, limit):
 @triton.jit
 def _e2m1(code):
     """float32 values of E2M1 codes (int32, 0..15: sign bit 3, two exponent bits, one mantissa
-    bit), built from their bits: exponent e > 0 is 2^(e - 1) x (1 + m / 2), e = 0 is m / 2."""
-    mag = code & 7
-    normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)
-    bits = tl.where(mag >= 2, normal, tl.where(mag == 1, 126 << 23, 0)) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+    bit) times 2^-14: the three magnitude bits placed at the top of float16's exponent and
+    mantissa (exponent 0 is a subnormal there as in E2M1, so every value decodes exactly) and the
+    sign at bit 15, then widened. A few integer operations a value: the decode must not outrun
+    the bytes it saves (`_e8m0` takes the 2^14 back)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _e8m0(exponent):
-    """2^(s - 127) in float32 from E8M0 scales s (uint8)."""
-    s = exponent.to(tl.int32)
-    return tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+    """2^(s - 127) in float32 from E8M0 scales s (uint8), times the 2^14 `_e2m1` leaves out
+    (normal for every s up to 240; larger ones overflow, as no checkpoint's do)."""
+    return ((exponent.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _mx_products(x_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K: tl.constexpr):
-    """One K tile of a GEMV over MXFP4 rows: `[rows, BLOCK_K / 2]` float32, each byte's two
-    weights times x's inputs [k0, k0 + BLOCK_K) there (the even input in the low nibble)."""
-    j = tl.arange(0, BLOCK_K // 2)
-    k = k0 + 2 * j  # each byte's even input
-    k_ok = k < K
-    x_even = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    x_odd = tl.load(x_row + k + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    mask = n_ok[:, None] & k_ok[None, :]
-    byte = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
-    scale = _e8m0(tl.load(s_rows + (k // 32)[None, :], mask=mask, other=127))
-    return (_e2m1(byte & 15) * x_even + _e2m1(byte >> 4) * x_odd) * scale
+def _mx_group_sums(x_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K: tl.constexpr):
+    """One K tile of a GEMV over MXFP4 rows (`w_rows`, `s_rows`: `[rows, 1]` pointers): `[rows,
+    BLOCK_K / 32]` float32, per 32-input group the weights times x's inputs [k0, k0 + BLOCK_K),
+    summed and then scaled (one scale a group, read once). A byte holds inputs 2i (low nibble)
+    and 2i + 1; x is read whole and split into its even and odd inputs."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, GROUPS)
+    byte = k0 // 2 + g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [groups, 16]
+    mask = n_ok[:, None, None] & (byte < K // 2)[None, :, :]  # (not 2 * byte < K: the loads stay vectors)
+    codes = tl.load(w_rows[:, :, None] + byte[None, :, :], mask=mask, other=0, eviction_policy="evict_first")
+    codes = codes.to(tl.int32)
+    k = 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :]  # [groups, 16, 2]
+    x_even, x_odd = tl.split(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32))
+    sums = tl.sum(_e2m1(codes & 15) * x_even[None, :, :] + _e2m1(codes >> 4) * x_odd[None, :, :], axis=2)
+    groups_ok = n_ok[:, None] & (k0 + 32 * g < K)[None, :]
+    return sums * _e8m0(tl.load(s_rows + (k0 // 32 + g)[None, :], mask=groups_ok, other=0))
 
 
 @triton.jit
@@ -154,11 +160,11 @@ def _gemv_gate_up(
     if W4:
         s_gate = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
         s_up = s_gate + N * stride_sn
-        tile_gate = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-        tile_up = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        tile_gate = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        tile_up = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            tile_gate += _mx_products(x_row, w_gate, s_gate, k0, n_ok, K, BLOCK_K)
-            tile_up += _mx_products(x_row, w_up, s_up, k0, n_ok, K, BLOCK_K)
+            tile_gate += _mx_group_sums(x_row, w_gate, s_gate, k0, n_ok, K, BLOCK_K)
+            tile_up += _mx_group_sums(x_row, w_up, s_up, k0, n_ok, K, BLOCK_K)
     else:
         tile_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         tile_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -227,9 +233,9 @@ def _gemv_down(
         w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
         if W4:
             s_rows = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
-            tile = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+            tile = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                tile += _mx_products(h_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K)
+                tile += _mx_group_sums(h_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K)
         else:
             tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -305,8 +311,8 @@ def _gemm_gate_up(
         s_gate = s_ptr + e * stride_se + n[None, :].to(tl.int64) * stride_sn
         s_up = s_gate + N * stride_sn
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # each byte's even input
-            k_ok = k < K
+            byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            k, k_ok = 2 * byte, byte < K // 2  # each byte's even input (masks by byte: vector loads)
             a_mask = valid[:, None] & k_ok[None, :]
             a_even = tl.load(x_rows + k[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(x_rows + k[None, :] + 1, mask=a_mask, other=0.0)
@@ -387,8 +393,8 @@ def _gemm_down(
     if W4:
         s_cols = s_ptr + e * stride_se + n[None, :].to(tl.int64) * stride_sn
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # each byte's even input
-            k_ok = k < K
+            byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            k, k_ok = 2 * byte, byte < K // 2  # each byte's even input (masks by byte: vector loads)
             a_mask = valid[:, None] & k_ok[None, :]
             a_even = tl.load(h_rows + k[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(h_rows + k[None, :] + 1, mask=a_mask, other=0.0)

@@ -110,12 +110,6 @@ def _overrides(
     return tiles
 
 
-def _moe_kernel(name: str) -> str:
-    if name not in MOE_GEMV_TILES:
-        raise ValueError(f"unknown kernel {name!r}; one of {sorted(MOE_GEMV_TILES)}")
-    return name
-
-
 # The MoE decode kernels' tiles (`fused_moe.py`, few routed pairs) by the experts' intermediate
 # width, first match: `rows` outputs a program computes, `cols` K elements it reads a loop step
 # (`stages` unused). Captured batch-1 steps on an H200 (`decode_step`): gpt-oss-20b (2880 wide)
@@ -152,7 +146,16 @@ def _moe_kernel(name: str) -> str:
     return name
 
 
-MOE_OVERRIDES = _overrides(os.environ.get("SLIDESPEC_MOE_GEMV_TILES", ""), "SLIDESPEC_MOE_GEMV_TILES", _moe_kernel)
+def _moe_overrides(text: str) -> dict[str, Tile]:
+    """`SLIDESPEC_MOE_GEMV_TILES` read; the MXFP4 kernels read whole 32-column scale groups."""
+    tiles = _overrides(text, "SLIDESPEC_MOE_GEMV_TILES", _moe_kernel)
+    for name, tile in tiles.items():
+        if name.endswith("_mxfp4") and tile.cols < 32:
+            raise ValueError(f"SLIDESPEC_MOE_GEMV_TILES: {name} cols {tile.cols}: at least 32 (a scale group)")
+    return tiles
+
+
+MOE_OVERRIDES = _moe_overrides(os.environ.get("SLIDESPEC_MOE_GEMV_TILES", ""))
 
 
 def moe_tile_for(kernel: str, width: int) -> Tile:
