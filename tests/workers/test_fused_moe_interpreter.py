@@ -3,7 +3,8 @@ against the torch path, at the tiny test models' expert shapes (8 experts, 2 a t
 narrower than every tile of the kernels): 1 and 32 tokens (2 and 64 pairs, the GEMV-like
 kernels), 33 and a 287-token prefill (66 and 574 pairs, the grouped GEMM); with an expert map
 (each of two ranks holding half the experts), 32 and 287 tokens; gpt-oss's MXFP4 experts (read
-as stored, decoded in the kernels) at the tiny shape and at gpt-oss-20b's for one token (several
+as stored, decoded in the kernels) at the tiny shape (1 and 16 tokens the GEMV, 32 and 287 the
+grouped GEMM) and at gpt-oss-20b's for one token (several
 K tiles of several scale groups), against the torch path dequantising the same codes, with and
 without a map. In float32 they agree to float32 noise; in bfloat16 they round in the same places,
 so most outputs are equal. Skipped where triton
@@ -52,7 +53,7 @@ ROUTER_CASES = [
 EXPERT_MAP_CASES = [
     f"{shape}-{tokens}-bfloat16-map" for shape in ("tiny-gemma4-moe", "tiny-gpt-oss") for tokens in (32, 287)
 ]
-MXFP4_CASES = [f"tiny-gpt-oss-{tokens}-{dtype}" for tokens in (1, 32, 287) for dtype in DTYPES] + [
+MXFP4_CASES = [f"tiny-gpt-oss-{tokens}-{dtype}" for tokens in (1, 16, 32, 287) for dtype in DTYPES] + [
     "gpt-oss-20b-1-bfloat16",
     "tiny-gpt-oss-32-bfloat16-map",
     "tiny-gpt-oss-287-bfloat16-map",

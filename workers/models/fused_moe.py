@@ -47,7 +47,11 @@ from workers.models.moe import Activation
 from workers.models.mxfp4 import Mxfp4Experts
 
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
-GEMV_MAX_PAIRS = 64  # routed pairs up to which the GEMV-like kernels run (batch 8 at top-8)
+# Routed pairs up to which the GEMV-like kernels run, by whether the experts are MXFP4: bf16 64
+# (batch 8 at top-8). An MXFP4 GEMV decodes its expert's codes once a pair and the grouped GEMM
+# once a tile of pairs; decoding costs about 20 instructions a byte, so past about 32 pairs (batch
+# 8 at gpt-oss's top-4) the GEMM is estimated faster (from instruction counts, not yet timed).
+GEMV_MAX_PAIRS = {False: 64, True: 32}
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64, 64
 
 
@@ -487,7 +491,7 @@ def fused_experts(
     has_map = expert_map is not None
     mapping = ids if expert_map is None else expert_map  # no map: never read
     code = ACTIVATIONS[act.name]
-    if pairs <= GEMV_MAX_PAIRS:
+    if pairs <= GEMV_MAX_PAIRS[w4]:
         suffix = "_mxfp4" if w4 else ""
         up, dn = moe_tile_for("gate_up" + suffix, width), moe_tile_for("down" + suffix, width)
         up_blocks, down_blocks = triton.cdiv(width, up.rows), triton.cdiv(hidden, dn.rows)
