@@ -15,6 +15,7 @@ What differs from Llama, and where it lives:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -24,6 +25,8 @@ from workers.models.config import ModelConfig
 from workers.models.decoder import CausalLM, DecoderLayer, DecoderModel, load_weights
 from workers.models.moe import SparseMoE
 from workers.models.mxfp4 import SUFFIXES, dequantized
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint names of the router's projection -> its parameter's.
 RENAMES = ((".mlp.router.weight", ".mlp.router.proj.weight"), (".mlp.router.bias", ".mlp.router.proj.bias"))
@@ -47,6 +50,13 @@ class GptOssCausalLM(CausalLM):
         to the serving dtype."""
         if self.cfg.quantization == "mxfp4":
             kept = {name for name, _ in self.named_parameters() if name.endswith(SUFFIXES)}
+            if not kept:
+                logger.info(
+                    "MXFP4 experts dequantised to %s as they load: a rank's share of their %d intermediate columns "
+                    "is not whole 32-value groups",
+                    self.lm_head.weight.dtype,
+                    self.cfg.moe.intermediate_size,
+                )
             weights = dequantized(weights, self.lm_head.weight.dtype, kept)
         skip = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
         load_weights(self, _renamed(weights), self.cfg.architecture, skip=skip)
