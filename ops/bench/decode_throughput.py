@@ -20,7 +20,8 @@
    half a byte an MXFP4 weight and a byte its group's scale), and each
    variant reports the KV tokens `--mem-fraction` of the GPU's memory holds beside its weights.
    `--prompt` sets the contexts (4096: the KV a step reads weighs against the weights).
-3. Prefill: 8 x 2,048-token prompts on the 8B shape, model FLOPs over the matmul rate.
+3. Prefill: 8 x 2,048-token prompts on the 8B shape (`--prefill-shapes`, in each variant), model
+   FLOPs over the matmul rate (tokens a second alone for a mixture of experts).
 4. Speculation at batch 1: on the 8B shape an EAGLE round and a frozen-KV MTP round (4 steps),
    on the Gemma-4-31B shape (`--spec-shape gemma4-31b`) a round of its assistant's shape, on
    gpt-oss-20b an EAGLE-3 round and on Gemma-4-26B-A4B an assistant's (`--spec-shape`), each
@@ -607,31 +608,35 @@ def hf_part(root: str, shapes: list[str], new: int = 64) -> dict:
     return out
 
 
-def prefill_part(root: str, limits: dict) -> dict:
-    path = write_config(root, "llama3-8b", SHAPES["llama3-8b"])
-    engine = engine_for(path, True, max_batch=8)
-    engine_cfg = engine.cfg
-    prompts = random_prompts(engine_cfg.vocab_size, 8, 2048, seed=1)
-    sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.generate(prompt_token_ids=[p[:256] for p in prompts], sampling=sampling)  # warm-up (JIT)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    engine.generate(prompt_token_ids=prompts, sampling=sampling)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    non_embedding = weight_bytes(engine) // 2 - engine_cfg.vocab_size * engine_cfg.hidden_size
-    tokens = 8 * 2048
-    attn = 8 * 2 * 2 * engine_cfg.num_layers * engine_cfg.num_heads * engine_cfg.head_dim * 2048 * 2049 // 2
-    flops = 2 * non_embedding * tokens + attn
-    free(engine)
-    return {
-        "prefill/8x2048": {
-            "seconds": elapsed,
-            "tok_per_s": tokens / elapsed,
-            "flops": flops,
-            "of_matmul_peak": flops / elapsed / limits["matmul_flops_per_s"],
-        }
-    }
+def prefill_part(root: str, limits: dict, shapes: list[str] = ("llama3-8b",), variants: list[str] = ("bf16",)) -> dict:
+    """8 x 2,048-token prompts prefilled at once on each shape in each variant: tokens a second,
+    and for a dense shape the model FLOPs over the matmul rate (a mixture of experts' depend on
+    the routing: its rate alone)."""
+    out = {}
+    for name in shapes:
+        for variant in variants:
+            options, fields = VARIANTS[variant]
+            label = case_name(name, variant, PROMPT)
+            engine = engine_for(write_config(root, label, {**SHAPES[name], **fields}), True, max_batch=8, **options)
+            cfg = engine.cfg
+            prompts = random_prompts(cfg.vocab_size, 8, 2048, seed=1)
+            sampling = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+            engine.generate(prompt_token_ids=[p[:256] for p in prompts], sampling=sampling)  # warm-up (JIT)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.generate(prompt_token_ids=prompts, sampling=sampling)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            tokens = 8 * 2048
+            figures = {"seconds": elapsed, "tok_per_s": tokens / elapsed}
+            if cfg.moe is None and variant == "bf16":
+                non_embedding = weight_bytes(engine) // 2 - cfg.vocab_size * cfg.hidden_size
+                attn = 8 * 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 2048 * 2049 // 2
+                figures["flops"] = 2 * non_embedding * tokens + attn
+                figures["of_matmul_peak"] = figures["flops"] / elapsed / limits["matmul_flops_per_s"]
+            free(engine)
+            out["prefill/8x2048" if label == "llama3-8b" else f"prefill/{label}/8x2048"] = figures
+    return out
 
 
 def draft_specs(root: str) -> dict[str, dict]:
@@ -839,6 +844,7 @@ def main() -> None:
         "--variants", default="bf16", help=f"the decode part's weights and KV, of {', '.join(VARIANTS)}"
     )
     parser.add_argument("--prompt", type=int, default=PROMPT, help="the decode part's prompt tokens a request")
+    parser.add_argument("--prefill-shapes", default="llama3-8b", help="the prefill part's shapes (in --variants)")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="the decode part's batch sizes")
     parser.add_argument("--mem-fraction", type=float, default=MEM_FRACTION, help="of GPU memory, for KV capacity")
     parser.add_argument("--spec-batch", type=int, default=1, help="requests a speculative round serves")
@@ -866,7 +872,9 @@ def main() -> None:
             args.mem_fraction,
         ),
         "hf": lambda: hf_part(root, [s for s in shapes if s in ("llama3-8b", "gemma3-1b")]),
-        "prefill": lambda: prefill_part(root, results["ceilings"]),
+        "prefill": lambda: prefill_part(
+            root, results["ceilings"], args.prefill_shapes.split(","), args.variants.split(",")
+        ),
         "spec": lambda: spec_part(
             root, args.spec_batch, args.spec_drafts and args.spec_drafts.split(","), args.spec_shape
         ),

@@ -107,13 +107,18 @@ def _mx_group_sums(x_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _mx_tiles(w_cols, s_cols, k0, mask, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One K tile of MXFP4 weights for `tl.dot`, as (even inputs, odd inputs): `[BLOCK_K / 2,
-    cols]` each in `dtype` (exact: two significant bits times a power of two)."""
-    j = tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(w_cols + (k0 // 2 + j)[:, None], mask=mask, other=0).to(tl.int32)
-    scale = _e8m0(tl.load(s_cols + ((k0 + 2 * j) // 32)[:, None], mask=mask, other=127))
-    return (_e2m1(byte & 15) * scale).to(dtype), (_e2m1(byte >> 4) * scale).to(dtype)
+def _mx_tiles(w_cols, s_cols, k0, K, n_ok, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K tile of MXFP4 weights for `tl.dot` (`w_cols`, `s_cols`: `[1, cols]` pointers), as
+    (even inputs, odd inputs): `[BLOCK_K / 2, cols]` each in `dtype` (exact: two significant bits
+    times a power of two); each group's scale read once and spread over its 16 bytes."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    codes = tl.load(w_cols + byte[:, None], mask=(byte < K // 2)[:, None] & n_ok[None, :], other=0).to(tl.int32)
+    group = k0 // 32 + tl.arange(0, GROUPS)
+    scales = _e8m0(tl.load(s_cols + group[:, None], mask=(group < K // 32)[:, None] & n_ok[None, :], other=0))
+    cols: tl.constexpr = scales.shape[1]
+    scale = tl.reshape(tl.broadcast_to(scales[:, None, :], (GROUPS, 16, cols)), (BLOCK_K // 2, cols))
+    return (_e2m1(codes & 15) * scale).to(dtype), (_e2m1(codes >> 4) * scale).to(dtype)
 
 
 @triton.jit
@@ -320,9 +325,8 @@ def _gemm_gate_up(
             a_mask = valid[:, None] & k_ok[None, :]
             a_even = tl.load(x_rows + k[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(x_rows + k[None, :] + 1, mask=a_mask, other=0.0)
-            w_mask = k_ok[:, None] & n_ok[None, :]
-            g_even, g_odd = _mx_tiles(w_gate, s_gate, k0, w_mask, a_even.dtype, BLOCK_K)
-            u_even, u_odd = _mx_tiles(w_up, s_up, k0, w_mask, a_even.dtype, BLOCK_K)
+            g_even, g_odd = _mx_tiles(w_gate, s_gate, k0, K, n_ok, a_even.dtype, BLOCK_K)
+            u_even, u_odd = _mx_tiles(w_up, s_up, k0, K, n_ok, a_even.dtype, BLOCK_K)
             acc_gate = tl.dot(a_even, g_even, acc_gate, input_precision=PRECISION)
             acc_gate = tl.dot(a_odd, g_odd, acc_gate, input_precision=PRECISION)
             acc_up = tl.dot(a_even, u_even, acc_up, input_precision=PRECISION)
@@ -402,7 +406,7 @@ def _gemm_down(
             a_mask = valid[:, None] & k_ok[None, :]
             a_even = tl.load(h_rows + k[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(h_rows + k[None, :] + 1, mask=a_mask, other=0.0)
-            w_even, w_odd = _mx_tiles(w_cols, s_cols, k0, k_ok[:, None] & n_ok[None, :], a_even.dtype, BLOCK_K)
+            w_even, w_odd = _mx_tiles(w_cols, s_cols, k0, K, n_ok, a_even.dtype, BLOCK_K)
             acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
             acc = tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
     else:
