@@ -4,7 +4,8 @@ narrower than every tile of the kernels): 1 and 32 tokens (2 and 64 pairs, the G
 kernels), 33 and a 287-token prefill (66 and 574 pairs, the grouped GEMM); with an expert map
 (each of two ranks holding half the experts), 32 and 287 tokens; gpt-oss's MXFP4 experts (read
 as stored, decoded in the kernels) at the tiny shape (1 and 16 tokens the GEMV, 32 and 287 the
-grouped GEMM) and at gpt-oss-20b's for one token (several
+grouped GEMM, 600 dequantised first, bit for bit as the torch path dequantises) and at
+gpt-oss-20b's for one token (several
 K tiles of several scale groups), against the torch path dequantising the same codes, with and
 without a map. In float32 they agree to float32 noise; in bfloat16 they round in the same places,
 so most outputs are equal. Skipped where triton
@@ -53,7 +54,7 @@ ROUTER_CASES = [
 EXPERT_MAP_CASES = [
     f"{shape}-{tokens}-bfloat16-map" for shape in ("tiny-gemma4-moe", "tiny-gpt-oss") for tokens in (32, 287)
 ]
-MXFP4_CASES = [f"tiny-gpt-oss-{tokens}-{dtype}" for tokens in (1, 16, 32, 287) for dtype in DTYPES] + [
+MXFP4_CASES = [f"tiny-gpt-oss-{tokens}-{dtype}" for tokens in (1, 16, 32, 287, 600) for dtype in DTYPES] + [
     "gpt-oss-20b-1-bfloat16",
     "tiny-gpt-oss-32-bfloat16-map",
     "tiny-gpt-oss-287-bfloat16-map",
@@ -134,6 +135,13 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
             args = (x, *held[:2], weights, ids, act, *held[2:], expert_map)
             worst = torch.maximum(worst, differences(fused_experts(*args), experts_torch(*args)))
         out[f"mxfp4-{case}"] = worst.tolist()
+        if int(tokens) > 300 and not mapped:
+            from workers.models.fused_moe import dequantize_experts
+
+            out[f"dequantized-{case}"] = all(
+                torch.equal(dequantize_experts(w, x.dtype), torch.stack([w.expert(e, x.dtype) for e in range(num)]))
+                for w in experts[:2]
+            )
     for case in ROUTER_CASES:
         out[f"router-{case}"] = _router_findings(case)
     return out
@@ -158,6 +166,11 @@ def test_fused_experts_with_an_expert_map_match_the_torch_path_in_the_interprete
 def test_mxfp4_fused_experts_match_the_torch_path_in_the_interpreter(interpreted, case):
     dtype = case.removesuffix("-map").rsplit("-", 1)[1]
     assert_rounding_noise(torch.tensor(interpreted[f"mxfp4-{case}"]), case, BOUNDS[dtype])
+
+
+@pytest.mark.parametrize("case", [c for c in MXFP4_CASES if c.rsplit("-", 2)[1] == "600"])
+def test_mxfp4_experts_dequantise_as_the_torch_path_does_in_the_interpreter(interpreted, case):
+    assert interpreted[f"dequantized-{case}"]
 
 
 @pytest.mark.parametrize("case", ROUTER_CASES)

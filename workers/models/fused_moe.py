@@ -27,7 +27,9 @@ MXFP4 experts (`Mxfp4Experts`: 4-bit codes, a power-of-two scale per 32 inputs o
 as they are stored, a quarter of bf16's bytes, and decoded exactly in registers (`_e2m1`,
 `_e8m0`: a few integer operations a value, through float16's subnormals) before they multiply
 (W4A16): the GEMV kernels take a byte's two inputs as its even and
-odd columns, the grouped GEMM multiplies the even and odd halves of each K tile in two `tl.dot`s.
+odd columns, the grouped GEMM multiplies the even and odd halves of each K tile in two `tl.dot`s;
+past `DEQUANTIZE_MIN_PAIRS` (prefills) the experts are dequantised into a workspace first and the
+bf16 GEMM runs.
 
 Under expert parallelism (`expert_map`, as vLLM's) a rank holds some of the experts: a pair
 routed to another rank's expert is skipped (its GEMV programs return, or write a zero row; the
@@ -52,6 +54,12 @@ ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the ke
 # once a tile of pairs; decoding costs about 20 instructions a byte, so past about 32 pairs (batch
 # 8 at gpt-oss's top-4) the GEMM is estimated faster (from instruction counts, not yet timed).
 GEMV_MAX_PAIRS = {False: 64, True: 32}
+# Routed pairs from which MXFP4 experts are dequantised into a workspace in the model's dtype and
+# the bf16 grouped GEMM runs (asynchronous copies and wgmma): its decode, per tile of 64 pairs,
+# would cost more than one pass over all the experts' codes (~0.4 ms a gpt-oss-20b layer) past
+# about this many (a 256-token prefill at top-4; an estimate from instruction counts).
+DEQUANTIZE_MIN_PAIRS = 1024
+DEQUANT_ROWS, DEQUANT_COLS = 16, 256
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64, 64
 
 
@@ -423,6 +431,34 @@ def _gemm_down(
     tl.store(y_rows + n[None, :], acc, mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (r, k): rows [r * BLOCK_R, +BLOCK_R) and inputs [k * BLOCK_K, +BLOCK_K) of MXFP4
+    matrices stacked as `R` rows (codes `[R, K / 2]`, scales `[R, K / 32]`, both contiguous)
+    into `out` `[R, K]` in its dtype."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    byte = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    mask = (rows < R)[:, None] & (byte < K // 2)[None, :]
+    codes = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 2) + byte[None, :], mask=mask, other=0).to(tl.int32)
+    scale = _e8m0(tl.load(s_ptr + rows.to(tl.int64)[:, None] * (K // 32) + (byte // 16)[None, :], mask=mask))
+    values = tl.interleave(_e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale)  # inputs 2i, 2i + 1
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    out = out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :]
+    tl.store(out, values.to(out_ptr.dtype.element_ty), mask=(rows < R)[:, None] & (k < K)[None, :])
+
+
+def dequantize_experts(weights: Mxfp4Experts, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 experts `[E, out, in]` in `dtype`, on their device (exact in bf16 and float32)."""
+    experts, out, width = weights.shape
+    rows = experts * out
+    dense = torch.empty(experts, out, width, dtype=dtype, device=weights.blocks.device)
+    grid = (triton.cdiv(rows, DEQUANT_ROWS), triton.cdiv(width, DEQUANT_COLS))
+    _dequantize_kernel[grid](
+        weights.blocks.contiguous(), weights.scales.contiguous(), dense, rows, width, DEQUANT_ROWS, DEQUANT_COLS
+    )
+    return dense
+
+
 def align(
     ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -488,6 +524,8 @@ def fused_experts(
     w4 = isinstance(gate_up, Mxfp4Experts)
     if w4 != isinstance(down, Mxfp4Experts):
         raise ValueError("gate_up and down: both MXFP4 or neither")
+    if w4 and pairs >= DEQUANTIZE_MIN_PAIRS:
+        gate_up, down, w4 = dequantize_experts(gate_up, x.dtype), dequantize_experts(down, x.dtype), False
     gu_w, gu_s, gu_strides = _operands(gate_up)
     dn_w, dn_s, dn_strides = _operands(down)
     gu_bias = gu_w if gate_up_bias is None else gate_up_bias  # no bias: never read
