@@ -92,7 +92,8 @@ class EngineArgs(BaseModel):
         "(e4m3) as it loads, a scale per output channel (as vLLM's --quantization fp8), half a bfloat16 weight's bytes "
         "(what a decode step at small batches reads); checkpoints whose config.json has an FP8 quantization_config "
         "(a weight_scale per tensor, or weight_scale_inv per 128x128 block with weight_block_size) load as FP8 "
-        "whatever this says; the LM head, embeddings and drafts stay in dtype; null: as the checkpoint",
+        "whatever this says; MXFP4 checkpoints (gpt-oss) keep their experts in 4 bits for the MoE kernels; the LM "
+        "head, embeddings and drafts stay in dtype; null: as the checkpoint",
     )
     attention_backend: str | None = Field(
         None,
