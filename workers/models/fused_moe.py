@@ -26,10 +26,9 @@ multiply in full precision (`tl.dot` would round them to TF32).
 MXFP4 experts (`Mxfp4Experts`: 4-bit codes, a power-of-two scale per 32 inputs of a row) are read
 as they are stored, a quarter of bf16's bytes, and decoded exactly in registers (`_e2m1`,
 `_e8m0`: a few integer operations a value, through float16's subnormals) before they multiply
-(W4A16): the GEMV kernels take a byte's two inputs as its even and
-odd columns, the grouped GEMM multiplies the even and odd halves of each K tile in two `tl.dot`s;
-past `DEQUANTIZE_MIN_PAIRS` (prefills) the experts are dequantised into a workspace first and the
-bf16 GEMM runs.
+(W4A16): the GEMV kernels take a byte's two inputs as its even and odd columns, the grouped GEMM
+multiplies the even and odd halves of each K tile in two `tl.dot`s; from `DEQUANTIZE_MIN_PAIRS`
+(prefills) the experts are dequantised into a workspace first and the bf16 GEMM runs.
 
 Under expert parallelism (`expert_map`, as vLLM's) a rank holds some of the experts: a pair
 routed to another rank's expert is skipped (its GEMV programs return, or write a zero row; the
@@ -100,7 +99,7 @@ def _mx_group_sums(x_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K: tl.constexpr):
     """One K tile of a GEMV over MXFP4 rows (`w_rows`, `s_rows`: `[rows, 1]` pointers): `[rows,
     BLOCK_K / 32]` float32, per 32-input group the weights times x's inputs [k0, k0 + BLOCK_K),
     summed and then scaled (one scale a group, read once). A byte holds inputs 2i (low nibble)
-    and 2i + 1; x is read whole and split into its even and odd inputs."""
+    and 2i + 1; x is read in such pairs and split into its even and odd inputs."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     byte = k0 // 2 + g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [groups, 16]
