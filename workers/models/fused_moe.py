@@ -523,16 +523,13 @@ def fused_experts(
     w4 = isinstance(gate_up, Mxfp4Experts)
     if w4 != isinstance(down, Mxfp4Experts):
         raise ValueError("gate_up and down: both MXFP4 or neither")
-    if w4 and pairs >= DEQUANTIZE_MIN_PAIRS:
-        gate_up, down, w4 = dequantize_experts(gate_up, x.dtype), dequantize_experts(down, x.dtype), False
-    gu_w, gu_s, gu_strides = _operands(gate_up)
-    dn_w, dn_s, dn_strides = _operands(down)
-    gu_bias = gu_w if gate_up_bias is None else gate_up_bias  # no bias: never read
-    d_bias = dn_w if down_bias is None else down_bias
+    gu_bias = x if gate_up_bias is None else gate_up_bias  # no bias: never read
+    d_bias = x if down_bias is None else down_bias
     has_map = expert_map is not None
     mapping = ids if expert_map is None else expert_map  # no map: never read
     code = ACTIVATIONS[act.name]
     if pairs <= GEMV_MAX_PAIRS[w4]:
+        (gu_w, gu_s, gu_strides), (dn_w, dn_s, dn_strides) = _operands(gate_up), _operands(down)
         suffix = "_mxfp4" if w4 else ""
         up, dn = moe_tile_for("gate_up" + suffix, width), moe_tile_for("down" + suffix, width)
         up_blocks, down_blocks = triton.cdiv(width, up.rows), triton.cdiv(hidden, dn.rows)
@@ -550,21 +547,25 @@ def fused_experts(
             BLOCK_N=dn.rows, BLOCK_K=dn.cols, num_warps=dn.warps, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
         return out
-    else:
-        bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models: no TF32 rounding
-        pair_of_row, block_expert = align(ids, num_experts, bm, expert_map)
-        tiles = block_expert.shape[0]
-        _gemm_gate_up[(tiles, triton.cdiv(width, bn))](
-            x, gu_w, gu_s, gu_bias, h, pair_of_row, block_expert, pairs, num_experts, top_k, hidden, width,
-            x.stride(0), *gu_strides, gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
-            HAS_BIAS=gate_up_bias is not None, ACT=code, W4=w4, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk,
-        )  # fmt: skip
-        _gemm_down[(tiles, triton.cdiv(hidden, bn))](
-            h, dn_w, dn_s, d_bias, y, pair_of_row, block_expert, weights, pairs, num_experts, width, hidden,
-            h.stride(0), *dn_strides, d_bias.stride(0), y.stride(0),
-            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk,
-        )  # fmt: skip
+    # from DEQUANTIZE_MIN_PAIRS, MXFP4 experts go to the bf16 GEMM one matrix at a time (one workspace)
+    dense = w4 and pairs >= DEQUANTIZE_MIN_PAIRS
+    w4 = w4 and not dense
+    bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models: no TF32 rounding
+    pair_of_row, block_expert = align(ids, num_experts, bm, expert_map)
+    tiles = block_expert.shape[0]
+    gu_w, gu_s, gu_strides = _operands(dequantize_experts(gate_up, x.dtype) if dense else gate_up)
+    _gemm_gate_up[(tiles, triton.cdiv(width, bn))](
+        x, gu_w, gu_s, gu_bias, h, pair_of_row, block_expert, pairs, num_experts, top_k, hidden, width,
+        x.stride(0), *gu_strides, gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
+        HAS_BIAS=gate_up_bias is not None, ACT=code, W4=w4, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )  # fmt: skip
+    del gu_w, gu_s  # a dequantised workspace goes back before the next is taken
+    dn_w, dn_s, dn_strides = _operands(dequantize_experts(down, x.dtype) if dense else down)
+    _gemm_down[(tiles, triton.cdiv(hidden, bn))](
+        h, dn_w, dn_s, d_bias, y, pair_of_row, block_expert, weights, pairs, num_experts, width, hidden,
+        h.stride(0), *dn_strides, d_bias.stride(0), y.stride(0),
+        HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk,
+    )  # fmt: skip
     return y.view(tokens, top_k, hidden).sum(1).to(x.dtype)
