@@ -50,9 +50,10 @@ from workers.models.mxfp4 import Mxfp4Experts
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
 # Routed pairs up to which the GEMV-like kernels run, by whether the experts are MXFP4: bf16 64
 # (batch 8 at top-8). An MXFP4 GEMV decodes its expert's codes once a pair and the grouped GEMM
-# once a tile of pairs; decoding costs about 20 instructions a byte, so past about 32 pairs (batch
-# 8 at gpt-oss's top-4) the GEMM is estimated faster (from instruction counts, not yet timed).
-GEMV_MAX_PAIRS = {False: 64, True: 32}
+# once a tile of pairs, at about 20 instructions a code byte either way: once pairs share experts
+# (past about 16, batch 4 at gpt-oss's top-4) the GEMM is estimated faster (from instruction
+# counts, not yet timed).
+GEMV_MAX_PAIRS = {False: 64, True: 16}
 # Routed pairs from which MXFP4 experts are dequantised into a workspace in the model's dtype and
 # the bf16 grouped GEMM runs (asynchronous copies and wgmma): its decode, per tile of 64 pairs,
 # would cost more than one pass over all the experts' codes (~0.4 ms a gpt-oss-20b layer) past
