@@ -23,7 +23,7 @@ import torch
 
 from tests.hf_models import TINY_MODELS, make_tiny_model, random_prompts
 from tests.workers.test_gpu_engine import compare_bf16_runs
-from tests.workers.test_moe import quantize_mxfp4
+from tests.workers.test_moe import quantize_checkpoint_mxfp4, quantize_mxfp4
 from workers.engine import Engine, SamplingParams
 from workers.models import moe
 from workers.models.config import MoEConfig
@@ -330,24 +330,32 @@ def test_tiny_moe_models_match_the_torch_path(tmp_path, monkeypatch, name):
     compare_bf16_runs(runs[False], runs[True], f"{name} fused experts", noise=MODEL_NOISE)
 
 
-@pytest.mark.parametrize("name", list(EXPERT_FIELDS))
+@pytest.mark.parametrize("name", [*EXPERT_FIELDS, "gpt_oss-mxfp4"])
 def test_every_experts_call_of_a_tiny_moe_model_matches_the_torch_path(tmp_path, monkeypatch, name):
     """The models' own routing (2 of 8 experts a token, uneven loads, experts left empty): every
     experts call of a fused run, the prefill's grouped GEMM and the decode steps' GEMVs replayed
-    from CUDA graphs, against the torch path on the same inputs, the worst kept on the device."""
+    from CUDA graphs, against the torch path on the same inputs, the worst kept on the device;
+    gpt-oss also from an MXFP4 checkpoint, its experts held and read in 4 bits."""
     from workers.models.fused_moe import fused_experts
 
     worst = torch.zeros(2, device="cuda")
     calls = torch.zeros((), dtype=torch.int64, device="cuda")
+    formats = set()  # whether each call's experts were MXFP4 (known on the host: no sync)
 
     def checked(x: torch.Tensor, *args) -> torch.Tensor:
         out = fused_experts(x, *args)
         torch.maximum(worst, differences(out, experts_torch(x, *args)), out=worst)
         calls.add_(1)
+        formats.add(isinstance(args[0], Mxfp4Experts))
         return out
 
     monkeypatch.setattr(moe, "experts_for", lambda x: checked)
-    _generate(_tiny_moe_model(tmp_path, name))
-    layers = TINY_MODELS[name][2]["num_hidden_layers"]
+    family, _, quantized = name.partition("-")
+    path = _tiny_moe_model(tmp_path, family)
+    if quantized:
+        quantize_checkpoint_mxfp4(path)
+    _generate(path)
+    assert formats == {bool(quantized)}
+    layers = TINY_MODELS[family][2]["num_hidden_layers"]
     assert calls.item() >= layers * (NEW_TOKENS - 1), f"{calls.item()} experts calls: decode steps went unchecked"
     assert_rounding_noise(worst.cpu(), f"{name}'s experts calls")
