@@ -78,14 +78,19 @@ def _act(gate, up, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _e2m1(code):
-    """float32 values of E2M1 codes (int32, 0..15: sign bit 3, two exponent bits, one mantissa
-    bit) times 2^-14: the three magnitude bits placed at the top of float16's exponent and
-    mantissa (exponent 0 is a subnormal there as in E2M1, so every value decodes exactly) and the
-    sign at bit 15, then widened. A few integer operations a value: the decode must not outrun
-    the bytes it saves (`_e8m0` takes the 2^14 back)."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+def _e2m1(pair):
+    """(low nibble, high nibble) float32 values of the two E2M1 codes in each byte of `pair`
+    (int32) times 2^-14: each code's three magnitude bits placed at the top of float16's
+    exponent and mantissa (exponent 0 is a subnormal there as in E2M1, so every value decodes
+    exactly) and its sign at bit 15, then widened; the high nibble's bits shift straight to
+    their places. A few integer operations a value: the decode must not outrun the bytes it
+    saves (`kernel_sass` counts them)."""
+    lo = ((pair & 0x07) << 9) | ((pair & 0x08) << 12)
+    hi = ((pair & 0x70) << 5) | ((pair & 0x80) << 8)
+    return (
+        lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+        hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+    )
 
 
 @triton.jit
@@ -109,7 +114,8 @@ def _mx_group_sums(x_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K: tl.constexpr):
     codes = codes.to(tl.int32)
     k = 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :]  # [groups, 16, 2]
     x_even, x_odd = tl.split(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32))
-    sums = tl.sum(_e2m1(codes & 15) * x_even[None, :, :] + _e2m1(codes >> 4) * x_odd[None, :, :], axis=2)
+    lo, hi = _e2m1(codes)
+    sums = tl.sum(lo * x_even[None, :, :] + hi * x_odd[None, :, :], axis=2)
     groups_ok = n_ok[:, None] & (k0 + 32 * g < K)[None, :]
     return sums * _e8m0(tl.load(s_rows + (k0 // 32 + g)[None, :], mask=groups_ok, other=0))
 
@@ -126,7 +132,8 @@ def _mx_tiles(w_cols, s_cols, k0, K, n_ok, dtype: tl.constexpr, BLOCK_K: tl.cons
     scales = _e8m0(tl.load(s_cols + group[:, None], mask=(group < K // 32)[:, None] & n_ok[None, :], other=0))
     cols: tl.constexpr = scales.shape[1]
     scale = tl.reshape(tl.broadcast_to(scales[:, None, :], (GROUPS, 16, cols)), (BLOCK_K // 2, cols))
-    return (_e2m1(codes & 15) * scale).to(dtype), (_e2m1(codes >> 4) * scale).to(dtype)
+    lo, hi = _e2m1(codes)
+    return (lo * scale).to(dtype), (hi * scale).to(dtype)
 
 
 @triton.jit
@@ -441,7 +448,8 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK
     mask = (rows < R)[:, None] & (byte < K // 2)[None, :]
     codes = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 2) + byte[None, :], mask=mask, other=0).to(tl.int32)
     scale = _e8m0(tl.load(s_ptr + rows.to(tl.int64)[:, None] * (K // 32) + (byte // 16)[None, :], mask=mask))
-    values = tl.interleave(_e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale)  # inputs 2i, 2i + 1
+    lo, hi = _e2m1(codes)
+    values = tl.interleave(lo * scale, hi * scale)  # inputs 2i, 2i + 1
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     out = out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :]
     tl.store(out, values.to(out_ptr.dtype.element_ty), mask=(rows < R)[:, None] & (k < K)[None, :])
