@@ -80,16 +80,18 @@ def _act(gate, up, ACT: tl.constexpr, alpha, limit):
 @triton.jit
 def _e2m1(pair):
     """(low nibble, high nibble) float32 values of the two E2M1 codes in each byte of `pair`
-    (int32) times 2^-14: each code's three magnitude bits placed at the top of float16's
-    exponent and mantissa (exponent 0 is a subnormal there as in E2M1, so every value decodes
-    exactly) and its sign at bit 15, then widened; the high nibble's bits shift straight to
-    their places. A few integer operations a value: the decode must not outrun the bytes it
-    saves (`kernel_sass` counts them)."""
-    lo = ((pair & 0x07) << 9) | ((pair & 0x08) << 12)
-    hi = ((pair & 0x70) << 5) | ((pair & 0x80) << 8)
+    (uint8) times 2^-14. Each code becomes float16 bits: its three magnitude bits at the top of
+    the exponent and mantissa (exponent 0 is a subnormal there as in E2M1, so every value decodes
+    exactly), its sign at bit 15. Both codes of a byte land in one 32-bit word, a float16 each
+    half, with two multiplies (the byte's copies at bits 9 and 21 put each code's magnitude bits
+    in place, at bits 12 and 24 each sign bit) and two masks; the halves then widen. A few
+    integer operations a value: the decode must not outrun the bytes it saves (`kernel_sass`
+    counts them)."""
+    pair = pair.to(tl.uint32)
+    word = ((pair * 0x200200) & 0x0E000E00) | ((pair * 0x1001000) & 0x80008000)
     return (
-        lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
-        hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+        word.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+        (word >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
     )
 
 
@@ -111,7 +113,6 @@ def _mx_group_sums(x_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K: tl.constexpr):
     byte = k0 // 2 + g[:, None] * 16 + tl.arange(0, 16)[None, :]  # [groups, 16]
     mask = n_ok[:, None, None] & (byte < K // 2)[None, :, :]  # (not 2 * byte < K: the loads stay vectors)
     codes = tl.load(w_rows[:, :, None] + byte[None, :, :], mask=mask, other=0, eviction_policy="evict_first")
-    codes = codes.to(tl.int32)
     k = 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :]  # [groups, 16, 2]
     x_even, x_odd = tl.split(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32))
     lo, hi = _e2m1(codes)
@@ -127,7 +128,7 @@ def _mx_tiles(w_cols, s_cols, k0, K, n_ok, dtype: tl.constexpr, BLOCK_K: tl.cons
     times a power of two); each group's scale read once and spread over its 16 bytes."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    codes = tl.load(w_cols + byte[:, None], mask=(byte < K // 2)[:, None] & n_ok[None, :], other=0).to(tl.int32)
+    codes = tl.load(w_cols + byte[:, None], mask=(byte < K // 2)[:, None] & n_ok[None, :], other=0)
     group = k0 // 32 + tl.arange(0, GROUPS)
     scales = _e8m0(tl.load(s_cols + group[:, None], mask=(group < K // 32)[:, None] & n_ok[None, :], other=0))
     cols: tl.constexpr = scales.shape[1]
@@ -446,7 +447,7 @@ def _dequantize_kernel(w_ptr, s_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     byte = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     mask = (rows < R)[:, None] & (byte < K // 2)[None, :]
-    codes = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 2) + byte[None, :], mask=mask, other=0).to(tl.int32)
+    codes = tl.load(w_ptr + rows.to(tl.int64)[:, None] * (K // 2) + byte[None, :], mask=mask, other=0)
     scale = _e8m0(tl.load(s_ptr + rows.to(tl.int64)[:, None] * (K // 32) + (byte // 16)[None, :], mask=mask))
     lo, hi = _e2m1(codes)
     values = tl.interleave(lo * scale, hi * scale)  # inputs 2i, 2i + 1
