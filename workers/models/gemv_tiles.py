@@ -116,16 +116,18 @@ def _overrides(
 # 2.69 ms at 4 rows against 2.81 at 16; Gemma-4-26B-A4B (704 wide, 8 experts a token) 3.38 ms at
 # 16 rows against 3.51 at 8 and 3.53 at 4. `SLIDESPEC_MOE_GEMV_TILES` overrides a kernel's tile at
 # every width, e.g. `gate_up=8,256,4,1;down=8,512,4,1`.
-# The MXFP4 kernels (`*_mxfp4`) read half a byte an element: at 4 rows twice the columns for as
-# many bytes a loop step (not yet measured against other tiles).
+# The MXFP4 kernels (`*_mxfp4`) read half a byte an element: 8 rows of 512 columns read 16 bytes
+# a thread a loop step, one vector, and spread the loop's fixed work over the most of them
+# (`kernel_sass`: 13 and 12 instructions a code byte for down and gate/up, against 16 and 14 at
+# 4 rows; not yet timed).
 MOE_GEMV_TILES: tuple[tuple[int, dict[str, Tile]], ...] = (
     (
         2048,
         {
             "gate_up": Tile(4, 256, 4, 1),
             "down": Tile(4, 256, 4, 1),
-            "gate_up_mxfp4": Tile(4, 512, 4, 1),
-            "down_mxfp4": Tile(4, 512, 4, 1),
+            "gate_up_mxfp4": Tile(8, 512, 4, 1),
+            "down_mxfp4": Tile(8, 512, 4, 1),
         },
     ),
     (
