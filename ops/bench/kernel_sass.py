@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -110,10 +111,23 @@ def _type(name: str, case: Case) -> str:
     return "*bf16" if name.endswith("_ptr") else "fp32" if name in ("alpha", "limit") else "i32"
 
 
-def tool() -> str:
-    """triton's `cuobjdump`."""
+def tool() -> str | None:
+    """triton's `cuobjdump`, else one on the path (None: neither)."""
     shipped = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(shipped) if shipped.exists() else "cuobjdump"
+    return str(shipped) if shipped.exists() else shutil.which("cuobjdump")
+
+
+def compiled(fn: object, signature: dict, constexprs: dict, warps: int, hints: dict | None = None) -> tuple[str, str]:
+    """A Triton kernel compiled for sm_90: (`cuobjdump`'s resource usage, its SASS)."""
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, hints), target=HOPPER, options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run(
+            [tool(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run([tool(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return usage, sass
 
 
 def loop(case: Case) -> dict:
@@ -126,16 +140,7 @@ def loop(case: Case) -> dict:
         for i, a in enumerate(fn.arg_names)
         if a not in case.constexprs and (a.endswith("_ptr") or a in DIVISIBLE)
     }
-    kernel = triton.compile(
-        ASTSource(fn, signature, case.constexprs, hints), target=HOPPER, options={"num_warps": case.warps}
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run(
-            [tool(), "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
-        ).stdout
-        sass = subprocess.run([tool(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage, sass = compiled(fn, signature, case.constexprs, case.warps, hints)
     code = [(int(m.group(1), 16), m.group(2)) for m in map(LINE.match, sass.splitlines()) if m]
     back = [
         (int(b.group(1), 16), at)

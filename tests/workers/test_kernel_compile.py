@@ -7,18 +7,15 @@ lacks the tool, only the compile is checked."""
 
 import itertools
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-HOPPER = GPUTarget("cuda", 90, 32)
+from ops.bench.kernel_sass import HOPPER, compiled, tool  # noqa: E402
+
 # pointer types by argument name (others: *bf16 for a name ending in _ptr, i32 for the rest)
 POINTERS = {
     "ids_ptr": "*i64",
@@ -88,23 +85,15 @@ def _type(name: str, constexprs: dict) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kernel_compiles_for_hopper_without_spilling(case, tmp_path: Path):
+def test_kernel_compiles_for_hopper_without_spilling(case):
     import importlib
 
     _, module, name, constexprs, warps = case
     fn = getattr(importlib.import_module(f"workers.models.{module}"), name)
     signature = {a: "constexpr" if a in constexprs else _type(a, constexprs) for a in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options={"num_warps": warps})
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if module == "all_reduce_norm" or (not tool.exists() and shutil.which("cuobjdump") is None):
+    if module == "all_reduce_norm" or tool() is None:
+        triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options={"num_warps": warps})
         return
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    usage = subprocess.run(
-        [str(tool) if tool.exists() else "cuobjdump", "--dump-resource-usage", str(cubin)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    usage, _ = compiled(fn, signature, constexprs, warps)
     stack = re.search(r"STACK:(\d+)", usage)
     assert stack is not None and int(stack.group(1)) == 0, usage
