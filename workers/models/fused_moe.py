@@ -138,6 +138,18 @@ def _mx_tiles(w_cols, s_cols, k0, K, n_ok, dtype: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
+def _pair_inputs(rows, valid, k0, K, BLOCK_K: tl.constexpr):
+    """One K tile of the grouped GEMM's input rows (`rows`: `[BLOCK_M, 1]` pointers) split as the
+    MXFP4 codes are, (even inputs, odd inputs), `[BLOCK_M, BLOCK_K / 2]` each; masked by byte,
+    so that the loads stay vectors."""
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = valid[:, None] & (byte < K // 2)[None, :]
+    return tl.load(rows + 2 * byte[None, :], mask=mask, other=0.0), tl.load(
+        rows + 2 * byte[None, :] + 1, mask=mask, other=0.0
+    )
+
+
+@triton.jit
 def _gemv_gate_up(
     x_ptr,
     w_ptr,
@@ -336,11 +348,7 @@ def _gemm_gate_up(
         s_gate = s_ptr + e * stride_se + n[None, :].to(tl.int64) * stride_sn
         s_up = s_gate + N * stride_sn
         for k0 in range(0, K, BLOCK_K):
-            byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            k, k_ok = 2 * byte, byte < K // 2  # each byte's even input (masks by byte: vector loads)
-            a_mask = valid[:, None] & k_ok[None, :]
-            a_even = tl.load(x_rows + k[None, :], mask=a_mask, other=0.0)
-            a_odd = tl.load(x_rows + k[None, :] + 1, mask=a_mask, other=0.0)
+            a_even, a_odd = _pair_inputs(x_rows, valid, k0, K, BLOCK_K)
             g_even, g_odd = _mx_tiles(w_gate, s_gate, k0, K, n_ok, a_even.dtype, BLOCK_K)
             u_even, u_odd = _mx_tiles(w_up, s_up, k0, K, n_ok, a_even.dtype, BLOCK_K)
             acc_gate = tl.dot(a_even, g_even, acc_gate, input_precision=PRECISION)
@@ -417,11 +425,7 @@ def _gemm_down(
     if W4:
         s_cols = s_ptr + e * stride_se + n[None, :].to(tl.int64) * stride_sn
         for k0 in range(0, K, BLOCK_K):
-            byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            k, k_ok = 2 * byte, byte < K // 2  # each byte's even input (masks by byte: vector loads)
-            a_mask = valid[:, None] & k_ok[None, :]
-            a_even = tl.load(h_rows + k[None, :], mask=a_mask, other=0.0)
-            a_odd = tl.load(h_rows + k[None, :] + 1, mask=a_mask, other=0.0)
+            a_even, a_odd = _pair_inputs(h_rows, valid, k0, K, BLOCK_K)
             w_even, w_odd = _mx_tiles(w_cols, s_cols, k0, K, n_ok, a_even.dtype, BLOCK_K)
             acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
             acc = tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
