@@ -48,17 +48,15 @@ from workers.models.moe import Activation
 from workers.models.mxfp4 import Mxfp4Experts
 
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
-# Routed pairs up to which the GEMV-like kernels run, by whether the experts are MXFP4: bf16 64
-# (batch 8 at top-8). An MXFP4 GEMV decodes its expert's codes once a pair and the grouped GEMM
-# once a tile of pairs, at about 20 instructions a code byte either way: once pairs share experts
-# (past about 16, batch 4 at gpt-oss's top-4) the GEMM is estimated faster (from instruction
-# counts, not yet timed).
-GEMV_MAX_PAIRS = {False: 64, True: 16}
+# Routed pairs up to which the GEMV-like kernels run, by whether the experts are MXFP4. Timed on
+# an H200 at gpt-oss-20b's experts (ops/bench/moe_experts.py): the MXFP4 GEMV beats the MXFP4
+# grouped GEMM up to 64 pairs (0.54 ms against 0.72 a layer) and loses from 128.
+GEMV_MAX_PAIRS = {False: 64, True: 64}
 # Routed pairs from which MXFP4 experts are dequantised into a workspace in the model's dtype and
-# the bf16 grouped GEMM runs (asynchronous copies and wgmma): its decode, per tile of 64 pairs,
-# would cost more than one pass over all the experts' codes (~0.4 ms a gpt-oss-20b layer) past
-# about this many (a 256-token prefill at top-4; an estimate from instruction counts).
-DEQUANTIZE_MIN_PAIRS = 1024
+# the bf16 grouped GEMM runs: one pass over all the experts' codes (~0.8 ms a gpt-oss-20b layer)
+# then costs less than the grouped GEMM decoding codes per tile (1.23 ms against 1.31 at 512 pairs,
+# 0.98 against 1.22 at 256; same benchmark).
+DEQUANTIZE_MIN_PAIRS = 512
 DEQUANT_ROWS, DEQUANT_COLS = 16, 256
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64, 64
 

@@ -1,0 +1,131 @@
+"""One MoE layer's experts on the GPU, by path: the GEMV-like kernels, the grouped GEMM and, for
+MXFP4, the dequantise-then-GEMM path, at real experts' shapes and growing token counts.
+
+    python -m ops.bench.moe_experts [--shapes gpt-oss-20b,gemma4-26b-a4b] [--weights bf16,mxfp4]
+        [--tokens 1,2,4,8,16,32,64,128,300,1024] [--record]
+
+`workers/models/fused_moe.py` chooses a path by the routed (token, expert) pairs of a forward
+(`GEMV_MAX_PAIRS`, `DEQUANTIZE_MIN_PAIRS`); this benchmark times every path at every count, so
+the thresholds are read off its record rather than guessed. Routing is uniform over the experts
+(top-k of random logits), as a dummy-weight decode step routes. Each call is timed as a CUDA
+graph of back-to-back calls (`xqa_decode_bandwidth.graph_ms`); `TBps` is the bytes of the
+distinct experts the routing chose (what a step must read at least) over the chosen path's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from ops.bench.record import add_record_args, record_run
+from ops.bench.xqa_decode_bandwidth import graph_ms
+from workers.models import fused_moe
+from workers.models.moe import Activation
+from workers.models.mxfp4 import GROUP, Mxfp4Experts, fill_dummy
+
+logger = logging.getLogger(__name__)
+
+# name -> (experts, top k, hidden, intermediate, activation, biases): decode_throughput's shapes'
+SHAPES = {
+    "gpt-oss-20b": (32, 4, 2880, 2880, "swiglu_clamped", True),
+    "gemma4-26b-a4b": (128, 8, 2816, 704, "gelu_pytorch_tanh", False),
+}
+WEIGHTS = ("bf16", "mxfp4")
+# path -> (GEMV_MAX_PAIRS, DEQUANTIZE_MIN_PAIRS) that force it
+PATHS = {"gemv": (1 << 30, 1 << 30), "gemm": (0, 1 << 30), "dequant": (0, 0)}
+GEMV_LIMIT = 512  # pairs past which the GEMV path is not timed (it reads an expert per pair)
+COLUMNS = ["pairs", "experts_read", "chosen", "chosen_us", "chosen_TBps", "gemv_us", "gemm_us", "dequant_us"]
+
+
+def experts(shape: str, weights: str, generator: torch.Generator) -> tuple:
+    """(gate_up, down, gate_up bias, down bias) of dummy weights: bf16 normal, or MXFP4 codes."""
+    num, _, hidden, width, _, bias = SHAPES[shape]
+
+    def matrix(out_features: int, in_features: int) -> torch.Tensor | Mxfp4Experts:
+        if weights == "bf16":
+            return (torch.randn(num, out_features, in_features, device="cuda", generator=generator) * 0.02).to(
+                torch.bfloat16
+            )
+        blocks = torch.empty(num, out_features, in_features // 2, dtype=torch.uint8, device="cuda")
+        scales = torch.empty(num, out_features, in_features // GROUP, dtype=torch.uint8, device="cuda")
+        fill_dummy(blocks, scales, generator, 0.02)
+        return Mxfp4Experts(blocks, scales)
+
+    biases = (torch.zeros(num, 2 * width, dtype=torch.bfloat16, device="cuda"),) if bias else (None,)
+    biases += (torch.zeros(num, hidden, dtype=torch.bfloat16, device="cuda"),) if bias else (None,)
+    return matrix(2 * width, hidden), matrix(hidden, width), *biases
+
+
+def expert_bytes(shape: str, weights: str) -> int:
+    """Bytes of one expert's two matrices as stored."""
+    _, _, hidden, width, _, _ = SHAPES[shape]
+    values = 3 * width * hidden
+    return values * 2 if weights == "bf16" else values // 2 + values // GROUP
+
+
+def chosen_path(pairs: int, mxfp4: bool) -> str:
+    """The path `fused_experts` takes for `pairs` routed pairs with the shipped thresholds."""
+    if pairs <= fused_moe.GEMV_MAX_PAIRS[mxfp4]:
+        return "gemv"
+    return "dequant" if mxfp4 and pairs >= fused_moe.DEQUANTIZE_MIN_PAIRS else "gemm"
+
+
+def measure(shape: str, weights: str, tokens: int, stored: tuple, generator: torch.Generator) -> dict:
+    num, top_k, hidden, _, act_name, _ = SHAPES[shape]
+    act = Activation(act_name)
+    mxfp4 = weights == "mxfp4"
+    x = torch.randn(tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
+    logits = torch.randn(tokens, num, device="cuda", generator=generator)
+    top, ids = torch.topk(logits, top_k)
+    routing = torch.softmax(top, -1)
+    pairs = tokens * top_k
+    chosen = chosen_path(pairs, mxfp4)
+    row = {"pairs": pairs, "experts_read": int(ids.unique().numel()), "chosen": chosen}
+    shipped = dict(fused_moe.GEMV_MAX_PAIRS), fused_moe.DEQUANTIZE_MIN_PAIRS
+    try:
+        for path, (gemv_max, dequant_min) in PATHS.items():
+            if (path == "dequant" and not mxfp4) or (path == "gemv" and pairs > GEMV_LIMIT):
+                continue
+            fused_moe.GEMV_MAX_PAIRS[mxfp4], fused_moe.DEQUANTIZE_MIN_PAIRS = gemv_max, dequant_min
+            calls = 10
+            ms = graph_ms([lambda: fused_moe.fused_experts(x, *stored[:2], routing, ids, act, *stored[2:])] * calls)
+            row[f"{path}_us"] = round(ms * 1e3 / calls, 1)
+    finally:
+        fused_moe.GEMV_MAX_PAIRS.update(shipped[0])
+        fused_moe.DEQUANTIZE_MIN_PAIRS = shipped[1]
+    row["chosen_us"] = row[f"{chosen}_us"]
+    row["chosen_TBps"] = round(row["experts_read"] * expert_bytes(shape, weights) / row["chosen_us"] / 1e6, 3)
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--weights", default=",".join(WEIGHTS), help="comma-separated, of bf16, mxfp4 (gpt-oss only)")
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,300,1024", help="tokens a call, comma-separated")
+    add_record_args(p)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    shapes, weight_kinds = args.shapes.split(","), args.weights.split(",")
+    for field, given, allowed in (("--shapes", shapes, SHAPES), ("--weights", weight_kinds, WEIGHTS)):
+        if unknown := sorted(set(given) - set(allowed)):
+            p.error(f"{field}: unknown {unknown}; choose from {list(allowed)}")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    cases = {}
+    for shape in shapes:
+        for weights in weight_kinds:
+            if weights == "mxfp4" and SHAPES[shape][4] != "swiglu_clamped":
+                continue  # MXFP4 experts: gpt-oss's checkpoints only
+            stored = experts(shape, weights, generator)
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                case = f"{shape}/{weights}/{tokens}"
+                cases[case] = measure(shape, weights, tokens, stored, generator)
+                logger.info("%s %s", case, cases[case])
+            del stored
+    record_run(args, "moe_experts", cases, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
