@@ -35,7 +35,7 @@ SHAPES = {
 WEIGHTS = ("bf16", "mxfp4")
 # path -> (GEMV_MAX_PAIRS, DEQUANTIZE_MIN_PAIRS) that force it
 PATHS = {"gemv": (1 << 30, 1 << 30), "gemm": (0, 1 << 30), "dequant": (0, 0)}
-GEMV_LIMIT = 512  # pairs past which the GEMV path is not timed (it reads an expert per pair)
+GEMV_LIMIT = 256  # pairs past which the GEMV path is not timed (it reads an expert per pair)
 COLUMNS = ["pairs", "experts_read", "chosen", "chosen_us", "chosen_TBps", "gemv_us", "gemm_us", "dequant_us"]
 
 

@@ -20,6 +20,7 @@ them as it loads an unquantised checkpoint (`dequantized`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Collection, Iterable, Iterator
 
@@ -65,6 +66,13 @@ def fill_dummy(blocks: torch.Tensor, scales: torch.Tensor, generator: torch.Gene
     scales.fill_(SCALE_BIAS + round(math.log2(std / 2.9)))
 
 
+@functools.cache
+def _values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The E2M1 values on `device`, made once: a host-to-device copy cannot run inside a CUDA
+    graph's capture, where the torch path can be called to check a captured forward."""
+    return torch.tensor(FP4_VALUES, dtype=dtype, device=device)
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`[..., rows, groups * 32]` in `dtype` from MXFP4 blocks `[..., rows, groups, 16]` and their
     scales `[..., rows, groups]`, `CHUNK_ROWS` rows at a time (the codes' index tensors of a whole
@@ -75,7 +83,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
             "MXFP4 needs uint8 blocks [..., groups, 16] and uint8 scales [..., groups]"
         )
     *lead, groups, width = blocks.shape
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    lut = _values(dtype, blocks.device)
     codes, exps = blocks.reshape(-1, width), scales.reshape(-1, 1).to(torch.int32) - SCALE_BIAS
     out = torch.empty(codes.shape[0], 2 * width, dtype=dtype, device=blocks.device)
     for start in range(0, codes.shape[0], CHUNK_ROWS):
