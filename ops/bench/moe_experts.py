@@ -5,11 +5,12 @@ MXFP4, the dequantise-then-GEMM path, at real experts' shapes and growing token 
         [--tokens 1,2,4,8,16,32,64,128,300,1024] [--record]
 
 `workers/models/fused_moe.py` chooses a path by the routed (token, expert) pairs of a forward
-(`GEMV_MAX_PAIRS`, `DEQUANTIZE_MIN_PAIRS`); this benchmark times every path at every count, so
-the thresholds are read off its record rather than guessed. Routing is uniform over the experts
-(top-k of random logits), as a dummy-weight decode step routes. Each call is timed as a CUDA
-graph of back-to-back calls (`xqa_decode_bandwidth.graph_ms`); `TBps` is the bytes of the
-distinct experts the routing chose (what a step must read at least) over the chosen path's time.
+per held expert (`gemv_tiles.moe_path`); this benchmark times every path at every count, so its thresholds
+(`GEMV_PAIRS_PER_EXPERT`, `DEQUANTIZE_PAIRS_PER_EXPERT`) are read off a record, not guessed.
+Routing is uniform over the experts (top-k of random logits), as a dummy-weight decode step's.
+Each call is timed as a CUDA graph of back-to-back calls (`xqa_decode_bandwidth.graph_ms`);
+`TBps` is the bytes of the distinct experts the routing chose (what a step must read at least)
+over the chosen path's time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from ops.bench.record import add_record_args, record_run
 from ops.bench.xqa_decode_bandwidth import graph_ms
-from workers.models import fused_moe
+from workers.models import fused_moe, gemv_tiles
 from workers.models.moe import Activation
 from workers.models.mxfp4 import GROUP, Mxfp4Experts, fill_dummy
 
@@ -33,8 +34,6 @@ SHAPES = {
     "gemma4-26b-a4b": (128, 8, 2816, 704, "gelu_pytorch_tanh", False),
 }
 WEIGHTS = ("bf16", "mxfp4")
-# path -> (GEMV_MAX_PAIRS, DEQUANTIZE_MIN_PAIRS) that force it
-PATHS = {"gemv": (1 << 30, 1 << 30), "gemm": (0, 1 << 30), "dequant": (0, 0)}
 GEMV_LIMIT = 256  # pairs past which the GEMV path is not timed (it reads an expert per pair)
 COLUMNS = ["pairs", "experts_read", "chosen", "chosen_us", "chosen_TBps", "gemv_us", "gemm_us", "dequant_us"]
 
@@ -65,13 +64,6 @@ def expert_bytes(shape: str, weights: str) -> int:
     return values * 2 if weights == "bf16" else values // 2 + values // GROUP
 
 
-def chosen_path(pairs: int, mxfp4: bool) -> str:
-    """The path `fused_experts` takes for `pairs` routed pairs with the shipped thresholds."""
-    if pairs <= fused_moe.GEMV_MAX_PAIRS[mxfp4]:
-        return "gemv"
-    return "dequant" if mxfp4 and pairs >= fused_moe.DEQUANTIZE_MIN_PAIRS else "gemm"
-
-
 def measure(shape: str, weights: str, tokens: int, stored: tuple, generator: torch.Generator) -> dict:
     num, top_k, hidden, _, act_name, _ = SHAPES[shape]
     act = Activation(act_name)
@@ -81,20 +73,17 @@ def measure(shape: str, weights: str, tokens: int, stored: tuple, generator: tor
     top, ids = torch.topk(logits, top_k)
     routing = torch.softmax(top, -1)
     pairs = tokens * top_k
-    chosen = chosen_path(pairs, mxfp4)
+    chosen = gemv_tiles.moe_path(pairs, num, mxfp4)
     row = {"pairs": pairs, "experts_read": int(ids.unique().numel()), "chosen": chosen}
-    shipped = dict(fused_moe.GEMV_MAX_PAIRS), fused_moe.DEQUANTIZE_MIN_PAIRS
-    try:
-        for path, (gemv_max, dequant_min) in PATHS.items():
-            if (path == "dequant" and not mxfp4) or (path == "gemv" and pairs > GEMV_LIMIT):
-                continue
-            fused_moe.GEMV_MAX_PAIRS[mxfp4], fused_moe.DEQUANTIZE_MIN_PAIRS = gemv_max, dequant_min
-            calls = 10
-            ms = graph_ms([lambda: fused_moe.fused_experts(x, *stored[:2], routing, ids, act, *stored[2:])] * calls)
-            row[f"{path}_us"] = round(ms * 1e3 / calls, 1)
-    finally:
-        fused_moe.GEMV_MAX_PAIRS.update(shipped[0])
-        fused_moe.DEQUANTIZE_MIN_PAIRS = shipped[1]
+    for path in gemv_tiles.MOE_PATHS:
+        if (path == "dequant" and not mxfp4) or (path == "gemv" and pairs > GEMV_LIMIT):
+            continue
+        calls = 10
+        ms = graph_ms(
+            [lambda path=path: fused_moe.fused_experts(x, *stored[:2], routing, ids, act, *stored[2:], path=path)]
+            * calls
+        )
+        row[f"{path}_us"] = round(ms * 1e3 / calls, 1)
     row["chosen_us"] = row[f"{chosen}_us"]
     row["chosen_TBps"] = round(row["experts_read"] * expert_bytes(shape, weights) / row["chosen_us"] / 1e6, 3)
     return row

@@ -1,15 +1,14 @@
 """The fused MoE kernels (workers/models/fused_moe.py) on the CPU through Triton's interpreter,
 against the torch path, at the tiny test models' expert shapes (8 experts, 2 a token, 256 -> 32,
-narrower than every tile of the kernels): 1 and 32 tokens (2 and 64 pairs, the GEMV-like
-kernels), 33 and a 287-token prefill (66 and 574 pairs, the grouped GEMM); with an expert map
-(each of two ranks holding half the experts), 32 and 287 tokens; gpt-oss's MXFP4 experts (read
-as stored, decoded in the kernels) at the tiny shape (1 and 8 tokens the GEMV, 32 and 287 the
-grouped GEMM, 600 dequantised first, bit for bit as the torch path dequantises) and at
-gpt-oss-20b's for one token (several
-K tiles of several scale groups), against the torch path dequantising the same codes, with and
-without a map. In float32 they agree to float32 noise; in bfloat16 they round in the same places,
-so most outputs are equal. Skipped where triton
-is not installed (CPU machines need not have it).
+narrower than every tile of the kernels), each path asked for: 1 and 32 tokens (2 and 64 pairs)
+through the GEMV-like kernels, 33 and a 287-token prefill (66 and 574 pairs) through the grouped
+GEMM; with an expert map (each of two ranks holding half the experts), 32 and 287 tokens;
+gpt-oss's MXFP4 experts (read as stored, decoded in the kernels) at the tiny shape (1 and 8
+tokens the GEMV, 32 and 287 the grouped GEMM, 600 dequantised first, bit for bit as the torch
+path dequantises) and at gpt-oss-20b's for one token (several K tiles of several scale groups),
+against the torch path dequantising the same codes, with and without a map. In float32 they
+agree to float32 noise; in bfloat16 they round in the same places, so most outputs are equal.
+Skipped where triton is not installed (CPU machines need not have it).
 
 Triton reads TRITON_INTERPRET as it defines its own library, so the kernels run in a child
 process that sets it (run as a module, this file prints their differences). The interpreter
@@ -40,6 +39,9 @@ from workers.models.moe import experts_torch, route
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BOUNDS = {"float32": (1e-5, 1e-6), "bfloat16": (KERNEL_NOISE, ROUNDING_NOISE)}  # (largest, mean) differences
+# tokens -> the kernels they run (gemv_tiles.MOE_PATHS), asked for whatever the thresholds choose
+PATHS = {1: "gemv", 8: "gemv", 32: "gemv", 33: "gemm", 287: "gemm", 600: "dequant"}
+MXFP4_PATHS = {**PATHS, 32: "gemm"}
 CASES = [
     f"{shape}-{tokens}-{dtype}"
     for shape in ("tiny-gemma4-moe", "tiny-gpt-oss")
@@ -109,7 +111,7 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
         weights, ids = skewed_routing(tokens, num, top_k, seed=tokens, device="cpu")
         gate_up, down, gate_up_bias, down_bias = experts
         ref = experts_torch(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
-        got = fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
+        got = fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, path=PATHS[tokens])
         out[case] = differences(got, ref).tolist()
     for case in EXPERT_MAP_CASES:
         shape, tokens, dtype, _ = case.rsplit("-", 3)
@@ -120,7 +122,8 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
         for rank in range(2):
             (gate_up, down, gate_up_bias, down_bias), expert_map = held_by(rank, 2, experts)
             args = (x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, expert_map)
-            worst = torch.maximum(worst, differences(fused_experts(*args), experts_torch(*args)))
+            got = fused_experts(*args, path=PATHS[int(tokens)])
+            worst = torch.maximum(worst, differences(got, experts_torch(*args)))
         out[case] = worst.tolist()
     for case in MXFP4_CASES:
         mapped = case.endswith("-map")
@@ -133,7 +136,8 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
         for rank in range(2 if mapped else 1):
             held, expert_map = held_by(rank, 2, experts) if mapped else (experts, None)
             args = (x, *held[:2], weights, ids, act, *held[2:], expert_map)
-            worst = torch.maximum(worst, differences(fused_experts(*args), experts_torch(*args)))
+            got = fused_experts(*args, path=MXFP4_PATHS[int(tokens)])
+            worst = torch.maximum(worst, differences(got, experts_torch(*args)))
         out[f"mxfp4-{case}"] = worst.tolist()
         if int(tokens) > 300 and not mapped:
             from workers.models.fused_moe import dequantize_experts

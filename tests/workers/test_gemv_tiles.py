@@ -1,5 +1,5 @@
-"""The one-row GEMV's tile choice and its SLIDESPEC_GEMV_TILES and SLIDESPEC_FP8_GEMV_TILES overrides (no GPU
-needed)."""
+"""The one-row GEMV's tile choice and its SLIDESPEC_GEMV_TILES and SLIDESPEC_FP8_GEMV_TILES overrides, and
+the MoE kernels' paths (no GPU needed)."""
 
 import pytest
 
@@ -50,6 +50,16 @@ def test_moe_tiles_follow_the_experts_width_and_an_override_wins(monkeypatch):
     monkeypatch.setattr(gemv_tiles, "MOE_OVERRIDES", {"down": Tile(8, 512, 4, 1)})
     assert gemv_tiles.moe_tile_for("down", 704) == Tile(8, 512, 4, 1)
     assert gemv_tiles.moe_tile_for("gate_up", 704) == Tile(16, 256, 4, 1)
+
+
+def test_moe_paths_follow_the_pairs_an_expert():
+    """Where the timed crossovers lie (ops/bench/moe_experts.py): the GEMV below a pair an expert
+    (bf16) or three (MXFP4), MXFP4 dequantised first from sixteen; under expert parallelism the
+    whole model's pairs and experts decide, so both ranks take the same path."""
+    assert [gemv_tiles.moe_path(p, 32, False) for p in (4, 16, 31, 32, 4096)] == ["gemv"] * 3 + ["gemm"] * 2
+    assert [gemv_tiles.moe_path(p, 128, False) for p in (8, 64, 127, 128)] == ["gemv"] * 3 + ["gemm"]
+    mxfp4 = [gemv_tiles.moe_path(p, 32, True) for p in (4, 64, 95, 96, 256, 511, 512, 4096)]
+    assert mxfp4 == ["gemv"] * 3 + ["gemm"] * 3 + ["dequant"] * 2
 
 
 def test_an_override_wins_for_its_shape_and_one_row_only(monkeypatch):

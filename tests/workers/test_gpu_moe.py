@@ -3,19 +3,20 @@
 At the experts' real shapes (Gemma-4-26B-A4B: 128 experts, top 8, 2816 -> 704, GELU-tanh;
 gpt-oss-20b: 32 experts, top 4, 2880 -> 2880, clamped SwiGLU with biases) and the tiny test
 models' (8 experts, top 2, 256 -> 32: narrower than the kernels' tiles), bf16, for batches of 1
-and 8 (the GEMV-like kernels) and 64 and a 300-token prefill (the grouped GEMM), with uneven
+and 8 through the GEMV-like kernels and 8, 64 and a 300-token prefill through the grouped GEMM
+(each path asked for, whichever the thresholds would choose), with uneven
 expert loads and experts that receive no token: within bf16 noise of the torch path, and
 rounded in the same places (the mean difference far below an ulp). With an expert map (expert
 parallelism: each of two ranks holds half the experts) each rank's kernels match its torch path
 and the two ranks' sums add up to the whole experts'. Under a CUDA graph a replay with new
 routing gives the new routing's result, with or without a map, and an eager call never
 synchronises with the host. In the tiny Gemma 4 MoE and gpt-oss models (bf16, trtllm_mha, CUDA
-graphs) every experts call, prefill and decode, matches the torch path on its own inputs; with every expert chosen,
-so that no routing decision can flip, the logits match the torch path's within bf16 noise. The
-router of a few tokens (two kernels) chooses what the torch path's top-k chooses over its logits,
-which are a rounding apart from the torch path's at most. MXFP4 experts (gpt-oss's checkpoints',
-4-bit codes read by the kernels as stored) match the torch path dequantising the same codes, with
-and without an expert map.
+graphs) every experts call, prefill and decode, matches the torch path on its own inputs; with
+every expert chosen, so that no routing decision can flip, the logits match the torch path's
+within bf16 noise. The router of a few tokens (two kernels) chooses what the torch path's top-k
+chooses over its logits, which are a rounding apart from the torch path's at most. MXFP4 experts
+(gpt-oss's checkpoints' 4-bit codes, read by the kernels as stored or dequantised first for large
+batches) match the torch path dequantising the same codes, with and without an expert map.
 """
 
 import pytest
@@ -48,6 +49,10 @@ ROUNDING_NOISE = 2.0**-10
 RANK_SUMS_NOISE = (KERNEL_NOISE, 2.0**-7)
 MODEL_NOISE = 2.0**-4  # of the largest logit, through a random tiny model's layers; a wrong kernel is off by O(1)
 NEW_TOKENS = 32
+# (tokens, the kernels run: gemv_tiles.MOE_PATHS): each path at batch sizes either side of the
+# shapes' thresholds, whichever `moe_path` would choose
+PATH_CASES = [(1, "gemv"), (8, "gemv"), (8, "gemm"), (64, "gemm"), (300, "gemm")]
+MXFP4_PATH_CASES = [(1, "gemv"), (8, "gemv"), (64, "gemv"), (64, "gemm"), (300, "gemm"), (300, "dequant")]
 # tiny model -> its config's (expert count, experts a token) fields
 EXPERT_FIELDS = {
     "gemma4_moe": ("num_experts", "top_k_experts"),
@@ -194,22 +199,22 @@ def test_router_kernels_match_the_torch_path(family, tokens):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
-def test_fused_experts_match_the_torch_path(shape, tokens):
+@pytest.mark.parametrize("tokens,path", PATH_CASES)
+def test_fused_experts_match_the_torch_path(shape, tokens, path):
     from workers.models.fused_moe import fused_experts
 
     num, top_k, hidden, act, (gate_up, down, gate_up_bias, down_bias) = random_experts(shape)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
     weights, ids = skewed_routing(tokens, num, top_k, seed=tokens)
     ref = experts_torch(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
-    got = fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
-    assert_rounding_noise(differences(got, ref), f"{shape} {tokens} tokens")
+    got = fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, path=path)
+    assert_rounding_noise(differences(got, ref), f"{shape} {tokens} tokens, {path}")
     assert ids.unique().numel() < num, "some expert should receive no token"
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
-def test_fused_experts_with_an_expert_map_match_the_torch_path(shape, tokens):
+@pytest.mark.parametrize("tokens,path", PATH_CASES)
+def test_fused_experts_with_an_expert_map_match_the_torch_path(shape, tokens, path):
     """Expert parallelism over two ranks: each rank's kernels, skipping the pairs of the other
     rank's experts, against its torch path; the two ranks' sums against the whole experts'."""
     from workers.models.fused_moe import fused_experts
@@ -221,8 +226,8 @@ def test_fused_experts_with_an_expert_map_match_the_torch_path(shape, tokens):
     for rank in range(2):
         (gate_up, down, gate_up_bias, down_bias), expert_map = held_by(rank, 2, experts)
         args = (x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, expert_map)
-        got = fused_experts(*args)
-        assert_rounding_noise(differences(got, experts_torch(*args)), f"{shape} {tokens} tokens, rank {rank}")
+        got = fused_experts(*args, path=path)
+        assert_rounding_noise(differences(got, experts_torch(*args)), f"{shape} {tokens} tokens, {path}, rank {rank}")
         total += got.float()
         held = expert_map[ids] >= 0
         assert ids.numel() < 16 or (held.any() and not held.all()), "each rank should skip some pairs and run some"
@@ -231,11 +236,11 @@ def test_fused_experts_with_an_expert_map_match_the_torch_path(shape, tokens):
 
 
 @pytest.mark.parametrize("shape", ["gpt-oss-20b", "tiny-gpt-oss"])
-@pytest.mark.parametrize("tokens", [1, 8, 64, 300])
+@pytest.mark.parametrize("tokens,path", MXFP4_PATH_CASES)
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_mxfp4_fused_experts_match_the_torch_path(shape, tokens, expert_parallel):
-    """gpt-oss's MXFP4 experts read as stored (the GEMV kernels at 1 and 8 tokens, the grouped
-    GEMM at 64 and 300), against the torch path dequantising the same codes; under expert
+def test_mxfp4_fused_experts_match_the_torch_path(shape, tokens, path, expert_parallel):
+    """gpt-oss's MXFP4 experts read as stored (the GEMV kernels and the grouped GEMM) or
+    dequantised first, against the torch path dequantising the same codes; under expert
     parallelism each of two ranks against its own torch path."""
     from workers.models.fused_moe import fused_experts
 
@@ -246,7 +251,8 @@ def test_mxfp4_fused_experts_match_the_torch_path(shape, tokens, expert_parallel
     for rank in range(2 if expert_parallel else 1):
         held, expert_map = held_by(rank, 2, experts) if expert_parallel else (experts, None)
         args = (x, *held[:2], weights, ids, act, *held[2:], expert_map)
-        assert_rounding_noise(differences(fused_experts(*args), experts_torch(*args)), f"{shape} {tokens}, rank {rank}")
+        got = fused_experts(*args, path=path)
+        assert_rounding_noise(differences(got, experts_torch(*args)), f"{shape} {tokens}, {path}, rank {rank}")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

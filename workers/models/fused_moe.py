@@ -1,7 +1,7 @@
 """The experts of a mixture of experts on CUDA: Triton kernels over the routed (token, expert)
 pairs, the torch path of `workers/models/moe.py` their oracle (docs/design.md §4.8).
 
-Two shapes of work, chosen by how many pairs a forward routes (`GEMV_MAX_PAIRS`, data):
+Two shapes of work, chosen by how many pairs a forward routes an expert (`gemv_tiles.moe_path`, data):
 - **Few pairs** (decode steps, small verifies): one program per (pair, block of outputs) reads
   its expert's weight rows and the pair's input row, GEMV-like. Only the chosen experts'
   weights are read, once per pair that chose them. Products accumulate in a tile of float32
@@ -27,8 +27,9 @@ MXFP4 experts (`Mxfp4Experts`: 4-bit codes, a power-of-two scale per 32 inputs o
 as they are stored, a quarter of bf16's bytes, and decoded exactly in registers (`_e2m1`,
 `_e8m0`: a few integer operations a value, through float16's subnormals) before they multiply
 (W4A16): the GEMV kernels take a byte's two inputs as its even and odd columns, the grouped GEMM
-multiplies the even and odd halves of each K tile in two `tl.dot`s; from `DEQUANTIZE_MIN_PAIRS`
-(prefills) the experts are dequantised into a workspace first and the bf16 GEMM runs.
+multiplies the even and odd halves of each K tile in two `tl.dot`s; from
+`DEQUANTIZE_PAIRS_PER_EXPERT` (prefills) the experts are dequantised into a workspace first and
+the bf16 GEMM runs.
 
 Under expert parallelism (`expert_map`, as vLLM's) a rank holds some of the experts: a pair
 routed to another rank's expert is skipped (its GEMV programs return, or write a zero row; the
@@ -43,20 +44,11 @@ import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start
-from workers.models.gemv_tiles import moe_tile_for
+from workers.models.gemv_tiles import MOE_PATHS, moe_path, moe_tile_for
 from workers.models.moe import Activation
 from workers.models.mxfp4 import Mxfp4Experts
 
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
-# Routed pairs up to which the GEMV-like kernels run, by whether the experts are MXFP4. Timed on
-# an H200 at gpt-oss-20b's experts (ops/bench/moe_experts.py): the MXFP4 GEMV beats the MXFP4
-# grouped GEMM up to 64 pairs (0.54 ms against 0.72 a layer) and loses from 128.
-GEMV_MAX_PAIRS = {False: 64, True: 64}
-# Routed pairs from which MXFP4 experts are dequantised into a workspace in the model's dtype and
-# the bf16 grouped GEMM runs: one pass over all the experts' codes (~0.8 ms a gpt-oss-20b layer)
-# then costs less than the grouped GEMM decoding codes per tile (1.23 ms against 1.31 at 512 pairs,
-# 0.98 against 1.22 at 256; same benchmark).
-DEQUANTIZE_MIN_PAIRS = 512
 DEQUANT_ROWS, DEQUANT_COLS = 16, 256
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64, 64
 
@@ -520,8 +512,10 @@ def fused_experts(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    path: str | None = None,
 ) -> torch.Tensor:
-    """`experts_torch`'s result (same arguments) from the Triton kernels."""
+    """`experts_torch`'s result (same arguments) from the Triton kernels; `path` (of `MOE_PATHS`)
+    forces a path (benchmarks, tests), else `moe_path` chooses."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, width = gate_up.shape[0], gate_up.shape[1] // 2
@@ -535,12 +529,15 @@ def fused_experts(
     w4 = isinstance(gate_up, Mxfp4Experts)
     if w4 != isinstance(down, Mxfp4Experts):
         raise ValueError("gate_up and down: both MXFP4 or neither")
+    path = path or moe_path(pairs, num_experts if expert_map is None else expert_map.numel(), w4)
+    if path not in MOE_PATHS or (path == "dequant" and not w4):
+        raise ValueError(f"path {path!r}: choose from {MOE_PATHS} ('dequant' for MXFP4 experts only)")
     gu_bias = x if gate_up_bias is None else gate_up_bias  # no bias: never read
     d_bias = x if down_bias is None else down_bias
     has_map = expert_map is not None
     mapping = ids if expert_map is None else expert_map  # no map: never read
     code = ACTIVATIONS[act.name]
-    if pairs <= GEMV_MAX_PAIRS[w4]:
+    if path == "gemv":
         (gu_w, gu_s, gu_strides), (dn_w, dn_s, dn_strides) = _operands(gate_up), _operands(down)
         suffix = "_mxfp4" if w4 else ""
         up, dn = moe_tile_for("gate_up" + suffix, width), moe_tile_for("down" + suffix, width)
@@ -559,8 +556,7 @@ def fused_experts(
             BLOCK_N=dn.rows, BLOCK_K=dn.cols, num_warps=dn.warps, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
         return out
-    # from DEQUANTIZE_MIN_PAIRS, MXFP4 experts go to the bf16 GEMM one matrix at a time (one workspace)
-    dense = w4 and pairs >= DEQUANTIZE_MIN_PAIRS
+    dense = path == "dequant"  # the bf16 GEMM over each matrix dequantised in turn (one workspace)
     w4 = w4 and not dense
     bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models: no TF32 rounding
