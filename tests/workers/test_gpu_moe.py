@@ -13,7 +13,8 @@ routing gives the new routing's result, with or without a map, and an eager call
 synchronises with the host. In the tiny Gemma 4 MoE and gpt-oss models (bf16, trtllm_mha, CUDA
 graphs) every experts call, prefill and decode, matches the torch path on its own inputs; with
 every expert chosen, so that no routing decision can flip, the logits match the torch path's
-within bf16 noise. The router of a few tokens (two kernels) chooses what the torch path's top-k
+within bf16 noise, and an EAGLE-3 head over gpt-oss and the assistant over the Gemma 4 MoE keep
+plain decoding's. The router of a few tokens (two kernels) chooses what the torch path's top-k
 chooses over its logits, which are a rounding apart from the torch path's at most. MXFP4 experts
 (gpt-oss's checkpoints' 4-bit codes, read by the kernels as stored or dequantised first for large
 batches) match the torch path dequantising the same codes, with and without an expert map.
@@ -22,6 +23,7 @@ batches) match the torch path dequantising the same codes, with and without an e
 import pytest
 import torch
 
+from tests.draft_models import make_eagle_head, make_gemma4_assistant
 from tests.hf_models import TINY_MODELS, make_tiny_model, random_prompts
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from tests.workers.test_moe import quantize_checkpoint_mxfp4, quantize_mxfp4
@@ -298,7 +300,7 @@ def _tiny_moe_model(tmp_path, name: str, **overrides) -> str:
     return path
 
 
-def _generate(path: str) -> list:
+def _generate(path: str, speculative: dict | None = None) -> list:
     """Greedy continuations of three prompts batched into one prefill, bf16, trtllm_mha, CUDA graphs."""
     eng = Engine(
         model=path,
@@ -309,9 +311,11 @@ def _generate(path: str) -> list:
         max_total_tokens=8192,
         context_length=1024,
         max_running_requests=4,
+        speculative=speculative,
     )
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_logits=True)
     outs = eng.generate(prompt_token_ids=random_prompts([150, 40, 97]), sampling=sp)
+    eng.flush_cache()
     eng.check_no_leak()
     del eng
     torch.cuda.empty_cache()
@@ -334,6 +338,28 @@ def test_tiny_moe_models_match_the_torch_path(tmp_path, monkeypatch, name):
         monkeypatch.setattr(moe, "FUSED_MOE", fused)
         runs[fused] = _generate(path)
     compare_bf16_runs(runs[False], runs[True], f"{name} fused experts", noise=MODEL_NOISE)
+
+
+@pytest.mark.parametrize("name,draft", [("gpt_oss", "eagle3"), ("gemma4_moe", "assistant")])
+def test_drafts_over_moe_targets_keep_plain_decoding_under_graphs(tmp_path, name, draft):
+    """EAGLE-3 over gpt-oss and Gemma 4's assistant over the Gemma 4 MoE, 4 draft steps a round,
+    bf16, trtllm_mha, CUDA graphs: each verify forward routes a request's five tokens through the
+    grouped GEMM where plain decoding routes one through the GEMV, and the logits stay plain
+    decoding's within bf16 noise up to each request's first differing token (every expert chosen,
+    as above, so that no routing decision can flip), drafts accepted, no KV leaked."""
+    count, top_k = EXPERT_FIELDS[name]
+    path = _tiny_moe_model(tmp_path, name, **{top_k: TINY_MODELS[name][2][count]})
+    if draft == "eagle3":
+        algorithm, draft_model = "eagle", make_eagle_head(path, str(tmp_path / "eagle3"), 3)
+    else:
+        algorithm, draft_model = "mtp", make_gemma4_assistant(path, str(tmp_path / "assistant"), copies=10.0)
+    plain = _generate(path)
+    spec = {"algorithm": algorithm, "draft_model": draft_model, "num_steps": 4, "adaptive": False}
+    drafted = _generate(path, spec)
+    diverged, worst = compare_bf16_runs(plain, drafted, f"{name} drafted by {draft}", noise=MODEL_NOISE)
+    print(f"{name} drafted by {draft}: {diverged} of {len(plain)} diverged, worst {worst:.3g}")
+    assert diverged <= 1
+    assert max(n for out in drafted for n in out.spec.accept_lengths) > 1, "no draft accepted"
 
 
 @pytest.mark.parametrize("name", [*EXPERT_FIELDS, "gpt_oss-mxfp4"])
