@@ -359,7 +359,10 @@ def test_drafts_over_moe_targets_keep_plain_decoding_under_graphs(tmp_path, name
     diverged, worst = compare_bf16_runs(plain, drafted, f"{name} drafted by {draft}", noise=MODEL_NOISE)
     print(f"{name} drafted by {draft}: {diverged} of {len(plain)} diverged, worst {worst:.3g}")
     assert diverged <= 1
-    assert max(n for out in drafted for n in out.spec.accept_lengths) > 1, "no draft accepted"
+    lengths = [n for out in drafted for n in out.spec.accept_lengths]
+    assert len(lengths) >= NEW_TOKENS // 5, f"{len(lengths)} rounds: the requests were not drafted for"
+    if draft == "assistant":  # its layers copy the target's (a random EAGLE-3 head's drafts are rejected)
+        assert max(lengths) > 1, "no draft accepted"
 
 
 @pytest.mark.parametrize("name", [*EXPERT_FIELDS, "gpt_oss-mxfp4"])
