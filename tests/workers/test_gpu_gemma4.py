@@ -44,6 +44,12 @@ def make_gpu_gemma4(target: str) -> str:
         global_head_dim=512,
         num_global_key_value_heads=1,
     )
+    return scale_query_norms(target)
+
+
+def scale_query_norms(target: str) -> str:
+    """A tiny Gemma 4's query-norm weights scaled by 1/sqrt(head size), as a trained model's keep
+    its attention logits in range (at their initial ones bf16's rounding of q moves them by units)."""
     weights = os.path.join(target, "model.safetensors")
     tensors = load_file(weights)
     for name, w in tensors.items():
