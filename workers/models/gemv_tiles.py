@@ -119,7 +119,7 @@ def _overrides(
 # The MXFP4 kernels (`*_mxfp4`) read half a byte an element: 8 rows of 512 columns read 16 bytes
 # a thread a loop step, one vector, and spread the loop's fixed work over the most of them
 # (`kernel_sass`: 13 and 12 instructions a code byte for down and gate/up, against 16 and 14 at
-# 4 rows; not yet timed).
+# 4 rows). Timed (`moe_experts`, H200): 51 us a gpt-oss-20b layer at batch 1, bound by the decode.
 MOE_GEMV_TILES: tuple[tuple[int, dict[str, Tile]], ...] = (
     (
         2048,
