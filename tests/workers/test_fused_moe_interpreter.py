@@ -8,7 +8,9 @@ tokens the GEMV, 32 and 287 the grouped GEMM, 600 dequantised first, bit for bit
 path dequantises) and at gpt-oss-20b's for one token (several K tiles of several scale groups),
 against the torch path dequantising the same codes, with and without a map. In float32 they
 agree to float32 noise; in bfloat16 they round in the same places, so most outputs are equal.
-Skipped where triton is not installed (CPU machines need not have it).
+The grouped GEMM's layout of the pairs (`align_on_device`, two kernels) is the torch oracle's up
+to the order of pairs within an expert's run. Skipped where triton is not installed (CPU
+machines need not have it).
 
 Triton reads TRITON_INTERPRET as it defines its own library, so the kernels run in a child
 process that sets it (run as a module, this file prints their differences). The interpreter
@@ -61,6 +63,48 @@ MXFP4_CASES = [f"tiny-gpt-oss-{tokens}-{dtype}" for tokens in (1, 8, 32, 287, 60
     "tiny-gpt-oss-32-bfloat16-map",
     "tiny-gpt-oss-287-bfloat16-map",
 ]
+
+# (tokens, experts, top k, tile height, whether half the experts are held elsewhere): the grouped
+# GEMM's layout of routed pairs, from a decode batch to a prefill, uneven loads, empty experts
+ALIGN_CASES = [
+    f"{tokens}-{experts}-{top_k}-{block_m}{'-map' if mapped else ''}"
+    for tokens, experts, top_k, block_m, mapped in (
+        (1, 8, 2, 64, False),
+        (33, 8, 2, 64, False),
+        (287, 8, 2, 64, True),
+        (5, 128, 8, 16, False),
+        (64, 128, 8, 64, True),
+        (1024, 32, 4, 64, False),
+    )
+]
+
+
+def _align_findings(case: str) -> dict:
+    """`align_on_device` against `align` (the torch oracle): the same tile experts and filler rows,
+    every row in the same expert's run, every pair in exactly one row."""
+    from workers.models.fused_moe import align, align_on_device
+
+    tokens, experts, top_k, block_m, *mapped = case.split("-")
+    tokens, experts, top_k, block_m = int(tokens), int(experts), int(top_k), int(block_m)
+    _, ids = skewed_routing(tokens, experts, top_k, seed=tokens, device="cpu")
+    held = experts
+    expert_map = None
+    if mapped:
+        held = experts // 2
+        expert_map = torch.where(torch.arange(experts) < held, torch.arange(experts), -1)
+    ref_rows, ref_tiles = align(ids, held, block_m, expert_map)
+    rows, tiles = align_on_device(ids, held, block_m, expert_map)
+    pairs = ids.numel()
+    flat = ids.reshape(-1)
+    run = flat if expert_map is None else torch.where(expert_map[flat] >= 0, flat, held)
+    filled = rows < pairs
+    return {
+        "shapes_equal": rows.shape == ref_rows.shape and tiles.shape == ref_tiles.shape,
+        "tiles_equal": bool(torch.equal(tiles, ref_tiles)),
+        "fillers_equal": bool(torch.equal(filled, ref_rows < pairs)),
+        "runs_equal": bool(torch.equal(run[rows[filled].long()], run[ref_rows[ref_rows < pairs].long()])),
+        "each_pair_once": bool(torch.equal(rows[filled].sort().values, torch.arange(pairs, dtype=rows.dtype))),
+    }
 
 
 def _router_findings(case: str) -> dict:
@@ -148,6 +192,8 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
             )
     for case in ROUTER_CASES:
         out[f"router-{case}"] = _router_findings(case)
+    for case in ALIGN_CASES:
+        out[f"align-{case}"] = _align_findings(case)
     return out
 
 
@@ -189,6 +235,12 @@ def test_router_kernels_match_the_torch_path_in_the_interpreter(interpreted, cas
         assert found["logit_ulps"] <= 1.0 and found["unequal"] <= 0.02, found
     assert found["ids_equal"] and found["weights"] <= 1e-6, found
     assert found["one_launch_equal"], found  # the logits kernel's own top-k: the two kernels' result
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES)
+def test_pairs_are_laid_out_on_the_device_as_the_torch_oracle_lays_them_out_in_the_interpreter(interpreted, case):
+    found = interpreted[f"align-{case}"]
+    assert all(found.values()), found
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ Two shapes of work, chosen by how many pairs a forward routes an expert (`gemv_t
   writes the token's output in the model's dtype (`attention/kernels/arrival.py`): no sum and
   cast kernels after the down projection.
 - **Many pairs** (prefills, large batches): a grouped GEMM. The pairs are sorted by expert on
-  the device and each expert's run padded to the tile height (`align`); each program multiplies
+  the device and each expert's run padded to the tile height (`align_on_device`: ranks taken by
+  atomic counts, then placed, two kernels where torch's sort takes about twenty; `align` in torch
+  ops is its oracle); each program multiplies
   one tile of one expert's pairs with `tl.dot`, reading that expert's weights once per tile.
   The grid is the most tiles the pairs could fill, so its size depends only on the batch; tiles
   past the experts' runs exit at once.
@@ -51,6 +53,7 @@ from workers.models.mxfp4 import Mxfp4Experts
 ACTIVATIONS = {"gelu_pytorch_tanh": 0, "swiglu_clamped": 1, "silu": 2}  # the kernels' `ACT` codes
 DEQUANT_ROWS, DEQUANT_COLS = 16, 256
 GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K = 64, 64, 64
+ALIGN_BLOCK = 256  # pairs an `align_on_device` program ranks
 
 
 @triton.jit
@@ -462,15 +465,21 @@ def dequantize_experts(weights: Mxfp4Experts, dtype: torch.dtype) -> torch.Tenso
     return dense
 
 
+def aligned_rows(pairs: int, runs: int, block_m: int) -> int:
+    """The most rows `pairs` routed pairs in `runs` runs padded to `block_m` could fill: the
+    aligned layout's size, a function of the pair count alone (graphs capture it)."""
+    return min(pairs * block_m, triton.cdiv(pairs + runs * (block_m - 1), block_m) * block_m)
+
+
 def align(
     ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair of each row `[R]`, expert of each tile `[R / block_m]`): the routed pairs (flattened
     `ids`) sorted by expert, each expert's run padded to a multiple of `block_m` with the pair
     count as filler, and tiles past the runs marked `num_experts`. With `expert_map`, pairs of
-    experts held elsewhere (-1) form one more run, last, in tiles marked `num_experts`. `R` is the
-    most rows the pairs could fill, a function of their number alone; all on the device, no host
-    read."""
+    experts held elsewhere (-1) form one more run, last, in tiles marked `num_experts`. `R` is
+    `aligned_rows`; all on the device, no host read. In torch ops (about twenty small kernels):
+    the oracle of `align_on_device`, which the kernels use."""
     flat = ids.reshape(-1)
     runs = num_experts
     if expert_map is not None:
@@ -485,11 +494,107 @@ def align(
     order = torch.argsort(flat, stable=True)
     expert = flat[order]
     rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    rows = min(pairs * block_m, triton.cdiv(pairs + runs * (block_m - 1), block_m) * block_m)
+    rows = aligned_rows(pairs, runs, block_m)
     pair_of_row = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
     pair_of_row[(ends - padded)[expert] + rank] = order.to(torch.int32)
     starts = torch.arange(0, rows, block_m, device=ids.device)
     block_expert = torch.searchsorted(ends[:num_experts], starts, right=True).to(torch.int32)
+    return pair_of_row, block_expert
+
+
+@triton.jit
+def _run_of(ids_ptr, map_ptr, p, ok, E, HAS_MAP: tl.constexpr):
+    """The run of pairs `p`: its expert, or with a map the rank-local expert (E where held elsewhere)."""
+    e = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=ok, other=0).to(tl.int32)
+        e = tl.where(e >= 0, e, E)
+    return e
+
+
+@triton.jit
+def _rank_kernel(
+    ids_ptr,
+    map_ptr,
+    counts_ptr,  # runs + 1 zeroed counters: each run's pairs, then the programs' arrivals
+    rank_ptr,
+    starts_ptr,
+    pair_of_row_ptr,
+    block_expert_ptr,
+    P,
+    E,
+    ROWS,
+    HAS_MAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_RUNS: tl.constexpr,  # runs rounded up to a power of two
+    BLOCK_T: tl.constexpr,
+):
+    """Program b: pairs [b * BLOCK, +BLOCK) take their ranks in their runs (an atomic count per
+    run: the order within a run is arrival order, which no result depends on). The last program
+    to arrive lays the runs out: each run's first row, the expert of every tile (`E` past the
+    experts' runs), the filler in every row; it sets the counts back to zero."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < P
+    e = _run_of(ids_ptr, map_ptr, p, ok, E, HAS_MAP)
+    tl.store(rank_ptr + p, tl.atomic_add(counts_ptr + e, 1, mask=ok, sem="relaxed", scope="gpu"), mask=ok)
+    runs = E
+    if HAS_MAP:
+        runs = E + 1
+    if last_arrival(counts_ptr + runs, tl.num_programs(0)):
+        r = tl.arange(0, BLOCK_RUNS)
+        r_ok = r < runs
+        count = tl.load(counts_ptr + r, mask=r_ok, other=0, cache_modifier=".cg")
+        padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        tl.store(starts_ptr + r, ends - padded, mask=r_ok)
+        tl.store(counts_ptr + r, tl.zeros_like(count), mask=r_ok)
+        expert_ends = tl.where(r < E, ends, ROWS + 1)  # the map's run counts as past the experts'
+        for t0 in range(0, ROWS // BLOCK_M, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            expert = tl.sum((expert_ends[None, :] <= (t * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + t, expert, mask=t < ROWS // BLOCK_M)
+        for r0 in range(0, ROWS, BLOCK):
+            rows = r0 + tl.arange(0, BLOCK)
+            tl.store(pair_of_row_ptr + rows, tl.full((BLOCK,), P, tl.int32), mask=rows < ROWS)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr, map_ptr, rank_ptr, starts_ptr, pair_of_row_ptr, P, E, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Program b: pairs [b * BLOCK, +BLOCK) into their rows (their run's first row plus their rank)."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < P
+    e = _run_of(ids_ptr, map_ptr, p, ok, E, HAS_MAP)
+    row = tl.load(starts_ptr + e, mask=ok, other=0) + tl.load(rank_ptr + p, mask=ok, other=0)
+    tl.store(pair_of_row_ptr + row, p.to(tl.int32), mask=ok)
+
+
+def align_on_device(
+    ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align`'s layout in two kernels (ranks by atomic counts, then placement), each run's pairs
+    in arrival order rather than ascending: the grouped GEMM computes every row alike wherever it
+    sits in its tile."""
+    flat = ids.reshape(-1).contiguous()
+    pairs, device = flat.numel(), flat.device
+    runs = num_experts + (expert_map is not None)
+    rows = aligned_rows(pairs, runs, block_m)
+    pair_of_row = torch.empty(rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.int32, device=device)
+    rank = torch.empty(pairs, dtype=torch.int32, device=device)
+    starts = torch.empty(runs, dtype=torch.int32, device=device)
+    mapping = flat if expert_map is None else expert_map
+    has_map = expert_map is not None
+    grid = (triton.cdiv(pairs, ALIGN_BLOCK),)
+    _rank_kernel[grid](
+        flat, mapping, counters(device, runs + 1), rank, starts, pair_of_row, block_expert, pairs, num_experts, rows,
+        HAS_MAP=has_map, BLOCK=ALIGN_BLOCK, BLOCK_M=block_m, BLOCK_RUNS=triton.next_power_of_2(runs), BLOCK_T=32,
+    )  # fmt: skip
+    _place_kernel[grid](
+        flat, mapping, rank, starts, pair_of_row, pairs, num_experts, HAS_MAP=has_map, BLOCK=ALIGN_BLOCK
+    )
     return pair_of_row, block_expert
 
 
@@ -560,7 +665,7 @@ def fused_experts(
     w4 = w4 and not dense
     bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 models: no TF32 rounding
-    pair_of_row, block_expert = align(ids, num_experts, bm, expert_map)
+    pair_of_row, block_expert = align_on_device(ids, num_experts, bm, expert_map)
     tiles = block_expert.shape[0]
     gu_w, gu_s, gu_strides = _operands(dequantize_experts(gate_up, x.dtype) if dense else gate_up)
     _gemm_gate_up[(tiles, triton.cdiv(width, bn))](
