@@ -5,8 +5,8 @@ MXFP4, the dequantise-then-GEMM path, at real experts' shapes and growing token 
         [--tokens 1,2,4,8,16,32,64,128,300,1024] [--record]
 
 `workers/models/fused_moe.py` chooses a path by the routed (token, expert) pairs of a forward
-per held expert (`gemv_tiles.moe_path`); this benchmark times every path at every count, so its thresholds
-(`GEMV_PAIRS_PER_EXPERT`, `DEQUANTIZE_PAIRS_PER_EXPERT`) are read off a record, not guessed.
+(`gemv_tiles.moe_path`); this benchmark times every path at every count, so its thresholds
+(`GEMV_BELOW_PAIRS`, `DEQUANTIZE_PAIRS_PER_EXPERT`) are read off a record, not guessed.
 Routing is uniform over the experts (top-k of random logits), as a dummy-weight decode step's.
 Each call is timed as a CUDA graph of back-to-back calls (`xqa_decode_bandwidth.graph_ms`);
 `TBps` is the bytes of the distinct experts the routing chose (what a step must read at least)

@@ -52,12 +52,12 @@ def test_moe_tiles_follow_the_experts_width_and_an_override_wins(monkeypatch):
     assert gemv_tiles.moe_tile_for("gate_up", 704) == Tile(16, 256, 4, 1)
 
 
-def test_moe_paths_follow_the_pairs_an_expert():
-    """Where the timed crossovers lie (ops/bench/moe_experts.py): the GEMV below a pair an expert
-    (bf16) or three (MXFP4), MXFP4 dequantised first from sixteen; under expert parallelism the
-    whole model's pairs and experts decide, so both ranks take the same path."""
-    assert [gemv_tiles.moe_path(p, 32, False) for p in (4, 16, 31, 32, 4096)] == ["gemv"] * 3 + ["gemm"] * 2
-    assert [gemv_tiles.moe_path(p, 128, False) for p in (8, 64, 127, 128)] == ["gemv"] * 3 + ["gemm"]
+def test_moe_paths_follow_the_routed_pairs():
+    """Where the timed crossovers lie (ops/bench/moe_experts.py): the GEMV below 16 pairs (bf16)
+    or 96 (MXFP4), MXFP4 dequantised first from sixteen pairs an expert; under expert parallelism
+    the whole model's pairs and experts decide, so both ranks take the same path."""
+    assert [gemv_tiles.moe_path(p, 32, False) for p in (4, 8, 15, 16, 32, 4096)] == ["gemv"] * 3 + ["gemm"] * 3
+    assert [gemv_tiles.moe_path(p, 128, False) for p in (8, 15, 16, 128)] == ["gemv"] * 2 + ["gemm"] * 2
     mxfp4 = [gemv_tiles.moe_path(p, 32, True) for p in (4, 64, 95, 96, 256, 511, 512, 4096)]
     assert mxfp4 == ["gemv"] * 3 + ["gemm"] * 3 + ["dequant"] * 2
 

@@ -1,7 +1,7 @@
 """The experts of a mixture of experts on CUDA: Triton kernels over the routed (token, expert)
 pairs, the torch path of `workers/models/moe.py` their oracle (docs/design.md §4.8).
 
-Two shapes of work, chosen by how many pairs a forward routes an expert (`gemv_tiles.moe_path`, data):
+Two shapes of work, chosen by how many pairs a forward routes (`gemv_tiles.moe_path`, data):
 - **Few pairs** (decode steps, small verifies): one program per (pair, block of outputs) reads
   its expert's weight rows and the pair's input row, GEMV-like. Only the chosen experts'
   weights are read, once per pair that chose them. Products accumulate in a tile of float32

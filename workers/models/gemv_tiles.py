@@ -168,18 +168,18 @@ def moe_tile_for(kernel: str, width: int) -> Tile:
     return next(tiles[kernel] for at_least, tiles in MOE_GEMV_TILES if width >= at_least)
 
 
-# Routed pairs an expert below which the GEMV-like kernels run, by whether the experts are
-# MXFP4: the GEMV reads an expert once per pair, the grouped GEMM once per tile of its pairs at
-# a lower rate. Timed on an H200 (ops/bench/moe_experts.py, bf16): at gpt-oss-20b's 32 experts
-# the GEMV wins at 16 pairs (0.18 ms against 0.23) and loses at 32 (0.34 against 0.33); at
-# Gemma-4-26B-A4B's 128 it ties at 64 and loses at 128 (0.38 against 0.31). MXFP4 (gpt-oss-20b):
-# its grouped GEMM decodes codes per tile, so the GEMV wins to 64 pairs (0.53 against 0.71) and
-# loses at 128 (1.04 against 0.82).
-GEMV_PAIRS_PER_EXPERT = {False: 1, True: 3}
+# Routed pairs below which the GEMV-like kernels run, by whether the experts are MXFP4: the GEMV
+# reads an expert once per pair, the grouped GEMM once per tile of its pairs after laying them
+# out (two small kernels). Timed on an H200 (ops/bench/moe_experts.py, bf16): at 8 pairs the GEMV
+# and the GEMM tie at gpt-oss-20b's experts (0.11 ms) and at 16 the GEMM wins at
+# Gemma-4-26B-A4B's (0.071 ms against 0.073; its 704-wide experts keep the GEMV at 2.5 TB/s),
+# by 0.17 ms against 0.21 at 64. MXFP4 (gpt-oss-20b): its grouped GEMM decodes codes per tile,
+# so the GEMV wins to 64 pairs (0.54 ms against 0.68) and loses at 128 (1.05 against 0.77).
+GEMV_BELOW_PAIRS = {False: 16, True: 96}
 # Routed pairs an expert from which MXFP4 experts are dequantised into a workspace in the
 # model's dtype and the bf16 grouped GEMM runs: one pass over all the experts' codes (~0.8 ms a
-# gpt-oss-20b layer) then costs less than the grouped GEMM decoding them per tile (1.23 ms against
-# 1.32 at 512 pairs, 1.22 against 0.99 at 256; same benchmark).
+# gpt-oss-20b layer) then costs less than the grouped GEMM decoding them per tile (1.14 ms against
+# 1.26 at 512 pairs, 1.14 against 0.93 at 256; same benchmark).
 DEQUANTIZE_PAIRS_PER_EXPERT = 16
 MOE_PATHS = ("gemv", "gemm", "dequant")
 
@@ -187,7 +187,7 @@ MOE_PATHS = ("gemv", "gemm", "dequant")
 def moe_path(pairs: int, experts: int, mxfp4: bool) -> str:
     """The kernels (of `MOE_PATHS`, in `fused_moe.py`) that `pairs` routed pairs over `experts`
     experts run (all the model's: under expert parallelism a rank holds a like share of both)."""
-    if pairs < GEMV_PAIRS_PER_EXPERT[mxfp4] * experts:
+    if pairs < GEMV_BELOW_PAIRS[mxfp4]:
         return "gemv"
     return "dequant" if mxfp4 and pairs >= DEQUANTIZE_PAIRS_PER_EXPERT * experts else "gemm"
 
