@@ -15,9 +15,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def interpreter_findings(module: str) -> dict:
+def interpreter_findings(module: str, timeout: float = 600) -> dict:
     """`python -m module` with `TRITON_INTERPRET=1`: the JSON of its last line (skipped without
-    Triton)."""
+    Triton); `timeout` seconds at most."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton")
     run = subprocess.run(
@@ -26,7 +26,7 @@ def interpreter_findings(module: str) -> dict:
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.splitlines()[-1])

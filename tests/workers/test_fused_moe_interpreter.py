@@ -199,7 +199,7 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, list[float]]:
-    return run_interpreted(__name__)
+    return run_interpreted(__name__, timeout=1800)  # gpt-oss-20b's MXFP4 experts: about ten minutes on two cores
 
 
 @pytest.mark.parametrize("case", CASES)
