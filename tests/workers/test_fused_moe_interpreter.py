@@ -8,8 +8,8 @@ tokens the GEMV, 32 and 287 the grouped GEMM, 600 dequantised first, bit for bit
 path dequantises) and at gpt-oss-20b's for one token (several K tiles of several scale groups),
 against the torch path dequantising the same codes, with and without a map. In float32 they
 agree to float32 noise; in bfloat16 they round in the same places, so most outputs are equal.
-The grouped GEMM's layout of the pairs (`align_on_device`, two kernels) is the torch oracle's up
-to the order of pairs within an expert's run. Skipped where triton is not installed (CPU
+The grouped GEMM's layout of the pairs (`align_on_device`, two kernels) is a stable sort's in torch
+(`sorted_layout`) up to the order of pairs within an expert's run. Skipped where triton is not installed (CPU
 machines need not have it).
 
 Triton reads TRITON_INTERPRET as it defines its own library, so the kernels run in a child
@@ -79,10 +79,38 @@ ALIGN_CASES = [
 ]
 
 
+def sorted_layout(
+    ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_on_device`'s layout from torch ops, the oracle: a stable sort by expert, each run
+    padded to `block_m` with the pair count as filler, tiles past the experts' runs (and the run
+    of pairs held elsewhere, with a map) marked `num_experts`."""
+    from workers.models.fused_moe import aligned_rows
+
+    flat = ids.reshape(-1)
+    runs = num_experts
+    if expert_map is not None:
+        flat = expert_map[flat]
+        flat = torch.where(flat >= 0, flat, num_experts)
+        runs += 1
+    pairs = flat.numel()
+    counts = torch.zeros(runs, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(pairs) - (torch.cumsum(counts, 0) - counts)[expert]
+    rows = aligned_rows(pairs, runs, block_m)
+    pair_of_row = torch.full((rows,), pairs, dtype=torch.int32)
+    pair_of_row[(ends - padded)[expert] + rank] = order.to(torch.int32)
+    block_expert = torch.searchsorted(ends[:num_experts], torch.arange(0, rows, block_m), right=True)
+    return pair_of_row, block_expert.to(torch.int32)
+
+
 def _align_findings(case: str) -> dict:
-    """`align_on_device` against `align` (the torch oracle): the same tile experts and filler rows,
-    every row in the same expert's run, every pair in exactly one row."""
-    from workers.models.fused_moe import align, align_on_device
+    """`align_on_device` against `sorted_layout`: the same tile experts and filler rows, every
+    row in the same expert's run, every pair in exactly one row."""
+    from workers.models.fused_moe import align_on_device
 
     tokens, experts, top_k, block_m, *mapped = case.split("-")
     tokens, experts, top_k, block_m = int(tokens), int(experts), int(top_k), int(block_m)
@@ -92,7 +120,7 @@ def _align_findings(case: str) -> dict:
     if mapped:
         held = experts // 2
         expert_map = torch.where(torch.arange(experts) < held, torch.arange(experts), -1)
-    ref_rows, ref_tiles = align(ids, held, block_m, expert_map)
+    ref_rows, ref_tiles = sorted_layout(ids, held, block_m, expert_map)
     rows, tiles = align_on_device(ids, held, block_m, expert_map)
     pairs = ids.numel()
     flat = ids.reshape(-1)

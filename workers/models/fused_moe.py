@@ -12,8 +12,8 @@ Two shapes of work, chosen by how many pairs a forward routes (`gemv_tiles.moe_p
   cast kernels after the down projection.
 - **Many pairs** (prefills, large batches): a grouped GEMM. The pairs are sorted by expert on
   the device and each expert's run padded to the tile height (`align_on_device`: ranks taken by
-  atomic counts, then placed, two kernels where torch's sort takes about twenty; `align` in torch
-  ops is its oracle); each program multiplies
+  atomic counts, then placed, two kernels where torch's sort takes about twenty); each program
+  multiplies
   one tile of one expert's pairs with `tl.dot`, reading that expert's weights once per tile.
   The grid is the most tiles the pairs could fill, so its size depends only on the batch; tiles
   past the experts' runs exit at once.
@@ -321,7 +321,7 @@ def _gemm_gate_up(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (m, n): tile m of the expert-sorted pairs (one expert's, `align`) times that
+    """Program (m, n): tile m of the expert-sorted pairs (one expert's, `align_on_device`) times that
     expert's gate and up rows [n * BLOCK_N, +BLOCK_N), activated, into the pairs' rows of h (W4:
     MXFP4 weights, as `_gemv_gate_up`'s)."""
     e = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
@@ -471,37 +471,6 @@ def aligned_rows(pairs: int, runs: int, block_m: int) -> int:
     return min(pairs * block_m, triton.cdiv(pairs + runs * (block_m - 1), block_m) * block_m)
 
 
-def align(
-    ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair of each row `[R]`, expert of each tile `[R / block_m]`): the routed pairs (flattened
-    `ids`) sorted by expert, each expert's run padded to a multiple of `block_m` with the pair
-    count as filler, and tiles past the runs marked `num_experts`. With `expert_map`, pairs of
-    experts held elsewhere (-1) form one more run, last, in tiles marked `num_experts`. `R` is
-    `aligned_rows`; all on the device, no host read. In torch ops (about twenty small kernels):
-    the oracle of `align_on_device`, which the kernels use."""
-    flat = ids.reshape(-1)
-    runs = num_experts
-    if expert_map is not None:
-        flat = expert_map[flat]
-        flat = torch.where(flat >= 0, flat, num_experts)
-        runs += 1
-    pairs = flat.numel()
-    counts = torch.zeros(runs, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)
-    expert = flat[order]
-    rank = torch.arange(pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    rows = aligned_rows(pairs, runs, block_m)
-    pair_of_row = torch.full((rows,), pairs, dtype=torch.int32, device=ids.device)
-    pair_of_row[(ends - padded)[expert] + rank] = order.to(torch.int32)
-    starts = torch.arange(0, rows, block_m, device=ids.device)
-    block_expert = torch.searchsorted(ends[:num_experts], starts, right=True).to(torch.int32)
-    return pair_of_row, block_expert
-
-
 @triton.jit
 def _run_of(ids_ptr, map_ptr, p, ok, E, HAS_MAP: tl.constexpr):
     """The run of pairs `p`: its expert, or with a map the rank-local expert (E where held elsewhere)."""
@@ -574,9 +543,13 @@ def _place_kernel(
 def align_on_device(
     ids: torch.Tensor, num_experts: int, block_m: int, expert_map: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align`'s layout in two kernels (ranks by atomic counts, then placement), each run's pairs
-    in arrival order rather than ascending: the grouped GEMM computes every row alike wherever it
-    sits in its tile."""
+    """(pair of each row `[R]`, expert of each tile `[R / block_m]`): the routed pairs (flattened
+    `ids`) sorted by expert, each expert's run padded to a multiple of `block_m` with the pair
+    count as filler, and tiles past the runs marked `num_experts`. With `expert_map`, pairs of
+    experts held elsewhere (-1) form one more run, last, in tiles marked `num_experts`. `R` is
+    `aligned_rows`; two kernels (ranks by atomic counts, then placement), no host read. A run's
+    pairs are in arrival order: the grouped GEMM computes every row alike wherever it sits in
+    its tile."""
     flat = ids.reshape(-1).contiguous()
     pairs, device = flat.numel(), flat.device
     runs = num_experts + (expert_map is not None)
