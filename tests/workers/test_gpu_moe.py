@@ -344,10 +344,10 @@ def test_tiny_moe_models_match_the_torch_path(tmp_path, monkeypatch, name):
 @pytest.mark.parametrize("name,draft", [("gpt_oss", "eagle3"), ("gemma4_moe", "assistant")])
 def test_drafts_over_moe_targets_keep_plain_decoding_under_graphs(tmp_path, name, draft):
     """EAGLE-3 over gpt-oss and Gemma 4's assistant over the Gemma 4 MoE, 4 draft steps a round,
-    bf16, trtllm_mha, CUDA graphs: each verify forward routes a request's five tokens through the
-    grouped GEMM where plain decoding routes one through the GEMV, and the logits stay plain
-    decoding's within bf16 noise up to each request's first differing token (every expert chosen,
-    as above, so that no routing decision can flip), drafts accepted, no KV leaked."""
+    bf16, trtllm_mha, CUDA graphs: each verify forward routes a request's five tokens at once,
+    and the logits stay plain decoding's within bf16 noise up to each request's first differing
+    token (every expert chosen, as above, so that no routing decision can flip), the assistant's
+    drafts accepted, no KV leaked."""
     count, top_k = EXPERT_FIELDS[name]
     path = _tiny_moe_model(tmp_path, name, **{top_k: TINY_MODELS[name][2][count]})
     if name == "gemma4_moe":
