@@ -54,9 +54,9 @@ def _moe_case(kernel: str, w4: bool) -> Case:
     tile = gemv_tiles.moe_tile_for(kernel + ("_mxfp4" if w4 else ""), 2880)  # gpt-oss-20b's experts
     name = "_gemv_gate_up" if kernel == "gate_up" else "_gemv_down"
     flags = dict(HAS_BIAS=True, HAS_MAP=False, W4=w4, BLOCK_N=tile.rows, BLOCK_K=tile.cols, PDL=2)
-    flags.update(ACT=1) if kernel == "gate_up" else flags.update(TOP_K=4)
+    flags.update(ACT=1) if kernel == "gate_up" else flags.update(TOP_K_PAD=4)
     types = {"w_ptr": "*u8", "s_ptr": "*u8"} if w4 else {}
-    streams = 2 if kernel == "gate_up" else 4  # the gate's and the up projection's rows; each of a token's 4 pairs'
+    streams = 2 if kernel == "gate_up" else 1  # the gate's and the up projection's rows
     per_element = 0.5 if w4 else 2
     return Case(
         fused_moe,

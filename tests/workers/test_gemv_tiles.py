@@ -45,7 +45,7 @@ def test_moe_kernel_overrides_are_read_by_kernel_name():
 
 def test_moe_tiles_follow_the_experts_width_and_an_override_wins(monkeypatch):
     assert gemv_tiles.moe_tile_for("gate_up", 2880) == Tile(4, 256, 4, 1)  # gpt-oss-20b
-    assert gemv_tiles.moe_tile_for("down", 704) == Tile(4, 256, 4, 1)  # Gemma-4-26B-A4B
+    assert gemv_tiles.moe_tile_for("down", 704) == Tile(16, 256, 4, 1)  # Gemma-4-26B-A4B
     assert gemv_tiles.moe_tile_for("gate_up_mxfp4", 2880) == Tile(8, 512, 4, 1)  # gpt-oss-20b's MXFP4 experts
     monkeypatch.setattr(gemv_tiles, "MOE_OVERRIDES", {"down": Tile(8, 512, 4, 1)})
     assert gemv_tiles.moe_tile_for("down", 704) == Tile(8, 512, 4, 1)

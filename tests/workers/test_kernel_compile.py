@@ -60,8 +60,7 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
         tile = dict(BLOCK_N=up.rows, BLOCK_K=up.cols)
         cases.append(("fused_moe", "_gemv_gate_up", dict(tile, **flags, ACT=1), up.warps))
         tile = dict(BLOCK_N=down.rows, BLOCK_K=down.cols)
-        top_k = 4 if w4 else 8  # MXFP4 experts: gpt-oss's 4 a token; else Gemma 4's 8
-        cases.append(("fused_moe", "_gemv_down", dict(tile, **flags, TOP_K=top_k), down.warps))
+        cases.append(("fused_moe", "_gemv_down", dict(tile, **flags, TOP_K_PAD=8), down.warps))
 
     for norm in (False, True):
         tile = dict(BLOCK_E=fused_router.BLOCK_E, BLOCK_K=fused_router.MAX_BLOCK_K, BLOCK_H=4096)

@@ -2,15 +2,14 @@
 pairs, the torch path of `workers/models/moe.py` their oracle (docs/design.md §4.8).
 
 Two shapes of work, chosen by how many pairs a forward routes (`gemv_tiles.moe_path`, data):
-- **Few pairs** (decode steps, small verifies): GEMV-like programs read the chosen experts'
-  weight rows, once per pair that chose them, and nothing else of the experts. The gate/up
-  projection runs a program per (pair, block of outputs); the down projection one per (token,
-  block of outputs) reading all the token's pairs' rows each K tile (top_k streams of loads in
-  flight), their inputs scaled by the routing weights, so it writes the token's output in the
-  model's dtype itself: no float32 rows, sum or cast kernels after it. Products accumulate in a
-  tile of float32 sums reduced once after the K loop, as the dense GEMV's (a reduction every K
-  tile holds back the next tile's loads), and the kernels launch with PDL
-  (`attention/kernels/launch.py`).
+- **Few pairs** (decode steps, small verifies): one program per (pair, block of outputs) reads
+  its expert's weight rows and the pair's input row, GEMV-like. Only the chosen experts'
+  weights are read, once per pair that chose them. Products accumulate in a tile of float32
+  sums reduced once after the K loop, as the dense GEMV's (a reduction every K tile holds back
+  the next tile's loads), and the kernels launch with PDL (`attention/kernels/launch.py`). The
+  last of a token's pairs to finish a block of outputs adds the pairs' rows in top-k order and
+  writes the token's output in the model's dtype (`attention/kernels/arrival.py`): no sum and
+  cast kernels after the down projection.
 - **Many pairs** (prefills, large batches): a grouped GEMM. The pairs are sorted by expert on
   the device and each expert's run padded to the tile height (`align_on_device`: ranks taken by
   atomic counts, then placed, two kernels where torch's sort takes about twenty); each program
@@ -22,7 +21,7 @@ Two shapes of work, chosen by how many pairs a forward routes (`gemv_tiles.moe_p
 Either way the gate/up projection and the activation are one kernel (`act(gate) * up`, the
 family's activation by code, `ACTIVATIONS`) writing the intermediate rows in the model's dtype,
 and the down projection a second, which adds the expert's bias and scales by the pair's routing
-weight (the grouped GEMM into float32 rows, each token's top-k rows then summed). Nothing is read back to the
+weight into float32 rows; each token's top-k rows are then summed. Nothing is read back to the
 host and no shape depends on the routing, so CUDA graphs capture both paths. Float32 inputs
 multiply in full precision (`tl.dot` would round them to TF32).
 
@@ -222,10 +221,13 @@ def _gemv_down(
     w_ptr,
     s_ptr,
     b_ptr,
+    y_ptr,
     out_ptr,
+    counter_ptr,
     ids_ptr,
     map_ptr,
     weights_ptr,
+    top_k,
     K,
     N,
     stride_h,
@@ -234,65 +236,58 @@ def _gemv_down(
     stride_se,
     stride_sn,
     stride_be,
+    stride_y,
     HAS_BIAS: tl.constexpr,
     HAS_MAP: tl.constexpr,
     W4: tl.constexpr,
-    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,  # top_k rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (t, n): outputs [n * BLOCK_N, +BLOCK_N) of token t, the sum over its TOP_K pairs
-    of each pair's expert's down projection of the pair's intermediate row plus the expert's
-    bias, times the pair's routing weight, written in out's dtype (W4: MXFP4 weights, as
-    `_gemv_gate_up`'s). Each K tile reads every pair's rows (the pairs unrolled: TOP_K streams of
-    loads in flight a program) into one tile of float32 sums, each row's inputs scaled by its
-    routing weight first, so the token's sum needs no second pass and no other program. With a
-    map, a pair whose expert is elsewhere (-1) reads nothing and adds nothing."""
+    """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of pair p's expert's down projection of
+    its intermediate row, plus the expert's bias, times the pair's routing weight, into y
+    (float32); the last of the token's pairs to arrive writes the token's sum of them to `out`
+    in its dtype (W4: MXFP4 weights, as `_gemv_gate_up`'s). With a map, a pair whose expert is
+    elsewhere (-1) adds zeros."""
     pdl_start(PDL)
-    t = tl.program_id(0)
+    p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    if W4:
-        tile = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
-    else:
-        tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        for j in tl.static_range(TOP_K):
-            p = t * TOP_K + j
-            e = _expert_of(ids_ptr, map_ptr, p, HAS_MAP)
-            held_k = tl.where(e >= 0, K, 0)  # another rank's pair: nothing read (its row was never written)
-            weight = tl.load(weights_ptr + p)
-            h_row = h_ptr + p.to(tl.int64) * stride_h
-            w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
-            if W4:
-                s_rows = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
-                tile += _mx_group_sums(h_row, w_rows, s_rows, k0, n_ok, held_k, BLOCK_K) * weight
-            else:
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < held_k
-                h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32) * weight
-                w = tl.load(
-                    w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
-                )
-                tile += w.to(tl.float32) * h[None, :]
-    total = tl.sum(tile, axis=1)
-    if HAS_BIAS:
-        for j in tl.static_range(TOP_K):
-            p = t * TOP_K + j
-            e = _expert_of(ids_ptr, map_ptr, p, HAS_MAP)
-            bias = tl.load(b_ptr + e * stride_be + n, mask=n < tl.where(e >= 0, N, 0), other=0.0).to(tl.float32)
-            total += bias * tl.load(weights_ptr + p)
-    tl.store(out_ptr + t.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _expert_of(ids_ptr, map_ptr, p, HAS_MAP: tl.constexpr):
-    """Pair p's expert among these weights (int64), -1 where a map places it on another rank."""
     e = tl.load(ids_ptr + p).to(tl.int64)
     if HAS_MAP:
         e = tl.load(map_ptr + e).to(tl.int64)
-    return e
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if e >= 0:
+        h_row = h_ptr + p.to(tl.int64) * stride_h
+        w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
+        if W4:
+            s_rows = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
+            tile = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                tile += _mx_group_sums(h_row, w_rows, s_rows, k0, n_ok, K, BLOCK_K)
+        else:
+            tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < K
+                h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(
+                    w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first"
+                )
+                tile += w.to(tl.float32) * h
+        acc = tl.sum(tile, axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        acc *= tl.load(weights_ptr + p)
+    tl.store(y_ptr + p.to(tl.int64) * stride_y + n, acc, mask=n_ok)
+    token = p // top_k
+    if last_arrival(counter_ptr + token * tl.num_programs(1) + tl.program_id(1), top_k):
+        j = tl.arange(0, TOP_K_PAD)
+        rows = y_ptr + (token * top_k + j).to(tl.int64)[:, None] * stride_y + n[None, :]
+        parts = tl.load(rows, mask=(j < top_k)[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+        total = tl.sum(parts, axis=0)
+        tl.store(out_ptr + token.to(tl.int64) * N + n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -608,6 +603,7 @@ def fused_experts(
     x = x.contiguous()
     ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous()
     h = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     w4 = isinstance(gate_up, Mxfp4Experts)
     if w4 != isinstance(down, Mxfp4Experts):
         raise ValueError("gate_up and down: both MXFP4 or neither")
@@ -631,13 +627,13 @@ def fused_experts(
             num_warps=up.warps, **pdl_options(pairs * up_blocks),
         )  # fmt: skip
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-        _gemv_down[(tokens, down_blocks)](
-            h, dn_w, dn_s, d_bias, out, ids, mapping, weights, width, hidden, h.stride(0), *dn_strides,
-            d_bias.stride(0), HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, TOP_K=top_k,
-            BLOCK_N=dn.rows, BLOCK_K=dn.cols, num_warps=dn.warps, **pdl_options(tokens * down_blocks),
+        _gemv_down[(pairs, down_blocks)](
+            h, dn_w, dn_s, d_bias, y, out, counters(x.device, tokens * down_blocks), ids, mapping, weights, top_k,
+            width, hidden, h.stride(0), *dn_strides, d_bias.stride(0), y.stride(0),
+            HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, TOP_K_PAD=triton.next_power_of_2(top_k),
+            BLOCK_N=dn.rows, BLOCK_K=dn.cols, num_warps=dn.warps, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
         return out
-    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     dense = path == "dequant"  # the bf16 GEMM over each matrix dequantised in turn (one workspace)
     w4 = w4 and not dense
     bm, bn, bk = GEMM_BLOCK_M, GEMM_BLOCK_N, GEMM_BLOCK_K

@@ -115,9 +115,7 @@ def _overrides(
 # (`stages` unused). Captured batch-1 steps on an H200 (`decode_step`): gpt-oss-20b (2880 wide)
 # 2.69 ms at 4 rows against 2.81 at 16; Gemma-4-26B-A4B (704 wide, 8 experts a token) 3.38 ms at
 # 16 rows against 3.51 at 8 and 3.53 at 4. `SLIDESPEC_MOE_GEMV_TILES` overrides a kernel's tile at
-# every width, e.g. `gate_up=8,256,4,1;down=8,512,4,1`. The down kernel reads all of a token's
-# pairs' rows a loop step (top_k times its tile: 4 x 256 at top 8 is 16 KB a program, where
-# 16 x 256 spills registers).
+# every width, e.g. `gate_up=8,256,4,1;down=8,512,4,1`.
 # The MXFP4 kernels (`*_mxfp4`) read half a byte an element: 8 rows of 512 columns read 16 bytes
 # a thread a loop step, one vector, and spread the loop's fixed work over the most of them
 # (`kernel_sass`: 13 and 12 instructions a code byte for down and gate/up, against 16 and 14 at
@@ -136,7 +134,7 @@ MOE_GEMV_TILES: tuple[tuple[int, dict[str, Tile]], ...] = (
         0,
         {
             "gate_up": Tile(16, 256, 4, 1),
-            "down": Tile(4, 256, 4, 1),
+            "down": Tile(16, 256, 4, 1),
             "gate_up_mxfp4": Tile(16, 128, 8, 1),  # wider spills at 4 warps (two tiles and their decoding)
             "down_mxfp4": Tile(16, 128, 8, 1),
         },
