@@ -96,6 +96,14 @@ def test_small_row_blocks_are_read_whole_and_the_rest_stream(shape, width):
     assert gemv_tiles.preload_width(gemv_tiles.tile_for(*shape), shape[1]) == width
 
 
+def test_exact_shape_tiles_apply_to_one_row_of_their_shape_only():
+    """Gemma-4-E4B's gate/up (20480 x 2560) reads its timed 8-warp tile for one row; Llama-3-8B's
+    wide gate/up keeps the rules' 4-warp tile, and several rows the rows' table."""
+    assert gemv_tiles.tile_for(20480, 2560) == Tile(16, 256, 8, 4)
+    assert gemv_tiles.tile_for(28672, 4096) == Tile(16, 256, 4, 4)
+    assert gemv_tiles.tile_for(20480, 2560, 2) == Tile(64, 64, 4, 3)
+
+
 @pytest.mark.parametrize("shape", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_fp8_tiles_fit_their_scale_layout(shape, rows):
