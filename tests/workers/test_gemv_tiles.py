@@ -97,9 +97,11 @@ def test_small_row_blocks_are_read_whole_and_the_rest_stream(shape, width):
 
 
 def test_exact_shape_tiles_apply_to_one_row_of_their_shape_only():
-    """Gemma-4-E4B's gate/up (20480 x 2560) reads its timed 8-warp tile for one row; Llama-3-8B's
-    wide gate/up keeps the rules' 4-warp tile, and several rows the rows' table."""
+    """Gemma-4-E4B's gate/up (20480 x 2560) and Gemma-4-26B-A4B's O projection read their timed
+    8-warp tiles for one row; Llama-3-8B's wide gate/up keeps the rules' 4-warp tile, and several
+    rows the rows' table."""
     assert gemv_tiles.tile_for(20480, 2560) == Tile(16, 256, 8, 4)
+    assert gemv_tiles.tile_for(2816, 4096) == Tile(4, 512, 8, 4)  # Gemma-4-26B-A4B's O projection
     assert gemv_tiles.tile_for(28672, 4096) == Tile(16, 256, 4, 4)
     assert gemv_tiles.tile_for(20480, 2560, 2) == Tile(64, 64, 4, 3)
 

@@ -50,10 +50,13 @@ TILES: tuple[tuple[int, int, Tile], ...] = (
 # (`preload_width`), so the norm runs inside the GEMV: a captured batch-1 step 3.34 ms against
 # 3.45 with the rules' tiles (`decode_step --shape gemma4-e4b`, H200).
 # Its MLP's gate/up (20480 x 2560, the activation inside) reads 16 x 256 tiles at 8 warps where the
-# rules' 4 warps take 3.36 ms a step: 3.19 ms (sweep in `decode_step.history.jsonl`).
+# rules' 4 warps take 3.36 ms a step: 3.19 ms. Gemma-4-26B-A4B's O projections (4096 and 8192
+# inputs) at 8 warps, the 4096-wide ones preloaded: 3.28 ms a step against 3.33 (sweeps in
+# `decode_step.history.jsonl`; E4B's O projections gained nothing so).
 SHAPE_TILES: dict[tuple[int, int], Tile] = {
     **{(out_features, 2560): Tile(4, 512, 8, 4) for out_features in (3072, 6144, 2048, 4096, 256)},
     (20480, 2560): Tile(16, 256, 8, 4),
+    **{(2816, in_features): Tile(4, 512, 8, 4) for in_features in (4096, 8192)},
 }
 
 # The same for 2 to MAX_ROWS rows (`rows` is the tl.dot tile's N: at least 16); None: cuBLAS,
