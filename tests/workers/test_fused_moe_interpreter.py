@@ -51,10 +51,11 @@ CASES = [
     for dtype in DTYPES
 ]
 # the router kernels (workers/models/fused_router.py): Gemma 4's (norm, scales, 128 experts, top 8)
-# and gpt-oss's (bias, 32 experts, top 4) at 1 and 8 tokens
+# and gpt-oss's (bias, 32 experts, top 4) at 1 and 8 tokens; at 8 also with the weights read before
+# the PDL wait, as on Hopper
 ROUTER_CASES = [
     f"{family}-{tokens}-{dtype}" for family in ("gemma4", "gpt-oss") for tokens in (1, 8) for dtype in DTYPES
-]
+] + [f"{family}-8-{dtype}-preloaded" for family in ("gemma4", "gpt-oss") for dtype in DTYPES]
 EXPERT_MAP_CASES = [
     f"{shape}-{tokens}-bfloat16-map" for shape in ("tiny-gemma4-moe", "tiny-gpt-oss") for tokens in (32, 287)
 ]
@@ -138,10 +139,13 @@ def _align_findings(case: str) -> dict:
 def _router_findings(case: str) -> dict:
     """The logits kernel against the torch path's logits (largest difference in ulps of the
     model's dtype, share unequal), and the top-k kernel over those same logits against `route`:
-    equal ids (float32 logits have no ties), the weights' largest difference."""
+    equal ids (float32 logits have no ties), the weights' largest difference; and the order of
+    tied logits."""
     from workers.models import fused_router
 
-    family, tokens, dtype = case.rsplit("-", 2)
+    preloaded = case.endswith("-preloaded")  # the router's rows read before the PDL wait, as on Hopper
+    fused_router.preloads = lambda: preloaded
+    family, tokens, dtype = case.removesuffix("-preloaded").rsplit("-", 2)
     router = random_router(family, DTYPES[dtype])
     hidden = router.proj.weight.shape[1]
     x = torch.randn(int(tokens), hidden, generator=torch.Generator().manual_seed(int(tokens))).to(DTYPES[dtype])
@@ -158,7 +162,10 @@ def _router_findings(case: str) -> dict:
         scores = torch.randn(int(tokens), ref.shape[1], generator=torch.Generator().manual_seed(7))
         weights, ids = fused_router.top_k_of(scores, router.top_k, expert_scale)
         ref_weights, ref_ids = route(scores, router.top_k, expert_scale)
+        # equal logits: the lower expert id first (3 and 6 tie for the fourth place)
+        _, tied = fused_router.top_k_of(torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -1.0, 2.0, 0.5]]), 4)
     return {
+        "ties_lowest_first": tied.tolist() == [[1, 2, 4, 3]],
         "logit_ulps": float(((got.float() - ref.float()).abs() / spacing).max()),
         "unequal": float((got != ref).float().mean()),
         "relative": float((got.float() - ref.float()).norm() / ref.float().norm()),
@@ -257,12 +264,13 @@ def test_router_kernels_match_the_torch_path_in_the_interpreter(interpreted, cas
     (whose float32 statistics round the other way), and the same experts in the same order with
     softmax weights to float32 noise."""
     found = interpreted[f"router-{case}"]
-    if case.endswith("float32"):
+    if "float32" in case:
         assert found["relative"] <= 1e-6, found
     else:
         assert found["logit_ulps"] <= 1.0 and found["unequal"] <= 0.02, found
     assert found["ids_equal"] and found["weights"] <= 1e-6, found
     assert found["one_launch_equal"], found  # the logits kernel's own top-k: the two kernels' result
+    assert found["ties_lowest_first"], found
 
 
 @pytest.mark.parametrize("case", ALIGN_CASES)

@@ -67,9 +67,11 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     for norm in (False, True):
         tile = dict(BLOCK_E=fused_router.BLOCK_E, BLOCK_K=fused_router.MAX_BLOCK_K, BLOCK_H=4096)
         for top_k in (0, 8):  # the logits alone; with the token's top-k in its last program
-            routed = dict(TOP_K=top_k, K_PAD=8, HAS_SCALE=norm, BLOCK_EXPERTS=128)
-            cases.append(("fused_router", "_logits_kernel", dict(tile, NORM=norm, HAS_BIAS=not norm, **routed), 4))
-    cases.append(("fused_router", "_top_k_kernel", dict(TOP_K=8, K_PAD=8, HAS_SCALE=True, BLOCK=128), 4))
+            routed = dict(TOP_K=top_k, HAS_SCALE=norm, BLOCK_EXPERTS=128)
+            for preload in (False, True):
+                flags = dict(tile, NORM=norm, HAS_BIAS=not norm, PRELOAD=preload, **routed)
+                cases.append(("fused_router", "_logits_kernel", flags, 4))
+    cases.append(("fused_router", "_top_k_kernel", dict(TOP_K=8, HAS_SCALE=True, BLOCK=128), 4))
     flags = dict(RANK=0, WORLD=2, NORM=True, GEMMA=False, BEFORE=True, BIAS=False, SCALE=True, BITS=16, BLOCK=8192)
     cases.append(("all_reduce_norm", "_all_reduce_add_rms_norm_kernel", flags, 16))
     return [(f"{m}.{k}-{i}", m, k, {**c, "PDL": 2}, w) for i, (m, k, c, w) in enumerate(cases)]
