@@ -2,7 +2,8 @@
 against the torch path, at the tiny test models' expert shapes (8 experts, 2 a token, 256 -> 32,
 narrower than every tile of the kernels), each path asked for: 1 and 32 tokens (2 and 64 pairs)
 through the GEMV-like kernels, 33 and a 287-token prefill (66 and 574 pairs) through the grouped
-GEMM; with an expert map (each of two ranks holding half the experts), 32 and 287 tokens;
+GEMM; the GEMV-like kernels again reading their weights before the PDL wait as on Hopper (1 and
+32 tokens); with an expert map (each of two ranks holding half the experts), 32 and 287 tokens;
 gpt-oss's MXFP4 experts (read as stored, decoded in the kernels) at the tiny shape (1 and 8
 tokens the GEMV, 32 and 287 the grouped GEMM, 600 dequantised first, bit for bit as the torch
 path dequantises) and at gpt-oss-20b's for one token (several K tiles of several scale groups),
@@ -48,6 +49,14 @@ CASES = [
     f"{shape}-{tokens}-{dtype}"
     for shape in ("tiny-gemma4-moe", "tiny-gpt-oss")
     for tokens in (1, 32, 33, 287)
+    for dtype in DTYPES
+]
+# the GEMV-like kernels reading each program's expert rows before the PDL wait, as on Hopper
+# (the down kernel always, the gate/up kernel where the routing came a kernel earlier)
+PRELOADED_CASES = [
+    f"{shape}-{tokens}-{dtype}-preloaded"
+    for shape in ("tiny-gemma4-moe", "tiny-gpt-oss")
+    for tokens in (1, 32)
     for dtype in DTYPES
 ]
 # the router kernels (workers/models/fused_router.py): Gemma 4's (norm, scales, 128 experts, top 8)
@@ -179,19 +188,24 @@ def interpreted_differences() -> dict[str, list[float] | dict]:
     """Each case's `differences` of the kernels from the torch path (under TRITON_INTERPRET=1),
     and the router cases' findings."""
     as_the_gpu_does()
+    from workers.models import fused_moe
     from workers.models.fused_moe import fused_experts
 
     out = {}
-    for case in CASES:
-        shape, tokens, dtype = case.rsplit("-", 2)
+    for case in CASES + PRELOADED_CASES:
+        preloaded = case.endswith("-preloaded")
+        fused_moe.preloads = lambda preloaded=preloaded: preloaded
+        shape, tokens, dtype = case.removesuffix("-preloaded").rsplit("-", 2)
         tokens, dtype = int(tokens), DTYPES[dtype]
         num, top_k, hidden, act, experts = random_experts(shape, device="cpu", dtype=dtype)
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         weights, ids = skewed_routing(tokens, num, top_k, seed=tokens, device="cpu")
         gate_up, down, gate_up_bias, down_bias = experts
         ref = experts_torch(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
-        got = fused_experts(x, gate_up, down, weights, ids, act, gate_up_bias, down_bias, path=PATHS[tokens])
+        args = (x, gate_up, down, weights, ids, act, gate_up_bias, down_bias)
+        got = fused_experts(*args, path=PATHS[tokens], routed_early=preloaded)
         out[case] = differences(got, ref).tolist()
+    fused_moe.preloads = lambda: False
     for case in EXPERT_MAP_CASES:
         shape, tokens, dtype, _ = case.rsplit("-", 3)
         num, top_k, hidden, act, experts = random_experts(shape, device="cpu", dtype=DTYPES[dtype])
@@ -237,9 +251,11 @@ def interpreted() -> dict[str, list[float]]:
     return run_interpreted(__name__, timeout=1800)  # gpt-oss-20b's MXFP4 experts: about ten minutes on two cores
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + PRELOADED_CASES)
 def test_fused_experts_match_the_torch_path_in_the_interpreter(interpreted, case):
-    assert_rounding_noise(torch.tensor(interpreted[case]), case, BOUNDS[case.rsplit("-", 1)[1]])
+    assert_rounding_noise(
+        torch.tensor(interpreted[case]), case, BOUNDS[case.removesuffix("-preloaded").rsplit("-", 1)[1]]
+    )
 
 
 @pytest.mark.parametrize("case", EXPERT_MAP_CASES)

@@ -45,11 +45,23 @@ def test_moe_kernel_overrides_are_read_by_kernel_name():
 
 def test_moe_tiles_follow_the_experts_width_and_an_override_wins(monkeypatch):
     assert gemv_tiles.moe_tile_for("gate_up", 2880) == Tile(4, 256, 4, 1)  # gpt-oss-20b
-    assert gemv_tiles.moe_tile_for("down", 704) == Tile(16, 256, 4, 1)  # Gemma-4-26B-A4B
+    assert gemv_tiles.moe_tile_for("down", 704) == Tile(8, 256, 4, 1)  # Gemma-4-26B-A4B
     assert gemv_tiles.moe_tile_for("gate_up_mxfp4", 2880) == Tile(8, 512, 4, 1)  # gpt-oss-20b's MXFP4 experts
-    monkeypatch.setattr(gemv_tiles, "MOE_OVERRIDES", {"down": Tile(8, 512, 4, 1)})
-    assert gemv_tiles.moe_tile_for("down", 704) == Tile(8, 512, 4, 1)
-    assert gemv_tiles.moe_tile_for("gate_up", 704) == Tile(16, 256, 4, 1)
+    monkeypatch.setattr(gemv_tiles, "MOE_OVERRIDES", {"down": Tile(4, 512, 4, 1)})
+    assert gemv_tiles.moe_tile_for("down", 704) == Tile(4, 512, 4, 1)
+    assert gemv_tiles.moe_tile_for("gate_up", 704) == Tile(1, 256, 4, 1)
+
+
+def test_moe_row_blocks_are_preloaded_where_they_fit_the_registers():
+    """Gemma-4-26B-A4B's tiles hold a program's whole row block (704 inputs rounded to 1024 for
+    down, gate and up rows of 2816 rounded to 4096) in 64 elements a thread; gpt-oss-20b's
+    (2880 wide) stream theirs after the wait, as do wider tiles."""
+    down, gate_up = gemv_tiles.moe_tile_for("down", 704), gemv_tiles.moe_tile_for("gate_up", 704)
+    assert gemv_tiles.moe_preload_width(down, 704, 1) == 1024
+    assert gemv_tiles.moe_preload_width(gate_up, 2816, 2) == 4096
+    assert gemv_tiles.moe_preload_width(Tile(2, 256, 4, 1), 2816, 2) == 0
+    assert gemv_tiles.moe_preload_width(Tile(2, 256, 8, 1), 2816, 2) == 4096
+    assert gemv_tiles.moe_preload_width(gemv_tiles.moe_tile_for("down", 2880), 2880, 1) == 0
 
 
 def test_moe_paths_follow_the_routed_pairs():

@@ -20,6 +20,8 @@ chooses over its logits, which are a rounding apart from the torch path's at mos
 batches) match the torch path dequantising the same codes, with and without an expert map.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -380,14 +382,14 @@ def test_every_experts_call_of_a_tiny_moe_model_matches_the_torch_path(tmp_path,
     calls = torch.zeros((), dtype=torch.int64, device="cuda")
     formats = set()  # whether each call's experts were MXFP4 (known on the host: no sync)
 
-    def checked(x: torch.Tensor, *args) -> torch.Tensor:
-        out = fused_experts(x, *args)
+    def checked(x: torch.Tensor, *args, routed_early: bool = False) -> torch.Tensor:
+        out = fused_experts(x, *args, routed_early=routed_early)
         torch.maximum(worst, differences(out, experts_torch(x, *args)), out=worst)
         calls.add_(1)
         formats.add(isinstance(args[0], Mxfp4Experts))
         return out
 
-    monkeypatch.setattr(moe, "experts_for", lambda x: checked)
+    monkeypatch.setattr(moe, "experts_for", lambda x, early=False: functools.partial(checked, routed_early=early))
     family, _, quantized = name.partition("-")
     path = _tiny_moe_model(tmp_path, family)
     if quantized:

@@ -45,8 +45,8 @@ import triton
 import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
-from attention.kernels.launch import pdl_options, pdl_start
-from workers.models.gemv_tiles import MOE_PATHS, moe_path, moe_tile_for
+from attention.kernels.launch import pdl_options, pdl_start, preloads
+from workers.models.gemv_tiles import MOE_PATHS, moe_path, moe_preload_width, moe_tile_for
 from workers.models.moe import Activation
 from workers.models.mxfp4 import Mxfp4Experts
 
@@ -143,6 +143,15 @@ def _pair_inputs(rows, valid, k0, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _expert_of(ids_ptr, map_ptr, p, HAS_MAP: tl.constexpr):
+    """Pair p's expert among those this rank holds (-1: held elsewhere)."""
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e).to(tl.int64)
+    return e
+
+
+@triton.jit
 def _gemv_gate_up(
     x_ptr,
     w_ptr,
@@ -169,25 +178,36 @@ def _gemv_gate_up(
     W4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRELOAD_K: tl.constexpr,  # 0, or K rounded up: the row block read whole before the PDL wait
     PDL: tl.constexpr,
 ):
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of `act(gate) * up` for pair p. The
     expert's gate rows are rows [0, N) of its `[2N, K]` weight, its up rows [N, 2N) (W4: MXFP4
     bytes `[2N, K / 2]`, scales `[2N, K / 32]` at `s_ptr`). With a map, a pair whose expert is
-    elsewhere (-1) writes nothing."""
-    pdl_start(PDL)
+    elsewhere (-1) writes nothing. With PRELOAD_K the routing was written before the kernel
+    before this one (`fused_experts`' `routed_early`), so the expert and its rows are read
+    before the wait."""
+    if PRELOAD_K == 0:
+        pdl_start(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e).to(tl.int64)
-        if e < 0:
-            return
+    e = _expert_of(ids_ptr, map_ptr, p, HAS_MAP)
+    if e < 0:
+        return
     x_row = x_ptr + (p // top_k).to(tl.int64) * stride_x
     w_gate = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     w_up = w_gate + N * stride_wn
-    if W4:
+    if PRELOAD_K > 0:
+        k = tl.arange(0, PRELOAD_K)
+        k_ok = k < K
+        mask = n_ok[:, None] & k_ok[None, :]
+        w_g = tl.load(w_gate + k[None, :], mask=mask, other=0.0)
+        w_u = tl.load(w_up + k[None, :], mask=mask, other=0.0)
+        pdl_start(PDL)
+        x = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        tile_gate, tile_up = w_g.to(tl.float32) * x, w_u.to(tl.float32) * x
+    elif W4:
         s_gate = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
         s_up = s_gate + N * stride_sn
         tile_gate = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
@@ -243,24 +263,39 @@ def _gemv_down(
     TOP_K_PAD: tl.constexpr,  # top_k rounded up to a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRELOAD_K: tl.constexpr,  # 0, or K rounded up: the row block read whole before the PDL wait
     PDL: tl.constexpr,
 ):
     """Program (p, n): outputs [n * BLOCK_N, +BLOCK_N) of pair p's expert's down projection of
     its intermediate row, plus the expert's bias, times the pair's routing weight, into y
     (float32); the last of the token's pairs to arrive writes the token's sum of them to `out`
     in its dtype (W4: MXFP4 weights, as `_gemv_gate_up`'s). With a map, a pair whose expert is
-    elsewhere (-1) adds zeros."""
-    pdl_start(PDL)
+    elsewhere (-1) adds zeros. With PRELOAD_K the expert, its rows and the routing weight are read
+    before the wait: the routing was written before the gate/up kernel that this one waits for,
+    which had waited for it (PDL launches this kernel after that wait)."""
+    if PRELOAD_K == 0:
+        pdl_start(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e).to(tl.int64)
+    e = _expert_of(ids_ptr, map_ptr, p, HAS_MAP)
+    h_row = h_ptr + p.to(tl.int64) * stride_h
+    w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if e >= 0:
-        h_row = h_ptr + p.to(tl.int64) * stride_h
-        w_rows = w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn
+    if PRELOAD_K > 0:
+        k = tl.arange(0, PRELOAD_K)
+        k_ok = k < K
+        held = n_ok & (tl.zeros_like(n) + e >= 0)  # a vector: the interpreter takes no scalar mask term
+        w = tl.load(w_rows + k[None, :], mask=held[:, None] & k_ok[None, :], other=0.0)
+        routing = tl.load(weights_ptr + p)
+        pdl_start(PDL)
+        if e >= 0:
+            h = tl.load(h_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc = tl.sum(w.to(tl.float32) * h, axis=1)
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+            acc *= routing
+    elif e >= 0:
         if W4:
             s_rows = s_ptr + e * stride_se + n[:, None].to(tl.int64) * stride_sn
             tile = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
@@ -591,9 +626,13 @@ def fused_experts(
     down_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     path: str | None = None,
+    routed_early: bool = False,
 ) -> torch.Tensor:
     """`experts_torch`'s result (same arguments) from the Triton kernels; `path` (of `MOE_PATHS`)
-    forces a path (benchmarks, tests), else `moe_path` chooses."""
+    forces a path (benchmarks, tests), else `moe_path` chooses. `routed_early`: `ids` and
+    `weights` were written before the kernel that runs just before this call (a kernel between
+    the router and the experts), so the gate/up GEMV may read the experts' rows before its PDL
+    wait as the down GEMV always may."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, width = gate_up.shape[0], gate_up.shape[1] // 2
@@ -620,18 +659,21 @@ def fused_experts(
         suffix = "_mxfp4" if w4 else ""
         up, dn = moe_tile_for("gate_up" + suffix, width), moe_tile_for("down" + suffix, width)
         up_blocks, down_blocks = triton.cdiv(width, up.rows), triton.cdiv(hidden, dn.rows)
+        preload = preloads() and not w4
+        up_preload = moe_preload_width(up, hidden, 2) if preload and routed_early else 0
         _gemv_gate_up[(pairs, up_blocks)](
             x, gu_w, gu_s, gu_bias, h, ids, mapping, top_k, hidden, width,
             x.stride(0), *gu_strides, gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
             HAS_BIAS=gate_up_bias is not None, HAS_MAP=has_map, ACT=code, W4=w4, BLOCK_N=up.rows, BLOCK_K=up.cols,
-            num_warps=up.warps, **pdl_options(pairs * up_blocks),
+            PRELOAD_K=up_preload, num_warps=up.warps, **pdl_options(pairs * up_blocks),
         )  # fmt: skip
         out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
         _gemv_down[(pairs, down_blocks)](
             h, dn_w, dn_s, d_bias, y, out, counters(x.device, tokens * down_blocks), ids, mapping, weights, top_k,
             width, hidden, h.stride(0), *dn_strides, d_bias.stride(0), y.stride(0),
             HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, TOP_K_PAD=triton.next_power_of_2(top_k),
-            BLOCK_N=dn.rows, BLOCK_K=dn.cols, num_warps=dn.warps, **pdl_options(pairs * down_blocks),
+            BLOCK_N=dn.rows, BLOCK_K=dn.cols, PRELOAD_K=moe_preload_width(dn, width, 1) if preload else 0,
+            num_warps=dn.warps, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
         return out
     dense = path == "dequant"  # the bf16 GEMM over each matrix dequantised in turn (one workspace)

@@ -116,7 +116,9 @@ class Gemma4DecoderLayer(DecoderLayer):
         out, residual = super().forward(hidden, residual, rope, batch, before, scale)
         if hasattr(self, "experts"):
             out = reduced(out)
-            experts = self.experts(self.pre_feedforward_layernorm_2(residual), *self.router(residual))
+            routing = self.router(residual)  # first: the experts' norm runs between (`routed_early`)
+            normed = self.pre_feedforward_layernorm_2(residual)
+            experts = self.experts(normed, *routing, routed_early=True)
             out = self.post_feedforward_layernorm_1.added_to(out, experts, self.post_feedforward_layernorm_2)
         if not hasattr(self, "per_layer_input_gate"):
             return out, residual

@@ -119,9 +119,12 @@ def _overrides(
 # The MoE decode kernels' tiles (`fused_moe.py`, few routed pairs) by the experts' intermediate
 # width, first match: `rows` outputs a program computes, `cols` K elements it reads a loop step
 # (`stages` unused). Captured batch-1 steps on an H200 (`decode_step`): gpt-oss-20b (2880 wide)
-# 2.69 ms at 4 rows against 2.81 at 16; Gemma-4-26B-A4B (704 wide, 8 experts a token) 3.38 ms at
-# 16 rows against 3.51 at 8 and 3.53 at 4. `SLIDESPEC_MOE_GEMV_TILES` overrides a kernel's tile at
-# every width, e.g. `gate_up=8,256,4,1;down=8,512,4,1`.
+# 2.69 ms at 4 rows against 2.81 at 16. Gemma-4-26B-A4B (704 wide, 8 experts a token): tiles whose
+# whole row block fits the preload (`moe_preload_width`), read before the PDL wait: 3.01 ms with
+# down 8 rows and gate/up 1 row, 3.10 with down alone preloaded, 3.25 with neither (16 x 256
+# tiles, the best looped ones); 8-warp tiles (down 16 rows, gate/up 2) 3.12 and 3.03.
+# `SLIDESPEC_MOE_GEMV_TILES` overrides a kernel's tile at every width, e.g.
+# `gate_up=8,256,4,1;down=8,512,4,1`.
 # The MXFP4 kernels (`*_mxfp4`) read half a byte an element: 8 rows of 512 columns read 16 bytes
 # a thread a loop step, one vector, and spread the loop's fixed work over the most of them
 # (`kernel_sass`: 13 and 12 instructions a code byte for down and gate/up, against 16 and 14 at
@@ -139,8 +142,8 @@ MOE_GEMV_TILES: tuple[tuple[int, dict[str, Tile]], ...] = (
     (
         0,
         {
-            "gate_up": Tile(16, 256, 4, 1),
-            "down": Tile(16, 256, 4, 1),
+            "gate_up": Tile(1, 256, 4, 1),
+            "down": Tile(8, 256, 4, 1),
             "gate_up_mxfp4": Tile(16, 128, 8, 1),  # wider spills at 4 warps (two tiles and their decoding)
             "down_mxfp4": Tile(16, 128, 8, 1),
         },
@@ -221,6 +224,13 @@ def preload_width(tile: Tile, in_features: int) -> int:
     width = 1 << (in_features - 1).bit_length()
     fits = tile.splits == 1 and tile.rows * width <= PRELOAD_ELEMENTS * 32 * tile.warps
     return width if fits else 0
+
+
+def moe_preload_width(tile: Tile, in_features: int, matrices: int) -> int:
+    """`preload_width` for an MoE decode kernel's program reading `matrices` row blocks of its
+    expert (gate/up: 2): K rounded up to a power of two where they fit the preload, else 0."""
+    width = 1 << (in_features - 1).bit_length()
+    return width if matrices * tile.rows * width <= PRELOAD_ELEMENTS * 32 * tile.warps else 0
 
 
 @functools.cache

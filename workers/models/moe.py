@@ -35,6 +35,7 @@ capture it). CUDA runs the kernels unless fused ops are off or autograd records
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 
@@ -153,9 +154,12 @@ def _kernels_on(x: torch.Tensor) -> bool:
     return x.is_cuda and FUSED_MOE and FUSED_ENABLED and not torch.is_grad_enabled()
 
 
-def experts_for(x: torch.Tensor) -> ExpertsFn:
-    """The experts' implementation for `x`: the Triton kernels on CUDA, else the torch path."""
-    return triton_module("fused_moe").fused_experts if _kernels_on(x) else experts_torch
+def experts_for(x: torch.Tensor, routed_early: bool = False) -> ExpertsFn:
+    """The experts' implementation for `x`: the Triton kernels on CUDA (told `routed_early`, see
+    `fused_experts`), else the torch path."""
+    if not _kernels_on(x):
+        return experts_torch
+    return functools.partial(triton_module("fused_moe").fused_experts, routed_early=routed_early)
 
 
 def _fused_router(x: torch.Tensor) -> bool:
@@ -287,13 +291,20 @@ class Experts(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, reduce: bool = True
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        reduce: bool = True,
+        routed_early: bool = False,
     ) -> torch.Tensor | Unreduced:
-        """The experts' output, all-reduced; `reduce=False`: this rank's part (`Unreduced`)."""
+        """The experts' output, all-reduced; `reduce=False`: this rank's part (`Unreduced`).
+        `routed_early`: a kernel ran between the router and this call (`fused_experts`)."""
         down_bias = self.down_proj_bias if self.expert_parallel or self.tp.rank == 0 else None
         gate_up, down = self.matrices()
         biases = (self.gate_up_proj_bias, down_bias)
-        out = experts_for(x)(x, gate_up, down, weights, ids, self.act, *biases, self.expert_map)
+        run = experts_for(x, routed_early)
+        out = run(x, gate_up, down, weights, ids, self.act, *biases, self.expert_map)
         return self.tp.all_reduce(out) if reduce else Unreduced(out, None, self.tp)
 
 
