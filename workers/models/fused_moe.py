@@ -631,8 +631,9 @@ def fused_experts(
     """`experts_torch`'s result (same arguments) from the Triton kernels; `path` (of `MOE_PATHS`)
     forces a path (benchmarks, tests), else `moe_path` chooses. `routed_early`: `ids` and
     `weights` were written before the kernel that runs just before this call (a kernel between
-    the router and the experts), so the gate/up GEMV may read the experts' rows before its PDL
-    wait as the down GEMV always may."""
+    the router and the experts, one that waits for its predecessor before it lets the next
+    launch, as this project's PDL kernels and flashinfer's do), so the gate/up GEMV may read
+    the experts' rows before its PDL wait as the down GEMV always may."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     num_experts, width = gate_up.shape[0], gate_up.shape[1] // 2
