@@ -84,13 +84,18 @@ def measure(name: str, weights: str, tokens: int, stored: tuple, generator: torc
     routing = torch.softmax(top, -1)
     pairs = tokens * top_k
     chosen = gemv_tiles.moe_path(pairs, num, mxfp4)
+    routed_early = name.startswith("gemma4")  # as the family's layer calls them (`fused_experts`)
     row = {"pairs": pairs, "experts_read": int(ids.unique().numel()), "chosen": chosen}
     for path in gemv_tiles.MOE_PATHS:
         if (path == "dequant" and not mxfp4) or (path == "gemv" and pairs > GEMV_LIMIT):
             continue
         calls = 10
         ms = graph_ms(
-            [lambda path=path: fused_moe.fused_experts(x, *stored[:2], routing, ids, act, *stored[2:], path=path)]
+            [
+                lambda path=path: fused_moe.fused_experts(
+                    x, *stored[:2], routing, ids, act, *stored[2:], path=path, routed_early=routed_early
+                )
+            ]
             * calls
         )
         row[f"{path}_us"] = round(ms * 1e3 / calls, 1)

@@ -64,6 +64,16 @@ def test_moe_row_blocks_are_preloaded_where_they_fit_the_registers():
     assert gemv_tiles.moe_preload_width(gemv_tiles.moe_tile_for("down", 2880), 2880, 1) == 0
 
 
+def test_the_gemv_threshold_override_is_two_pair_counts():
+    assert gemv_tiles._gemv_below("") == gemv_tiles.GEMV_BELOW_PAIRS
+    assert gemv_tiles._gemv_below("48,96") == {False: 48, True: 96}
+    for bad in ("48", "48,96,1", "a,b"):
+        with pytest.raises(ValueError, match="SLIDESPEC_MOE_GEMV_BELOW: cannot read"):
+            gemv_tiles._gemv_below(bad)
+    with pytest.raises(ValueError, match=">= 0"):
+        gemv_tiles._gemv_below("-1,96")
+
+
 def test_moe_paths_follow_the_routed_pairs():
     """Where the timed crossovers lie (ops/bench/moe_experts.py): the GEMV below 16 pairs (bf16)
     or 96 (MXFP4), MXFP4 dequantised first from sixteen pairs an expert; under expert parallelism

@@ -184,7 +184,25 @@ def moe_tile_for(kernel: str, width: int) -> Tile:
 # Gemma-4-26B-A4B's (0.071 ms against 0.073; its 704-wide experts keep the GEMV at 2.5 TB/s),
 # by 0.17 ms against 0.21 at 64. MXFP4 (gpt-oss-20b): its grouped GEMM decodes codes per tile,
 # so the GEMV wins to 64 pairs (0.54 ms against 0.68) and loses at 128 (1.05 against 0.77).
+# `SLIDESPEC_MOE_GEMV_BELOW=bf16,mxfp4` (e.g. `48,96`) overrides both, for tuning inside captured
+# steps, where the GEMV's preloaded row blocks overlap the kernel before (`moe_preload_width`).
 GEMV_BELOW_PAIRS = {False: 16, True: 96}
+
+
+def _gemv_below(text: str) -> dict[bool, int]:
+    """`SLIDESPEC_MOE_GEMV_BELOW` read (empty: the table's thresholds)."""
+    if not text.strip():
+        return GEMV_BELOW_PAIRS
+    try:
+        bf16, mxfp4 = (int(v) for v in text.split(","))
+    except ValueError as e:
+        raise ValueError(f"SLIDESPEC_MOE_GEMV_BELOW: cannot read {text!r}; want two pair counts 'bf16,mxfp4'") from e
+    if bf16 < 0 or mxfp4 < 0:
+        raise ValueError(f"SLIDESPEC_MOE_GEMV_BELOW: {text!r}: pair counts must be >= 0")
+    return {False: bf16, True: mxfp4}
+
+
+GEMV_BELOW = _gemv_below(os.environ.get("SLIDESPEC_MOE_GEMV_BELOW", ""))
 # Routed pairs an expert from which MXFP4 experts are dequantised into a workspace in the
 # model's dtype and the bf16 grouped GEMM runs: one pass over all the experts' codes (~0.8 ms a
 # gpt-oss-20b layer) then costs less than the grouped GEMM decoding them per tile (1.14 ms against
@@ -196,7 +214,7 @@ MOE_PATHS = ("gemv", "gemm", "dequant")
 def moe_path(pairs: int, experts: int, mxfp4: bool) -> str:
     """The kernels (of `MOE_PATHS`, in `fused_moe.py`) that `pairs` routed pairs over `experts`
     experts run (all the model's: under expert parallelism a rank holds a like share of both)."""
-    if pairs < GEMV_BELOW_PAIRS[mxfp4]:
+    if pairs < GEMV_BELOW[mxfp4]:
         return "gemv"
     return "dequant" if mxfp4 and pairs >= DEQUANTIZE_PAIRS_PER_EXPERT * experts else "gemm"
 
