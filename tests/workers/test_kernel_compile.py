@@ -47,8 +47,11 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
         cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=2048), 4))
         cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=4096), 8))  # Gemma-4-E4B's 8-warp tiles
     cases.append(("gemv", "_gated_gemv_kernel", dict(ACT=1, HAS_BIAS=False, BLOCK_N=16, WIDTH=256), 4))
-    act_mul = dict(ACT=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_TILES=0)
-    cases.append(("gemv", "_gemv_act_mul_kernel", act_mul, 8))  # Gemma-4-E4B's gate/up at 8 warps
+    for first_early in (0, 1):  # the first weight tile read before the PDL wait, as on Hopper
+        act_mul = dict(ACT=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_TILES=0, FIRST_EARLY=first_early)
+        cases.append(("gemv", "_gemv_act_mul_kernel", act_mul, 8))  # Gemma-4-E4B's gate/up at 8 warps
+        unrolled = dict(ACT=0, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_TILES=9, FIRST_EARLY=first_early)
+        cases.append(("gemv", "_gemv_act_mul_kernel", unrolled, 8))  # Gemma-3-1B's, its K tiles unrolled
     for v_norm in (False, True):
         dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_HALF=128, BLOCK_DIM=256)
         cases.append(("rope", "_rope_kernel", dict(dims, NORM=1, WRITE_KV=True, FP8=False, V_NORM=v_norm), 4))

@@ -39,16 +39,28 @@ ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the fused kernels' `ACT` co
 
 
 @triton.jit
-def _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K: tl.constexpr):
-    """One K tile: the weight rows' products with x, float32 (masked past N and K)."""
+def _weight_tile(w_ptrs, k0, cols, row_ok, K, EVEN_K: tl.constexpr):
+    """One K tile of the weight rows (zeros past N and K)."""
     if EVEN_K:
-        w = tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        return tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+    in_k = (k0 + cols) < K
+    return tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _product(w, x_ptr, k0, cols, K, EVEN_K: tl.constexpr):
+    """A weight tile's products with x's inputs [k0, k0 + BLOCK_K), float32 (x zero past K)."""
+    if EVEN_K:
         x = tl.load(x_ptr + k0 + cols)
     else:
-        in_k = (k0 + cols) < K
-        w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptr + k0 + cols, mask=in_k, other=0.0)
+        x = tl.load(x_ptr + k0 + cols, mask=(k0 + cols) < K, other=0.0)
     return w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K: tl.constexpr):
+    """One K tile: the weight rows' products with x, float32 (masked past N and K)."""
+    return _product(_weight_tile(w_ptrs, k0, cols, row_ok, K, EVEN_K), x_ptr, k0, cols, K, EVEN_K)
 
 
 @triton.jit
@@ -200,25 +212,36 @@ def _gemv_act_mul_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     K_TILES: tl.constexpr,  # 0: a loop over K; else K == K_TILES * BLOCK_K, unrolled
+    FIRST_EARLY: tl.constexpr,  # 1: the first K tile's weights read before the PDL wait (else 0)
     PDL: tl.constexpr,
 ):
     """y[j] = act(W[j] . x) * (W[N + j] . x): gate rows first, up rows after them; both tiles
     are read in the same iteration, so a program keeps two streams of loads in flight. Unrolled
-    (`K_TILES`), every tile's loads can be issued before the first product needs them."""
-    pdl_start(PDL)
+    (`K_TILES`), every tile's loads can be issued before the first product needs them. With
+    FIRST_EARLY the programs that launch while the kernel before still runs (the norm before an
+    MLP is one program a row, so this kernel launches at once) have their first tiles on the way
+    when the wait ends; no kernel writes weights."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
     gate_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
     up_ptrs = gate_ptrs + N.to(tl.int64) * K
-    gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if FIRST_EARLY:
+        gate_first = _weight_tile(gate_ptrs, 0, cols, row_ok, K, EVEN_K)
+        up_first = _weight_tile(up_ptrs, 0, cols, row_ok, K, EVEN_K)
+        pdl_start(PDL)
+        gate_acc = _product(gate_first, x_ptr, 0, cols, K, EVEN_K)
+        up_acc = _product(up_first, x_ptr, 0, cols, K, EVEN_K)
+    else:
+        pdl_start(PDL)
+        gate_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        up_acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if K_TILES > 0:
-        for i in tl.static_range(K_TILES):
+        for i in tl.static_range(FIRST_EARLY, K_TILES):
             gate_acc += _tile(gate_ptrs, x_ptr, i * BLOCK_K, cols, row_ok, K, True)
             up_acc += _tile(up_ptrs, x_ptr, i * BLOCK_K, cols, row_ok, K, True)
     else:
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(FIRST_EARLY * BLOCK_K, K, BLOCK_K):
             gate_acc += _tile(gate_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
             up_acc += _tile(up_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
     gate, up = tl.sum(gate_acc, axis=1), tl.sum(up_acc, axis=1)
@@ -362,8 +385,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
         grid = (triton.cdiv(n, block_n),)
         k_tiles = k // t.cols if t.unroll and k % t.cols == 0 else 0
         _gemv_act_mul_kernel[grid](
-            x, weight, y, n, k, ACT=ACTIVATIONS[act], BLOCK_N=block_n, K_TILES=k_tiles, **common, **pdl_options(grid[0])
-        )
+            x, weight, y, n, k, ACT=ACTIVATIONS[act], BLOCK_N=block_n, K_TILES=k_tiles, FIRST_EARLY=int(preloads()),
+            **common, **pdl_options(grid[0]),
+        )  # fmt: skip
     else:
         blocks = triton.cdiv(n, t.rows)
         k_split = triton.cdiv(triton.cdiv(k, t.cols), t.splits) * t.cols
