@@ -187,6 +187,7 @@ def _gemv_gate_up(
     elsewhere (-1) writes nothing. With PRELOAD_K the routing was written before the kernel
     before this one (`fused_experts`' `routed_early`), so the expert and its rows are read
     before the wait."""
+    tl.static_assert(PRELOAD_K == 0 or not W4, "MXFP4 rows stream after the wait")
     if PRELOAD_K == 0:
         pdl_start(PDL)
     p = tl.program_id(0)
@@ -273,6 +274,7 @@ def _gemv_down(
     elsewhere (-1) adds zeros. With PRELOAD_K the expert, its rows and the routing weight are read
     before the wait: the routing was written before the gate/up kernel that this one waits for,
     which had waited for it (PDL launches this kernel after that wait)."""
+    tl.static_assert(PRELOAD_K == 0 or not W4, "MXFP4 rows stream after the wait")
     if PRELOAD_K == 0:
         pdl_start(PDL)
     p = tl.program_id(0)
