@@ -8,7 +8,8 @@ mislead): `OUTxIN=rows,cols,warps,stages[,splits[,unroll]]`, several separated b
 `13824x1152=16,128,8,4,1,0` for its gate/up projection's looped tile. `SLIDESPEC_FP8_GEMV_TILES`
 does the same for the FP8 one-row GEMV (`OUTxIN=rows,cols,warps,stages`; a block-scaled weight
 still reads whole blocks, `fit_block`), and `SLIDESPEC_MOE_GEMV_TILES` for the MoE decode
-kernels by kernel name (`gate_up=rows,cols,warps,stages;down=...`).
+kernels by kernel name (`gate_up=rows,cols,warps,stages;down=...`); `SLIDESPEC_MOE_GEMV_BELOW`
+moves the routed-pair counts below which those kernels run (`bf16,mxfp4`).
 """
 
 from __future__ import annotations
