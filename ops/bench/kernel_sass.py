@@ -54,7 +54,7 @@ def _moe_case(kernel: str, w4: bool) -> Case:
     tile = gemv_tiles.moe_tile_for(kernel + ("_mxfp4" if w4 else ""), 2880)  # gpt-oss-20b's experts
     name = "_gemv_gate_up" if kernel == "gate_up" else "_gemv_down"
     streams = 2 if kernel == "gate_up" else 1  # the gate's and the up projection's rows
-    preload = 0 if w4 else gemv_tiles.moe_preload_width(tile, 2880, streams)  # as `fused_experts` launches it
+    preload = 0 if w4 else gemv_tiles.preload_width(tile, 2880, streams)  # as `fused_experts` launches it
     flags = dict(HAS_BIAS=True, HAS_MAP=False, W4=w4, BLOCK_N=tile.rows, BLOCK_K=tile.cols, PRELOAD_K=preload, PDL=2)
     flags.update(ACT=1) if kernel == "gate_up" else flags.update(TOP_K_PAD=4)
     types = {"w_ptr": "*u8", "s_ptr": "*u8"} if w4 else {}

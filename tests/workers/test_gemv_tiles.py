@@ -57,11 +57,11 @@ def test_moe_row_blocks_are_preloaded_where_they_fit_the_registers():
     down, gate and up rows of 2816 rounded to 4096) in 64 elements a thread; gpt-oss-20b's
     (2880 wide) stream theirs after the wait, as do wider tiles."""
     down, gate_up = gemv_tiles.moe_tile_for("down", 704), gemv_tiles.moe_tile_for("gate_up", 704)
-    assert gemv_tiles.moe_preload_width(down, 704, 1) == 1024
-    assert gemv_tiles.moe_preload_width(gate_up, 2816, 2) == 4096
-    assert gemv_tiles.moe_preload_width(Tile(2, 256, 4, 1), 2816, 2) == 0
-    assert gemv_tiles.moe_preload_width(Tile(2, 256, 8, 1), 2816, 2) == 4096
-    assert gemv_tiles.moe_preload_width(gemv_tiles.moe_tile_for("down", 2880), 2880, 1) == 0
+    assert gemv_tiles.preload_width(down, 704, 1) == 1024
+    assert gemv_tiles.preload_width(gate_up, 2816, 2) == 4096
+    assert gemv_tiles.preload_width(Tile(2, 256, 4, 1), 2816, 2) == 0
+    assert gemv_tiles.preload_width(Tile(2, 256, 8, 1), 2816, 2) == 4096
+    assert gemv_tiles.preload_width(gemv_tiles.moe_tile_for("down", 2880), 2880, 1) == 0
 
 
 def test_the_gemv_threshold_override_is_two_pair_counts():

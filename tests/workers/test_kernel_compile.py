@@ -56,7 +56,7 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
         dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_HALF=128, BLOCK_DIM=256)
         cases.append(("rope", "_rope_kernel", dict(dims, NORM=1, WRITE_KV=True, FP8=False, V_NORM=v_norm), 4))
     from workers.models import fused_router
-    from workers.models.gemv_tiles import MOE_GEMV_TILES, moe_preload_width, moe_tile_for
+    from workers.models.gemv_tiles import MOE_GEMV_TILES, moe_tile_for, preload_width
 
     for (_, tiles), has_map, w4 in itertools.product(MOE_GEMV_TILES, (False, True), (False, True)):
         suffix = "_mxfp4" if w4 else ""
@@ -69,9 +69,9 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     # the row blocks read before the PDL wait: Gemma-4-26B-A4B's experts (704 x 2816)
     up, down = moe_tile_for("gate_up", 704), moe_tile_for("down", 704)
     bf16 = dict(HAS_BIAS=False, HAS_MAP=False, W4=False)
-    tile = dict(BLOCK_N=up.rows, BLOCK_K=up.cols, PRELOAD_K=moe_preload_width(up, 2816, 2))
+    tile = dict(BLOCK_N=up.rows, BLOCK_K=up.cols, PRELOAD_K=preload_width(up, 2816, 2))
     cases.append(("fused_moe", "_gemv_gate_up", dict(bf16, **tile, ACT=0), up.warps))
-    tile = dict(BLOCK_N=down.rows, BLOCK_K=down.cols, PRELOAD_K=moe_preload_width(down, 704, 1))
+    tile = dict(BLOCK_N=down.rows, BLOCK_K=down.cols, PRELOAD_K=preload_width(down, 704, 1))
     cases.append(("fused_moe", "_gemv_down", dict(bf16, **tile, TOP_K_PAD=8), down.warps))
 
     for norm in (False, True):

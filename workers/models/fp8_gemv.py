@@ -19,21 +19,12 @@ import triton.language as tl
 
 from attention.kernels.launch import pdl_options, pdl_start
 from workers.models.fp8 import FP8
-from workers.models.gemv import ACTIVATIONS, DOT_ROWS, _act, _store
+from workers.models.gemv import ACTIVATIONS, DOT_ROWS, _act, _store, _weight_tile
 from workers.models.gemv_tiles import MAX_ROWS, Tile, fp8_tile_for
 
 __all__ = ["ACTIVATIONS", "applies", "gemv", "gemv_act_and_mul"]
 
 CHANNEL_SUM = 128  # per channel: the columns of a one-row tile summed together (a block's width)
-
-
-@triton.jit
-def _weights(w_ptrs, k0, cols, row_ok, K, EVEN_K: tl.constexpr):
-    """One K tile of the weight rows, as stored (zeros past N and K)."""
-    if EVEN_K:
-        return tl.load(w_ptrs + k0, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-    in_k = (k0 + cols) < K
-    return tl.load(w_ptrs + k0, mask=row_ok[:, None] & in_k[None, :], other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -102,9 +93,9 @@ def _fp8_gemv_kernel(
     s_ptrs = s_ptr + (rows // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
     up_w_ptrs = w_ptrs + N.to(tl.int64) * K
     up_s_ptrs = s_ptr + ((rows + N) // SCALE_N).to(tl.int64)[:, None] * s_stride + groups[None, :]
-    w = _weights(w_ptrs, 0, cols, row_ok, K, EVEN_K)
+    w = _weight_tile(w_ptrs, 0, cols, row_ok, K, EVEN_K)
     if ACT >= 0:
-        up_w = _weights(up_w_ptrs, 0, cols, row_ok, K, EVEN_K)
+        up_w = _weight_tile(up_w_ptrs, 0, cols, row_ok, K, EVEN_K)
     else:
         up_w = w
     pdl_start(PDL)
@@ -115,10 +106,10 @@ def _fp8_gemv_kernel(
             up_w, x_ptr, up_s_ptrs, 0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K
         )
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        w = _weights(w_ptrs, k0, cols, row_ok, K, EVEN_K)
+        w = _weight_tile(w_ptrs, k0, cols, row_ok, K, EVEN_K)
         acc += _tile_sums(w, x_ptr, s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K)
         if ACT >= 0:
-            up_w = _weights(up_w_ptrs, k0, cols, row_ok, K, EVEN_K)
+            up_w = _weight_tile(up_w_ptrs, k0, cols, row_ok, K, EVEN_K)
             up_acc += _tile_sums(
                 up_w, x_ptr, up_s_ptrs, k0, cols, groups, row_ok, K, BLOCK_N, GROUPS, SCALE_K, BLOCKED, EVEN_K
             )

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start, preloads
-from workers.models.gemv_tiles import MOE_PATHS, moe_path, moe_preload_width, moe_tile_for
+from workers.models.gemv_tiles import MOE_PATHS, moe_path, moe_tile_for, preload_width
 from workers.models.moe import Activation
 from workers.models.mxfp4 import Mxfp4Experts
 
@@ -663,7 +663,7 @@ def fused_experts(
         up, dn = moe_tile_for("gate_up" + suffix, width), moe_tile_for("down" + suffix, width)
         up_blocks, down_blocks = triton.cdiv(width, up.rows), triton.cdiv(hidden, dn.rows)
         preload = preloads() and not w4
-        up_preload = moe_preload_width(up, hidden, 2) if preload and routed_early else 0
+        up_preload = preload_width(up, hidden, 2) if preload and routed_early else 0
         _gemv_gate_up[(pairs, up_blocks)](
             x, gu_w, gu_s, gu_bias, h, ids, mapping, top_k, hidden, width,
             x.stride(0), *gu_strides, gu_bias.stride(0), h.stride(0), act.alpha, act.limit,
@@ -675,7 +675,7 @@ def fused_experts(
             h, dn_w, dn_s, d_bias, y, out, counters(x.device, tokens * down_blocks), ids, mapping, weights, top_k,
             width, hidden, h.stride(0), *dn_strides, d_bias.stride(0), y.stride(0),
             HAS_BIAS=down_bias is not None, HAS_MAP=has_map, W4=w4, TOP_K_PAD=triton.next_power_of_2(top_k),
-            BLOCK_N=dn.rows, BLOCK_K=dn.cols, PRELOAD_K=moe_preload_width(dn, width, 1) if preload else 0,
+            BLOCK_N=dn.rows, BLOCK_K=dn.cols, PRELOAD_K=preload_width(dn, width, 1) if preload else 0,
             num_warps=dn.warps, **pdl_options(pairs * down_blocks),
         )  # fmt: skip
         return out

@@ -121,7 +121,7 @@ def _overrides(
 # width, first match: `rows` outputs a program computes, `cols` K elements it reads a loop step
 # (`stages` unused). Captured batch-1 steps on an H200 (`decode_step`): gpt-oss-20b (2880 wide)
 # 2.69 ms at 4 rows against 2.81 at 16. Gemma-4-26B-A4B (704 wide, 8 experts a token): tiles whose
-# whole row block fits the preload (`moe_preload_width`), read before the PDL wait: 3.01 ms with
+# whole row block fits the preload (`preload_width`), read before the PDL wait: 3.01 ms with
 # down 8 rows and gate/up 1 row, 3.10 with down alone preloaded, 3.25 with neither (16 x 256
 # tiles, the best looped ones); 8-warp tiles (down 16 rows, gate/up 2) 3.12 and 3.03.
 # `SLIDESPEC_MOE_GEMV_TILES` overrides a kernel's tile at every width, e.g.
@@ -186,7 +186,7 @@ def moe_tile_for(kernel: str, width: int) -> Tile:
 # by 0.17 ms against 0.21 at 64. MXFP4 (gpt-oss-20b): its grouped GEMM decodes codes per tile,
 # so the GEMV wins to 64 pairs (0.54 ms against 0.68) and loses at 128 (1.05 against 0.77).
 # `SLIDESPEC_MOE_GEMV_BELOW=bf16,mxfp4` (e.g. `48,96`) overrides both, for tuning inside captured
-# steps, where the GEMV's preloaded row blocks overlap the kernel before (`moe_preload_width`).
+# steps, where the GEMV's preloaded row blocks overlap the kernel before (`preload_width`).
 GEMV_BELOW_PAIRS = {False: 16, True: 96}
 
 
@@ -236,20 +236,14 @@ def tile_for(out_features: int, in_features: int, rows: int = 1) -> Tile | None:
     return next(t for n, k, t in table if out_features >= n and in_features >= k)
 
 
-def preload_width(tile: Tile, in_features: int) -> int:
+def preload_width(tile: Tile, in_features: int, matrices: int = 1) -> int:
     """K rounded up to a power of two when a one-row program of `tile` can hold its whole row
-    block in registers (no split), loaded before the PDL wait: Gemma-3-1B's QKV and O
-    projections, not an 8B model's; else 0 (the K loop after the wait)."""
+    block (of each of `matrices` weights it reads: 2 for an MoE gate/up) in registers (no
+    split), loaded before the PDL wait: Gemma-3-1B's QKV and O projections, not an 8B model's;
+    else 0 (the K loop after the wait)."""
     width = 1 << (in_features - 1).bit_length()
-    fits = tile.splits == 1 and tile.rows * width <= PRELOAD_ELEMENTS * 32 * tile.warps
+    fits = tile.splits == 1 and matrices * tile.rows * width <= PRELOAD_ELEMENTS * 32 * tile.warps
     return width if fits else 0
-
-
-def moe_preload_width(tile: Tile, in_features: int, matrices: int) -> int:
-    """`preload_width` for an MoE decode kernel's program reading `matrices` row blocks of its
-    expert (gate/up: 2): K rounded up to a power of two where they fit the preload, else 0."""
-    width = 1 << (in_features - 1).bit_length()
-    return width if matrices * tile.rows * width <= PRELOAD_ELEMENTS * 32 * tile.warps else 0
 
 
 @functools.cache
