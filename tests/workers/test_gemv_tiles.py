@@ -75,11 +75,11 @@ def test_the_gemv_threshold_override_is_two_pair_counts():
 
 
 def test_moe_paths_follow_the_routed_pairs():
-    """Where the timed crossovers lie (ops/bench/moe_experts.py): the GEMV below 16 pairs (bf16)
-    or 96 (MXFP4), MXFP4 dequantised first from sixteen pairs an expert; under expert parallelism
+    """Where the timed crossovers lie (ops/bench/moe_experts.py, decode_step): the GEMV below 72
+    pairs (bf16) or 96 (MXFP4), MXFP4 dequantised first from sixteen pairs an expert; under expert parallelism
     the whole model's pairs and experts decide, so both ranks take the same path."""
-    assert [gemv_tiles.moe_path(p, 32, False) for p in (4, 8, 15, 16, 32, 4096)] == ["gemv"] * 3 + ["gemm"] * 3
-    assert [gemv_tiles.moe_path(p, 128, False) for p in (8, 15, 16, 128)] == ["gemv"] * 2 + ["gemm"] * 2
+    assert [gemv_tiles.moe_path(p, 32, False) for p in (4, 16, 71, 72, 128, 4096)] == ["gemv"] * 3 + ["gemm"] * 3
+    assert [gemv_tiles.moe_path(p, 128, False) for p in (8, 64, 72, 128)] == ["gemv"] * 2 + ["gemm"] * 2
     mxfp4 = [gemv_tiles.moe_path(p, 32, True) for p in (4, 64, 95, 96, 256, 511, 512, 4096)]
     assert mxfp4 == ["gemv"] * 3 + ["gemm"] * 3 + ["dequant"] * 2
 

@@ -180,14 +180,15 @@ def moe_tile_for(kernel: str, width: int) -> Tile:
 
 # Routed pairs below which the GEMV-like kernels run, by whether the experts are MXFP4: the GEMV
 # reads an expert once per pair, the grouped GEMM once per tile of its pairs after laying them
-# out (two small kernels). Timed on an H200 (ops/bench/moe_experts.py, bf16): at 8 pairs the GEMV
-# and the GEMM tie at gpt-oss-20b's experts (0.11 ms) and at 16 the GEMM wins at
-# Gemma-4-26B-A4B's (0.071 ms against 0.073; its 704-wide experts keep the GEMV at 2.5 TB/s),
-# by 0.17 ms against 0.21 at 64. MXFP4 (gpt-oss-20b): its grouped GEMM decodes codes per tile,
-# so the GEMV wins to 64 pairs (0.54 ms against 0.68) and loses at 128 (1.05 against 0.77).
-# `SLIDESPEC_MOE_GEMV_BELOW=bf16,mxfp4` (e.g. `48,96`) overrides both, for tuning inside captured
-# steps, where the GEMV's preloaded row blocks overlap the kernel before (`preload_width`).
-GEMV_BELOW_PAIRS = {False: 16, True: 96}
+# out (two small kernels). Alone (ops/bench/moe_experts.py, H200) the bf16 GEMM wins from 16
+# pairs at Gemma-4-26B-A4B's 704-wide experts (0.071 ms against 0.073, 0.17 against 0.21 at 64),
+# but inside a captured step the GEMV's row blocks are read before its wait (`preload_width`),
+# overlapping the kernel before, and it wins to 64 (decode_step, H200: a batch-8 step 7.93 ms
+# against 8.09; the 4-draft assistant round, 40 pairs, 8.26 ms against 8.62), so bf16 takes the
+# GEMV below 72. MXFP4 (gpt-oss-20b): its grouped GEMM decodes codes per tile, so the GEMV wins
+# to 64 pairs (0.54 ms against 0.68) and loses at 128 (1.05 against 0.77).
+# `SLIDESPEC_MOE_GEMV_BELOW=bf16,mxfp4` (e.g. `48,96`) overrides both, for tuning.
+GEMV_BELOW_PAIRS = {False: 72, True: 96}
 
 
 def _gemv_below(text: str) -> dict[bool, int]:
