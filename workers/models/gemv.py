@@ -15,7 +15,8 @@ read once, where cuBLAS's few-row kernels read it at the one-row rate and add sp
 Wider inputs are matrix multiplications and stay on cuBLAS. Tiles by weight shape are data in
 `gemv_tiles.py`. A one-row program whose whole row block fits its registers (Gemma-3-1B's QKV
 and O projections) loads it before the PDL wait (`launch.py`): the weights arrive while the
-kernel before still runs, and only x is read after it (about 2% of that model's batch-1 step).
+kernel before still runs, and only x is read after it (about 2% of that model's batch-1 step);
+any other one-row program (without splits) reads its first K tile there.
 A tile may unroll K (`Tile.unroll`; gate/up: K a multiple of its width; others: each split's
 share): every tile's loads can then be issued before the first product, which Gemma-3-1B's
 short rows need (gate/up 1.10x alone, 1.6% of its batch-1 step); the sums are the loop's, in
@@ -82,6 +83,7 @@ def _gemv_kernel(
     K_SPLIT: tl.constexpr,  # K elements a split reads: a multiple of BLOCK_K
     PRELOAD_K: tl.constexpr,  # 0, or the whole row block's width (`preload_width`)
     UNROLL: tl.constexpr,  # the split's K tiles unrolled (EVEN_K: every split's K is inside K)
+    FIRST_EARLY: tl.constexpr,  # 1: without PRELOAD_K or splits, the first K tile read before the wait (else 0)
     PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -96,16 +98,21 @@ def _gemv_kernel(
         x = tl.load(x_ptr + ks, mask=in_k, other=0.0)
         y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     else:
-        pdl_start(PDL)
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         k_lo = tl.program_id(1) * K_SPLIT
+        if FIRST_EARLY:  # the first K tile before the wait (no kernel writes weights)
+            first = _weight_tile(w_ptrs, k_lo, cols, row_ok, K, EVEN_K)
+            pdl_start(PDL)
+            acc = _product(first, x_ptr, k_lo, cols, K, EVEN_K)
+        else:
+            pdl_start(PDL)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if UNROLL:  # tiles past K (the last split's) load nothing
-            for i in tl.static_range(K_SPLIT // BLOCK_K):
+            for i in tl.static_range(FIRST_EARLY, K_SPLIT // BLOCK_K):
                 acc += _tile(w_ptrs, x_ptr, k_lo + i * BLOCK_K, cols, row_ok, K, EVEN_K)
         else:
-            for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            for k0 in range(k_lo + FIRST_EARLY * BLOCK_K, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
                 acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
         y = tl.sum(acc, axis=1)
     if SPLITS == 1:
@@ -412,6 +419,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             K_SPLIT=k_split,
             PRELOAD_K=preload,
             UNROLL=unroll,
+            FIRST_EARLY=int(preloads() and not preload and t.splits == 1),
             **common,
             **pdl_options(blocks * t.splits),
         )
