@@ -44,8 +44,9 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
         cases.append(("sandwich_norm", "_norm_add_norm_kernel", flags, 16))
     for scale, norm in itertools.product([False, True], repeat=2):
         flags = dict(HAS_BEFORE=True, HAS_BIAS=False, HAS_SCALE=scale, NORM=norm, GEMMA=False, EMBED=False)
-        cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=2048), 4))
-        cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=4096), 8))  # Gemma-4-E4B's 8-warp tiles
+        # K whole, and in two pieces: Gemma-3-1B's 1152 at 4 warps, Gemma-4-E4B's 2560 at 8
+        for (width, rest), warps in (((2048, 0), 4), ((1024, 128), 4), ((2048, 512), 8)):
+            cases.append(("gemv", "_norm_gemv_kernel", dict(flags, BLOCK_N=4, WIDTH=width, REST=rest), warps))
     cases.append(("gemv", "_gated_gemv_kernel", dict(ACT=1, HAS_BIAS=False, BLOCK_N=16, WIDTH=256), 4))
     for first_early in (0, 1):  # the first weight tile read before the PDL wait, as on Hopper
         act_mul = dict(ACT=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_TILES=0, FIRST_EARLY=first_early)

@@ -2,7 +2,8 @@
 interpreter, against the torch op set (the reference the model's CPU path runs, equal to Hugging
 Face's): the sandwich kernel with the layer scalar (norm, add, scale and the next layer's norm;
 and stopping at the stream; and adding two normed rows), the one-row norm GEMV with the scalar and without its norm (the
-stream projected as it is: the per-layer input gate), the gated GEMV that computes
+stream projected as it is: the per-layer input gate) and from a token's embedding row, over K in one
+power of two and in two pieces (96 = 64 + 32, 2560 = 2048 + 512), the gated GEMV that computes
 act(gate) * per-layer input inside the projection (and the MLP's gate/up GEMV with its
 activation, and the plain one-row GEMV over looped and unrolled K, each with and without its first
 weight tile read before the PDL wait), and the RoPE kernel normalising each value
@@ -35,8 +36,9 @@ CASES = [
         ("norm_add_norm", ((1, 2560), (5, 96))),
         ("norm_add", ((1, 2560), (3, 96))),
         ("norms_add", ((1, 2816), (3, 96))),
-        ("norm_gemv", ((1, 96), (1, 200))),
+        ("norm_gemv", ((1, 96), (1, 200), (1, 2560))),
         ("stream_gemv", ((1, 96), (1, 200))),
+        ("embed_gemv", ((1, 96), (1, 200))),
         ("gated_gemv", ((1, 256), (1, 24))),
         ("act_mul", ((1, 2560), (1, 200))),
         ("act_mul_early", ((1, 2560), (1, 200))),
@@ -83,6 +85,10 @@ def _one(kernel: str, rows: int, width: int, dtype: torch.dtype) -> dict:
         normed = norm if kernel == "norm_gemv" else None
         got = gemv.add_norm_gemv(x, residual, normed, EPS, False, before, weight, None, scale)
         ref = TORCH_OPS.add_rms_norm_linear(x, residual, normed, EPS, False, before, weight, None, scale)
+    elif kernel == "embed_gemv":  # the first layer's: the token's embedding row, scaled, normed and projected
+        weight, table, token = rand(40, width), rand(50, width), torch.tensor([7])
+        got = gemv.embed_norm_gemv(token, table, width**0.5, norm, EPS, False, weight, None)
+        ref = TORCH_OPS.embed_rms_norm_linear(token, table, width**0.5, norm, EPS, False, weight, None)
     elif kernel == "rope_v_norm":
         return _rope_v_norm(rows, width, dtype, gen)
     elif kernel.startswith("act_mul"):  # `_early`: the first K tile read before the PDL wait, as on Hopper

@@ -32,7 +32,7 @@ import triton.language as tl
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start, preloads
 from workers.models.gemv_tiles import MAX_ROWS, PRELOAD_ELEMENTS, Tile, preload_width, tile_for
-from workers.models.sandwich_norm import normed
+from workers.models.sandwich_norm import scaled
 
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 
@@ -131,6 +131,11 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _squares(x, mask):
+    return tl.sum(tl.where(mask, x * x, 0.0))
+
+
+@triton.jit
 def _norm_gemv_kernel(
     h_ptr,
     res_ptr,
@@ -152,43 +157,83 @@ def _norm_gemv_kernel(
     GEMMA: tl.constexpr,
     EMBED: tl.constexpr,  # the stream starts here: h is the embedding table, res the token id
     BLOCK_N: tl.constexpr,
-    WIDTH: tl.constexpr,  # `preload_width`: the whole row block is read before the wait
+    WIDTH: tl.constexpr,  # K's first piece, a power of two (`norm_pieces`)
+    REST: tl.constexpr,  # 0, or a power of two covering K past WIDTH: a row of 2560 is 2048 + 512
     PDL: tl.constexpr,
 ):
     """y = W . norm((res + before(h)) * scale) for one row, every program computing the row's
     norms itself (no norm kernel, no ticket); program 0 writes the new residual stream to
     `res_out` (the others still read `res`). With EMBED the stream is the token's embedding row
-    times `embed_scale` (rounded as the model's dtype rounds it)."""
+    times `embed_scale` (rounded as the model's dtype rounds it). The whole row block is read
+    before the wait, in two power-of-two pieces of K where one would pad it by a third or more:
+    the padding would hold registers, and fewer programs would fit an SM."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    ks = tl.arange(0, WIDTH)
-    in_k = ks < K
-    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=row_ok[:, None] & in_k[None, :], other=0.0)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
+    ka = tl.arange(0, WIDTH)
+    in_a = ka < K
+    wa = tl.load(w_rows + ka[None, :], mask=row_ok[:, None] & in_a[None, :], other=0.0)
+    if REST > 0:
+        kb = WIDTH + tl.arange(0, REST)
+        in_b = kb < K
+        wb = tl.load(w_rows + kb[None, :], mask=row_ok[:, None] & in_b[None, :], other=0.0)
     if NORM:
-        w_norm = tl.load(norm_ptr + ks, mask=in_k, other=0.0)
+        na = tl.load(norm_ptr + ka, mask=in_a, other=0.0)
+        if REST > 0:
+            nb = tl.load(norm_ptr + kb, mask=in_b, other=0.0)
     if HAS_BEFORE:
-        w_before = tl.load(before_ptr + ks, mask=in_k, other=0.0)
+        ba = tl.load(before_ptr + ka, mask=in_a, other=0.0)
+        if REST > 0:
+            bb = tl.load(before_ptr + kb, mask=in_b, other=0.0)
     dtype = y_ptr.dtype.element_ty
     pdl_start(PDL)
     if EMBED:
-        token = tl.load(res_ptr).to(tl.int64)
-        res = (tl.load(h_ptr + token * K + ks, mask=in_k, other=0.0).to(tl.float32) * embed_scale).to(dtype)
+        row = h_ptr + tl.load(res_ptr).to(tl.int64) * K
+        ra = (tl.load(row + ka, mask=in_a, other=0.0).to(tl.float32) * embed_scale).to(dtype)
+        if REST > 0:
+            rb = (tl.load(row + kb, mask=in_b, other=0.0).to(tl.float32) * embed_scale).to(dtype)
     else:
-        h = tl.load(h_ptr + ks, mask=in_k, other=0.0)
-        res = tl.load(res_ptr + ks, mask=in_k, other=0.0)
-        if HAS_BEFORE:
-            res += normed(h.to(tl.float32), w_before, in_k, eps, K, GEMMA, dtype)
+        ha = tl.load(h_ptr + ka, mask=in_a, other=0.0)
+        ra = tl.load(res_ptr + ka, mask=in_a, other=0.0)
+        if REST > 0:
+            hb = tl.load(h_ptr + kb, mask=in_b, other=0.0)
+            rb = tl.load(res_ptr + kb, mask=in_b, other=0.0)
+        if HAS_BEFORE:  # `normed` over both pieces
+            squares = _squares(ha.to(tl.float32), in_a)
+            if REST > 0:
+                squares += _squares(hb.to(tl.float32), in_b)
+            rstd = tl.rsqrt(squares / K + eps)
+            ra += scaled(ha.to(tl.float32) * rstd, ba, GEMMA, dtype)
+            if REST > 0:
+                rb += scaled(hb.to(tl.float32) * rstd, bb, GEMMA, dtype)
         else:
-            res += h
+            ra += ha
+            if REST > 0:
+                rb += hb
         if HAS_SCALE:
-            res = (res.to(tl.float32) * tl.load(scale_ptr).to(dtype).to(tl.float32)).to(dtype)
+            layer_scale = tl.load(scale_ptr).to(dtype).to(tl.float32)
+            ra = (ra.to(tl.float32) * layer_scale).to(dtype)
+            if REST > 0:
+                rb = (rb.to(tl.float32) * layer_scale).to(dtype)
     if tl.program_id(0) == 0:
-        tl.store(res_out_ptr + ks, res, mask=in_k)
+        tl.store(res_out_ptr + ka, ra, mask=in_a)
+        if REST > 0:
+            tl.store(res_out_ptr + kb, rb, mask=in_b)
+    xa = ra
+    if REST > 0:
+        xb = rb
     if NORM:
-        x = normed(res.to(tl.float32), w_norm, in_k, eps, K, GEMMA, dtype)
-    else:
-        x = res
-    _store(tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1), b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+        squares = _squares(ra.to(tl.float32), in_a)
+        if REST > 0:
+            squares += _squares(rb.to(tl.float32), in_b)
+        rstd = tl.rsqrt(squares / K + eps)
+        xa = scaled(ra.to(tl.float32) * rstd, na, GEMMA, dtype)
+        if REST > 0:
+            xb = scaled(rb.to(tl.float32) * rstd, nb, GEMMA, dtype)
+    y = tl.sum(wa.to(tl.float32) * xa.to(tl.float32)[None, :], axis=1)
+    if REST > 0:
+        y += tl.sum(wb.to(tl.float32) * xb.to(tl.float32)[None, :], axis=1)
+    _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
 
 @triton.jit
@@ -530,6 +575,16 @@ def embed_norm_gemv(
     return _norm_gemv(table, token, norm, eps, gemma, None, weight, bias, stream, rounded)
 
 
+def norm_pieces(k: int) -> tuple[int, int]:
+    """K as the norm GEMV reads it: (the largest power of two within K, the power of two that
+    covers the rest) where the two are narrower than one power of two (2560: 2048 + 512, not
+    4096), else (that power of two, 0)."""
+    whole = triton.next_power_of_2(k)
+    first = whole // 2
+    rest = triton.next_power_of_2(k - first) if k > first else 0
+    return (first, rest) if 0 < rest and first + rest < whole else (whole, 0)
+
+
 def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, embed_scale, scale=None):
     """The one launch behind `add_norm_gemv` (`embed_scale` None: x added to residual) and
     `embed_norm_gemv` (x the table, residual the token id, rows times `embed_scale`)."""
@@ -558,7 +613,7 @@ def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, emb
         GEMMA=gemma,
         EMBED=embed_scale is not None,
         BLOCK_N=t.rows,
-        WIDTH=preload_width(t, k),
+        **dict(zip(("WIDTH", "REST"), norm_pieces(k))),
         num_warps=t.warps,
         **pdl_options(blocks),
     )
