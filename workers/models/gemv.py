@@ -165,8 +165,8 @@ def _norm_gemv_kernel(
     norms itself (no norm kernel, no ticket); program 0 writes the new residual stream to
     `res_out` (the others still read `res`). With EMBED the stream is the token's embedding row
     times `embed_scale` (rounded as the model's dtype rounds it). The whole row block is read
-    before the wait, in two power-of-two pieces of K where one would pad it by a third or more:
-    the padding would hold registers, and fewer programs would fit an SM."""
+    before the wait, K in two power-of-two pieces where they are narrower than one (`norm_pieces`):
+    padding would hold registers, and fewer programs would fit an SM."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
