@@ -32,7 +32,7 @@ import triton.language as tl
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start, preloads
 from workers.models.gemv_tiles import MAX_ROWS, PRELOAD_ELEMENTS, Tile, preload_width, tile_for
-from workers.models.sandwich_norm import scaled
+from workers.models.sandwich_norm import rstd, scaled, squares
 
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 
@@ -131,11 +131,6 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _squares(x, mask):
-    return tl.sum(tl.where(mask, x * x, 0.0))
-
-
-@triton.jit
 def _norm_gemv_kernel(
     h_ptr,
     res_ptr,
@@ -199,13 +194,13 @@ def _norm_gemv_kernel(
             hb = tl.load(h_ptr + kb, mask=in_b, other=0.0)
             rb = tl.load(res_ptr + kb, mask=in_b, other=0.0)
         if HAS_BEFORE:  # `normed` over both pieces
-            squares = _squares(ha.to(tl.float32), in_a)
+            sum_sq = squares(ha.to(tl.float32), in_a)
             if REST > 0:
-                squares += _squares(hb.to(tl.float32), in_b)
-            rstd = tl.rsqrt(squares / K + eps)
-            ra += scaled(ha.to(tl.float32) * rstd, ba, GEMMA, dtype)
+                sum_sq += squares(hb.to(tl.float32), in_b)
+            h_rstd = rstd(sum_sq, K, eps)
+            ra += scaled(ha.to(tl.float32) * h_rstd, ba, GEMMA, dtype)
             if REST > 0:
-                rb += scaled(hb.to(tl.float32) * rstd, bb, GEMMA, dtype)
+                rb += scaled(hb.to(tl.float32) * h_rstd, bb, GEMMA, dtype)
         else:
             ra += ha
             if REST > 0:
@@ -223,13 +218,13 @@ def _norm_gemv_kernel(
     if REST > 0:
         xb = rb
     if NORM:
-        squares = _squares(ra.to(tl.float32), in_a)
+        sum_sq = squares(ra.to(tl.float32), in_a)
         if REST > 0:
-            squares += _squares(rb.to(tl.float32), in_b)
-        rstd = tl.rsqrt(squares / K + eps)
-        xa = scaled(ra.to(tl.float32) * rstd, na, GEMMA, dtype)
+            sum_sq += squares(rb.to(tl.float32), in_b)
+        res_rstd = rstd(sum_sq, K, eps)
+        xa = scaled(ra.to(tl.float32) * res_rstd, na, GEMMA, dtype)
         if REST > 0:
-            xb = scaled(rb.to(tl.float32) * rstd, nb, GEMMA, dtype)
+            xb = scaled(rb.to(tl.float32) * res_rstd, nb, GEMMA, dtype)
     y = tl.sum(wa.to(tl.float32) * xa.to(tl.float32)[None, :], axis=1)
     if REST > 0:
         y += tl.sum(wb.to(tl.float32) * xb.to(tl.float32)[None, :], axis=1)
