@@ -85,7 +85,7 @@ def _engine(speculative: str | None = None, graphs: bool | str = False, **kwargs
         context_length=256,
         chunked_prefill_size=9,
         max_running_requests=kwargs.pop("max_running_requests", 16),
-        speculative=None if spec is None else spec | {"num_steps": 3},
+        speculative=None if spec is None else spec | {"num_steps": 3, "adaptive": False},  # fixed rounds
         cuda_graphs=graphs,
         **kwargs,
     )
