@@ -4,7 +4,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
+
+# One torch thread a test process: the suite's tensors are tiny, so a second thread only spins;
+# the cores serve test processes instead (`-n 2` in the test command). Set before torch starts
+# its thread pool; subprocesses a test starts inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (torch started already if a plugin imported it)
 
 # Every local Ray cluster a test starts keeps its node address on loopback (ops/local_ray.py):
 # Ray reads this when it is imported.
@@ -17,7 +25,9 @@ HOW_TO_FIX = "fix with `ruff check --fix . && ruff format .` from the repository
 def pytest_sessionstart(session):
     """The whole suite (the README's test command, CI) starts with the linter and the formatter
     check, so a style problem fails in seconds and says how to fix it. A run of chosen tests
-    (explicit paths) skips it."""
+    (explicit paths) skips it, and so does each worker process of a distributed run."""
+    if hasattr(session.config, "workerinput"):
+        return
     if session.config.args != [os.path.join(ROOT, "tests")] and session.config.args != ["tests"]:
         return
     if importlib.util.find_spec("ruff") is None:
