@@ -40,6 +40,12 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
+    """In a distributed run (`-n 2 --dist loadgroup`) a test module runs whole in one process (its
+    module fixtures built once), and the tests that use a Ray cluster run one at a time in one
+    process: two clusters at once overload a small machine's cores and their timing bounds."""
+    for item in items:
+        ray = "ray_serve" in item.fixturenames or item.get_closest_marker("ray_cluster") is not None
+        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
