@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-# One torch thread a test process: the suite's tensors are tiny, so a second thread only spins;
-# the cores serve test processes instead (`-n 2` in the test command). Set before torch starts
-# its thread pool; subprocesses a test starts inherit it.
+# One torch thread a test process: the suite's tensors are tiny, so a second thread only spins,
+# taking a core from the Ray processes a test starts. Set before torch starts its thread pool;
+# subprocesses a test starts inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
@@ -25,9 +25,7 @@ HOW_TO_FIX = "fix with `ruff check --fix . && ruff format .` from the repository
 def pytest_sessionstart(session):
     """The whole suite (the README's test command, CI) starts with the linter and the formatter
     check, so a style problem fails in seconds and says how to fix it. A run of chosen tests
-    (explicit paths) skips it, and so does each worker process of a distributed run."""
-    if hasattr(session.config, "workerinput"):
-        return
+    (explicit paths) skips it."""
     if session.config.args != [os.path.join(ROOT, "tests")] and session.config.args != ["tests"]:
         return
     if importlib.util.find_spec("ruff") is None:
@@ -40,12 +38,6 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    """In a distributed run (`-n 2 --dist loadgroup`) a test module runs whole in one process (its
-    module fixtures built once), and the tests that use a Ray cluster run one at a time in one
-    process: two clusters at once overload a small machine's cores and their timing bounds."""
-    for item in items:
-        ray = "ray_serve" in item.fixturenames or item.get_closest_marker("ray_cluster") is not None
-        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -4,10 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-pytestmark = pytest.mark.ray_cluster
-
 
 def test_demo_runs(tmp_path):
     bin_dir = os.path.dirname(sys.executable)

@@ -232,7 +232,6 @@ def server(tmp_path_factory) -> Iterator[Server]:
         ray.shutdown()
 
 
-@pytest.mark.ray_cluster
 @pytest.mark.parametrize("block", _cases("server"))
 def test_server_block(block, server):
     run_block(block, server.code_for(block), server.workdir)

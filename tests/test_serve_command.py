@@ -24,8 +24,6 @@ from ops.cli import main
 from tests.cluster.conftest import free_port
 from tests.cluster.sockets import descendants, is_loopback, sockets_of
 
-pytestmark = pytest.mark.ray_cluster
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.basename(DEFAULT_MODEL)
 

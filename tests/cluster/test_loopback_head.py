@@ -16,8 +16,6 @@ from tests.cluster.conftest import free_port
 from tests.cluster.ray_head import LOOPBACK_ENV, Head, run_cli
 from tests.cluster.sockets import cmdline, descendants, is_loopback, listening, sockets_of
 
-pytestmark = pytest.mark.ray_cluster
-
 SIOCGIFADDR = 0x8915
 
 

@@ -19,8 +19,6 @@ from ops import DEFAULT_MODEL
 from tests.cluster.conftest import free_port, stop_shared_ray
 from workers.engine import Engine, SamplingParams
 
-pytestmark = pytest.mark.ray_cluster
-
 PROMPT = [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 1, 4]
 
 

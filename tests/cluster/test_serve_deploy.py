@@ -15,8 +15,6 @@ import yaml
 from tests.cluster.conftest import free_port
 from tests.cluster.ray_head import ROOT, Head, run_cli
 
-pytestmark = pytest.mark.ray_cluster
-
 
 @pytest.fixture(scope="module")
 def heads():

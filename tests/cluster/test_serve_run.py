@@ -16,8 +16,6 @@ from cluster.client import GenerationClient
 from tests.cluster.conftest import free_port
 from tests.cluster.ray_head import POLL_S, ROOT, Head, run_cli
 
-pytestmark = pytest.mark.ray_cluster
-
 
 @pytest.fixture(scope="module")
 def laptop():
