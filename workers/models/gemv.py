@@ -15,8 +15,7 @@ read once, where cuBLAS's few-row kernels read it at the one-row rate and add sp
 Wider inputs are matrix multiplications and stay on cuBLAS. Tiles by weight shape are data in
 `gemv_tiles.py`. A one-row program whose whole row block fits its registers (Gemma-3-1B's QKV
 and O projections) loads it before the PDL wait (`launch.py`): the weights arrive while the
-kernel before still runs, and only x is read after it (about 2% of that model's batch-1 step);
-any other one-row program (without splits) reads its first K tile there.
+kernel before still runs, and only x is read after it (about 2% of that model's batch-1 step).
 A tile may unroll K (`Tile.unroll`; gate/up: K a multiple of its width; others: each split's
 share): every tile's loads can then be issued before the first product, which Gemma-3-1B's
 short rows need (gate/up 1.10x alone, 1.6% of its batch-1 step); the sums are the loop's, in
@@ -32,7 +31,7 @@ import triton.language as tl
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.launch import pdl_options, pdl_start, preloads
 from workers.models.gemv_tiles import MAX_ROWS, PRELOAD_ELEMENTS, Tile, preload_width, tile_for
-from workers.models.sandwich_norm import rstd, scaled, squares
+from workers.models.sandwich_norm import normed
 
 DOT_ROWS = 16  # x's rows padded to tl.dot's smallest M
 
@@ -83,7 +82,6 @@ def _gemv_kernel(
     K_SPLIT: tl.constexpr,  # K elements a split reads: a multiple of BLOCK_K
     PRELOAD_K: tl.constexpr,  # 0, or the whole row block's width (`preload_width`)
     UNROLL: tl.constexpr,  # the split's K tiles unrolled (EVEN_K: every split's K is inside K)
-    FIRST_EARLY: tl.constexpr,  # 1: without PRELOAD_K or splits, the first K tile read before the wait (else 0)
     PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -98,21 +96,16 @@ def _gemv_kernel(
         x = tl.load(x_ptr + ks, mask=in_k, other=0.0)
         y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     else:
+        pdl_start(PDL)
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         k_lo = tl.program_id(1) * K_SPLIT
-        if FIRST_EARLY:  # the first K tile before the wait (no kernel writes weights)
-            first = _weight_tile(w_ptrs, k_lo, cols, row_ok, K, EVEN_K)
-            pdl_start(PDL)
-            acc = _product(first, x_ptr, k_lo, cols, K, EVEN_K)
-        else:
-            pdl_start(PDL)
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         if UNROLL:  # tiles past K (the last split's) load nothing
-            for i in tl.static_range(FIRST_EARLY, K_SPLIT // BLOCK_K):
+            for i in tl.static_range(K_SPLIT // BLOCK_K):
                 acc += _tile(w_ptrs, x_ptr, k_lo + i * BLOCK_K, cols, row_ok, K, EVEN_K)
         else:
-            for k0 in range(k_lo + FIRST_EARLY * BLOCK_K, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+            for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
                 acc += _tile(w_ptrs, x_ptr, k0, cols, row_ok, K, EVEN_K)
         y = tl.sum(acc, axis=1)
     if SPLITS == 1:
@@ -152,83 +145,43 @@ def _norm_gemv_kernel(
     GEMMA: tl.constexpr,
     EMBED: tl.constexpr,  # the stream starts here: h is the embedding table, res the token id
     BLOCK_N: tl.constexpr,
-    WIDTH: tl.constexpr,  # K's first piece, a power of two (`norm_pieces`)
-    REST: tl.constexpr,  # 0, or a power of two covering K past WIDTH: a row of 2560 is 2048 + 512
+    WIDTH: tl.constexpr,  # `preload_width`: the whole row block is read before the wait
     PDL: tl.constexpr,
 ):
     """y = W . norm((res + before(h)) * scale) for one row, every program computing the row's
     norms itself (no norm kernel, no ticket); program 0 writes the new residual stream to
     `res_out` (the others still read `res`). With EMBED the stream is the token's embedding row
-    times `embed_scale` (rounded as the model's dtype rounds it). The whole row block is read
-    before the wait, K in two power-of-two pieces where they are narrower than one (`norm_pieces`):
-    padding would hold registers, and fewer programs would fit an SM."""
+    times `embed_scale` (rounded as the model's dtype rounds it)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
-    ka = tl.arange(0, WIDTH)
-    in_a = ka < K
-    wa = tl.load(w_rows + ka[None, :], mask=row_ok[:, None] & in_a[None, :], other=0.0)
-    if REST > 0:
-        kb = WIDTH + tl.arange(0, REST)
-        in_b = kb < K
-        wb = tl.load(w_rows + kb[None, :], mask=row_ok[:, None] & in_b[None, :], other=0.0)
+    ks = tl.arange(0, WIDTH)
+    in_k = ks < K
+    w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=row_ok[:, None] & in_k[None, :], other=0.0)
     if NORM:
-        na = tl.load(norm_ptr + ka, mask=in_a, other=0.0)
-        if REST > 0:
-            nb = tl.load(norm_ptr + kb, mask=in_b, other=0.0)
+        w_norm = tl.load(norm_ptr + ks, mask=in_k, other=0.0)
     if HAS_BEFORE:
-        ba = tl.load(before_ptr + ka, mask=in_a, other=0.0)
-        if REST > 0:
-            bb = tl.load(before_ptr + kb, mask=in_b, other=0.0)
+        w_before = tl.load(before_ptr + ks, mask=in_k, other=0.0)
     dtype = y_ptr.dtype.element_ty
     pdl_start(PDL)
     if EMBED:
-        row = h_ptr + tl.load(res_ptr).to(tl.int64) * K
-        ra = (tl.load(row + ka, mask=in_a, other=0.0).to(tl.float32) * embed_scale).to(dtype)
-        if REST > 0:
-            rb = (tl.load(row + kb, mask=in_b, other=0.0).to(tl.float32) * embed_scale).to(dtype)
+        token = tl.load(res_ptr).to(tl.int64)
+        res = (tl.load(h_ptr + token * K + ks, mask=in_k, other=0.0).to(tl.float32) * embed_scale).to(dtype)
     else:
-        ha = tl.load(h_ptr + ka, mask=in_a, other=0.0)
-        ra = tl.load(res_ptr + ka, mask=in_a, other=0.0)
-        if REST > 0:
-            hb = tl.load(h_ptr + kb, mask=in_b, other=0.0)
-            rb = tl.load(res_ptr + kb, mask=in_b, other=0.0)
-        if HAS_BEFORE:  # `normed` over both pieces
-            sum_sq = squares(ha.to(tl.float32), in_a)
-            if REST > 0:
-                sum_sq += squares(hb.to(tl.float32), in_b)
-            h_rstd = rstd(sum_sq, K, eps)
-            ra += scaled(ha.to(tl.float32) * h_rstd, ba, GEMMA, dtype)
-            if REST > 0:
-                rb += scaled(hb.to(tl.float32) * h_rstd, bb, GEMMA, dtype)
+        h = tl.load(h_ptr + ks, mask=in_k, other=0.0)
+        res = tl.load(res_ptr + ks, mask=in_k, other=0.0)
+        if HAS_BEFORE:
+            res += normed(h.to(tl.float32), w_before, in_k, eps, K, GEMMA, dtype)
         else:
-            ra += ha
-            if REST > 0:
-                rb += hb
+            res += h
         if HAS_SCALE:
-            layer_scale = tl.load(scale_ptr).to(dtype).to(tl.float32)
-            ra = (ra.to(tl.float32) * layer_scale).to(dtype)
-            if REST > 0:
-                rb = (rb.to(tl.float32) * layer_scale).to(dtype)
+            res = (res.to(tl.float32) * tl.load(scale_ptr).to(dtype).to(tl.float32)).to(dtype)
     if tl.program_id(0) == 0:
-        tl.store(res_out_ptr + ka, ra, mask=in_a)
-        if REST > 0:
-            tl.store(res_out_ptr + kb, rb, mask=in_b)
-    xa = ra
-    if REST > 0:
-        xb = rb
+        tl.store(res_out_ptr + ks, res, mask=in_k)
     if NORM:
-        sum_sq = squares(ra.to(tl.float32), in_a)
-        if REST > 0:
-            sum_sq += squares(rb.to(tl.float32), in_b)
-        res_rstd = rstd(sum_sq, K, eps)
-        xa = scaled(ra.to(tl.float32) * res_rstd, na, GEMMA, dtype)
-        if REST > 0:
-            xb = scaled(rb.to(tl.float32) * res_rstd, nb, GEMMA, dtype)
-    y = tl.sum(wa.to(tl.float32) * xa.to(tl.float32)[None, :], axis=1)
-    if REST > 0:
-        y += tl.sum(wb.to(tl.float32) * xb.to(tl.float32)[None, :], axis=1)
-    _store(y, b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
+        x = normed(res.to(tl.float32), w_norm, in_k, eps, K, GEMMA, dtype)
+    else:
+        x = res
+    _store(tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1), b_ptr, y_ptr, rows, row_ok, HAS_BIAS)
 
 
 @triton.jit
@@ -459,7 +412,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             K_SPLIT=k_split,
             PRELOAD_K=preload,
             UNROLL=unroll,
-            FIRST_EARLY=int(preloads() and not preload and t.splits == 1),
             **common,
             **pdl_options(blocks * t.splits),
         )
@@ -570,16 +522,6 @@ def embed_norm_gemv(
     return _norm_gemv(table, token, norm, eps, gemma, None, weight, bias, stream, rounded)
 
 
-def norm_pieces(k: int) -> tuple[int, int]:
-    """K as the norm GEMV reads it: (the largest power of two within K, the power of two that
-    covers the rest) where the two are narrower than one power of two (2560: 2048 + 512, not
-    4096), else (that power of two, 0)."""
-    whole = triton.next_power_of_2(k)
-    first = whole // 2
-    rest = triton.next_power_of_2(k - first) if k > first else 0
-    return (first, rest) if 0 < rest and first + rest < whole else (whole, 0)
-
-
 def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, embed_scale, scale=None):
     """The one launch behind `add_norm_gemv` (`embed_scale` None: x added to residual) and
     `embed_norm_gemv` (x the table, residual the token id, rows times `embed_scale`)."""
@@ -608,7 +550,7 @@ def _norm_gemv(x, residual, norm, eps, gemma, before, weight, bias, res_out, emb
         GEMMA=gemma,
         EMBED=embed_scale is not None,
         BLOCK_N=t.rows,
-        **dict(zip(("WIDTH", "REST"), norm_pieces(k))),
+        WIDTH=preload_width(t, k),
         num_warps=t.warps,
         **pdl_options(blocks),
     )

@@ -33,21 +33,10 @@ def scaled(h, w, GEMMA: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def squares(x, mask):
-    """The sum of a float32 row's squares where `mask` holds (a row read in pieces adds theirs)."""
-    return tl.sum(tl.where(mask, x * x, 0.0))
-
-
-@triton.jit
-def rstd(sum_of_squares, size, eps):
-    """RMSNorm's reciprocal root mean square of a row of `size` from its sum of squares."""
-    return tl.rsqrt(sum_of_squares / size + eps)
-
-
-@triton.jit
 def normed(x, w, mask, eps, size, GEMMA: tl.constexpr, dtype: tl.constexpr):
     """RMSNorm of a float32 row, rounded to `dtype` the way the model's norm rounds."""
-    return scaled(x * rstd(squares(x, mask), size, eps), w, GEMMA, dtype)
+    rstd = tl.rsqrt(tl.sum(tl.where(mask, x * x, 0.0)) / size + eps)
+    return scaled(x * rstd, w, GEMMA, dtype)
 
 
 @triton.jit
