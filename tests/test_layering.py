@@ -79,3 +79,16 @@ def test_the_invariants_name_their_upstream_failures_and_tests():
     for test in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", text):
         path, name = test
         assert f"def {name}(" in open(os.path.join(ROOT, path)).read(), f"{path}::{name} named in the design"
+
+
+def test_the_engine_imports_no_model_loading_machinery():
+    """Every engine process (each Ray rank, replica and ingress) imports the engine: transformers'
+    activation table would bring its model-loading and distributed-tensor modules (seconds of
+    CPU a process) for functions torch has."""
+    import subprocess
+    import sys
+
+    heavy = ("transformers.activations", "torch.distributed.tensor")
+    code = f"import sys, workers.engine; print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -147,7 +147,12 @@ def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
         served.process.kill()
         raise
     served.process.send_signal(signal.SIGINT)
-    assert served.process.wait(timeout=120) == 0, "\n".join(served.lines)
+    try:
+        status = served.process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        served.process.kill()
+        raise AssertionError("still running 120 s after SIGINT:\n" + "\n".join(served.lines)) from None
+    assert status == 0, "\n".join(served.lines)
     deadline = time.monotonic() + 30
     while alive := [p for p in own if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
         assert time.monotonic() < deadline, [" ".join(p.cmdline())[:120] for p in alive]

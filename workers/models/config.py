@@ -20,6 +20,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from workers.models.activations import check_activation
 from workers.models.fp8 import Fp8Layout, checkpoint_layout, quantization_layout
 from workers.models.geometry import global_field, kv_layers, layer_geometry
 from workers.models.mxfp4 import GROUP, splits_into_groups
@@ -173,6 +174,14 @@ class ModelConfig:
         return max(windows) if windows else None
 
 
+def hidden_activation(hf: PretrainedConfig) -> str:
+    """The MLP activation's name: Gemma's `hidden_activation`, else `hidden_act` (default silu),
+    refused naming its field when not supported."""
+    if getattr(hf, "hidden_activation", None):
+        return check_activation(hf.hidden_activation, "hidden_activation")
+    return check_activation(getattr(hf, "hidden_act", "silu"), "hidden_act")
+
+
 def _layer_types(hf: PretrainedConfig, arch: ArchSpec) -> list[str]:
     """Every layer's attention type (`layer_types`, else one type for all)."""
     layer_types = getattr(hf, "layer_types", None)
@@ -301,7 +310,7 @@ def _moe(hf: PretrainedConfig, arch: ArchSpec, mxfp4: bool = False) -> MoEConfig
         num_experts=sizes[style.experts],
         top_k=sizes[style.top_k],
         intermediate_size=sizes[style.width],
-        activation=style.activation or getattr(hf, "hidden_activation", None) or hf.hidden_act,
+        activation=style.activation or hidden_activation(hf),
         router_norm=style.router_norm,
         bias=style.bias,
         layout=style.layout,
@@ -405,7 +414,7 @@ def model_config_from_hf(
         num_heads=hf.num_attention_heads,
         num_kv_heads=num_kv_heads or hf.num_attention_heads,
         head_dim=head_dim,
-        hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"),
+        hidden_act=hidden_activation(hf),
         rms_norm_eps=hf.rms_norm_eps,
         tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
         qkv_bias=attention_bias if arch.qkv_bias is None else arch.qkv_bias,

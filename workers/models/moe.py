@@ -42,9 +42,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from workers.distributed import TPGroup
+from workers.models.activations import ACTIVATIONS
 from workers.models.config import MoEConfig
 from workers.models.layers import (
     ReplicatedLinear,
@@ -79,7 +79,7 @@ class Activation:
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         special = GATED.get(self.name)
-        return special(gate, up, self) if special is not None else ACT2FN[self.name](gate) * up
+        return special(gate, up, self) if special is not None else ACTIVATIONS[self.name](gate) * up
 
 
 def _swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, act: Activation) -> torch.Tensor:

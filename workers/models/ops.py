@@ -34,9 +34,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from workers.memory.kv_write import write_kv_torch
+from workers.models.activations import ACTIVATIONS
 from workers.models.fp8 import dequantize
 
 Tensor = torch.Tensor
@@ -232,7 +232,7 @@ def _logits_argmax(raw: Tensor, cap: float | None, out: Tensor, tokens: Tensor) 
 
 def _act_and_mul(x: Tensor, act: str) -> Tensor:
     gate, up = x.chunk(2, dim=-1)
-    return ACT2FN[act](gate) * up
+    return ACTIVATIONS[act](gate) * up
 
 
 def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:
@@ -240,7 +240,7 @@ def _linear_act_and_mul(x: Tensor, weight: Tensor, bias: Tensor | None, act: str
 
 
 def _gated_linear(gate: Tensor, up: Tensor, act: str, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return F.linear(ACT2FN[act](gate) * up, weight, bias)
+    return F.linear(ACTIVATIONS[act](gate) * up, weight, bias)
 
 
 def _fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: Block, bias: Tensor | None) -> Tensor:
