@@ -69,10 +69,17 @@ class Served:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # a signal to the test's group does not reach it
+            # as from a terminal: SIGINT not ignored, even where the test runs as a background job
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def kill(self) -> None:
+        """Kill it and the Ray it started (its session's processes)."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def _read(self) -> None:
         for line in self.process.stdout:
@@ -144,13 +151,13 @@ def test_serve_answers_openai_and_grpc_clients_and_stops_cleanly_on_sigint():
         replicas = {"ray::ServeReplica:slidespec:GrpcIngress", "ray::ServeReplica:slidespec:LLMServer"}
         assert sorted(wide) == sorted(replicas), f"listening beyond loopback: {sockets}"
     except BaseException:
-        served.process.kill()
+        served.kill()
         raise
     served.process.send_signal(signal.SIGINT)
     try:
         status = served.process.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        served.process.kill()
+        served.kill()
         raise AssertionError("still running 120 s after SIGINT:\n" + "\n".join(served.lines)) from None
     assert status == 0, "\n".join(served.lines)
     deadline = time.monotonic() + 30
