@@ -295,11 +295,23 @@ def openai_outcome(url: str, data: bytes) -> str:
     return "ok"
 
 
-def send_drawn(send: Callable[[object], str], strategy: st.SearchStrategy, fixed_seed: int) -> list[str]:
-    """The outcomes of `CASES` values of `strategy`, as hypothesis draws them under a fixed seed,
-    each sent as soon as it is drawn, `IN_FLIGHT` at a time (as clients send them): drawing costs
-    the test process about as much CPU as the server spends answering, so the two overlap. A
-    failing case is named in the failure."""
+def drawn(strategy: st.SearchStrategy, fixed_seed: int) -> list:
+    """`CASES` values of `strategy`, as hypothesis draws them under a fixed seed."""
+    values = []
+
+    @seed(fixed_seed)
+    @FUZZ
+    @given(strategy)
+    def collect(value):
+        values.append(value)
+
+    collect()
+    return values
+
+
+def send_all(send: Callable[[object], str], cases: list) -> list[str]:
+    """Each case's outcome, `IN_FLIGHT` cases at a time (as clients send them); a failing case
+    is named in the failure."""
 
     def one(case) -> str:
         try:
@@ -308,16 +320,7 @@ def send_drawn(send: Callable[[object], str], strategy: st.SearchStrategy, fixed
             raise AssertionError(f"{type(e).__name__}: {e}\ncase: {case!r:.2000}") from e
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        sent = []
-
-        @seed(fixed_seed)
-        @FUZZ
-        @given(strategy)
-        def draw_and_send(value):
-            sent.append(pool.submit(one, value))
-
-        draw_and_send()
-        return [outcome.result() for outcome in sent]
+        return list(pool.map(one, cases))
 
 
 def assert_run_held(client, outcomes: list[str]) -> None:
@@ -364,7 +367,7 @@ def test_grpc_door(app):
             return "undecodable"
         return grpc_outcome(lambda: raw(data, timeout=60))
 
-    assert_run_held(client, send_drawn(send, st.tuples(bodies(), mangles), 20261123))
+    assert_run_held(client, send_all(send, drawn(st.tuples(bodies(), mangles), 20261123)))
 
 
 def test_http_door(app):
@@ -380,15 +383,17 @@ def test_http_door(app):
             data = json.dumps({"prompt": "x" * (ARGS["max_request_bytes"] + 10)}).encode()
         return http_outcome(f"{route}/generate", data)
 
-    cases = st.tuples(bodies(), st.integers(0, 15), st.integers(0, 10**6))
-    assert_run_held(client, send_drawn(send, cases, 20261123))
+    cases = drawn(st.tuples(bodies(), st.integers(0, 15), st.integers(0, 10**6)), 20261123)
+    assert_run_held(client, send_all(send, cases))
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_openai_door(app, chat):
     client, route = app
     url = f"{route}/v1/{'chat/completions' if chat else 'completions'}"
-    outcomes = send_drawn(lambda body: openai_outcome(url, json.dumps(body).encode()), openai_bodies(chat), 20261125)
+    outcomes = send_all(
+        lambda body: openai_outcome(url, json.dumps(body).encode()), drawn(openai_bodies(chat), 20261125)
+    )
     assert_run_held(client, outcomes)
 
 
