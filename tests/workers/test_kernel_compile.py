@@ -54,6 +54,11 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
         cases.append(("gemv", "_gemv_act_mul_kernel", act_mul, 8))  # Gemma-4-E4B's gate/up at 8 warps
         unrolled = dict(ACT=0, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_TILES=9, FIRST_EARLY=first_early)
         cases.append(("gemv", "_gemv_act_mul_kernel", unrolled, 8))  # Gemma-3-1B's, its K tiles unrolled
+    one = dict(HAS_BIAS=False, BLOCK_N=4, SPLITS=1, SPLITS_PAD=1, PRELOAD_K=0)
+    looped = dict(one, BLOCK_K=512, EVEN_K=True, K_SPLIT=10240, UNROLL=False)
+    cases.append(("gemv", "_gemv_kernel", looped, 8))  # Gemma-4-E4B's down projection
+    unrolled = dict(one, BLOCK_K=128, EVEN_K=True, K_SPLIT=6912, UNROLL=True)
+    cases.append(("gemv", "_gemv_kernel", unrolled, 8))  # Gemma-3-1B's, its K tiles unrolled
     for v_norm in (False, True):
         dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_HALF=128, BLOCK_DIM=256)
         cases.append(("rope", "_rope_kernel", dict(dims, NORM=1, WRITE_KV=True, FP8=False, V_NORM=v_norm), 4))

@@ -2,9 +2,11 @@
 interpreter, against the torch op set (the reference the model's CPU path runs, equal to Hugging
 Face's): the sandwich kernel with the layer scalar (norm, add, scale and the next layer's norm;
 and stopping at the stream; and adding two normed rows), the one-row norm GEMV with the scalar and without its norm (the
-stream projected as it is: the per-layer input gate), the gated GEMV that computes
+stream projected as it is: the per-layer input gate) and from a token's embedding row, the gated
+GEMV that computes
 act(gate) * per-layer input inside the projection (and the MLP's gate/up GEMV with its
-activation, with and without its first weight tile read before the PDL wait), and the RoPE kernel normalising each value
+activation, with and without its first weight tile read before the PDL wait; and the plain
+one-row GEMV over looped and unrolled K), and the RoPE kernel normalising each value
 head as it writes it to the paged cache. In float32 they agree to float32 noise; in
 bfloat16 the norm kernels round where the torch ops round (at most one rounding apart), and the
 gated GEMV and the gate/up GEMV, which round once where the torch ops round two or three times,
@@ -36,9 +38,11 @@ CASES = [
         ("norms_add", ((1, 2816), (3, 96))),
         ("norm_gemv", ((1, 96), (1, 200))),
         ("stream_gemv", ((1, 96), (1, 200))),
+        ("embed_gemv", ((1, 96), (1, 200))),
         ("gated_gemv", ((1, 256), (1, 24))),
         ("act_mul", ((1, 2560), (1, 200))),
         ("act_mul_early", ((1, 2560), (1, 200))),
+        ("gemv", ((1, 2560), (1, 7000))),
         ("rope_v_norm", ((1, 256), (7, 64))),
     )
     for rows, width in shapes
@@ -80,6 +84,10 @@ def _one(kernel: str, rows: int, width: int, dtype: torch.dtype) -> dict:
         normed = norm if kernel == "norm_gemv" else None
         got = gemv.add_norm_gemv(x, residual, normed, EPS, False, before, weight, None, scale)
         ref = TORCH_OPS.add_rms_norm_linear(x, residual, normed, EPS, False, before, weight, None, scale)
+    elif kernel == "embed_gemv":  # the first layer's: the token's embedding row, scaled, normed and projected
+        weight, table, token = rand(40, width), rand(50, width), torch.tensor([7])
+        got = gemv.embed_norm_gemv(token, table, width**0.5, norm, EPS, False, weight, None)
+        ref = TORCH_OPS.embed_rms_norm_linear(token, table, width**0.5, norm, EPS, False, weight, None)
     elif kernel == "rope_v_norm":
         return _rope_v_norm(rows, width, dtype, gen)
     elif kernel.startswith("act_mul"):  # `_early`: the first K tile read before the PDL wait, as on Hopper
@@ -88,6 +96,12 @@ def _one(kernel: str, rows: int, width: int, dtype: torch.dtype) -> dict:
         got = gemv.gemv_act_and_mul(x, weight, "gelu_pytorch_tanh")
         ref = TORCH_OPS.linear_act_and_mul(x, weight, None, "gelu_pytorch_tanh")
         exact = TORCH_OPS.linear_act_and_mul(x.float(), weight.float(), None, "gelu_pytorch_tanh")
+        return {"kernel": _relative(got, exact), "torch": _relative(ref, exact)}
+    elif kernel == "gemv":  # looped (2560) and unrolled (7000) K
+        weight = rand(40, width)
+        got = gemv.gemv(x, weight)
+        ref = TORCH_OPS.linear(x, weight, None)
+        exact = TORCH_OPS.linear(x.float(), weight.float(), None)
         return {"kernel": _relative(got, exact), "torch": _relative(ref, exact)}
     else:
         weight = rand(2560 if width == 256 else 40, width)
@@ -149,7 +163,7 @@ def findings() -> dict[str, dict]:
 def test_stream_kernels_match_the_torch_ops_in_the_interpreter(findings, case):
     found = findings[case]
     bfloat16 = case.endswith("bfloat16")
-    if case.startswith(("gated_gemv", "act_mul")):  # against float32 math over the same inputs
+    if case.startswith(("gated_gemv", "act_mul", "gemv")):  # against float32 math over the same inputs
         assert found["kernel"] <= (found["torch"] if bfloat16 else 1e-5), found
     elif case.startswith("rope_v_norm"):
         # values normed and rounded where the torch op rounds them (bit for bit in bfloat16);
