@@ -22,6 +22,8 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import AppArgs
 from cluster.ingress import HANDOVER_S, GrpcIngress
 from cluster.replica import LLMServer
+from workers.engine import resolve_context_length
+from workers.models import load_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def build_app(args: dict[str, Any]) -> Application:
     else:
         options["num_replicas"] = cfg.num_replicas
     engine = serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
+    context_length = served_context_length(cfg)
     return (
         serve.deployment(GrpcIngress)
         .options(
@@ -76,8 +79,14 @@ def build_app(args: dict[str, Any]) -> Application:
                 "resources": {HEAD_NODE_RESOURCE: 0.001} if cfg.ingress_on_head else {},
             },
         )
-        .bind(engine, cfg.model_dump())
+        .bind(engine, cfg.model_dump(), context_length)
     )
+
+
+def served_context_length(cfg: AppArgs) -> int:
+    """The context length the replicas' engines serve (the ingress checks prompts against it)."""
+    model_cfg = load_model_config(cfg.engine_args().engine_kwargs()["model"])
+    return resolve_context_length(model_cfg, cfg.context_length, cfg.max_total_tokens)
 
 
 def _warn_if_it_cannot_fit(cfg: AppArgs) -> None:

@@ -34,7 +34,7 @@ from cluster.replica_set import QueueFull, ReplicaSet
 from cluster.routing.load_board import BOARD
 from cluster.routing.serve_router import route_request
 from cluster.telemetry import RequestTelemetry
-from workers.rank_loop import ErrorCode
+from workers.error_codes import ErrorCode
 from workers.sampling_params import choice_seed
 
 logger = logging.getLogger(__name__)

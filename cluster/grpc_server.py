@@ -31,7 +31,7 @@ from cluster.proto.slidespec.v1 import generation_pb2 as pb
 from cluster.proto.slidespec.v1 import generation_pb2_grpc as pb_grpc
 from cluster.protocol import InvalidRequest, merge_responses, request_to_body, update_to_response
 from cluster.telemetry import READER_GONE, RequestTelemetry
-from workers.rank_loop import ErrorCode
+from workers.error_codes import ErrorCode
 
 logger = logging.getLogger(__name__)
 

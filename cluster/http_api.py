@@ -24,7 +24,7 @@ from cluster.auth import DENIED
 from cluster.gateway import STATUS, Gateway, RequestFailed
 from cluster.protocol import InvalidRequest, error_json, merge_responses, response_json, update_to_response
 from cluster.telemetry import READER_GONE, RequestTelemetry
-from workers.rank_loop import ErrorCode
+from workers.error_codes import ErrorCode
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,6 @@ from cluster.routing.load_board import BOARD
 from cluster.routing.policies import make_policy
 from cluster.telemetry import RequestTelemetry
 from cluster.tracing import flush_all, tracer_for
-from workers.engine import resolve_context_length
-from workers.models import load_model_config
 from workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,14 +77,12 @@ def _forget_engine_ran(app_name: str) -> None:
 
 
 class GrpcIngress:
-    async def __init__(self, llm: DeploymentHandle, args: dict[str, Any]) -> None:
+    async def __init__(self, llm: DeploymentHandle, args: dict[str, Any], context_length: int) -> None:
+        """`context_length`: the replicas' (`cluster.app.served_context_length`), resolved where
+        the application is built, so that this process loads no model code (nor torch)."""
         self.args = AppArgs(**args)
         self.llm = llm
-        engine_kwargs = self.args.engine_args().engine_kwargs()
-        self.tokenizer = load_tokenizer(engine_kwargs["model"])
-        context_length = resolve_context_length(
-            load_model_config(engine_kwargs["model"]), self.args.context_length, self.args.max_total_tokens
-        )
+        self.tokenizer = load_tokenizer(self.args.engine_args().engine_kwargs()["model"])
         self.running_replicas = 0
         self.model_name = os.path.basename(os.path.normpath(self.args.model))  # served name in spans and metrics
         self.tracer = tracer_for(self.args.tracing, "ingress")

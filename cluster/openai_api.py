@@ -36,7 +36,7 @@ from cluster.openai_structured import Refused, Structured, ToolCalls, structured
 from cluster.openai_tools import AutoTools, ToolCallParser, ToolFormat
 from cluster.protocol import InvalidRequest, clipped
 from cluster.telemetry import READER_GONE, RequestTelemetry
-from workers.rank_loop import ErrorCode
+from workers.error_codes import ErrorCode
 from workers.tokenizer import unicode_problem
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for completions; chat defaults to the rest of the context

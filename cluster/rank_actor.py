@@ -7,6 +7,10 @@ updates, once per step, to each caller (a "reader": the replica, an ingress): ov
 socket (`cluster/rank_channel.py`) for callers on this node, which the loop thread writes
 itself, or through one Ray streaming generator per reader (`submit`, `updates`); other ranks only
 follow rank 0's broadcasts.
+
+The replica deployment creates rank actors from this class and the ingress reads rank names and
+updates with its helpers: torch and the engine load only in the actor's own process (`__init__`,
+`setup`), which keeps seconds of imports out of every process that merely talks to ranks.
 """
 
 from __future__ import annotations
@@ -19,20 +23,20 @@ import os
 import socket
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
-import torch.distributed as dist
 
 from cluster.config import TracingArgs
 from cluster.rank_channel import ChannelServer, Connection
 from cluster.tracing import context_from_carrier, engine_info, flush_all, record_step, tracer_for
-from workers.distributed import SINGLE_RANK, TPGroup
-from workers.engine import Engine, SamplingParams
-from workers.rank_loop import ErrorCode, RankLoop, Update
+from workers.error_codes import ErrorCode
+from workers.sampling_params import SamplingParams
 from workers.startup import show_progress_logs
 from workers.step_record import StepRecord
+
+if TYPE_CHECKING:
+    from workers.rank_loop import RankLoop, Update
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +129,8 @@ class RankActor:
         tracing: dict[str, Any] | None = None,
         stall_timeout_s: float = 300.0,
     ) -> None:
+        import torch
+
         show_progress_logs()  # start-up phases reach the driver's terminal (`slidespec serve`)
         self.rank = rank
         self.tp_size = tp_size
@@ -153,6 +159,12 @@ class RankActor:
 
     async def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the replica's process group, build this rank's engine, start the rank loop."""
+        import torch.distributed as dist
+
+        from workers.distributed import SINGLE_RANK, TPGroup
+        from workers.engine import Engine
+        from workers.rank_loop import RankLoop
+
         self._aio = asyncio.get_running_loop()
         device = self.engine_kwargs.get("device", "cpu")
         timeout = datetime.timedelta(seconds=self.control_timeout_s)
@@ -404,6 +416,8 @@ class RankActor:
 
     def shutdown(self) -> None:
         """Stop the loop (rank 0 broadcasts the stop to the others) and leave the group."""
+        import torch.distributed as dist
+
         if self.loop is not None and self.rank == 0:
             self.loop.stop()
         if self._thread is not None:

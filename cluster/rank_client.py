@@ -26,7 +26,7 @@ import ray
 
 from cluster.rank_actor import error_update, join_updates
 from cluster.rank_channel import ChannelClient
-from workers.rank_loop import ErrorCode
+from workers.error_codes import ErrorCode
 from workers.sampling_params import SamplingParams
 from workers.tokenizer import IncrementalDetokenizer, StopStrings
 

@@ -23,7 +23,7 @@ from cluster.config import AppArgs
 from cluster.protocol import InvalidRequest, PromptLimits, RoutedBody, parse_request
 from cluster.rank_actor import REPLICA_READER, RankActor, error_update, rank_actor_name
 from cluster.rank_client import RankClient, unwrap
-from workers.rank_loop import ErrorCode
+from workers.error_codes import ErrorCode
 from workers.sampling_params import SamplingParams
 from workers.tokenizer import load_tokenizer
 

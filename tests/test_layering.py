@@ -82,13 +82,29 @@ def test_the_invariants_name_their_upstream_failures_and_tests():
 
 
 def test_the_engine_imports_no_model_loading_machinery():
-    """Every engine process (each Ray rank, replica and ingress) imports the engine: transformers'
-    activation table would bring its model-loading and distributed-tensor modules (seconds of
+    """Every engine process (each Ray rank) imports the engine: transformers' activation table
+    would bring its model-loading and distributed-tensor modules (seconds of
     CPU a process) for functions torch has."""
     import subprocess
     import sys
 
     heavy = ("transformers.activations", "torch.distributed.tensor")
     code = f"import sys, workers.engine; print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_the_front_door_processes_load_no_torch():
+    """The ingress and the replica deployment only talk to ranks: their modules, and loading a
+    shipped model's tokenizer as they do, bring in no torch (seconds of CPU in each process a
+    deploy starts)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, cluster.ingress, cluster.replica; from workers.tokenizer import load_tokenizer; "
+        "from ops import DEFAULT_MODEL; load_tokenizer(DEFAULT_MODEL); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('workers.models')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

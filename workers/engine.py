@@ -23,7 +23,8 @@ import torch
 from attention import ForwardMode
 from workers.cuda_graphs import CudaGraphRunner, capture_sizes
 from workers.distributed import SINGLE_RANK, AllReduce, TPGroup
-from workers.grammar import Compilation, GrammarCompiler, GrammarMasks, Matcher
+from workers.grammar import Compilation, GrammarCompiler, Matcher
+from workers.grammar_masks import GrammarMasks
 from workers.logprobs import Logprobs, of_rows
 from workers.memory import HybridSWAAllocator, KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from attention.batch import upload
-from workers.grammar import GrammarMasks, MaskRow
+from workers.grammar_masks import GrammarMasks, MaskRow
 from workers.request import Request
 from workers.sampling_params import SamplingParams
 

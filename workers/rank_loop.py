@@ -16,7 +16,6 @@ Runs under `torch.distributed` alone (benchmarks) or inside Ray rank actors (ser
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import queue
 import random
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from workers.engine import Engine, RequestOutput
+from workers.error_codes import ErrorCode
 from workers.grammar import Compilation, StructuredOutputs
 from workers.logprobs import Logprobs
 from workers.sampling_params import SamplingParams
@@ -59,14 +59,6 @@ class StepPlan:
     @property
     def changes(self) -> bool:
         return bool(self.new or self.aborts or self.grammars or self.flush_cache or self.stop)
-
-
-class ErrorCode(str, enum.Enum):
-    """Why a request ended with an error; the front doors map these to status codes."""
-
-    INVALID_ARGUMENT = "invalid_argument"  # its own content: never retried
-    INTERNAL = "internal"  # its own processing raised: never retried, the loop goes on
-    UNAVAILABLE = "unavailable"  # the loop (or a rank) broke: may be retried elsewhere
 
 
 @dataclasses.dataclass(frozen=True)

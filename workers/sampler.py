@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attention.batch import upload
-from workers.grammar import GrammarMasks
+from workers.grammar_masks import GrammarMasks
 from workers.logprobs import Logprobs, of_rows
 from workers.processors import History, process
 from workers.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ import torch
 
 from attention import ForwardMode
 from workers.forward_batch import ForwardBatch
-from workers.grammar import GrammarMasks
+from workers.grammar_masks import GrammarMasks
 from workers.memory import KVAllocator, ReqToTokenPool
 from workers.memory.allocator import cdiv, expand_ranges
 from workers.processors import RequestHistory, TokenCounts

@@ -2,21 +2,41 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+# `tokenizer_class` values for which AutoTokenizer builds transformers' plain `tokenizer.json`
+# tokenizer (`PreTrainedTokenizerFast` is that class's other name): built directly, the same
+# tokenizer without AutoTokenizer's import of the model configs, which loads torch (seconds in
+# every front-door process).
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def load_tokenizer(model_dir: str):
     """The model directory's Hugging Face tokenizer, or None when it has none."""
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        if _tokenizer_class(model_dir) in PLAIN_TOKENIZER_CLASSES:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend as Tokenizer
+        else:
+            from transformers import AutoTokenizer as Tokenizer
+        return Tokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as exc:  # transformers' and tokenizers' own types (JSON, sentencepiece, ...)
         raise ValueError(f"model: the tokenizer files in {model_dir!r} cannot be loaded: {exc!r}") from exc
+
+
+def _tokenizer_class(model_dir: str) -> str | None:
+    """`tokenizer_class` of the directory's tokenizer_config.json, when it has a tokenizer.json
+    for that class to read (None otherwise: AutoTokenizer decides)."""
+    config = os.path.join(model_dir, "tokenizer_config.json")
+    if not (os.path.isfile(config) and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))):
+        return None
+    with open(config, encoding="utf-8") as f:
+        return json.load(f).get("tokenizer_class")
 
 
 def unicode_problem(text: str) -> str | None:

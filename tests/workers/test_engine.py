@@ -178,6 +178,36 @@ def test_a_broken_tokenizer_file_is_named(tmp_path, file):
         Engine(model=model_dir)
 
 
+@pytest.mark.parametrize("tokenizer_class", ["TokenizersBackend", "PreTrainedTokenizerFast"])
+def test_the_tokenizer_is_the_one_autotokenizer_builds(tmp_path, tokenizer_class):
+    """`load_tokenizer` builds the plain tokenizer.json class itself, by either of its names (no
+    model configs, no torch): the tokenizer AutoTokenizer gives."""
+    from transformers import AutoTokenizer
+
+    from workers.tokenizer import load_tokenizer
+
+    model_dir = str(tmp_path / "model")
+    shutil.copytree(DEFAULT_MODEL, model_dir)
+    config_path = os.path.join(model_dir, "tokenizer_config.json")
+    config = json.load(open(config_path))
+    with open(config_path, "w") as f:
+        json.dump({**config, "tokenizer_class": tokenizer_class}, f)
+    ours, theirs = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    assert type(ours) is type(theirs)
+    text = "def f(x):\n    return x  # caf\u00e9 <start_of_turn>"
+    assert ours(text).input_ids == theirs(text).input_ids
+    assert ours.decode(theirs(text).input_ids) == theirs.decode(theirs(text).input_ids)
+    assert (ours.all_special_ids, ours.eos_token_id, ours.bos_token_id) == (
+        theirs.all_special_ids,
+        theirs.eos_token_id,
+        theirs.bos_token_id,
+    )
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+
+
 def test_bad_engine_arguments(gemma3_dir):
     for kwargs, field in [
         ({"context_length": 10**6}, "context_length: 1000000 is longer than the model's max_position_embeddings"),

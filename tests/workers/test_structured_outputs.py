@@ -25,7 +25,8 @@ from tests.draft_models import make_perturbed_copy
 from tests.hf_models import make_tiny_model
 from tests.workers.test_adaptive_spec import Schedule
 from workers.engine import Engine, SamplingParams
-from workers.grammar import GrammarCompiler, GrammarMasks, MaskRow, Matcher, StructuredOutputs, xgrammar
+from workers.grammar import GrammarCompiler, Matcher, StructuredOutputs, xgrammar
+from workers.grammar_masks import GrammarMasks, MaskRow
 from workers.rank_loop import ErrorCode, RankLoop
 from workers.speculative import drafter as drafter_module
 from workers.speculative import worker as spec_worker
