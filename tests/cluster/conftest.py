@@ -58,6 +58,19 @@ def stop_shared_ray() -> None:
         ray.shutdown()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The modules that share `ray_serve`'s cluster run one after another, before the other
+    cluster modules (those that start Ray clusters of their own, or connect elsewhere): the shared
+    cluster then starts once and stops before them, rather than idling beside their clusters or
+    starting again after one that had to stop it."""
+    shares = {getattr(item, "module", None) for item in items if "ray_serve" in getattr(item, "fixturenames", ())}
+    cluster_dir = os.path.dirname(os.path.abspath(__file__))
+    ours = [i for i, item in enumerate(items) if os.path.dirname(str(item.path)) == cluster_dir]
+    reordered = sorted((items[i] for i in ours), key=lambda item: getattr(item, "module", None) not in shares)
+    for i, item in zip(ours, reordered):
+        items[i] = item
+
+
 @pytest.fixture(scope="module")
 def ray_serve(request):
     """A local Ray cluster (loopback only) with Serve's HTTP proxy: its URL. Starting one takes
