@@ -62,12 +62,19 @@ def test_a_redeploy_under_load_fails_no_request(ray_serve):
 
     threads = [threading.Thread(target=grpc_load, args=(i,)) for i in range(4)]
     threads += [threading.Thread(target=http_load, args=(i,)) for i in range(2)]
+    deadline = time.monotonic() + 120
+
+    def wait_for_answers(count: int) -> None:
+        while len(outcomes) < count:
+            assert time.monotonic() < deadline, f"{len(outcomes)} of {count} requests answered: {outcomes[:5]}"
+            time.sleep(0.05)
+
     for t in threads:
         t.start()
-    time.sleep(2)
+    wait_for_answers(1)  # the load runs
     served_before = len(outcomes)
     serve.run(build_app(_args(port, 32)), name="r", route_prefix="/r")  # returns once the new replicas run
-    time.sleep(3)
+    wait_for_answers(served_before + 7)  # and goes on after it
     stop.set()
     for t in threads:
         t.join(timeout=90)
