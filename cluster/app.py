@@ -41,6 +41,7 @@ def build_app(args: dict[str, Any]) -> Application:
     own placement group: bundle 0 for the replica actor, one per tensor-parallel rank) behind
     the ingress."""
     cfg = AppArgs.from_flat(args)
+    context_length = served_context_length(cfg)  # a model or context length it cannot serve fails here
     _warn_if_it_cannot_fit(cfg)
     options: dict[str, Any] = dict(
         placement_group_bundles=[{"CPU": cfg.replica_cpus}] + cfg.rank_bundles(),
@@ -63,7 +64,6 @@ def build_app(args: dict[str, Any]) -> Application:
     else:
         options["num_replicas"] = cfg.num_replicas
     engine = serve.deployment(LLMServer).options(**options).bind(cfg.model_dump())
-    context_length = served_context_length(cfg)
     return (
         serve.deployment(GrpcIngress)
         .options(

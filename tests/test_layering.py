@@ -83,8 +83,8 @@ def test_the_invariants_name_their_upstream_failures_and_tests():
 
 def test_the_engine_imports_no_model_loading_machinery():
     """Every engine process (each Ray rank) imports the engine: transformers' activation table
-    would bring its model-loading and distributed-tensor modules (seconds of
-    CPU a process) for functions torch has."""
+    would bring its model-loading and distributed-tensor modules (seconds of CPU a process) for
+    functions torch has."""
     import subprocess
     import sys
 

@@ -241,6 +241,11 @@ class Matcher:
         return True
 
     @property
+    def native(self) -> Any:
+        """xgrammar's matcher, standing where `seek` left it (the batched mask fill reads it)."""
+        return self._matcher
+
+    @property
     def finished(self) -> bool:
         """The grammar has taken a stop token: the output is complete."""
         return not self._ahead and self._matcher.is_terminated()

@@ -111,7 +111,7 @@ class GrammarMasks:
                 if matcher.vocab_size != self._covered:
                     self._allocate(matcher.vocab_size)
                 if matcher.seek(drafts):
-                    live.append(matcher._matcher)
+                    live.append(matcher.native)
                     live_slots.append(slot)
             if live:
                 self._filler(len(live)).batch_fill_next_token_bitmask(live, self._host, live_slots)

@@ -117,6 +117,9 @@ def test_bad_app_args_name_the_field(models):
         AppArgs(model="no/such/model")
     with pytest.raises(ValidationError, match="placement_strategy"):
         AppArgs(model=models[0], placement_strategy="ANYWHERE")
+    # the ingress checks prompts against the context length build_app resolves: nothing deploys
+    with pytest.raises(ValueError, match="context_length: 1000000 is longer than the model's"):
+        build_app({"model": models[0], "context_length": 10**6})
 
 
 def test_killed_rank_fails_in_flight_request_and_serve_replaces_the_replica(apps):
