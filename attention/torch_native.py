@@ -1,8 +1,10 @@
 """Reference attention: gathers each request's KV from the pool and does float32 math.
 
-It is the oracle every other backend is compared with, so it is written for clarity: one
-request at a time, explicit causal and sliding-window masks, logit soft-capping and attention
-sinks. SWA layers read keys through a full->SWA translation made once per forward. An FP8
+It is the oracle every other backend is compared with, so it is written for clarity: explicit
+causal and sliding-window masks, logit soft-capping and attention sinks, the requests of a
+forward attended together, padded to their longest query and key runs (`padded_groups`; the
+padding is masked out). SWA layers read keys through a full->SWA translation; which slots each
+request reads and its mask are made once per forward and layer kind, not once a layer. An FP8
 cache is read dequantised with the pool's scales of the KV layer read (docs/design.md §4.7).
 """
 
@@ -14,7 +16,7 @@ import torch
 
 from attention.base import AttentionBackend, AttentionLayer
 from attention.batch import AttentionBatch
-from attention.dense import causal_window_mask, dense_attention
+from attention.dense import causal_window_mask, dense_attention, padded_groups
 from attention.kv_pool import FP8_E4M3, KVPool, dequantize
 
 
@@ -28,11 +30,25 @@ class _RequestKV:
 
 
 @dataclasses.dataclass
+class _Group:
+    """Requests attended in one product, `[B, m]` queries against `[B, n]` keys."""
+
+    q_rows: torch.Tensor  # [B, m] rows of q (padding: the group's first row)
+    pages: torch.Tensor  # [B, n] pages of the keys read (padding: page 0)
+    offsets: torch.Tensor  # [B, n] their offsets in the page
+    mask: torch.Tensor  # [B, m, n]
+    valid: torch.Tensor  # flat indices into [B * m] of the real queries, in q_rows' order
+    out_rows: torch.Tensor  # the rows of the output they fill
+    evicted: str | None  # an SWA read of an evicted slot: what was read
+
+
+@dataclasses.dataclass
 class _Metadata:
     pool: KVPool
     batch: AttentionBatch
     requests: list[_RequestKV]
     swa_out_loc: torch.Tensor | None  # SWA write slots of this forward's tokens, made once
+    groups: dict[tuple[bool, int | None], list[_Group]] = dataclasses.field(default_factory=dict)
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -85,30 +101,58 @@ class TorchNativeBackend(AttentionBackend):
             )
         kv_buf = pool.kv_cache(layer.layer_id)
         k_scale, v_scale = pool.kv_scales(layer.layer_id) if kv_buf.dtype == FP8_E4M3 else (1.0, 1.0)
-        page_size = pool.page_size
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
-        for req in md.requests:
-            if req.q_end == req.q_start:
-                continue
-            q_pos = batch.positions[req.q_start : req.q_end]
-            if is_swa:
-                locs, first_pos = req.swa_locs, req.swa_first_pos
-            else:
-                locs, first_pos = req.full_locs, 0
-            kv_pos = torch.arange(first_pos, first_pos + locs.shape[0], device=q.device)
-            mask = causal_window_mask(q_pos, kv_pos, layer.sliding_window)
-            pages = torch.div(locs, page_size, rounding_mode="floor")
-            if is_swa and bool(((pages == 0) & mask.any(0)).any()):
+        key = (is_swa, layer.sliding_window)
+        if key not in md.groups:
+            md.groups[key] = [self._group(md, members, *key) for members in padded_groups(*self._lens(md, is_swa))]
+        for group in md.groups[key]:
+            if group.evicted is not None:
                 raise RuntimeError(
-                    f"torch_native: layer {layer.layer_id} would read an evicted SWA slot "
-                    f"(positions {first_pos}..{first_pos + locs.shape[0] - 1}, queries at "
-                    f"{q_pos[0].item()}..{q_pos[-1].item()}, window {layer.sliding_window})"
+                    f"torch_native: layer {layer.layer_id} would read an evicted SWA slot ({group.evicted})"
                 )
-            offs = locs % page_size
-            keys = dequantize(kv_buf[pages, 0, :, offs, :], k_scale)
-            values = dequantize(kv_buf[pages, 1, :, offs, :], v_scale)
-            out[req.q_start : req.q_end] = dense_attention(
-                q[req.q_start : req.q_end], keys, values, mask, layer.scaling, layer.logit_softcap, layer.sinks
-            ).to(q.dtype)
+            keys = dequantize(kv_buf[group.pages, 0, :, group.offsets, :], k_scale)
+            values = dequantize(kv_buf[group.pages, 1, :, group.offsets, :], v_scale)
+            attended = dense_attention(
+                q[group.q_rows], keys, values, group.mask, layer.scaling, layer.logit_softcap, layer.sinks
+            )
+            out[group.out_rows] = attended.flatten(0, 1)[group.valid].to(q.dtype)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
+
+    @staticmethod
+    def _lens(md: _Metadata, is_swa: bool) -> tuple[list[int], list[int]]:
+        """Each request's query and key counts for a layer of this kind."""
+        requests = md.requests
+        kv = [(r.swa_locs if is_swa and r.swa_locs is not None else r.full_locs).shape[0] for r in requests]
+        return [r.q_end - r.q_start for r in requests], kv
+
+    @staticmethod
+    def _group(md: _Metadata, members: list[int], is_swa: bool, window: int | None) -> _Group:
+        """The slots `members` read in a layer of this kind, their masks and rows, padded."""
+        requests = [md.requests[i] for i in members]
+        page_size, device = md.pool.page_size, md.batch.positions.device
+        runs = [(r.swa_locs, r.swa_first_pos) if is_swa else (r.full_locs, 0) for r in requests]
+        m = max(r.q_end - r.q_start for r in requests)
+        n = max(locs.shape[0] for locs, _ in runs)
+        locs_padded = torch.zeros(len(requests), n, dtype=torch.long, device=device)
+        mask = torch.zeros(len(requests), m, n, dtype=torch.bool, device=device)
+        q_rows = torch.full((len(requests), m), requests[0].q_start, dtype=torch.long, device=device)
+        valid, evicted = [], None
+        for b, (req, (locs, first_pos)) in enumerate(zip(requests, runs)):
+            q_len, kv_len = req.q_end - req.q_start, locs.shape[0]
+            q_pos = md.batch.positions[req.q_start : req.q_end]
+            kv_pos = torch.arange(first_pos, first_pos + kv_len, device=device)
+            seen = causal_window_mask(q_pos, kv_pos, window)
+            if is_swa and evicted is None and bool(((locs // page_size == 0) & seen.any(0)).any()):
+                evicted = (
+                    f"positions {first_pos}..{first_pos + kv_len - 1}, queries at "
+                    f"{q_pos[0].item()}..{q_pos[-1].item()}, window {window}"
+                )
+            locs_padded[b, :kv_len] = locs
+            mask[b, :q_len, :kv_len] = seen
+            q_rows[b, :q_len] = torch.arange(req.q_start, req.q_end, device=device)
+            valid.append(torch.arange(b * m, b * m + q_len, device=device))
+        out_rows = torch.cat([torch.arange(r.q_start, r.q_end, device=device) for r in requests])
+        return _Group(
+            q_rows, locs_padded // page_size, locs_padded % page_size, mask, torch.cat(valid), out_rows, evicted
+        )

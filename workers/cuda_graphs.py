@@ -179,7 +179,7 @@ class CudaGraphRunner:
             family.ahead = torch.zeros(self.max_batch_size, dtype=torch.int64, device=self.device)
         self.families[key] = family
         start = time.perf_counter()
-        with _collector_paused():
+        with contextlib.nullcontext() if self.emulate else _collector_paused():
             for width in reversed(self.runner.backend.graph_table_widths()):
                 for bs in reversed(self.batch_sizes):
 
@@ -471,7 +471,9 @@ class CudaGraphRunner:
 def _collector_paused() -> Iterator[None]:
     """Python's cycle collector off while graphs are captured: a collection inside a capture
     could free CUDA objects of unreachable engines (graphs, events, pinned host blocks), whose
-    release calls the driver in a way a capturing stream does not permit. Collected first."""
+    release calls the driver in a way a capturing stream does not permit. Collected first (a
+    collection takes about half a second with torch loaded: emulated captures, which record
+    nothing, skip it)."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
