@@ -119,32 +119,46 @@ class _Common:
             raise self.fail("window_left", f"must be >= -1, got {self.window_left}")
         if self.sinks is not None and self.sinks.shape != (self.query.shape[1],):
             raise self.fail("sinks", f"shape {tuple(self.sinks.shape)} != [{self.query.shape[1]}]")
-        seq_lens = self.seq_lens.tolist()
-        num_pages, p = self.kv_cache.shape[0], self.page_size
-        for b, (q_len, kv_len) in enumerate(zip(q_lens, seq_lens)):
-            if kv_len < q_len:
-                raise self.fail(
-                    "seq_lens",
-                    f"request {b} has {kv_len} KV tokens for {q_len} queries; KV lengths must include the new tokens",
-                )
-            used = cdiv(kv_len, p)
-            if used > self.block_tables.shape[1]:
-                raise self.fail(
-                    "block_tables", f"request {b} needs {used} pages, table has {self.block_tables.shape[1]} columns"
-                )
-            pages = self.block_tables[b, :used]
-            if bool(((pages < 0) | (pages >= num_pages)).any()):
-                bad = pages[(pages < 0) | (pages >= num_pages)].tolist()
-                raise self.fail(
-                    "block_tables", f"request {b} names pages {bad[:4]} outside the pool's {num_pages} pages"
-                )
-            first_visible = kv_len - q_len - self.window_left if self.window_left >= 0 else 0
-            needed = pages[max(0, first_visible) // p :]
-            if bool((needed == 0).any()):
-                raise self.fail(
-                    "block_tables",
-                    f"request {b} would read padding page 0 inside its window (an evicted or unassigned page)",
-                )
+        self._check_pages(q_lens)
+
+    def _check_pages(self, q_lens: list[int]) -> None:
+        """Every request's KV covers its queries, and the pages it reads are the pool's and, inside
+        its window, assigned (checked for the whole batch at once; the first request at fault is
+        named)."""
+        num_pages, p, columns = self.kv_cache.shape[0], self.page_size, self.block_tables.shape[1]
+        kv_lens = self.seq_lens.long()
+        q = torch.tensor(q_lens, dtype=torch.long, device=kv_lens.device)
+        if bool((short := kv_lens < q).any()):
+            b = int(short.nonzero()[0])
+            raise self.fail(
+                "seq_lens",
+                f"request {b} has {int(kv_lens[b])} KV tokens for {q_lens[b]} queries; "
+                "KV lengths must include the new tokens",
+            )
+        used = (kv_lens + p - 1) // p
+        if bool((wide := used > columns).any()):
+            b = int(wide.nonzero()[0])
+            raise self.fail("block_tables", f"request {b} needs {int(used[b])} pages, table has {columns} columns")
+        column = torch.arange(columns, device=kv_lens.device)
+        pages = self.block_tables
+        read = column < used[:, None]
+        outside = read & ((pages < 0) | (pages >= num_pages))
+        if bool(outside.any()):
+            b = int(outside.any(1).nonzero()[0])
+            raise self.fail(
+                "block_tables",
+                f"request {b} names pages {pages[b][outside[b]][:4].tolist()} outside the pool's {num_pages} pages",
+            )
+        first_visible = (
+            (kv_lens - q - self.window_left).clamp(min=0) if self.window_left >= 0 else torch.zeros_like(kv_lens)
+        )
+        padding = read & (column >= (first_visible // p)[:, None]) & (pages == 0)
+        if bool(padding.any()):
+            b = int(padding.any(1).nonzero()[0])
+            raise self.fail(
+                "block_tables",
+                f"request {b} would read padding page 0 inside its window (an evicted or unassigned page)",
+            )
 
     def _check_dtype(self) -> None:
         """The cache holds the query's dtype, or FP8 with positive finite scales; scales other
