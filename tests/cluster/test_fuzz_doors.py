@@ -295,23 +295,10 @@ def openai_outcome(url: str, data: bytes) -> str:
     return "ok"
 
 
-def drawn(strategy: st.SearchStrategy, fixed_seed: int) -> list:
-    """`CASES` values of `strategy`, as hypothesis draws them under a fixed seed."""
-    values = []
-
-    @seed(fixed_seed)
-    @FUZZ
-    @given(strategy)
-    def collect(value):
-        values.append(value)
-
-    collect()
-    return values
-
-
-def send_all(send: Callable[[object], str], cases: list) -> list[str]:
-    """Each case's outcome, `IN_FLIGHT` cases at a time (as clients send them); a failing case
-    is named in the failure."""
+def send_drawn(send: Callable[[object], str], strategy: st.SearchStrategy, fixed_seed: int) -> list[str]:
+    """The outcome of each of `CASES` values of `strategy`, as hypothesis draws them under a fixed
+    seed, sent `IN_FLIGHT` at a time (as clients send them) while the next ones are drawn; a
+    failing case is named in the failure."""
 
     def one(case) -> str:
         try:
@@ -320,7 +307,16 @@ def send_all(send: Callable[[object], str], cases: list) -> list[str]:
             raise AssertionError(f"{type(e).__name__}: {e}\ncase: {case!r:.2000}") from e
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
-        return list(pool.map(one, cases))
+        sent = []
+
+        @seed(fixed_seed)
+        @FUZZ
+        @given(strategy)
+        def submit(case):
+            sent.append(pool.submit(one, case))
+
+        submit()
+        return [outcome.result() for outcome in sent]
 
 
 def assert_run_held(client, outcomes: list[str]) -> None:
@@ -367,7 +363,7 @@ def test_grpc_door(app):
             return "undecodable"
         return grpc_outcome(lambda: raw(data, timeout=60))
 
-    assert_run_held(client, send_all(send, drawn(st.tuples(bodies(), mangles), 20261123)))
+    assert_run_held(client, send_drawn(send, st.tuples(bodies(), mangles), 20261123))
 
 
 def test_http_door(app):
@@ -383,17 +379,15 @@ def test_http_door(app):
             data = json.dumps({"prompt": "x" * (ARGS["max_request_bytes"] + 10)}).encode()
         return http_outcome(f"{route}/generate", data)
 
-    cases = drawn(st.tuples(bodies(), st.integers(0, 15), st.integers(0, 10**6)), 20261123)
-    assert_run_held(client, send_all(send, cases))
+    cases = st.tuples(bodies(), st.integers(0, 15), st.integers(0, 10**6))
+    assert_run_held(client, send_drawn(send, cases, 20261123))
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_openai_door(app, chat):
     client, route = app
     url = f"{route}/v1/{'chat/completions' if chat else 'completions'}"
-    outcomes = send_all(
-        lambda body: openai_outcome(url, json.dumps(body).encode()), drawn(openai_bodies(chat), 20261125)
-    )
+    outcomes = send_drawn(lambda body: openai_outcome(url, json.dumps(body).encode()), openai_bodies(chat), 20261125)
     assert_run_held(client, outcomes)
 
 
