@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.hf_models import make_tiny_model, random_prompts
-from tests.workers.test_tensor_parallel import FIRST, GREEDY, PROMPTS, run_tp
+from tests.workers.rank_group import FIRST, GREEDY, PROMPTS
 from workers.engine import Engine, SamplingParams
 
 E4M3 = torch.float8_e4m3fn
@@ -153,7 +153,7 @@ def test_quantization_fp8_quantises_a_float_checkpoint_per_channel(tiny):
 
 
 @pytest.mark.parametrize("layout", ["per_tensor", "block"])
-def test_two_ranks_give_one_ranks_tokens(tmp_path, layout):
+def test_two_ranks_give_one_ranks_tokens(tmp_path, tp2, layout):
     """Two ranks (gloo) split every FP8 projection with its scales: per-tensor scales on each
     rank's rows, blocks by whole blocks (a rank holds one of the two KV heads: one 16-row block)."""
     path = str(tmp_path / "gemma3")
@@ -163,7 +163,7 @@ def test_two_ranks_give_one_ranks_tokens(tmp_path, layout):
     single = Engine(**kwargs)
     ref = single.generate(prompt_token_ids=FIRST, sampling=GREEDY)
     ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=GREEDY)
-    got = run_tp(2, kwargs)
+    got = tp2.run_each([kwargs])[0]
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 

@@ -16,10 +16,10 @@ import torch.multiprocessing as mp
 
 from tests.draft_models import make_eagle_head, make_frozen_kv_head, make_gemma4_assistant, make_perturbed_copy
 from tests.hf_models import TINY_MODELS, make_tiny_model
+from tests.workers.rank_group import PROMPTS, free_port, run_tp, run_tp_each
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from tests.workers.test_gpu_gemma4 import GEMMA4_NOISE, make_gpu_gemma4
 from tests.workers.test_gpu_moe import EXPERT_FIELDS, MODEL_NOISE, _tiny_moe_model, assert_rounding_noise, differences
-from tests.workers.test_tensor_parallel import PROMPTS, _free_port, run_tp, run_tp_each
 from workers.distributed import PEER_BUFFER_BYTES, TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.models.ops import TORCH_OPS
@@ -166,7 +166,7 @@ def _on_two_gpus(rank_main, timeout: float):
     rank stuck waiting for its peer (it would spin for ever) is killed after `timeout` s."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, port, results)) for r in range(2)]
     for p in procs:
         p.start()

@@ -617,12 +617,12 @@ def test_compiled_grammars_are_cached_by_content(plain):
     assert compiler.compile(StructuredOutputs(json={**SCHEMA, "required": ["name"]})) is not first
 
 
-def test_tensor_parallel_ranks_mask_alike():
+def test_tensor_parallel_ranks_mask_alike(tp2):
     """Two ranks (gloo) in lockstep: rank 0 admits each request once its grammar compiled, the
     plan tells the other rank to compile it too, and both mask alike: one rank's tokens, without
     speculation and with an EAGLE draft (masked rounds, each launching the next one's first draft
     step)."""
-    from tests.workers.test_tensor_parallel import FIRST, PROMPTS, run_tp_each
+    from tests.workers.rank_group import FIRST, PROMPTS
 
     kwargs = dict(
         model=TARGET,
@@ -637,7 +637,7 @@ def test_tensor_parallel_ranks_mask_alike():
     single = Engine(**kwargs)
     ref = single.generate(prompt_token_ids=FIRST, sampling=sp)
     ref += single.generate(prompt_token_ids=PROMPTS[len(FIRST) :], sampling=sp)
-    plain_tp, drafted = run_tp_each(2, [kwargs, kwargs | {"speculative": spec}], sp)
+    plain_tp, drafted = tp2.run_each([kwargs, kwargs | {"speculative": spec}], sp)
     assert all(o.spec.verify_steps for o in drafted)
     for got in (plain_tp, drafted):
         assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in ref]
