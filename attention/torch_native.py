@@ -37,8 +37,7 @@ class _Group:
     pages: torch.Tensor  # [B, n] pages of the keys read (padding: page 0)
     offsets: torch.Tensor  # [B, n] their offsets in the page
     mask: torch.Tensor  # [B, m, n]
-    valid: torch.Tensor  # flat indices into [B * m] of the real queries, in q_rows' order
-    out_rows: torch.Tensor  # the rows of the output they fill
+    real: torch.Tensor  # [B, m] the queries that are not padding
     evicted: str | None  # an SWA read of an evicted slot: what was read
 
 
@@ -116,7 +115,7 @@ class TorchNativeBackend(AttentionBackend):
             attended = dense_attention(
                 q[group.q_rows], keys, values, group.mask, layer.scaling, layer.logit_softcap, layer.sinks
             )
-            out[group.out_rows] = attended.flatten(0, 1)[group.valid].to(q.dtype)
+            out[group.q_rows[group.real]] = attended[group.real].to(q.dtype)
         return out.view(num_tokens, layer.num_heads * layer.head_dim)
 
     @staticmethod
@@ -137,7 +136,8 @@ class TorchNativeBackend(AttentionBackend):
         locs_padded = torch.zeros(len(requests), n, dtype=torch.long, device=device)
         mask = torch.zeros(len(requests), m, n, dtype=torch.bool, device=device)
         q_rows = torch.full((len(requests), m), requests[0].q_start, dtype=torch.long, device=device)
-        valid, evicted = [], None
+        real = torch.zeros(len(requests), m, dtype=torch.bool, device=device)
+        evicted = None
         for b, (req, (locs, first_pos)) in enumerate(zip(requests, runs)):
             q_len, kv_len = req.q_end - req.q_start, locs.shape[0]
             q_pos = md.batch.positions[req.q_start : req.q_end]
@@ -151,8 +151,5 @@ class TorchNativeBackend(AttentionBackend):
             locs_padded[b, :kv_len] = locs
             mask[b, :q_len, :kv_len] = seen
             q_rows[b, :q_len] = torch.arange(req.q_start, req.q_end, device=device)
-            valid.append(torch.arange(b * m, b * m + q_len, device=device))
-        out_rows = torch.cat([torch.arange(r.q_start, r.q_end, device=device) for r in requests])
-        return _Group(
-            q_rows, locs_padded // page_size, locs_padded % page_size, mask, torch.cat(valid), out_rows, evicted
-        )
+            real[b, :q_len] = True
+        return _Group(q_rows, locs_padded // page_size, locs_padded % page_size, mask, real, evicted)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import AttentionLayer, ForwardMode, create_backend
+from attention.dense import GROUP_PAIRS, padded_groups
 from workers.forward_batch import ForwardBatch
 from workers.memory import HybridSWAAllocator, KVLayout, ReqToTokenPool, build_pool
 
@@ -100,3 +101,16 @@ def test_reading_an_evicted_slot_fails_loudly():
     layer = AttentionLayer(0, H, HKV, D, scaling=1.0, sliding_window=WINDOW)
     with pytest.raises(RuntimeError, match="evicted SWA slot"):
         backend.forward(layer, torch.randn(1, H * D), None, None)
+
+
+def test_requests_are_grouped_in_order_within_the_padding_bound():
+    """Requests without queries are left out; a long prefill starts a group of its own rather
+    than padding the short requests around it to its size; every group's padded product fits."""
+    q_lens = [1, 0, 1, 2048, 1, 1]
+    kv_lens = [100, 50, 120, 2048, 90, 130]
+    groups = padded_groups(q_lens, kv_lens)
+    assert groups == [[0, 2], [3], [4, 5]]
+    for group in groups:
+        size = len(group) * max(q_lens[i] for i in group) * max(kv_lens[i] for i in group)
+        assert size <= GROUP_PAIRS or len(group) == 1
+    assert padded_groups([1] * 64, [300] * 64) == [list(range(64))]
