@@ -58,19 +58,6 @@ def stop_shared_ray() -> None:
         ray.shutdown()
 
 
-def pytest_collection_modifyitems(config, items):
-    """The modules that share `ray_serve`'s cluster run one after another, before the other
-    cluster modules (those that start Ray clusters of their own, or connect elsewhere): the shared
-    cluster then starts once and stops before them, rather than idling beside their clusters or
-    starting again after one that had to stop it."""
-    shares = {getattr(item, "module", None) for item in items if "ray_serve" in getattr(item, "fixturenames", ())}
-    cluster_dir = os.path.dirname(os.path.abspath(__file__))
-    ours = [i for i, item in enumerate(items) if os.path.dirname(str(item.path)) == cluster_dir]
-    reordered = sorted((items[i] for i in ours), key=lambda item: getattr(item, "module", None) not in shares)
-    for i, item in zip(ours, reordered):
-        items[i] = item
-
-
 @pytest.fixture(scope="module")
 def ray_serve(request):
     """A local Ray cluster (loopback only) with Serve's HTTP proxy: its URL. Starting one takes
@@ -78,7 +65,8 @@ def ray_serve(request):
     its end, waiting until every CPU is free again (no replica, rank actor or placement group
     left), and reads only the log lines written since it started (`session_logs`). It stops
     after the last module that uses it, when a module starts a Ray of its own, or when a
-    module's clean-up fails (the next module then starts a new one)."""
+    module's clean-up fails (the next module then starts a new one). The modules that use it run
+    first and one after another, on one worker of a distributed run (tests/conftest.py)."""
     from ray import serve
 
     if "url" not in _shared:
