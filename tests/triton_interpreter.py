@@ -23,7 +23,9 @@ def interpreter_findings(module: str, timeout: float = 600) -> dict:
     run = subprocess.run(
         [sys.executable, "-m", module],
         cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
+        # no programmatic dependent launch: the interpreter has no grid-dependency control, and a
+        # machine with a Hopper GPU would otherwise turn it on (attention/kernels/launch.py)
+        env={**os.environ, "TRITON_INTERPRET": "1", "SLIDESPEC_PDL": "0"},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -469,9 +469,12 @@ def test_first_layer_gemv_from_a_token_id_matches_the_reference(gemma, out_featu
         assert _rel(y, normed @ weight.float().T) < 1e-2
 
 
-@pytest.mark.parametrize("out_features, in_features, splits", [(1152, 6912, 6), (40, 1000, 3), (4096, 14336, 1)])
+@pytest.mark.parametrize(
+    "out_features, in_features, splits", [(1152, 6912, 6), (40, 1000, 3), (4096, 14336, 1), (2560, 10240, 12)]
+)
 def test_unrolled_split_gemv_gives_the_looped_tiles_sums(out_features, in_features, splits):
-    """A split's K tiles unrolled (the last split's past K masked): bit-equal to the loop."""
+    """A split's K tiles unrolled (the last split's past K masked, and splits that start past K:
+    Gemma-4-E4B's down projection in twelve splits of 1,024): bit-equal to the loop."""
     from workers.models import gemv  # Triton: CUDA builds of torch only
 
     g = torch.Generator(device="cuda").manual_seed(6)

@@ -393,8 +393,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
         k_split = triton.cdiv(triton.cdiv(k, t.cols), t.splits) * t.cols
         preload = preload_width(t, k) if preloads() else 0
         unroll = t.unroll and not preload
-        if unroll:
-            common["EVEN_K"] = k % k_split == 0
+        if unroll:  # unmasked only where the splits' K tiles cover K exactly (none starts past it)
+            common["EVEN_K"] = t.splits * k_split == k
         part = torch.empty(t.splits, n, dtype=torch.float32, device=x.device) if t.splits > 1 else y
         _gemv_kernel[(blocks, t.splits)](
             x,
