@@ -37,7 +37,7 @@ def interpreter_findings(module: str, timeout: float = 600) -> dict:
 def as_the_gpu_does() -> None:
     """Make the interpreter handle bfloat16 as the GPU does (it keeps bfloat16 as its bits,
     uint16): float32 -> bfloat16 rounds to nearest even, and arithmetic and `tl.dot` read the
-    operands' values."""
+    operands' values; and a scalar argument bound a `range` loop, as it does compiled."""
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -68,3 +68,12 @@ def as_the_gpu_does() -> None:
         return dot(self, as_values(a), as_values(b), d, input_precision, max_num_imprecise_acc)
 
     builder.cast_impl, builder.binary_op, builder.create_dot = cast_impl, binary_op, create_dot
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope) -> None:
+        """A scalar (a one-element array there) as a loop bound: `int()` of a one-element array,
+        which NumPy 2.4 refuses; `.item()` reads the same value."""
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor

@@ -1,12 +1,12 @@
 """The kernels that finish a Gemma 4 layer's stream on CUDA, on the CPU through Triton's
 interpreter, against the torch op set (the reference the model's CPU path runs, equal to Hugging
 Face's): the sandwich kernel with the layer scalar (norm, add, scale and the next layer's norm;
-and stopping at the stream; and adding two normed rows), the one-row norm GEMV with the scalar and without its norm (the
-stream projected as it is: the per-layer input gate) and from a token's embedding row, the gated
-GEMV that computes
-act(gate) * per-layer input inside the projection (and the MLP's gate/up GEMV with its
-activation, with and without its first weight tile read before the PDL wait; and the plain
-one-row GEMV over looped and unrolled K), and the RoPE kernel normalising each value
+and stopping at the stream; and adding two normed rows), the one-row norm GEMV with the scalar
+and without its norm (the stream projected as it is: the per-layer input gate) and from a
+token's embedding row, the gated GEMV that computes act(gate) * per-layer input inside the
+projection (and the MLP's gate/up GEMV with its activation, with and without its first weight
+tile read before the PDL wait; and the plain one-row GEMV over looped and unrolled K, and with K
+shared between programs, some starting past K), and the RoPE kernel normalising each value
 head as it writes it to the paged cache. In float32 they agree to float32 noise; in
 bfloat16 the norm kernels round where the torch ops round (at most one rounding apart), and the
 gated GEMV and the gate/up GEMV, which round once where the torch ops round two or three times,
@@ -43,6 +43,7 @@ CASES = [
         ("act_mul", ((1, 2560), (1, 200))),
         ("act_mul_early", ((1, 2560), (1, 200))),
         ("gemv", ((1, 2560), (1, 7000))),
+        ("gemv_splits", ((1, 1024), (1, 1000))),
         ("rope_v_norm", ((1, 256), (7, 64))),
     )
     for rows, width in shapes
@@ -97,9 +98,10 @@ def _one(kernel: str, rows: int, width: int, dtype: torch.dtype) -> dict:
         ref = TORCH_OPS.linear_act_and_mul(x, weight, None, "gelu_pytorch_tanh")
         exact = TORCH_OPS.linear_act_and_mul(x.float(), weight.float(), None, "gelu_pytorch_tanh")
         return {"kernel": _relative(got, exact), "torch": _relative(ref, exact)}
-    elif kernel == "gemv":  # looped (2560) and unrolled (7000) K
-        weight = rand(40, width)
-        got = gemv.gemv(x, weight)
+    elif kernel.startswith("gemv"):  # looped (2560) and unrolled (7000) K; `_splits`: K shared by 12
+        weight = rand(40, width)  # unrolled splits of 128, the last four past K (1024) or it inside the last (1000)
+        tile = gemv.Tile(4, 64, 4, 1, splits=12, unroll=True) if kernel.endswith("_splits") else None
+        got = gemv.gemv(x, weight, tile=tile)
         ref = TORCH_OPS.linear(x, weight, None)
         exact = TORCH_OPS.linear(x.float(), weight.float(), None)
         return {"kernel": _relative(got, exact), "torch": _relative(ref, exact)}
