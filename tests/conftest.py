@@ -42,7 +42,7 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's (the test extra has it; the GPU machine may not)
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (the README's test command): a worker a core on a machine without CUDA; none
+    """`-n auto` (the README's test command): one worker per core on a machine without CUDA; none
     with CUDA, where the GPU tests share one device and run in one process."""
     return 0 if torch.cuda.is_available() else len(os.sched_getaffinity(0))
 

@@ -37,7 +37,7 @@ def interpreter_findings(module: str, timeout: float = 600) -> dict:
 def as_the_gpu_does() -> None:
     """Make the interpreter handle bfloat16 as the GPU does (it keeps bfloat16 as its bits,
     uint16): float32 -> bfloat16 rounds to nearest even, and arithmetic and `tl.dot` read the
-    operands' values; and a scalar argument bound a `range` loop, as it does compiled."""
+    operands' values; and let a scalar argument bound a `range` loop, as it does compiled."""
     import triton.language as tl
     from triton.runtime import interpreter
 
