@@ -54,10 +54,11 @@ def pytest_collection_modifyitems(config, items):
     starts once and stops before the modules that start Ray clusters of their own. Every other
     module is a group of its own, so that its module fixtures (engines, clusters, rank groups)
     are made once. Without CUDA, the GPU tests are skipped."""
-    shares = {getattr(item, "module", None) for item in items if "ray_serve" in getattr(item, "fixturenames", ())}
-    items[:] = sorted(items, key=lambda item: getattr(item, "module", None) not in shares)
+    module_of = {item: getattr(item, "module", None) for item in items}
+    shares = {module_of[item] for item in items if "ray_serve" in getattr(item, "fixturenames", ())}
+    items[:] = sorted(items, key=lambda item: module_of[item] not in shares)
     for item in items:
-        group = SHARED_RAY if getattr(item, "module", None) in shares else item.path.relative_to(ROOT).as_posix()
+        group = SHARED_RAY if module_of[item] in shares else item.path.relative_to(ROOT).as_posix()
         item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return

@@ -99,7 +99,7 @@ def _one(kernel: str, rows: int, width: int, dtype: torch.dtype) -> dict:
         exact = TORCH_OPS.linear_act_and_mul(x.float(), weight.float(), None, "gelu_pytorch_tanh")
         return {"kernel": _relative(got, exact), "torch": _relative(ref, exact)}
     elif kernel.startswith("gemv"):  # looped (2560) and unrolled (7000) K; `_splits`: K shared by 12
-        weight = rand(40, width)  # unrolled splits of 128, the last four past K (1024) or it inside the last (1000)
+        weight = rand(40, width)  # unrolled splits of 128, the last four starting past K; K 1024 ends a split
         tile = gemv.Tile(4, 64, 4, 1, splits=12, unroll=True) if kernel.endswith("_splits") else None
         got = gemv.gemv(x, weight, tile=tile)
         ref = TORCH_OPS.linear(x, weight, None)
