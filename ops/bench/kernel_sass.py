@@ -118,6 +118,16 @@ def tool() -> str | None:
     return str(shipped) if shipped.exists() else shutil.which("cuobjdump")
 
 
+def launch_hints(fn: object, constexprs: dict) -> dict:
+    """The divisibility Triton specialises at launch for the models' shapes: pointers and the
+    sizes in DIVISIBLE by 16 (compiled without it, loads are scalar and register counts differ)."""
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, a in enumerate(fn.arg_names)
+        if a not in constexprs and (a.endswith("_ptr") or a in DIVISIBLE)
+    }
+
+
 def compiled(fn: object, signature: dict, constexprs: dict, warps: int, hints: dict | None = None) -> tuple[str, str]:
     """A Triton kernel compiled for sm_90: (`cuobjdump`'s resource usage, its SASS)."""
     kernel = triton.compile(ASTSource(fn, signature, constexprs, hints), target=HOPPER, options={"num_warps": warps})
@@ -136,12 +146,7 @@ def loop(case: Case) -> dict:
     byte a thread reads there, and the thread's registers and stack."""
     fn = getattr(case.module, case.kernel)
     signature = {a: "constexpr" if a in case.constexprs else _type(a, case) for a in fn.arg_names}
-    hints = {
-        (i,): [["tt.divisibility", 16]]
-        for i, a in enumerate(fn.arg_names)
-        if a not in case.constexprs and (a.endswith("_ptr") or a in DIVISIBLE)
-    }
-    usage, sass = compiled(fn, signature, case.constexprs, case.warps, hints)
+    usage, sass = compiled(fn, signature, case.constexprs, case.warps, launch_hints(fn, case.constexprs))
     code = [(int(m.group(1), 16), m.group(2)) for m in map(LINE.match, sass.splitlines()) if m]
     back = [
         (int(b.group(1), 16), at)

@@ -1,11 +1,10 @@
 """The Triton kernels the decode step runs, compiled for Hopper (sm_90) on any machine with
 triton installed, no GPU needed: each variant the model code launches compiles, and none spills
 registers to the stack (a spill turns a memory-bound GEMV's register tiles into local-memory
-traffic). Pointers and strides are compiled as divisible by 16, as Triton specialises them at
-launch for the models' shapes (without it loads are scalar and register counts differ). The
-resource counts come from the cubin (`cuobjdump`, shipped with triton's CUDA backend). Skipped
-where triton is not installed (CPU machines need not have it); where triton lacks the tool, only
-the compile is checked."""
+traffic). Pointers and sizes are compiled as divisible by 16 where Triton specialises them so at
+launch for the models' shapes (`kernel_sass.launch_hints`). The resource counts come from the
+cubin (`cuobjdump`, shipped with triton's CUDA backend). Skipped where triton is not installed
+(CPU machines need not have it); where triton lacks the tool, only the compile is checked."""
 
 import itertools
 import re
@@ -16,7 +15,7 @@ triton = pytest.importorskip("triton")
 
 from triton.compiler import ASTSource  # noqa: E402
 
-from ops.bench.kernel_sass import HOPPER, compiled, tool  # noqa: E402
+from ops.bench.kernel_sass import HOPPER, compiled, launch_hints, tool  # noqa: E402
 
 # pointer types by argument name (others: *bf16 for a name ending in _ptr, i32 for the rest)
 POINTERS = {
@@ -117,11 +116,6 @@ def test_kernel_compiles_for_hopper_without_spilling(case):
     if module == "all_reduce_norm" or tool() is None:
         triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options={"num_warps": warps})
         return
-    hints = {
-        (i,): [["tt.divisibility", 16]]
-        for i, a in enumerate(fn.arg_names)
-        if a not in constexprs and (a.endswith("_ptr") or a.startswith("stride"))
-    }
-    usage, _ = compiled(fn, signature, constexprs, warps, hints)
+    usage, _ = compiled(fn, signature, constexprs, warps, launch_hints(fn, constexprs))
     stack = re.search(r"STACK:(\d+)", usage)
     assert stack is not None and int(stack.group(1)) == 0, usage
