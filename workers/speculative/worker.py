@@ -316,15 +316,26 @@ class SpecWorker:
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
         """Each request's target hidden states of positions [first, kv_len): from the first its
         catch-up reads (`Drafter.hidden_from`), the rows of the last plain steps (one a step, each
-        a position further on); one gather."""
+        a position further on); one gather. Consecutive steps of the same requests share one row
+        map, so the picks are a few array sums a request, not one lookup a request and step."""
         bases = np.cumsum([0] + [hidden.shape[0] for _, hidden in self._plain])
-        where = [{id(r): i for i, r in enumerate(step)} for step, _ in self._plain]  # row of each request
+        runs: list[list] = []  # [first step, end step, the requests' ids, the row of each]
+        for s, (step, _) in enumerate(self._plain):
+            ids = tuple(map(id, step))
+            if runs and runs[-1][2] == ids:
+                runs[-1][1] = s + 1
+            else:
+                runs.append([s, s + 1, ids, None])
+        for run in runs:
+            run[3] = {rid: i for i, rid in enumerate(run[2])}
         firsts, picks = [self.drafter.hidden_from(r) for r in reqs], []
         for req, first in zip(reqs, firsts):
-            steps = range(len(self._plain) - (req.kv_len - first), len(self._plain))
-            picks += [bases[s] + where[s][id(req)] for s in steps]
+            since = len(self._plain) - (req.kv_len - first)  # the step that committed position `first`
+            for start, end, _, row in runs:
+                if end > since:
+                    picks.append(bases[max(start, since) : end] + row[id(req)])
         every = torch.cat([hidden for _, hidden in self._plain])
-        rows = every.index_select(0, upload(np.asarray(picks, dtype=np.int64), every.device))
+        rows = every.index_select(0, upload(np.concatenate(picks).astype(np.int64), every.device))
         out, start = {}, 0
         for req, first in zip(reqs, firsts):
             n = req.kv_len - first
