@@ -11,6 +11,7 @@ import torch
 
 from attention.batch import AttentionBatch
 from attention.forward_mode import ForwardMode
+from attention.kernels.calls import Rotary
 from attention.kv_pool import KVPool
 
 
@@ -88,6 +89,20 @@ class AttentionBackend(abc.ABC):
         """Where this forward's new K and V of `layer` go, for a caller that writes them itself
         (the fused RoPE kernel) and then calls `forward` with k, v None; the slots are checked as
         `forward` checks them. None: pass k, v to `forward`."""
+        return None
+
+    def forward_rotating(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        rotary: Rotary,
+    ) -> torch.Tensor | None:
+        """Attention of raw projections, RoPE (and the q/k norms) applied and the new K and V
+        written by the attention kernel itself, where this forward's kernel does so; None
+        otherwise (the caller rotates, writes and calls `forward`). q, k, v: `[T, heads,
+        head_dim]` views (k, v None: the layer reads KV another layer wrote)."""
         return None
 
     @abc.abstractmethod

@@ -25,8 +25,17 @@ import torch
 from attention.base import AttentionBackend, AttentionLayer, KVDestination
 from attention.batch import AttentionBatch, upload
 from attention.forward_mode import ForwardMode
-from attention.kernels import ContextCall, DecodeCall, KernelContractError, KernelSet, chain_mask, select_kernels
-from attention.kernels.calls import cdiv, check_write
+from attention.kernels import (
+    SPLIT_DECODE,
+    ContextCall,
+    DecodeCall,
+    KernelContractError,
+    KernelSet,
+    chain_mask,
+    select_kernels,
+    split_decode_rotating,
+)
+from attention.kernels.calls import NewKV, Rotary, cdiv, check_write
 from attention.kv_pool import FP8_E4M3, KVPool
 from attention.staging import StagedBuffers
 
@@ -439,6 +448,52 @@ class TRTLLMMHABackend(AttentionBackend):
         locs = self._write_slots(md, layer, kv_cache, is_swa)
         scales = self._kv_scales(md.pool, layer, kv_cache)
         return KVDestination(kv_cache, md.pool.write_slots(layer.layer_id, locs), scales)
+
+    def forward_rotating(
+        self,
+        layer: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        rotary: Rotary,
+    ) -> torch.Tensor | None:
+        """A decode step through the split-KV kernel that rotates its own query and writes the
+        new K and V itself (one kernel where RoPE took another); None for any other forward or
+        kernel. q, k, v: the raw `[T, heads, head_dim]` views of the projection."""
+        md = self._md
+        if md is None or md.mode is not ForwardMode.DECODE or md.rows is not None or md.rows_per_req != 1:
+            return None
+        if self._route(md, layer) != "decode" or (k is not None and md.query_offset):
+            return None
+        rows = md.seq_lens.shape[0]
+        if self.kernels.decode_kernel(rows, md.q_len_per_req, self._split_decode_ok(md), self._fp8)[0] != SPLIT_DECODE:
+            return None
+        pool = md.pool
+        is_swa = pool.is_swa_layer(layer.layer_id)
+        kv_cache = pool.kv_cache(layer.layer_id)
+        k_scale, v_scale = self._kv_scales(pool, layer, kv_cache)
+        new_kv = None
+        if k is not None:
+            slots = pool.write_slots(layer.layer_id, self._write_slots(md, layer, kv_cache, is_swa))
+            new_kv = NewKV(k, v, slots)
+        call = DecodeCall(
+            query=q,
+            kv_cache=kv_cache,
+            block_tables=md.swa_page_table if is_swa else md.full_page_table,
+            seq_lens=md.seq_lens,
+            bmm1_scale=layer.scaling,
+            window_left=self._window_left(md, layer),
+            sinks=layer.sinks,
+            where=self._where(md, layer, is_swa),
+            k_scale=k_scale,
+            v_scale=v_scale,
+            max_seq_len=md.max_seq_len,
+            q_len_per_req=1,
+            mask=None,
+        )
+        if self.check_contracts:
+            call.check()
+        return split_decode_rotating(call, rotary, new_kv).reshape(q.shape[0], layer.num_heads * layer.head_dim)
 
     def forward(
         self,

@@ -37,12 +37,14 @@ def interpreter_findings(module: str, timeout: float = 600) -> dict:
 def as_the_gpu_does() -> None:
     """Make the interpreter handle bfloat16 as the GPU does (it keeps bfloat16 as its bits,
     uint16): float32 -> bfloat16 rounds to nearest even, and arithmetic and `tl.dot` read the
-    operands' values; and let a scalar argument bound a `range` loop, as it does compiled."""
+    operands' values; float32 -> FP8 (e4m3) rounds to nearest even too (the interpreter's own
+    cast rounded 2% of random values the other way); and let a scalar argument bound a `range`
+    loop, as it does compiled."""
     import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    cast, binary, dot = builder.cast_impl, builder.binary_op, builder.create_dot
+    cast, binary, dot, to_fp = builder.cast_impl, builder.binary_op, builder.create_dot, builder.create_fp_to_fp
 
     def to_bits(values: np.ndarray) -> np.ndarray:
         rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
@@ -53,6 +55,15 @@ def as_the_gpu_does() -> None:
 
     def as_values(t):
         return interpreter.TensorHandle(values(t.data), tl.float32) if t.dtype.scalar == tl.bfloat16 else t
+
+    def to_fp8_bits(values: np.ndarray) -> np.ndarray:
+        rounded = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.float8_e4m3fn)
+        return rounded.view(torch.uint8).numpy()
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.float8e4nv:
+            return to_fp(self, src, dst_type, rounding_mode)
+        return interpreter.TensorHandle(to_fp8_bits(src.data), tl.float8e4nv)
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
@@ -68,6 +79,7 @@ def as_the_gpu_does() -> None:
         return dot(self, as_values(a), as_values(b), d, input_precision, max_num_imprecise_acc)
 
     builder.cast_impl, builder.binary_op, builder.create_dot = cast_impl, binary_op, create_dot
+    builder.create_fp_to_fp = fp_to_fp
     patch_tensor = interpreter._patch_lang_tensor
 
     def patch_lang_tensor(tensor, scope) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from attention.kernels import flashinfer_blackwell, flashinfer_hopper, reference
-from attention.kernels.calls import ContextCall, DecodeCall, KernelContractError, chain_mask
+from attention.kernels.calls import ContextCall, DecodeCall, KernelContractError, NewKV, Rotary, chain_mask
 
 __all__ = ["ContextCall", "DecodeCall", "KernelContractError", "KernelSet", "chain_mask", "select_kernels"]
 
@@ -86,6 +86,14 @@ def _split_decode(call: DecodeCall, workspace: torch.Tensor | None) -> torch.Ten
     from attention.kernels import split_decode  # Triton ships with CUDA builds of torch only
 
     return split_decode.decode(call)
+
+
+def split_decode_rotating(call: DecodeCall, rotary: Rotary, new_kv: NewKV | None) -> torch.Tensor:
+    """The split-KV decode rotating its own query and writing the new K and V
+    (`split_decode.decode_rotating`): where the routing picks the split-KV kernel for a decode step."""
+    from attention.kernels import split_decode
+
+    return split_decode.decode_rotating(call, rotary, new_kv)
 
 
 def _reference(kind: str) -> Callable:

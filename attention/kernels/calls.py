@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +72,27 @@ def check_write(locs: torch.Tensor, kv_cache: torch.Tensor, where: str) -> None:
         raise KernelContractError(
             f"{where}: write slots: {locs[bad][:4].tolist()} outside slots [{page}, {num_slots}) of the pool written"
         )
+
+
+class Rotary(NamedTuple):
+    """What a decode kernel that rotates its own query applies to the raw projections: RoPE at
+    `positions` (`[T]`) from `cos_sin` (float32 `[max_positions, rotary_dim]`, cos then sin),
+    after `norms` (q weight, k weight or None, eps, gemma: the per-head RMSNorms of qk-norm
+    models) when given; `v_norm_eps`: each new value head RMS-normalised (no weight) first."""
+
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    norms: tuple[torch.Tensor, torch.Tensor | None, float, bool] | None = None
+    v_norm_eps: float | None = None
+
+
+class NewKV(NamedTuple):
+    """A decode step's new key (raw: `Rotary` applies) and value heads, `[T, Hkv, D]` views of
+    the projection's output, and the cache slots they go to."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    slots: torch.Tensor
 
 
 @dataclasses.dataclass

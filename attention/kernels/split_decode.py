@@ -18,13 +18,17 @@ any lengths up to its table's width.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from attention.kernels.arrival import counters, last_arrival
-from attention.kernels.calls import DecodeCall, cdiv
+from attention.kernels.calls import DecodeCall, NewKV, Rotary, cdiv
 from attention.kernels.launch import pdl_options, pdl_start
+from attention.kernels.rotary import rotated_heads, write_new_kv
+from attention.kv_pool import FP8_E4M3
 
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
 WARPS, STAGES = 4, 3  # a program's warps and its key loop's pipeline depth
@@ -32,6 +36,9 @@ WARPS, STAGES = 4, 3  # a program's warps and its key loop's pipeline depth
 # two stages read 64 rows of 4,096 tokens 1.29x faster than three on an H200
 FP8_TILE: tuple[int, int, int] | None = (64, 4, 2)
 MERGE_ELEMENTS = 16384  # partial-output floats the merge loads at a time (all slices of small calls)
+# The kernel that rotates its own query holds its first block and the rotation's operands at
+# once: at 512 dims, writing the new K and V, blocks of 16 keys and eight warps (the tile of
+# `decode` spills registers there)
 
 
 @triton.jit
@@ -73,18 +80,7 @@ def _slices_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + row)
-    start = 0
-    if window_left >= 0:
-        start = tl.maximum(seq_len - 1 - window_left, 0)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - start, SPLITS), BLOCK_N), 1) * BLOCK_N
-    # slices holding keys (one when none does): only these store partials and take tickets, the
-    # last of them merging; a graph's grid has slices for its table's width, a short request
-    # fills a few of them
-    active = tl.maximum(tl.cdiv(seq_len - start, per_split), 1)
-    lo = start + split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
-
+    seq_len, active, lo, hi = _slice_bounds(lens_ptr, row, split, window_left, SPLITS, BLOCK_N)
     heads = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     q_head = kv_head * GROUP + heads
@@ -97,23 +93,264 @@ def _slices_kernel(
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     head_base = kv_ptr + kv_head * stride_head
+    table = tables_ptr + row * stride_table
     for block in range(lo, hi, BLOCK_N):
-        tokens = block + tl.arange(0, BLOCK_N)
-        valid = tokens < hi
-        pages = tl.load(tables_ptr + row * stride_table + tokens // PAGE, mask=valid, other=0)
-        offs = pages.to(tl.int64)[:, None] * stride_page + ((tokens % PAGE) * HEAD_DIM)[:, None] + dims[None, :]
-        # an FP8 cache's entries widen exactly to the query's dtype; its scales are folded into
-        # `scale` (K) and `v_scale` (V, applied to the slice's output)
-        k = tl.load(head_base + offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        v = tl.load(head_base + stride_kv + offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k)) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        k, v, valid = _kv_block(
+            head_base, table, block, hi, dims, stride_page, stride_kv, HEAD_DIM, PAGE, BLOCK_N, q.dtype
+        )
+        m, denom, acc = _online(q, k, v, valid, scale, m, denom, acc)
+    _finish(
+        m,
+        denom,
+        acc,
+        v_scale,
+        row,
+        kv_head,
+        split,
+        active,
+        part_out_ptr,
+        part_lse_ptr,
+        counter_ptr,
+        sinks_ptr,
+        out_ptr,
+        stride_o_row,
+        stride_o_head,
+        num_heads,
+        kv_heads,
+        HAS_SINKS,
+        GROUP,
+        GROUP_PAD,
+        GROUP_P2,
+        HEAD_DIM,
+        SPLITS,
+        MERGE_CHUNK,
+    )
+
+
+@triton.jit
+def _rotating_slices_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    v_eps,
+    locs_ptr,
+    k_inv_scale,
+    v_inv_scale,
+    kv_ptr,
+    tables_ptr,
+    lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    counter_ptr,
+    sinks_ptr,
+    out_ptr,
+    scale,
+    v_scale,
+    window_left,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_o_row,
+    stride_o_head,
+    stride_page,
+    stride_kv,
+    stride_head,
+    stride_table,
+    num_heads,
+    kv_heads,
+    HAS_SINKS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROTARY: tl.constexpr,
+    NORM: tl.constexpr,  # the per-head q/k norms (`rotary.rotated_heads`)
+    WRITE_KV: tl.constexpr,  # the row's new key and value arrive here (else all keys are cached)
+    V_NORM: tl.constexpr,
+    FP8: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_slices_kernel` over raw projections: each program rotates its query heads itself (no
+    RoPE kernel), and the row's last slice writes the new token's K and V to the cache and
+    takes them into its softmax from registers. No kernel before this one writes what a slice
+    reads of the cache, so its first block is loaded before the PDL wait: the keys stream in
+    while the projection before finishes, and only the projection's outputs are read after."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len, active, lo, hi = _slice_bounds(lens_ptr, row, split, window_left, SPLITS, BLOCK_N)
+    cached_end = hi
+    if WRITE_KV:
+        cached_end = tl.minimum(hi, seq_len - 1)
+    dtype = out_ptr.dtype.element_ty
+    dims = tl.arange(0, HEAD_DIM)
+    head_base = kv_ptr + kv_head * stride_head
+    table = tables_ptr + row * stride_table
+    k, v, valid = _kv_block(
+        head_base, table, lo, cached_end, dims, stride_page, stride_kv, HEAD_DIM, PAGE, BLOCK_N, dtype
+    )
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    heads = tl.arange(0, GROUP_PAD)
+    q_base = q_ptr + row * stride_q_row + (kv_head * GROUP + heads)[:, None] * stride_q_head
+    pdl_start(PDL)
+    q = rotated_heads(
+        q_base, heads[:, None] < GROUP, pos, cos_sin_ptr, q_norm_ptr, eps, HEAD_DIM, ROTARY, HEAD_DIM, NORM, dtype
+    )
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    if lo < cached_end:
+        m, denom, acc = _online(q, k, v, valid, scale, m, denom, acc)
+    for block in range(lo + BLOCK_N, cached_end, BLOCK_N):
+        k, v, valid = _kv_block(
+            head_base, table, block, cached_end, dims, stride_page, stride_kv, HEAD_DIM, PAGE, BLOCK_N, dtype
+        )
+        m, denom, acc = _online(q, k, v, valid, scale, m, denom, acc)
+    if WRITE_KV:
+        if split == active - 1:
+            one = tl.full([1, 1], 1, tl.int1)
+            k_base = k_ptr + row * stride_k_row + kv_head * stride_k_head + tl.zeros([1, 1], tl.int32)
+            key = rotated_heads(k_base, one, pos, cos_sin_ptr, k_norm_ptr, eps, HEAD_DIM, ROTARY, HEAD_DIM, NORM, dtype)
+            loc = tl.load(locs_ptr + row).to(tl.int64)
+            dst = kv_ptr + (loc // PAGE) * stride_page + kv_head * stride_head + (loc % PAGE) * HEAD_DIM
+            v_base = v_ptr + row * stride_v_row + kv_head * stride_v_head + tl.zeros([1, 1], tl.int32)
+            key, value = write_new_kv(
+                dst, key, v_base, k_inv_scale, v_inv_scale, v_eps, stride_kv, HEAD_DIM, HEAD_DIM, V_NORM, FP8
+            )
+            # the newest key as one more column of scores, rounded as the blocks' products are
+            score = tl.sum(q.to(tl.float32) * key.to(tl.float32), 1) * scale
+            m_new = tl.maximum(m, score)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(score - m_new)
+            denom = denom * alpha + p
+            acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * value.to(tl.float32)
+            m = m_new
+    _finish(
+        m,
+        denom,
+        acc,
+        v_scale,
+        row,
+        kv_head,
+        split,
+        active,
+        part_out_ptr,
+        part_lse_ptr,
+        counter_ptr,
+        sinks_ptr,
+        out_ptr,
+        stride_o_row,
+        stride_o_head,
+        num_heads,
+        kv_heads,
+        HAS_SINKS,
+        GROUP,
+        GROUP_PAD,
+        GROUP_P2,
+        HEAD_DIM,
+        SPLITS,
+        MERGE_CHUNK,
+    )
+
+
+@triton.jit
+def _slice_bounds(lens_ptr, row, split, window_left, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(seq_len, active, lo, hi) of a row's slice: its visible keys [start, seq_len) cut into
+    SPLITS slices of whole blocks; `active` counts the slices holding keys (one when none does):
+    only these store partials and take tickets, the last of them merging; a graph's grid has
+    slices for its table's width, a short request fills a few of them."""
+    seq_len = tl.load(lens_ptr + row)
+    start = 0
+    if window_left >= 0:
+        start = tl.maximum(seq_len - 1 - window_left, 0)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - start, SPLITS), BLOCK_N), 1) * BLOCK_N
+    active = tl.maximum(tl.cdiv(seq_len - start, per_split), 1)
+    lo = start + split * per_split
+    return seq_len, active, lo, tl.minimum(lo + per_split, seq_len)
+
+
+@triton.jit
+def _kv_block(
+    head_base,
+    table_ptr,
+    block,
+    end,
+    dims,
+    stride_page,
+    stride_kv,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    dtype: tl.constexpr,
+):
+    """Keys and values of tokens [block, block + BLOCK_N) before `end` (zeros after it), read
+    through the row's page table and widened to `dtype` (an FP8 cache's entries exactly: its
+    scales are folded into the scores' `scale` and the output's `v_scale`)."""
+    tokens = block + tl.arange(0, BLOCK_N)
+    valid = tokens < end
+    pages = tl.load(table_ptr + tokens // PAGE, mask=valid, other=0)
+    offs = pages.to(tl.int64)[:, None] * stride_page + ((tokens % PAGE) * HEAD_DIM)[:, None] + dims[None, :]
+    k = tl.load(head_base + offs, mask=valid[:, None], other=0.0).to(dtype)
+    v = tl.load(head_base + stride_kv + offs, mask=valid[:, None], other=0.0).to(dtype)
+    return k, v, valid
+
+
+@triton.jit
+def _online(q, k, v, valid, scale, m, denom, acc):
+    """One block of keys into the running softmax (max `m`, denominator, weighted values)."""
+    scores = tl.dot(q, tl.trans(k)) * scale
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc
+
+
+@triton.jit
+def _finish(
+    m,
+    denom,
+    acc,
+    v_scale,
+    row,
+    kv_head,
+    split,
+    active,
+    part_out_ptr,
+    part_lse_ptr,
+    counter_ptr,
+    sinks_ptr,
+    out_ptr,
+    stride_o_row,
+    stride_o_head,
+    num_heads,
+    kv_heads,
+    HAS_SINKS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    """Store the slice's partial output and log-sum-exp; the group's last slice to arrive merges."""
+    heads = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    q_head = kv_head * GROUP + heads
     has = denom > 0
     out = tl.where(has[:, None], acc * v_scale / tl.where(has, denom, 1.0)[:, None], 0.0)
     lse = tl.where(has, m + tl.log(tl.where(has, denom, 1.0)), float("-inf"))
@@ -208,10 +445,26 @@ def block_tokens(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def decode(call: DecodeCall, splits: int | None = None, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Attention of one query a row; returns `[rows, H, D]` in the query's dtype. `splits`
-    overrides the slice count (tests); `tile` the (keys a block, warps, stages) (the benchmark's
-    sweep)."""
+def rotating_tile(head_dim: int, fp8: bool, writes: bool) -> tuple[int, int, int]:
+    """(keys a block, warps, stages) of `decode_rotating`."""
+    stages = FP8_TILE[2] if fp8 and FP8_TILE is not None else STAGES
+    return (16, 8, stages) if writes and head_dim > 256 else (block_tokens(head_dim), WARPS, stages)
+
+
+@dataclasses.dataclass
+class _Launch:
+    """What both kernels' launches share: the grid, the merge's buffers and the tile."""
+
+    grid: tuple[int, int, int]
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    counters: torch.Tensor
+    sinks: torch.Tensor
+    out: torch.Tensor
+    meta: dict
+
+
+def _launch(call: DecodeCall, splits: int | None, tile: tuple[int, int, int] | None) -> _Launch:
     q, cache, tables = call.query, call.kv_cache, call.block_tables
     rows, num_heads, head_dim = q.shape
     kv_heads, page = cache.shape[2], cache.shape[3]
@@ -225,46 +478,128 @@ def decode(call: DecodeCall, splits: int | None = None, tile: tuple[int, int, in
         tile = FP8_TILE
     block_n, warps, stages = tile or (block_tokens(head_dim), WARPS, STAGES)
     splits = splits or num_splits(rows, kv_heads, tables.shape[1] * page, block_n)
-    part_out = torch.empty(rows * num_heads * splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(rows * num_heads * splits, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
-    sinks = call.sinks
-    _slices_kernel[(rows, kv_heads, splits)](
+    return _Launch(
+        grid=(rows, kv_heads, splits),
+        part_out=torch.empty(rows * num_heads * splits, head_dim, dtype=torch.float32, device=q.device),
+        part_lse=part_lse,
+        counters=counters(q.device, rows * kv_heads),
+        sinks=call.sinks if call.sinks is not None else part_lse,
+        out=torch.empty(rows, num_heads, head_dim, dtype=q.dtype, device=q.device),
+        meta=dict(
+            HAS_SINKS=call.sinks is not None,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            GROUP_P2=triton.next_power_of_2(group),
+            HEAD_DIM=head_dim,
+            PAGE=page,
+            BLOCK_N=block_n,
+            SPLITS=splits,
+            MERGE_CHUNK=min(
+                triton.next_power_of_2(splits), max(1, MERGE_ELEMENTS // (triton.next_power_of_2(group) * head_dim))
+            ),
+            num_warps=warps,
+            num_stages=stages,
+            **pdl_options(rows * kv_heads * splits),
+        ),
+    )
+
+
+def decode(call: DecodeCall, splits: int | None = None, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Attention of one query a row; returns `[rows, H, D]` in the query's dtype. `splits`
+    overrides the slice count (tests); `tile` the (keys a block, warps, stages) (the benchmark's
+    sweep)."""
+    q, cache, tables = call.query, call.kv_cache, call.block_tables
+    run = _launch(call, splits, tile)
+    _slices_kernel[run.grid](
         q,
         cache,
         tables,
         call.seq_lens,
-        part_out,
-        part_lse,
-        counters(q.device, rows * kv_heads),
-        sinks if sinks is not None else part_lse,
-        out,
+        run.part_out,
+        run.part_lse,
+        run.counters,
+        run.sinks,
+        run.out,
         call.bmm1_scale * call.k_scale,
         call.v_scale,
         call.window_left,
         q.stride(0),
         q.stride(1),
-        out.stride(0),
-        out.stride(1),
+        run.out.stride(0),
+        run.out.stride(1),
         cache.stride(0),
         cache.stride(1),
         cache.stride(2),
         tables.stride(0),
-        num_heads,
-        kv_heads,
-        HAS_SINKS=sinks is not None,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        GROUP_P2=triton.next_power_of_2(group),
-        HEAD_DIM=head_dim,
-        PAGE=page,
-        BLOCK_N=block_n,
-        SPLITS=splits,
-        MERGE_CHUNK=min(
-            triton.next_power_of_2(splits), max(1, MERGE_ELEMENTS // (triton.next_power_of_2(group) * head_dim))
-        ),
-        num_warps=warps,
-        num_stages=stages,
-        **pdl_options(rows * kv_heads * splits),
+        q.shape[1],
+        cache.shape[2],
+        **run.meta,
     )
-    return out
+    return run.out
+
+
+def decode_rotating(
+    call: DecodeCall,
+    rotary: Rotary,
+    new_kv: NewKV | None,
+    splits: int | None = None,
+    tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """`decode` of a decode step whose `call.query` holds the layer's raw (unrotated) query
+    heads, any row and head strides: RoPE and the q/k norms as `rotary` says, and with `new_kv`
+    each row's new key (raw) and value written to the cache at its slot (quantised with the
+    call's scales into an FP8 cache) and attended as the row's last key; without it every key
+    is in the cache already (a layer reading another's KV)."""
+    q, cache, tables = call.query, call.kv_cache, call.block_tables
+    run = _launch(call, splits, tile or rotating_tile(q.shape[-1], cache.dtype == FP8_E4M3, new_kv is not None))
+    q_w, k_w, eps, gemma = rotary.norms or (q, None, 0.0, False)  # no norms: weights never read
+    key, value, slots = new_kv or (q, q, rotary.positions)  # no new KV: never read
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError(f"{call.where}: the new key and value need unit stride along a head")
+    _rotating_slices_kernel[run.grid](
+        q,
+        key,
+        value,
+        rotary.positions,
+        rotary.cos_sin,
+        q_w,
+        q_w if k_w is None else k_w,
+        eps,
+        0.0 if rotary.v_norm_eps is None else rotary.v_norm_eps,
+        slots,
+        1.0 / call.k_scale,
+        1.0 / call.v_scale,
+        cache,
+        tables,
+        call.seq_lens,
+        run.part_out,
+        run.part_lse,
+        run.counters,
+        run.sinks,
+        run.out,
+        call.bmm1_scale * call.k_scale,
+        call.v_scale,
+        call.window_left,
+        q.stride(0),
+        q.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        run.out.stride(0),
+        run.out.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        tables.stride(0),
+        q.shape[1],
+        cache.shape[2],
+        ROTARY=rotary.cos_sin.shape[-1],
+        NORM=0 if rotary.norms is None else 2 if gemma else 1,
+        WRITE_KV=new_kv is not None,
+        V_NORM=new_kv is not None and rotary.v_norm_eps is not None,
+        FP8=cache.dtype == FP8_E4M3,
+        **run.meta,
+    )
+    return run.out

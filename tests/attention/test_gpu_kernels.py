@@ -20,6 +20,7 @@ import torch
 from attention.kernels import KERNEL_SETS, ContextCall, DecodeCall, chain_mask, flashinfer_hopper, reference
 from attention.kv_pool import FP8_E4M3, quantize
 from attention.trtllm_mha import WORKSPACE_BYTES
+from tests.attention import test_rotating_decode_interpreter as rotating
 from tests.attention.paged import random_paged_kv
 
 pytestmark = pytest.mark.gpu
@@ -156,6 +157,30 @@ def test_split_decode(workspace, kv, combo, window_left):
         print(f"split {kv} page={page} d={head_dim} group={group} window={window_left} splits={splits}: {err:.2e}")
         assert err <= 1e-2
     assert int(arrival.counters(call.query.device, 1).abs().sum()) == 0
+
+
+# the interpreter module's cases, and Gemma 4's and Llama-3-8B's geometries (head dim, rotary
+# width, group, page, window_left, q/k norms, V norm, FP8 scales, writes K/V)
+ROTATING = {
+    **rotating.CASES,
+    "gemma4-sliding": (256, 256, 4, 64, 511, "gemma", True, None, True),
+    "gemma4-full-reads-shared": (512, 512, 4, 16, -1, "gemma", False, None, False),
+    "gemma4-full-fp8": (512, 512, 8, 32, -1, "qwen", True, FP8_SCALES, True),
+    "llama-fp8-page64": (128, 128, 4, 64, -1, None, False, FP8_SCALES, True),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(ROTATING))
+def test_split_decode_rotating(workspace, name, dtype):
+    """The split-KV decode rotating its own query and writing the new K and V against RoPE then
+    the float32 reference (`test_rotating_decode_interpreter.compare`): rows of 1 to 1,000 keys
+    over a captured graph's table width; written values bit for bit, the rest of the cache
+    untouched, the merge's counters back at zero."""
+    found = rotating.compare(ROTATING[name], getattr(torch, dtype), "cuda", [1, *KV_LENS], 2048)
+    print(f"rotating {name} {dtype}: {found}")
+    assert found["out"] <= 1e-2 and found["keys"] <= 1e-2, found
+    assert found["values_unequal"] == 0.0 and found["untouched_changed"] == 0 and found["counters"] == 0, found
 
 
 @pytest.mark.parametrize("softcap", [None, 30.0])

@@ -31,8 +31,25 @@ POINTERS = {
     "state": "*i32",
     "q_out": "*bf16",
     "k_out": "*bf16",
+    "cos_sin_ptr": "*fp32",
+    "tables_ptr": "*i32",
+    "lens_ptr": "*i32",
+    "part_out_ptr": "*fp32",
+    "part_lse_ptr": "*fp32",
+    "sinks_ptr": "*fp32",
 }
-FLOATS = {"eps", "embed_scale", "alpha", "limit", "input_scale", "k_inv_scale", "v_inv_scale", "v_eps"}
+FLOATS = {
+    "eps",
+    "embed_scale",
+    "alpha",
+    "limit",
+    "input_scale",
+    "k_inv_scale",
+    "v_inv_scale",
+    "v_eps",
+    "scale",
+    "v_scale",
+}
 
 
 def _cases() -> list[tuple[str, str, str, dict, int]]:
@@ -61,8 +78,21 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     unrolled = dict(one, BLOCK_K=128, EVEN_K=True, K_SPLIT=6912, UNROLL=True)
     cases.append(("gemv", "_gemv_kernel", unrolled, 8))  # Gemma-3-1B's, its K tiles unrolled
     for v_norm in (False, True):
-        dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_HALF=128, BLOCK_DIM=256)
+        dims = dict(HEAD_DIM=256, ROTARY=256, BLOCK_DIM=256)
         cases.append(("rope", "_rope_kernel", dict(dims, NORM=1, WRITE_KV=True, FP8=False, V_NORM=v_norm), 4))
+    # the split-KV decode rotating its own query, with the tiles it launches: Gemma-4-E4B's
+    # sliding and full layers (the latter reading KV another layer wrote) and Llama-3-8B's heads
+    # over an FP8 cache
+    from attention.kernels import split_decode
+
+    for head_dim, writes, fp8 in ((256, True, False), (512, False, False), (128, True, True)):
+        block_n, warps, _ = split_decode.rotating_tile(head_dim, fp8, writes)
+        flags = dict(
+            HAS_SINKS=False, PAGE=16, SPLITS=33, MERGE_CHUNK=min(32, split_decode.MERGE_ELEMENTS // (4 * head_dim))
+        )
+        flags.update(HEAD_DIM=head_dim, ROTARY=head_dim, GROUP=4, GROUP_PAD=16, GROUP_P2=4, BLOCK_N=block_n)
+        flags.update(NORM=int(head_dim > 128), WRITE_KV=writes, V_NORM=head_dim > 128, FP8=fp8)
+        cases.append(("attention.kernels.split_decode", "_rotating_slices_kernel", flags, warps))
     from workers.models import fused_router
     from workers.models.gemv_tiles import MOE_GEMV_TILES, moe_tile_for, preload_width
 
@@ -92,7 +122,7 @@ def _cases() -> list[tuple[str, str, str, dict, int]]:
     cases.append(("fused_router", "_top_k_kernel", dict(TOP_K=8, HAS_SCALE=True, BLOCK=128), 4))
     flags = dict(RANK=0, WORLD=2, NORM=True, GEMMA=False, BEFORE=True, BIAS=False, SCALE=True, BITS=16, BLOCK=8192)
     cases.append(("all_reduce_norm", "_all_reduce_add_rms_norm_kernel", flags, 16))
-    return [(f"{m}.{k}-{i}", m, k, {**c, "PDL": 2}, w) for i, (m, k, c, w) in enumerate(cases)]
+    return [(f"{m.rsplit('.', 1)[-1]}.{k}-{i}", m, k, {**c, "PDL": 2}, w) for i, (m, k, c, w) in enumerate(cases)]
 
 
 CASES = _cases()
@@ -101,6 +131,8 @@ CASES = _cases()
 def _type(name: str, constexprs: dict) -> str:
     if constexprs.get("W4") and name in ("w_ptr", "s_ptr"):  # MXFP4 codes and scales
         return "*u8"
+    if constexprs.get("FP8") and name == "kv_ptr":  # an FP8 cache
+        return "*fp8e4nv"
     if name in POINTERS:
         return POINTERS[name]
     return "*bf16" if name.endswith("_ptr") else "fp32" if name in FLOATS else "i32"
@@ -111,7 +143,7 @@ def test_kernel_compiles_for_hopper_without_spilling(case):
     import importlib
 
     _, module, name, constexprs, warps = case
-    fn = getattr(importlib.import_module(f"workers.models.{module}"), name)
+    fn = getattr(importlib.import_module(module if "." in module else f"workers.models.{module}"), name)
     signature = {a: "constexpr" if a in constexprs else _type(a, constexprs) for a in fn.arg_names}
     if module == "all_reduce_norm" or tool() is None:
         triton.compile(ASTSource(fn, signature, constexprs), target=HOPPER, options={"num_warps": warps})

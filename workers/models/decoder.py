@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from attention import AttentionLayer
+from attention.kernels.calls import Rotary
 from workers.distributed import TPGroup
 from workers.forward_batch import ForwardBatch
 from workers.models import fp8
@@ -135,11 +136,19 @@ class SelfAttention(nn.Module):
         positions, cache = rope.positions, rope.caches[self.rope_key]
         if self.qkv_proj is None:
             q = projected.reshape(-1, a.num_heads, a.head_dim)
-            q, _ = ops_for(q).rope(positions, q, None, cache, self._norms())
-            return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None), reduce)
+            out = batch.attn_backend.forward_rotating(a, q, None, None, Rotary(positions, cache, self._norms()))
+            if out is None:
+                q, _ = ops_for(q).rope(positions, q, None, cache, self._norms())
+                out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None)
+            return self.o_proj(out, reduce)
         q, k, v = self.qkv_proj.split(projected)
         q = q.reshape(-1, a.num_heads, a.head_dim)
         k = k.reshape(-1, a.num_kv_heads, a.head_dim)
+        # RoPE, the norms and the K/V write inside the attention kernel where the backend's does them
+        rotary = Rotary(positions, cache, self._norms(), None if self.v_norm is None else self.v_norm.eps)
+        out = batch.attn_backend.forward_rotating(a, q, k, v.reshape(k.shape), rotary)
+        if out is not None:
+            return self.o_proj(out, reduce)
         # K and V straight into the paged cache where the backend names the slots, V normed there
         dest = batch.attn_backend.kv_destination(a)
         v_norm_eps = None if self.v_norm is None or dest is None else self.v_norm.eps

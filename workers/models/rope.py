@@ -5,9 +5,9 @@ q and k arrive as strided views of the fused QKV projection's output. flashinfer
 kernel needs contiguous rows (on strided views it rotated the wrong elements), so calling it
 cost two copies a layer, three kernels in all; this kernel reads the views as they are and
 writes contiguous rotated q and k in one launch (with the norms: one kernel where there were
-three). Neox style (the two halves of the rotary dimensions rotate together), features past
-`rotary_dim` pass through, float32 arithmetic from the float32 cos/sin cache. A normalised head
-is rounded to the model's dtype before it rotates, as the separate norm's output was.
+three). The rotation and the K/V write are `attention/kernels/rotary.py`'s, which the split-KV
+decode that rotates its own query shares (Neox style, float32 from the float32 cos/sin cache; a
+normalised head rounded to the model's dtype before it rotates, as the separate norm's was).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.fp8 import fp8_saturate
 from attention.kernels.launch import pdl_options, pdl_start
+from attention.kernels.rotary import rotated_heads, write_new_kv
 from attention.kv_pool import FP8_E4M3
-from workers.models.sandwich_norm import scaled
 
 
 @triton.jit
@@ -52,7 +51,6 @@ def _rope_kernel(
     v_eps,
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
     BLOCK_DIM: tl.constexpr,
     NORM: tl.constexpr,  # 0: none; 1: RMSNorm scaled by w (Qwen 3); 2: by 1 + w (Gemma 3)
     WRITE_KV: tl.constexpr,  # keys go to the paged cache at k_out (with v), not to a [T, Hk, D] tensor
@@ -64,7 +62,7 @@ def _rope_kernel(
     pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
-    j = tl.arange(0, BLOCK_DIM)
+    j = tl.arange(0, BLOCK_DIM)[None, :]
     pos = tl.load(pos_ptr + t).to(tl.int64)  # first: the cos/sin loads wait for it
     is_query = h < q_heads
     if is_query:
@@ -73,61 +71,33 @@ def _rope_kernel(
     else:
         src = k_ptr + t.to(tl.int64) * stride_kt + (h - q_heads) * stride_kh
         norm_w = k_norm_ptr
-    half: tl.constexpr = ROTARY // 2
-    i = tl.arange(0, BLOCK_HALF)
-    in_half = i < half
-    passes = (j >= ROTARY) & (j < HEAD_DIM)
-    row = cache_ptr + pos * ROTARY
-    cos = tl.load(row + i, mask=in_half, other=0.0)
-    sin = tl.load(row + half + i, mask=in_half, other=0.0)
-    x1 = tl.load(src + i, mask=in_half, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + i, mask=in_half, other=0.0).to(tl.float32)
-    xp = tl.load(src + j, mask=passes, other=0.0).to(tl.float32)
+    one = tl.full([1, 1], 1, tl.int1)
     dtype = q_out.dtype.element_ty  # the model's
-    if NORM:
-        # the weights' loads go out with the head's, before the statistics wait for them
-        w1 = tl.load(norm_w + i, mask=in_half, other=0.0)
-        w2 = tl.load(norm_w + half + i, mask=in_half, other=0.0)
-        wp = tl.load(norm_w + j, mask=passes, other=0.0)
-        rstd = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2) + tl.sum(xp * xp)) / HEAD_DIM + eps)
-        x1 = scaled(x1 * rstd, w1, NORM == 2, dtype).to(tl.float32)
-        x2 = scaled(x2 * rstd, w2, NORM == 2, dtype).to(tl.float32)
-        xp = scaled(xp * rstd, wp, NORM == 2, dtype).to(tl.float32)
-    # rounded to the model's dtype as the torch op's rotated head is (an FP8 cache quantises that)
-    y1 = (x1 * cos - x2 * sin).to(dtype)
-    y2 = (x2 * cos + x1 * sin).to(dtype)
-    yp = xp.to(dtype)
+    y = rotated_heads(
+        src + tl.zeros([1, 1], tl.int32), one, pos, cache_ptr, norm_w, eps, HEAD_DIM, ROTARY, BLOCK_DIM, NORM, dtype
+    )
     if is_query:
-        q_dst = q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM
-        _store_head(q_dst, y1, y2, yp, i, j, in_half, passes, ROTARY, HEAD_DIM)
+        tl.store(q_out + (t.to(tl.int64) * q_heads + h) * HEAD_DIM + j, y, mask=j < HEAD_DIM)
     elif WRITE_KV:
         loc = tl.load(locs_ptr + t).to(tl.int64)
         dst = k_out + (loc // page_size) * stride_page + (h - q_heads) * stride_head + (loc % page_size) * HEAD_DIM
         v_src = v_ptr + t.to(tl.int64) * stride_vt + (h - q_heads) * stride_vh
-        value = tl.load(v_src + j, mask=j < HEAD_DIM, other=0.0)
-        if V_NORM:  # rounded to the model's dtype as the separate norm's output was
-            vf = value.to(tl.float32)
-            value = (vf * tl.rsqrt(tl.sum(vf * vf) / HEAD_DIM + v_eps)).to(dtype)
-        if FP8:  # new names: a branch may not change a variable's type
-            v_out = fp8_saturate(value, v_inv_scale)
-            k1, k2, kp = fp8_saturate(y1, k_inv_scale), fp8_saturate(y2, k_inv_scale), fp8_saturate(yp, k_inv_scale)
-        else:
-            v_out, k1, k2, kp = value, y1, y2, yp
-        tl.store(dst + stride_kv + j, v_out.to(dst.dtype.element_ty), mask=j < HEAD_DIM)
-        _store_head(dst, k1, k2, kp, i, j, in_half, passes, ROTARY, HEAD_DIM)
+        write_new_kv(
+            dst,
+            y,
+            v_src + tl.zeros([1, 1], tl.int32),
+            k_inv_scale,
+            v_inv_scale,
+            v_eps,
+            stride_kv,
+            HEAD_DIM,
+            BLOCK_DIM,
+            V_NORM,
+            FP8,
+        )
     else:
         dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
-        _store_head(dst, y1, y2, yp, i, j, in_half, passes, ROTARY, HEAD_DIM)
-
-
-@triton.jit
-def _store_head(dst, y1, y2, yp, i, j, in_half, passes, ROTARY: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A rotated head at `dst`: the rotary halves, then the features past them, in dst's dtype."""
-    half: tl.constexpr = ROTARY // 2
-    tl.store(dst + i, y1.to(dst.dtype.element_ty), mask=in_half)
-    tl.store(dst + half + i, y2.to(dst.dtype.element_ty), mask=in_half)
-    if ROTARY < HEAD_DIM:
-        tl.store(dst + j, yp.to(dst.dtype.element_ty), mask=passes)
+        tl.store(dst + j, y, mask=j < HEAD_DIM)
 
 
 def rope(
@@ -194,7 +164,6 @@ def rope(
         0.0 if v_norm_eps is None else v_norm_eps,
         HEAD_DIM=head_dim,
         ROTARY=rotary,
-        BLOCK_HALF=triton.next_power_of_2(rotary // 2),
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         NORM=0 if norms is None else 2 if gemma else 1,
         WRITE_KV=kv is not None,

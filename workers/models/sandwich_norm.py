@@ -20,16 +20,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.launch import pdl_options, pdl_start
-
-
-@triton.jit
-def scaled(h, w, GEMMA: tl.constexpr, dtype: tl.constexpr):
-    """A normalised float32 row times its norm weight, rounded to the model's dtype as Hugging
-    Face's norms round: Gemma scales in float32 by 1 + w, then casts; Llama-style norms cast,
-    then scale by w (the RoPE kernel's q/k norms use it too)."""
-    if GEMMA:
-        return (h * (1.0 + w.to(tl.float32))).to(dtype)
-    return h.to(dtype) * w.to(dtype)
+from attention.kernels.rotary import scaled
 
 
 @triton.jit
