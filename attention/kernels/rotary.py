@@ -27,6 +27,64 @@ def scaled(h, w, GEMMA: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def rotation(pos, cos_sin_ptr, ROTARY: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    """(cos, signed sin) `[1, BLOCK_DIM]` of position `pos` per feature (1 and 0 past the rotary
+    width): what a rotation reads besides the head, so a kernel may load it before its PDL wait."""
+    half: tl.constexpr = ROTARY // 2
+    j = tl.arange(0, BLOCK_DIM)[None, :]
+    rotates = j < ROTARY
+    first = j < half
+    row = cos_sin_ptr + pos * ROTARY
+    freq = tl.where(first, j, j - half)
+    cos = tl.load(row + freq, mask=rotates, other=1.0)
+    sin = tl.load(row + half + freq, mask=rotates, other=0.0)
+    return cos, tl.where(first, -sin, sin)
+
+
+@triton.jit
+def norm_weights(norm_ptr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, BLOCK_DIM: tl.constexpr, NORM: tl.constexpr):
+    """The per-head norm's weights at each feature and at its rotation partner, float32
+    `[1, BLOCK_DIM]` (zeros without a norm)."""
+    j = tl.arange(0, BLOCK_DIM)[None, :]
+    if NORM:
+        w = tl.load(norm_ptr + j, mask=j < HEAD_DIM, other=0.0).to(tl.float32)
+        wq = tl.load(norm_ptr + _partner(j, ROTARY), mask=j < ROTARY, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros([1, BLOCK_DIM], tl.float32)
+        wq = w
+    return w, wq
+
+
+@triton.jit
+def head_pairs(base, rows_ok, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    """`[R, BLOCK_DIM]` heads at `base` (`[R, 1]` pointers to their first features, unit stride
+    along a head) and each feature's rotation partner, float32 (zeros past HEAD_DIM and in rows
+    not `rows_ok`); both loads hit the same lines."""
+    j = tl.arange(0, BLOCK_DIM)[None, :]
+    x = tl.load(base + j, mask=rows_ok & (j < HEAD_DIM), other=0.0).to(tl.float32)
+    xq = tl.load(base + _partner(j, ROTARY), mask=rows_ok & (j < ROTARY), other=0.0).to(tl.float32)
+    return x, xq
+
+
+@triton.jit
+def rotate(x, xq, cos, sin, w, wq, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr, dtype: tl.constexpr):
+    """Heads (`head_pairs`) normed with `norm_weights` (NORM 1: times w; 2: times 1 + w) and
+    rotated by `rotation`, in `dtype`."""
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        x = scaled(x * rstd, w, NORM == 2, dtype).to(tl.float32)
+        xq = scaled(xq * rstd, wq, NORM == 2, dtype).to(tl.float32)
+    return (x * cos + xq * sin).to(dtype)
+
+
+@triton.jit
+def _partner(j, ROTARY: tl.constexpr):
+    """The feature each feature rotates with (itself past the rotary width)."""
+    half: tl.constexpr = ROTARY // 2
+    return tl.where(j < half, j + half, tl.where(j < ROTARY, j - half, j))
+
+
+@triton.jit
 def rotated_heads(
     base,
     rows_ok,
@@ -40,36 +98,18 @@ def rotated_heads(
     NORM: tl.constexpr,  # 0: none; 1: RMSNorm times w; 2: times 1 + w
     dtype: tl.constexpr,
 ):
-    """`[R, BLOCK_DIM]` heads in `dtype` (zeros past HEAD_DIM and in rows not `rows_ok`):
-    `base` holds R heads' first features (`[R, 1]` pointers, unit stride along a head), `pos`
-    their position. Each feature's rotation partner is read as a second load (both hit the same
-    lines), so the result is one tensor of whole heads."""
-    half: tl.constexpr = ROTARY // 2
-    j = tl.arange(0, BLOCK_DIM)[None, :]
-    in_head = j < HEAD_DIM
-    rotates = j < ROTARY
-    first = j < half
-    partner = tl.where(first, j + half, tl.where(rotates, j - half, j))
-    x = tl.load(base + j, mask=rows_ok & in_head, other=0.0).to(tl.float32)
-    xq = tl.load(base + partner, mask=rows_ok & rotates, other=0.0).to(tl.float32)
-    row = cos_sin_ptr + pos * ROTARY
-    freq = tl.where(first, j, j - half)
-    cos = tl.load(row + freq, mask=rotates, other=1.0)
-    sin = tl.load(row + half + freq, mask=rotates, other=0.0)
-    if NORM:
-        w = tl.load(norm_ptr + j, mask=in_head, other=0.0)
-        wq = tl.load(norm_ptr + partner, mask=rotates, other=0.0)
-        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        x = scaled(x * rstd, w, NORM == 2, dtype).to(tl.float32)
-        xq = scaled(xq * rstd, wq, NORM == 2, dtype).to(tl.float32)
-    return (x * cos + tl.where(first, -xq, xq) * sin).to(dtype)
+    """`[R, BLOCK_DIM]` heads at `base` (`head_pairs`) at position `pos`, normed and rotated."""
+    x, xq = head_pairs(base, rows_ok, HEAD_DIM, ROTARY, BLOCK_DIM)
+    cos, sin = rotation(pos, cos_sin_ptr, ROTARY, BLOCK_DIM)
+    w, wq = norm_weights(norm_ptr, HEAD_DIM, ROTARY, BLOCK_DIM, NORM)
+    return rotate(x, xq, cos, sin, w, wq, eps, HEAD_DIM, NORM, dtype)
 
 
 @triton.jit
 def write_new_kv(
     dst,
     key,
-    value_base,
+    value,
     k_inv_scale,
     v_inv_scale,
     v_eps,
@@ -79,13 +119,12 @@ def write_new_kv(
     V_NORM: tl.constexpr,  # the value head RMS-normalised (no weight) first (Gemma 4)
     FP8: tl.constexpr,  # the cache is FP8: both quantised with their scales (`fp8.py`)
 ):
-    """Store a token's rotated key (`[1, BLOCK_DIM]`, the model's dtype) at `dst` (its slot's K
-    head; V at dst + stride_kv) and its value head read from `value_base` (`[1, 1]`); returns
-    (key, value) as the cache now holds them, widened back to the model's dtype (exact)."""
+    """Store a token's rotated key and its value head (`[1, BLOCK_DIM]`, the model's dtype) at
+    `dst` (its slot's K head; V at dst + stride_kv); returns (key, value) as the cache now holds
+    them, widened back to the model's dtype (exact)."""
     dtype = key.dtype
     j = tl.arange(0, BLOCK_DIM)[None, :]
     in_head = j < HEAD_DIM
-    value = tl.load(value_base + j, mask=in_head, other=0.0)
     if V_NORM:  # rounded to the model's dtype as the separate norm's output was
         vf = value.to(tl.float32)
         value = (vf * tl.rsqrt(tl.sum(vf * vf) / HEAD_DIM + v_eps)).to(dtype)

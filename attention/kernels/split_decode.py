@@ -27,7 +27,7 @@ import triton.language as tl
 from attention.kernels.arrival import counters, last_arrival
 from attention.kernels.calls import DecodeCall, NewKV, Rotary, cdiv
 from attention.kernels.launch import pdl_options, pdl_start
-from attention.kernels.rotary import rotated_heads, write_new_kv
+from attention.kernels.rotary import head_pairs, norm_weights, rotate, rotation, write_new_kv
 from attention.kv_pool import FP8_E4M3
 
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200: enough slices to cover the device
@@ -37,8 +37,8 @@ WARPS, STAGES = 4, 3  # a program's warps and its key loop's pipeline depth
 FP8_TILE: tuple[int, int, int] | None = (64, 4, 2)
 MERGE_ELEMENTS = 16384  # partial-output floats the merge loads at a time (all slices of small calls)
 # The kernel that rotates its own query holds its first block and the rotation's operands at
-# once: at 512 dims, writing the new K and V, blocks of 16 keys and eight warps (the tile of
-# `decode` spills registers there)
+# once: writing the new K and V at 512 dims, blocks of 16 keys and eight warps, and eight warps
+# over an FP8 cache (the tiles of `decode` spill registers there)
 
 
 @triton.jit
@@ -201,13 +201,24 @@ def _rotating_slices_kernel(
     k, v, valid = _kv_block(
         head_base, table, lo, cached_end, dims, stride_page, stride_kv, HEAD_DIM, PAGE, BLOCK_N, dtype
     )
+    # what the rotations read besides the heads, and where the new K and V go: no kernel writes them
     pos = tl.load(pos_ptr + row).to(tl.int64)
+    cos, sin = rotation(pos, cos_sin_ptr, ROTARY, HEAD_DIM)
+    q_w, q_wq = norm_weights(q_norm_ptr, HEAD_DIM, ROTARY, HEAD_DIM, NORM)
+    k_w, k_wq = norm_weights(k_norm_ptr, HEAD_DIM, ROTARY, HEAD_DIM, NORM)
+    newest = WRITE_KV and split == active - 1  # this slice takes the row's new key and value
+    loc = tl.load(locs_ptr + row, mask=newest, other=0).to(tl.int64)
     heads = tl.arange(0, GROUP_PAD)
     q_base = q_ptr + row * stride_q_row + (kv_head * GROUP + heads)[:, None] * stride_q_head
+    newest_row = tl.full([1, 1], 1, tl.int1) & newest
+    k_base = k_ptr + row * stride_k_row + kv_head * stride_k_head + tl.zeros([1, 1], tl.int32)
+    v_base = v_ptr + row * stride_v_row + kv_head * stride_v_head + tl.zeros([1, 1], tl.int32)
     pdl_start(PDL)
-    q = rotated_heads(
-        q_base, heads[:, None] < GROUP, pos, cos_sin_ptr, q_norm_ptr, eps, HEAD_DIM, ROTARY, HEAD_DIM, NORM, dtype
-    )
+    # the projection's outputs, all loads at once: the query heads, and the newest slice's key and value
+    q_x, q_xq = head_pairs(q_base, heads[:, None] < GROUP, HEAD_DIM, ROTARY, HEAD_DIM)
+    k_x, k_xq = head_pairs(k_base, newest_row, HEAD_DIM, ROTARY, HEAD_DIM)
+    value = tl.load(v_base + dims[None, :], mask=newest_row, other=0.0)
+    q = rotate(q_x, q_xq, cos, sin, q_w, q_wq, eps, HEAD_DIM, NORM, dtype)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -218,25 +229,20 @@ def _rotating_slices_kernel(
             head_base, table, block, cached_end, dims, stride_page, stride_kv, HEAD_DIM, PAGE, BLOCK_N, dtype
         )
         m, denom, acc = _online(q, k, v, valid, scale, m, denom, acc)
-    if WRITE_KV:
-        if split == active - 1:
-            one = tl.full([1, 1], 1, tl.int1)
-            k_base = k_ptr + row * stride_k_row + kv_head * stride_k_head + tl.zeros([1, 1], tl.int32)
-            key = rotated_heads(k_base, one, pos, cos_sin_ptr, k_norm_ptr, eps, HEAD_DIM, ROTARY, HEAD_DIM, NORM, dtype)
-            loc = tl.load(locs_ptr + row).to(tl.int64)
-            dst = kv_ptr + (loc // PAGE) * stride_page + kv_head * stride_head + (loc % PAGE) * HEAD_DIM
-            v_base = v_ptr + row * stride_v_row + kv_head * stride_v_head + tl.zeros([1, 1], tl.int32)
-            key, value = write_new_kv(
-                dst, key, v_base, k_inv_scale, v_inv_scale, v_eps, stride_kv, HEAD_DIM, HEAD_DIM, V_NORM, FP8
-            )
-            # the newest key as one more column of scores, rounded as the blocks' products are
-            score = tl.sum(q.to(tl.float32) * key.to(tl.float32), 1) * scale
-            m_new = tl.maximum(m, score)
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(score - m_new)
-            denom = denom * alpha + p
-            acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * value.to(tl.float32)
-            m = m_new
+    if newest:
+        key = rotate(k_x, k_xq, cos, sin, k_w, k_wq, eps, HEAD_DIM, NORM, dtype)
+        dst = kv_ptr + (loc // PAGE) * stride_page + kv_head * stride_head + (loc % PAGE) * HEAD_DIM
+        key, value = write_new_kv(
+            dst, key, value, k_inv_scale, v_inv_scale, v_eps, stride_kv, HEAD_DIM, HEAD_DIM, V_NORM, FP8
+        )
+        # the newest key as one more column of scores, rounded as the blocks' products are
+        score = tl.sum(q.to(tl.float32) * key.to(tl.float32), 1) * scale
+        m_new = tl.maximum(m, score)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(score - m_new)
+        denom = denom * alpha + p
+        acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * value.to(tl.float32)
+        m = m_new
     _finish(
         m,
         denom,
@@ -447,8 +453,11 @@ def block_tokens(head_dim: int) -> int:
 
 def rotating_tile(head_dim: int, fp8: bool, writes: bool) -> tuple[int, int, int]:
     """(keys a block, warps, stages) of `decode_rotating`."""
-    stages = FP8_TILE[2] if fp8 and FP8_TILE is not None else STAGES
-    return (16, 8, stages) if writes and head_dim > 256 else (block_tokens(head_dim), WARPS, stages)
+    if writes and head_dim > 256:
+        return 16, 8, STAGES
+    if fp8 and FP8_TILE is not None:
+        return FP8_TILE[0], 8, FP8_TILE[2]
+    return block_tokens(head_dim), WARPS, STAGES
 
 
 @dataclasses.dataclass

@@ -82,19 +82,8 @@ def _rope_kernel(
         loc = tl.load(locs_ptr + t).to(tl.int64)
         dst = k_out + (loc // page_size) * stride_page + (h - q_heads) * stride_head + (loc % page_size) * HEAD_DIM
         v_src = v_ptr + t.to(tl.int64) * stride_vt + (h - q_heads) * stride_vh
-        write_new_kv(
-            dst,
-            y,
-            v_src + tl.zeros([1, 1], tl.int32),
-            k_inv_scale,
-            v_inv_scale,
-            v_eps,
-            stride_kv,
-            HEAD_DIM,
-            BLOCK_DIM,
-            V_NORM,
-            FP8,
-        )
+        value = tl.load(v_src + j, mask=j < HEAD_DIM, other=0.0)
+        write_new_kv(dst, y, value, k_inv_scale, v_inv_scale, v_eps, stride_kv, HEAD_DIM, BLOCK_DIM, V_NORM, FP8)
     else:
         dst = k_out + (t.to(tl.int64) * k_heads + h - q_heads) * HEAD_DIM
         tl.store(dst + j, y, mask=j < HEAD_DIM)
