@@ -18,7 +18,10 @@ Prints one JSON line per configuration and a table; `--out FILE` also writes the
     python -m ops.bench.xqa_decode_bandwidth --batch 64 --kv-len 4096 --kv-heads 8 --head-dim 128
 
 `--kernels xqa split` times both kernels on the same calls (`split`:
-`attention/kernels/split_decode.py`). `--kv-dtype bf16 fp8` times each with a bf16 and an FP8
+`attention/kernels/split_decode.py`); `rope+split` and `rotating` time a decode step's RoPE and
+attention from raw projections, as the RoPE kernel then the split decode and as the split
+decode that rotates its own query (`--flush-kind gemv` puts the one-row Triton GEMV, launched
+with PDL as in a step, before each). `--kv-dtype bf16 fp8` times each with a bf16 and an FP8
 (e4m3) cache; `--split-tiles 64x4x3 128x4x3` times the split kernel at each (keys a block,
 warps, stages) instead of its default.
 """
@@ -26,6 +29,7 @@ warps, stages) instead of its default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from collections.abc import Callable
@@ -37,6 +41,8 @@ from attention.kv_pool import FP8_E4M3
 from attention.trtllm_mha import WORKSPACE_BYTES
 from ops.bench.record import add_record_args, record_run
 
+# a decode step's RoPE and attention from the raw projections (`_rotating_runs`)
+ROTATING = ("rope+split", "rotating")
 COLUMNS = ["decode_ms", "decode_ms_eager", "decode_ms_cold", "decode_GBps", "copy_GBps", "fraction_of_copy"]
 
 
@@ -95,8 +101,9 @@ def copy_bandwidth(nbytes: int) -> float:
 
 
 def _flush(mb: int, kind: str):
-    """Device work of `mb` MB of reads between two timed calls: a copy, or a batch-1 linear
-    layer over a bf16 weight of that size (what a decode step runs between attention calls)."""
+    """Device work of `mb` MB of reads between two timed calls: a copy, or a batch-1 projection
+    over a bf16 weight of that size (what a decode step runs between attention calls): cuBLAS's
+    (`linear`) or the one-row Triton GEMV launched as a step launches it, with PDL (`gemv`)."""
     if kind == "copy":
         src = torch.empty(mb << 20, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -104,7 +111,42 @@ def _flush(mb: int, kind: str):
     hidden = 4096
     weight = torch.randn((mb << 20) // (2 * hidden), hidden, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(1, hidden, dtype=torch.bfloat16, device="cuda")
+    if kind == "gemv":
+        from workers.models import gemv
+
+        tile = gemv.Tile(8, 512, 4, 4)
+        return lambda: gemv.gemv(x, weight, tile=tile)
     return lambda: torch.nn.functional.linear(x, weight)
+
+
+def _rotating_runs(call: DecodeCall, kernel: str, group: int) -> Callable[[DecodeCall, torch.Tensor], torch.Tensor]:
+    """A decode step's RoPE and attention from raw projections: the RoPE kernel writing the new K
+    and V, then the split decode (`rope+split`), or the split decode that does both (`rotating`)."""
+    from attention.kernels import split_decode
+    from attention.kernels.calls import NewKV, Rotary
+    from workers.models import rope
+    from workers.models.layers import rope_cache
+
+    rows, _, head_dim = call.query.shape
+    kv_heads, page = call.kv_cache.shape[2], call.kv_cache.shape[3]
+    device = call.query.device
+    qkv = torch.randn(rows, (group + 2) * kv_heads * head_dim, dtype=torch.bfloat16, device=device)
+    q = qkv[:, : group * kv_heads * head_dim].view(rows, group * kv_heads, head_dim)
+    k = qkv[:, group * kv_heads * head_dim : (group + 1) * kv_heads * head_dim].view(rows, kv_heads, head_dim)
+    v = qkv[:, (group + 1) * kv_heads * head_dim :].view(rows, kv_heads, head_dim)
+    positions = call.seq_lens.long() - 1
+    slots = call.block_tables[torch.arange(rows, device=device), positions // page].long() * page + positions % page
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    cos_sin = rope_cache(inv_freq, 1.0, int(call.seq_lens.max()) + 1)
+    if kernel == "rotating":
+        raw = dataclasses.replace(call, query=q)
+        return lambda c, workspace: split_decode.decode_rotating(raw, Rotary(positions, cos_sin), NewKV(k, v, slots))
+
+    def rope_then_split(c: DecodeCall, workspace: torch.Tensor) -> torch.Tensor:
+        rotated, _ = rope.rope(positions, q, k, cos_sin, None, (call.kv_cache, slots, v, (1.0, 1.0)))
+        return split_decode.decode(dataclasses.replace(call, query=rotated))
+
+    return rope_then_split
 
 
 def paged_kv(
@@ -155,7 +197,7 @@ def decode_bandwidth(
     )
     call.check()
     workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    run = _kernel(kernel, tile)
+    run = _rotating_runs(call, kernel, group) if kernel in ROTATING else _kernel(kernel, tile)
     eager_ms = time_ms(lambda: run(call, workspace))
     ms = _time_graph_ms(lambda: run(call, workspace))
     cold = {}
@@ -215,8 +257,8 @@ def main() -> None:
     p.add_argument("--window-left", type=int, default=-1)
     p.add_argument("--table-tokens", type=int, nargs="+", default=[0], help="page-table widths (tokens); 0: the KV")
     p.add_argument("--flush-mb", type=int, default=0, help="this many MB of reads between the timed calls")
-    p.add_argument("--flush-kind", choices=["copy", "linear"], default="copy", help="what reads them")
-    p.add_argument("--kernels", nargs="+", choices=["xqa", "split"], default=["xqa"])
+    p.add_argument("--flush-kind", choices=["copy", "linear", "gemv"], default="copy", help="what reads them")
+    p.add_argument("--kernels", nargs="+", choices=["xqa", "split", *ROTATING], default=["xqa"])
     p.add_argument("--kv-dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"])
     p.add_argument("--split-tiles", nargs="+", default=[], help="the split kernel's (keys, warps, stages), e.g. 64x4x3")
     p.add_argument("--out", default=None)
