@@ -449,6 +449,42 @@ class TRTLLMMHABackend(AttentionBackend):
         scales = self._kv_scales(md.pool, layer, kv_cache)
         return KVDestination(kv_cache, md.pool.write_slots(layer.layer_id, locs), scales)
 
+    @staticmethod
+    def _is_swa(md: ForwardMetadata, layer: AttentionLayer) -> bool:
+        """Whether the layer's KV is in the SWA pool (refused for a layer without a window)."""
+        is_swa = md.pool.is_swa_layer(layer.layer_id)
+        if is_swa and layer.sliding_window is None:
+            raise KernelContractError(
+                f"{md.mode.name} layer {layer.layer_id}: no sliding window but its KV is in the SWA pool"
+            )
+        return is_swa
+
+    def _call_args(
+        self,
+        md: ForwardMetadata,
+        read: ForwardMetadata,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        is_swa: bool,
+        window_left: int,
+    ) -> dict:
+        """What a layer's decode and context calls share: `read`'s lengths and the layer's pool's
+        page tables, sinks and KV scales."""
+        k_scale, v_scale = self._kv_scales(md.pool, layer, kv_cache)
+        return dict(
+            query=query,
+            kv_cache=kv_cache,
+            block_tables=read.swa_page_table if is_swa else read.full_page_table,
+            seq_lens=read.seq_lens,
+            bmm1_scale=layer.scaling,
+            window_left=window_left,
+            sinks=layer.sinks,
+            where=self._where(md, layer, is_swa),
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
     def forward_rotating(
         self,
         layer: AttentionLayer,
@@ -468,29 +504,11 @@ class TRTLLMMHABackend(AttentionBackend):
         rows = md.seq_lens.shape[0]
         if self.kernels.decode_kernel(rows, md.q_len_per_req, self._split_decode_ok(md), self._fp8)[0] != SPLIT_DECODE:
             return None
-        pool = md.pool
-        is_swa = pool.is_swa_layer(layer.layer_id)
-        kv_cache = pool.kv_cache(layer.layer_id)
-        k_scale, v_scale = self._kv_scales(pool, layer, kv_cache)
-        new_kv = None
-        if k is not None:
-            slots = pool.write_slots(layer.layer_id, self._write_slots(md, layer, kv_cache, is_swa))
-            new_kv = NewKV(k, v, slots)
-        call = DecodeCall(
-            query=q,
-            kv_cache=kv_cache,
-            block_tables=md.swa_page_table if is_swa else md.full_page_table,
-            seq_lens=md.seq_lens,
-            bmm1_scale=layer.scaling,
-            window_left=self._window_left(md, layer),
-            sinks=layer.sinks,
-            where=self._where(md, layer, is_swa),
-            k_scale=k_scale,
-            v_scale=v_scale,
-            max_seq_len=md.max_seq_len,
-            q_len_per_req=1,
-            mask=None,
-        )
+        is_swa = self._is_swa(md, layer)
+        window_left = self._window_left(md, layer)  # checked before anything is written
+        common = self._call_args(md, md, layer, q, md.pool.kv_cache(layer.layer_id), is_swa, window_left)
+        call = DecodeCall(**common, max_seq_len=md.max_seq_len, q_len_per_req=1, mask=None)
+        new_kv = None if k is None else NewKV(k, v, self.kv_destination(layer).slots)
         if self.check_contracts:
             call.check()
         return split_decode_rotating(call, rotary, new_kv).reshape(q.shape[0], layer.num_heads * layer.head_dim)
@@ -509,14 +527,9 @@ class TRTLLMMHABackend(AttentionBackend):
         if md.kernel is None:
             return q.new_empty(num_tokens, layer.num_heads * layer.head_dim)
         pool = md.pool
-        is_swa = pool.is_swa_layer(layer.layer_id)
-        if is_swa and layer.sliding_window is None:
-            raise KernelContractError(
-                f"{md.mode.name} layer {layer.layer_id}: no sliding window but its KV is in the SWA pool"
-            )
+        is_swa = self._is_swa(md, layer)
         route = self._route(md, layer)
-        window_left = self._window_left(md, layer)
-        where = self._where(md, layer, is_swa)
+        window_left = self._window_left(md, layer)  # checked before anything is written
         kv_cache = pool.kv_cache(layer.layer_id)
         if k is not None:  # written through the forward's own metadata, whatever reads it
             pool.set_kv(
@@ -526,19 +539,8 @@ class TRTLLMMHABackend(AttentionBackend):
                 v.view(num_tokens, layer.num_kv_heads, layer.head_dim),
             )
         read = md.rows if md.rows is not None else md  # a model with wide layers: every layer (see _build_metadata)
-        k_scale, v_scale = self._kv_scales(pool, layer, kv_cache)
-        common = dict(
-            query=q.view(num_tokens, layer.num_heads, layer.head_dim),
-            kv_cache=kv_cache,
-            block_tables=read.swa_page_table if is_swa else read.full_page_table,
-            seq_lens=read.seq_lens,
-            bmm1_scale=layer.scaling,
-            window_left=window_left,
-            sinks=layer.sinks,
-            where=where,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        query = q.view(num_tokens, layer.num_heads, layer.head_dim)
+        common = self._call_args(md, read, layer, query, kv_cache, is_swa, window_left)
         if read is md.rows:
             route = "decode"
         if route == "decode":

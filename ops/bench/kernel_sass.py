@@ -34,6 +34,8 @@ COLUMNS = ["loop_instructions", "bytes_per_thread", "instructions_per_byte", "re
 HOPPER = GPUTarget("cuda", 90, 32)
 # sizes a launch passes divisible by 16 (Triton specialises them): the loads' vector width rests on them
 DIVISIBLE = {"K", "N", "stride_we", "stride_wn", "stride_se", "stride_x", "stride_h", "stride_be", "stride_y"}
+# the split-KV decode's: multiples of a head (64 to 512 features)
+DIVISIBLE |= {f"stride_{t}_{d}" for t in "qkvo" for d in ("row", "head")} | {"stride_page", "stride_kv", "stride_head"}
 LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);")
 
 
