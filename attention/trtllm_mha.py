@@ -497,6 +497,8 @@ class TRTLLMMHABackend(AttentionBackend):
         new K and V itself (one kernel where RoPE took another); None for any other forward or
         kernel. q, k, v: the raw `[T, heads, head_dim]` views of the projection."""
         md = self._md
+        if layer.head_dim not in self.kernels.rotating_head_dims:
+            return None
         if md is None or md.mode is not ForwardMode.DECODE or md.rows is not None or md.rows_per_req != 1:
             return None
         if self._route(md, layer) != "decode" or (k is not None and md.query_offset):

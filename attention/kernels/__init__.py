@@ -46,6 +46,9 @@ class KernelSet:
     # The same for an FP8 cache, whose XQA kernel reads faster than the split kernel widening
     # FP8 in Triton once the batch fills the device.
     fp8_split_decode_rows: int = 0
+    # Head dims at which those split-KV decodes rotate their own query and write the new K and V
+    # (`split_decode_rotating`) where a RoPE kernel ran before them.
+    rotating_head_dims: tuple[int, ...] = ()
     # Every kernel of the set reads an FP8 (e4m3) cache with the call's scales (docs/design.md
     # §4.7); a set without it refuses `kv_cache_dtype: fp8_e4m3` at start-up.
     fp8_kv: bool = False
@@ -80,6 +83,11 @@ SPLIT_DECODE_ROWS = 256
 # the two cross between 1 and 64 rows is not measured: 16 is 128 (row, KV head) programs of
 # Llama-3-8B's heads, about one an SM.
 FP8_SPLIT_DECODE_ROWS = 16
+# Head dims whose split-KV decode rotates its own query on Hopper: a captured batch-1 step of
+# Llama-3-8B with FP8 weights (128 dims) ran 1.012x faster so, Gemma-4-E4B's (256-dim sliding,
+# 512-dim full layers) 1.006x slower, though alone the kernel beat RoPE + split-KV decode at both
+# (ops/bench/results/decode_step.history.jsonl, xqa_decode_bandwidth.history.jsonl).
+ROTATING_HEAD_DIMS = (128,)
 
 
 def _split_decode(call: DecodeCall, workspace: torch.Tensor | None) -> torch.Tensor:
@@ -138,6 +146,7 @@ KERNEL_SETS = {
         multi_query_max_head_dim=256,
         split_decode_rows=SPLIT_DECODE_ROWS,
         fp8_split_decode_rows=FP8_SPLIT_DECODE_ROWS,
+        rotating_head_dims=ROTATING_HEAD_DIMS,
         fp8_kv=True,  # XQA beside a bf16 query, FMHA-v2 with the query quantised too, split-KV widening
         fp8_kv_softcap_with_sinks=False,
     ),

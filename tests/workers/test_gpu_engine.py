@@ -42,17 +42,26 @@ def compare_bf16_runs(ref_outs, outs, label: str, noise: float = BF16_NOISE) -> 
     return diverged, worst
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma2", "mistral", "qwen3"])
+# 128-dim heads: decode steps whose split-KV kernel rotates its own query (ROTATING_HEAD_DIMS)
+@pytest.mark.parametrize(
+    "name, head_dim", [("gemma3", 64), ("gemma2", 64), ("mistral", 64), ("qwen3", 64), ("mistral", 128), ("qwen3", 128)]
+)
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_trtllm_mha_matches_torch_native_on_gpu(tmp_path, name, page_size):
+def test_trtllm_mha_matches_torch_native_on_gpu(tmp_path, monkeypatch, name, head_dim, page_size):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    import attention.trtllm_mha as trtllm_mha
+    from attention.kernels import ROTATING_HEAD_DIMS
+
+    rotating = []  # decode calls (eager, or captured into a graph) of the kernel that rotates its query
+    kernel = trtllm_mha.split_decode_rotating
+    monkeypatch.setattr(trtllm_mha, "split_decode_rotating", lambda *a: rotating.append(1) or kernel(*a))
     path = str(tmp_path / name)
     make_tiny_model(
         name,
         path,
         hidden_size=256,
-        head_dim=64,
+        head_dim=head_dim,
         num_attention_heads=4,
         num_key_value_heads=2,
         sliding_window=32 if name != "qwen3" else None,
@@ -72,7 +81,7 @@ def test_trtllm_mha_matches_torch_native_on_gpu(tmp_path, name, page_size):
         )
         runs[backend] = eng.generate(prompt_token_ids=prompts, sampling=sp)
         eng.check_no_leak()
-    diverged, worst = compare_bf16_runs(runs["torch_native"], runs["trtllm_mha"], f"{name} page {page_size}")
-    print(
-        f"{name} page {page_size}: {diverged} of {len(prompts)} requests diverged; largest logit difference {worst:.3g}"
-    )
+    assert bool(rotating) == (head_dim in ROTATING_HEAD_DIMS)
+    label = f"{name} head {head_dim} page {page_size}"
+    diverged, worst = compare_bf16_runs(runs["torch_native"], runs["trtllm_mha"], label)
+    print(f"{label}: {diverged} of {len(prompts)} requests diverged; largest logit difference {worst:.3g}")
