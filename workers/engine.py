@@ -227,7 +227,7 @@ class Engine:
             # a draft behind by plain decode steps catches up reading its SWA window from there
             self.scheduler.window_from = lambda req: min(req.kv_len, req.spec.draft_len)
             self.scheduler.windows_moved = self.spec.windows_moved
-            self.scheduler.draft_lag = self.spec.max_lag
+            self.scheduler.draft_lag = self.spec.reserved_lag
         self.cache: RadixCache | None = None
         if enable_prefix_caching:
             shift = self.spec.drafter.shift if self.spec is not None else 0

@@ -99,10 +99,22 @@ class Scheduler:
         full = cdiv(max_len + self.lookahead, p) - shared_pages
         if not self.allocator.is_hybrid:
             return KVBudget(full, 0)
-        chunk = max(1, min(self.chunk or prompt_len, prompt_len)) + (1 if self.lookahead else 0)
-        per_forward = max(chunk, self.lookahead + 1 + self.draft_lag)
         window = self.allocator.sliding_window
-        return KVBudget(full, min(full, cdiv(window - 1 + per_forward, p) + 1))
+        return KVBudget(full, min(full, cdiv(window - 1 + self._per_forward(prompt_len), p) + 1))
+
+    def _per_forward(self, prompt_len: int) -> int:
+        """Positions past its SWA window that a request's SWA pages are reserved for: its widest
+        prefill chunk, or a decode step's lookahead and the plain steps its draft may fall behind
+        (`draft_lag`), whichever is more."""
+        chunk = max(1, min(self.chunk or prompt_len, prompt_len)) + (1 if self.lookahead else 0)
+        return max(chunk, self.lookahead + 1 + self.draft_lag)
+
+    def draft_lag_room(self) -> int:
+        """Plain decode steps every running request's draft may fall behind within the SWA pages
+        its admission reserved (`kv_need`): at least `draft_lag`, more for a request whose
+        prefill chunk the reservation covers (the window then waits for the draft at no cost)."""
+        prompts = [len(r.prompt_ids) for r in self.running]
+        return min(self._per_forward(n) for n in prompts) - self.lookahead - 1 if prompts else self.draft_lag
 
     def check_fits(self, prompt_len: int, max_len: int) -> None:
         """Raise ValueError when a request could never be admitted, however long it waits."""

@@ -417,6 +417,48 @@ def test_a_draft_that_holds_nothing_while_behind_catches_up_only_before_a_round(
     eng.check_no_leak()
 
 
+def test_an_swa_draft_falls_behind_as_far_as_admission_reserved_its_window(monkeypatch):
+    """A standalone draft in an SWA pool, plain steps after its first round, requests running
+    well past the window: it catches up once it is as many plain steps behind as the running
+    requests' reserved SWA pages hold its window (`Scheduler.draft_lag_room`: a prompt's prefill
+    chunk reserves room past the window, at least MAX_LAG, here 3 steps), the lesser room of the
+    two prompts while both run (12 tokens: 8 steps) and the longer prompt's alone (20 tokens:
+    16); no request ever holds more SWA pages than its admission reserved, and greedy output
+    stays plain decoding's."""
+    import workers.speculative.worker as worker
+
+    monkeypatch.setattr(worker, "MAX_LAG", 3)
+    sampling = SamplingParams(max_new_tokens=160, temperature=0.0, ignore_eos=True)
+    kwargs = dict(model=DEFAULT_MODEL, page_size=16, attention_backend="trtllm_mha", max_total_tokens=2048)
+    plain = [o.token_ids for o in Engine(**kwargs).generate(prompt_token_ids=PROMPTS, sampling=sampling)]
+    spec = {"algorithm": "standalone", "draft_model": DRAFT_MODELS["standalone"], "num_steps": K}
+    for prompts, want, rooms in ((PROMPTS, plain, {8}), (PROMPTS[:1], plain[:1], {16})):
+        eng = Engine(**kwargs, speculative=spec)
+        assert eng.spec.swa and eng.scheduler.draft_lag == 3 and eng.scheduler.lookahead == K + 1
+        eng.spec.controller = Schedule([K] + [0] * sampling.max_new_tokens)
+        lags, resume = [], eng.spec._resume
+
+        def recorded(reqs, eng=eng, resume=resume, lags=lags):
+            if eng.last_step.draft_steps == 0 and any(not r.finished for r in reqs):  # (not before a round)
+                lags.append(eng.spec._lag)
+            resume(reqs)
+
+        eng.spec._resume = recorded
+        sched, alloc, p = eng.scheduler, eng.allocator, eng.allocator.page_size
+        for prompt in prompts:
+            eng.add_request(prompt, sampling)
+        outs = {}
+        while eng.has_unfinished():
+            for rid, new, _ in eng.step():
+                outs.setdefault(rid, []).extend(new)
+            for req in sched.running:
+                held = -(-alloc.allocated_len(req.row) // p) - alloc.swa_start(req.row)
+                assert held <= sched._needs[req.rid].swa_pages < sched._needs[req.rid].full_pages, req.rid
+        assert list(outs.values()) == want
+        assert len(lags) > 4 and set(lags) == rooms, lags
+        eng.check_no_leak()
+
+
 def _catch_ups_in(eng: Engine) -> list[int | None]:
     """The draft steps of the engine step each of its draft's catch-ups runs in, as they come."""
     at = []

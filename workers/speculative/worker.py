@@ -47,7 +47,8 @@ How many draft steps a round runs is chosen every decode step (`draft_steps`: th
 k = 0 is a plain decode step: the draft falls a token behind (`after_plain` keeps the target's
 hidden states its catch-up reads), and catches up on the committed tokens as after a prefill
 chunk before the next round (`_resume`), or, if it keeps KV of its own, once it is too far behind
-(`max_lag` steps in an SWA draft pool, `lag_tokens` positions over its requests otherwise). A
+(in an SWA draft pool, as far as admission reserved the window for: `Scheduler.draft_lag_room`;
+`lag_tokens` positions over its requests otherwise). A
 round of k < num_steps is the same round with fewer drafts, replaying graphs captured for its k
 (docs/design.md §6.1).
 """
@@ -78,7 +79,9 @@ from workers.speculative.drafter import Drafter, DraftState, HiddenRows
 from workers.speculative.stats import SpecStats
 
 # Plain decode steps a draft with KV of its own may fall behind before it catches up, in an SWA
-# draft pool: bounds the window the pool keeps (admission reserves it: `Scheduler.draft_lag`).
+# draft pool, at least: admission reserves each request's SWA pages for them (`Scheduler.draft_lag`);
+# a request whose prefill chunk reserved more lets the draft fall behind further
+# (`Scheduler.draft_lag_room`).
 MAX_LAG = 64
 # Draft positions (over its requests) a draft with full KV of its own may fall behind, and the
 # bytes of target hidden states an EAGLE head keeps meanwhile: they bound its catch-up forward
@@ -157,8 +160,10 @@ class SpecWorker:
         self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
         self.acceptance = AcceptanceModel(num_steps, scheduler.req_to_token.max_requests)
         self.controller: DraftSteps = FixedDraftSteps(num_steps)
-        swa = drafter.runner.pool is not None and drafter.runner.pool.has_swa
-        self.max_lag = MAX_LAG if swa else LAG_TOKENS  # plain steps behind before a catch-up
+        self.swa = drafter.runner.pool is not None and drafter.runner.pool.has_swa
+        self.max_lag = LAG_TOKENS  # plain steps behind before a catch-up (in an SWA pool: the room, if less)
+        self.reserved_lag = MAX_LAG if self.swa else 0  # what admission reserves every request (`Scheduler.draft_lag`)
+        self._room = self.reserved_lag if self.swa else LAG_TOKENS  # plain steps the SWA pages reserved hold its window
         # A draft with KV of its own that reads no target hidden states, in pools without
         # sliding windows, holds nothing while it falls behind (its pages are the target's, no
         # window waits for it): it catches up only before its next round, in forwards of at
@@ -212,6 +217,7 @@ class SpecWorker:
         for req in live:
             req.spec.synced = self._plain_count
         self._moved = self._plain_count
+        self._room = self._lag_room()  # (a request admitted)
 
     def draft_steps(self, reqs: list[Request]) -> int:
         """How many draft steps a decode step of `reqs` runs (0: a plain decode step), as the
@@ -258,6 +264,7 @@ class SpecWorker:
             for req in reqs:
                 if req.finished:  # its plain steps are counted now
                     self.settle(req)
+            self._room = self._lag_room()
         kept = self.drafter.hidden_kept
         if kept != 0:
             if kept != 1 and hidden is not None:
@@ -269,9 +276,14 @@ class SpecWorker:
         if (
             self.drafter.runner.pool is not None
             and not self.catches_up_lazily
-            and (self._lag >= self.max_lag or self._too_far_behind())
+            and (self._lag >= min(self.max_lag, self._room) or self._too_far_behind())
         ):
             self._resume([r for r in reqs if not r.finished])
+
+    def _lag_room(self) -> int:
+        """Plain steps the draft may fall behind before its SWA window outgrows what admission
+        reserved for the running requests (no bound for a draft without SWA layers)."""
+        return self.scheduler.draft_lag_room() if self.swa else LAG_TOKENS
 
     def windows_moved(self) -> bool:
         """Whether a step may have moved some request's SWA window where windows wait for the
