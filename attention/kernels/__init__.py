@@ -4,6 +4,7 @@ context attention, and which features and page sizes each supports."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -87,7 +88,25 @@ FP8_SPLIT_DECODE_ROWS = 16
 # Llama-3-8B with FP8 weights (128 dims) ran 1.012x faster so, Gemma-4-E4B's (256-dim sliding,
 # 512-dim full layers) 1.006x slower, though alone the kernel beat RoPE + split-KV decode at both
 # (ops/bench/results/decode_step.history.jsonl, xqa_decode_bandwidth.history.jsonl).
+# `SLIDESPEC_ROTATING_HEAD_DIMS` (e.g. `128,256`; `none`) overrides it, for tuning in captured steps.
 ROTATING_HEAD_DIMS = (128,)
+
+
+def rotating_head_dims(text: str) -> tuple[int, ...]:
+    """`SLIDESPEC_ROTATING_HEAD_DIMS` read (empty: `ROTATING_HEAD_DIMS`; `none`: no head dim)."""
+    if not text.strip():
+        return ROTATING_HEAD_DIMS
+    if text.strip() == "none":
+        return ()
+    try:
+        dims = tuple(int(v) for v in text.split(","))
+    except ValueError as e:
+        raise ValueError(
+            f"SLIDESPEC_ROTATING_HEAD_DIMS: cannot read {text!r}; want head dims like '128,256' or 'none'"
+        ) from e
+    if any(d <= 0 for d in dims):
+        raise ValueError(f"SLIDESPEC_ROTATING_HEAD_DIMS: {text!r}: head dims must be positive")
+    return dims
 
 
 def _split_decode(call: DecodeCall, workspace: torch.Tensor | None) -> torch.Tensor:
@@ -146,7 +165,7 @@ KERNEL_SETS = {
         multi_query_max_head_dim=256,
         split_decode_rows=SPLIT_DECODE_ROWS,
         fp8_split_decode_rows=FP8_SPLIT_DECODE_ROWS,
-        rotating_head_dims=ROTATING_HEAD_DIMS,
+        rotating_head_dims=rotating_head_dims(os.environ.get("SLIDESPEC_ROTATING_HEAD_DIMS", "")),
         fp8_kv=True,  # XQA beside a bf16 query, FMHA-v2 with the query quantised too, split-KV widening
         fp8_kv_softcap_with_sinks=False,
     ),

@@ -302,3 +302,14 @@ def test_soft_capped_layers_take_the_context_kernel_for_decode():
     assert used == ["context"] * 3
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_rotating_head_dims_override_reads_head_dims_or_none():
+    from attention.kernels import ROTATING_HEAD_DIMS, rotating_head_dims
+
+    assert rotating_head_dims("") == ROTATING_HEAD_DIMS
+    assert rotating_head_dims("128,256") == (128, 256)
+    assert rotating_head_dims("none") == ()
+    for bad in ("128;256", "x", "0"):
+        with pytest.raises(ValueError, match="SLIDESPEC_ROTATING_HEAD_DIMS"):
+            rotating_head_dims(bad)
