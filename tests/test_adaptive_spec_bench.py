@@ -3,6 +3,8 @@ draft, adaptive set against plain and the best fixed draft length, the table and
 
 import json
 
+import pytest
+
 from ops.bench import adaptive_spec
 
 
@@ -18,3 +20,13 @@ def test_the_benchmark_compares_adaptive_with_plain_and_each_fixed_length(tmp_pa
     assert adaptive["of_best"] == adaptive["tok_per_s"] / best
     assert results["tiny/b1/frozen_kv_mtp/k2"]["draft_steps"] == 2.0
     assert "tiny/b1/frozen_kv_mtp/adaptive" in capsys.readouterr().out
+
+
+def test_the_time_split_sets_the_median_plain_step_beside_the_mean():
+    """Four plain steps of 1 ms, one holding a 9 ms catch-up, a round of 5 ms and the drain of the
+    overlapped steps: the mean plain step carries the catch-up, the median does not."""
+    ms = 1_000_000
+    steps = [(0, 1 * ms), (0, 2 * ms), (0, 12 * ms), (0, 13 * ms), (3, 18 * ms), (None, 19 * ms)]
+    split = adaptive_spec.time_split(steps, 0)
+    assert split["plain_ms"] == pytest.approx(14 / 4) and split["plain_p50_ms"] == pytest.approx(1.0)
+    assert split["round_ms"] == pytest.approx(5.0) and split["switches"] == 1

@@ -22,7 +22,8 @@ the table sets adaptive against max(plain, best fixed): the goal is to be within
 
 What the time of a speculative case went to, from each timed step's end to the next's (the
 first from its start: not the prefill before it): plain steps (`plain_ms`: per plain decode
-step, the launch that restarts overlapped decoding and the commit that drains it included) and
+step, the launch that restarts overlapped decoding and the commit that drains it included;
+`plain_p50_ms`: the median plain step, which leaves out the few that a catch-up held up) and
 rounds (`round_ms`, the catch-up before a round after plain steps included), the changes
 between them (`switches`), the draft's catch-ups after plain steps and rounds launched ahead
 and dropped; for adaptive cases also the controller's cost table for the batch (ms per k, as it
@@ -38,6 +39,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import tempfile
 import warnings
 
@@ -119,19 +121,22 @@ def time_split(steps_run: list[tuple[int | None, int]], start_ns: int) -> dict:
     steps, counts with plain steps), and the changes between plain steps and rounds."""
     plain = rounds = 0.0
     launches = verifies = switches = 0
-    last_kind, end = None, start_ns
+    last_kind, end, plain_steps = None, start_ns, []
     for k, step_end in steps_run:
         seconds, end = (step_end - end) / 1e9, step_end
         if k:
             rounds, verifies = rounds + seconds, verifies + 1
         else:
             plain, launches = plain + seconds, launches + (k == 0)
+            if k == 0:
+                plain_steps.append(seconds)
         kind = None if k is None else k > 0
         if kind is not None:
             switches += last_kind is not None and kind != last_kind
             last_kind = kind
     return {
         "plain_ms": 1e3 * plain / launches if launches else None,
+        "plain_p50_ms": 1e3 * statistics.median(plain_steps) if plain_steps else None,
         "round_ms": 1e3 * rounds / verifies if verifies else None,
         "switches": switches,
     }
