@@ -309,7 +309,12 @@ class CudaGraphRunner:
         if self.emulate:
             out = self._forward(key, family, static)
             ids = None if out.ids is None else out.ids[:rows]
-            return ForwardOutput(out.logits[:rows], out.hidden[:rows] if family.keep_hidden else None, tokens, ids)
+            hidden = out.hidden[:rows] if family.keep_hidden else None
+            if hidden is not None and family.argmax:  # as a replay leaves them: the next one overwrites them
+                if family.hidden is None:
+                    family.hidden = hidden.new_empty(self.max_batch_size * key.q_len, hidden.shape[-1])
+                hidden = family.hidden[:rows].copy_(hidden)
+            return ForwardOutput(out.logits[:rows], hidden, tokens, ids)
         graph.replay()
         hidden = None
         if family.keep_hidden:  # an argmax graph's: a plain step's, read before its next replay (`after_plain`)

@@ -14,6 +14,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 from attention import ForwardMode
 from ops import DEFAULT_MODEL, DRAFT_MODELS
@@ -504,6 +505,44 @@ def test_plain_steps_skip_only_window_releases_that_free_nothing():
         eng.scheduler.windows_moved = moved
         assert eng.kv_stats()["swa_free"] == after, eng.last_step.draft_steps
     assert skipped > 10 and freed > 2 and eng.spec.catch_ups > 0
+    eng.check_no_leak()
+
+
+def test_overlapped_plain_steps_keep_each_steps_own_hidden_states():
+    """The target hidden states an EAGLE head's catch-up reads after overlapped plain steps are
+    each step's own: each step is replayed (emulated, from a graph's static buffer, which the
+    next replay overwrites) and launched before the one before it is committed, so the head
+    keeps a step's rows before the next replay (`SpecWorker.hold`); kept after it, they were
+    the next step's."""
+    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
+    eng = _tiny("emulate", spec, overlap_schedule=True)
+    eng.spec.controller = Schedule([K, *[0] * 8] * 3)
+    produced = {}  # (request row, position) -> the hidden state its plain step produced, as it came
+    forward, plain_hidden, checked, wrong = eng._overlap.forward, eng.spec._plain_hidden, [], []
+
+    def recorded(batch):
+        out = forward(batch)
+        for row, position, hidden in zip(batch.req_pool_indices.tolist(), batch.positions.tolist(), out.hidden):
+            produced[row, position] = hidden.clone()
+        return out
+
+    def compared(reqs):
+        out = plain_hidden(reqs)
+        for req in reqs:
+            first, rows = out[req.rid]
+            wrong.extend(
+                (req.rid, first + i)
+                for i, kept in enumerate(rows)
+                if not torch.equal(kept, produced[req.row, first + i])
+            )
+            checked.append(len(rows))
+        return out
+
+    eng._overlap.forward, eng.spec._plain_hidden = recorded, compared
+    outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
+    assert not wrong, wrong  # (request, position) whose kept hidden state is another step's
+    assert len(checked) >= 4 and min(checked) >= 4, checked
+    assert all(o.spec.plain_steps > 0 for o in outs)
     eng.check_no_leak()
 
 

@@ -248,14 +248,21 @@ class SpecWorker:
         rows = [r.row for r in self.scheduler.running if r.prefilled]
         return self.controller.propose(max(1, len(rows)), lambda: self.acceptance.expected_tokens(rows))
 
+    def hold(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
+        """A plain step's target hidden states (a graph's, valid until its next replay) as the
+        draft keeps them: a copy where its catch-up reads more than the last step's rows, taken
+        before the next replay is launched (an overlapped plain step launches the next one
+        before committing this one); the rows themselves otherwise (no replay comes between the
+        last plain step and the round that reads them)."""
+        kept = self.drafter.hidden_kept
+        return hidden.clone() if hidden is not None and kept != 0 and kept != 1 else hidden
+
     def after_plain(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
         """A plain decode step committed a token for each of `reqs` (`hidden`: the target's
-        hidden states, a row each; a graph's, valid until its next replay): the draft falls a
-        token behind and keeps the rows its catch-up reads (copied, unless only the last step's:
-        no replay comes between a plain step and the round that reads them); a draft with KV of
-        its own catches up once too far behind. The same few operations whatever the batch, but
-        for a catch-up, a step's copy of the rows an EAGLE head reads, and a look at the requests
-        once some request has ended."""
+        hidden states, a row each, as `hold` kept them): the draft falls a token behind and
+        keeps the rows its catch-up reads; a draft with KV of its own catches up once too far
+        behind. The same few operations whatever the batch, but for a catch-up and a look at
+        the requests once some request has ended."""
         self._plain_count += 1
         self._lag += 1
         self._behind += len(reqs)
@@ -268,7 +275,6 @@ class SpecWorker:
         kept = self.drafter.hidden_kept
         if kept != 0:
             if kept != 1 and hidden is not None:
-                hidden = hidden.clone()
                 self._row_bytes = hidden.shape[-1] * hidden.element_size()
             self._plain.append((reqs, hidden))
             if kept:
