@@ -306,18 +306,15 @@ class CudaGraphRunner:
             self._set_ahead(family, batch.batch_size, ahead)
         rows = batch.batch_size * key.q_len
         tokens = self.tokens[:rows] if family.argmax else None
-        if self.emulate:
-            out = self._forward(key, family, static)
-            ids = None if out.ids is None else out.ids[:rows]
-            hidden = out.hidden[:rows] if family.keep_hidden else None
-            if hidden is not None and family.argmax:  # as a replay leaves them: the next one overwrites them
-                if family.hidden is None:
-                    family.hidden = hidden.new_empty(self.max_batch_size * key.q_len, hidden.shape[-1])
-                hidden = family.hidden[:rows].copy_(hidden)
-            return ForwardOutput(out.logits[:rows], hidden, tokens, ids)
+        if self.emulate:  # outputs in static buffers, as a replay leaves them: the next one overwrites them
+            out, most = self._forward(key, family, static), self.max_batch_size * key.q_len
+            logits = out.logits[:rows] if family.argmax else _static(family, "logits", out.logits, rows, most)
+            ids = None if out.ids is None else _static(family, "ids", out.ids, rows, most)
+            hidden = _static(family, "hidden", out.hidden, rows, most) if family.keep_hidden else None
+            return ForwardOutput(logits, hidden if hidden is None or family.argmax else hidden.clone(), tokens, ids)
         graph.replay()
         hidden = None
-        if family.keep_hidden:  # an argmax graph's: a plain step's, read before its next replay (`after_plain`)
+        if family.keep_hidden:  # an argmax graph's: a plain step's, read before its next replay (`SpecWorker.hold`)
             hidden = family.hidden[:rows] if family.argmax else family.hidden[:rows].clone()
         return ForwardOutput(family.logits[:rows], hidden, tokens, None if family.ids is None else family.ids[:rows])
 
@@ -493,3 +490,13 @@ def _reach(key: GraphKey) -> int:
     """Tokens a graph's KV grows by after its first forward: a chain writing KV reads one more
     key at each step, so its page tables are built to cover them."""
     return key.chain - 1 if key.chain and not key.query_offset else 0
+
+
+def _static(family: _Family, name: str, out: torch.Tensor, rows: int, most: int) -> torch.Tensor:
+    """An emulated replay's output `name` copied into the family's static buffer (allocated at
+    the first replay, `most` rows): its first `rows` rows, a view."""
+    buffer = getattr(family, name)
+    if buffer is None:
+        buffer = out.new_empty(most, *out.shape[1:])
+        setattr(family, name, buffer)
+    return buffer[:rows].copy_(out[:rows])
