@@ -42,7 +42,7 @@ def compare_bf16_runs(ref_outs, outs, label: str, noise: float = BF16_NOISE) -> 
     return diverged, worst
 
 
-# 128-dim heads: decode steps whose split-KV kernel rotates its own query (ROTATING_HEAD_DIMS)
+# 128-dim heads: decode steps whose split-KV kernel rotates its own query (on Hopper: ROTATING_HEAD_DIMS)
 @pytest.mark.parametrize(
     "name, head_dim", [("gemma3", 64), ("gemma2", 64), ("mistral", 64), ("qwen3", 64), ("mistral", 128), ("qwen3", 128)]
 )
@@ -51,7 +51,7 @@ def test_trtllm_mha_matches_torch_native_on_gpu(tmp_path, monkeypatch, name, hea
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     import attention.trtllm_mha as trtllm_mha
-    from attention.kernels import ROTATING_HEAD_DIMS
+    from attention.kernels import select_kernels
 
     rotating = []  # decode calls (eager, or captured into a graph) of the kernel that rotates its query
     kernel = trtllm_mha.split_decode_rotating
@@ -81,7 +81,7 @@ def test_trtllm_mha_matches_torch_native_on_gpu(tmp_path, monkeypatch, name, hea
         )
         runs[backend] = eng.generate(prompt_token_ids=prompts, sampling=sp)
         eng.check_no_leak()
-    assert bool(rotating) == (head_dim in ROTATING_HEAD_DIMS)
+    assert bool(rotating) == (head_dim in select_kernels(torch.device("cuda")).rotating_head_dims)
     label = f"{name} head {head_dim} page {page_size}"
     diverged, worst = compare_bf16_runs(runs["torch_native"], runs["trtllm_mha"], label)
     print(f"{label}: {diverged} of {len(prompts)} requests diverged; largest logit difference {worst:.3g}")
