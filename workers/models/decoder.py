@@ -136,9 +136,10 @@ class SelfAttention(nn.Module):
         positions, cache = rope.positions, rope.caches[self.rope_key]
         if self.qkv_proj is None:
             q = projected.reshape(-1, a.num_heads, a.head_dim)
-            out = batch.attn_backend.forward_rotating(a, q, None, None, Rotary(positions, cache, self._norms()))
+            rotary = Rotary(positions, cache, self._norms())
+            out = batch.attn_backend.forward_rotating(a, q, None, None, rotary)
             if out is None:
-                q, _ = ops_for(q).rope(positions, q, None, cache, self._norms())
+                q, _ = ops_for(q).rope(positions, q, None, cache, rotary.norms)
                 out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None)
             return self.o_proj(out, reduce)
         q, k, v = self.qkv_proj.split(projected)
@@ -155,7 +156,7 @@ class SelfAttention(nn.Module):
         if self.v_norm is not None and dest is None:  # V may be K's projection: normed apart, in whole rows
             v = self.v_norm(v.reshape(k.shape).contiguous()).reshape(v.shape[0], -1)
         kv = None if dest is None else (dest.cache, dest.slots, v, dest.scales)
-        q, k = ops_for(q).rope(positions, q, k, cache, self._norms(), kv, v_norm_eps)
+        q, k = ops_for(q).rope(positions, q, k, cache, rotary.norms, kv, v_norm_eps)
         if dest is not None:
             return self.o_proj(batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), None, None), reduce)
         out = batch.attn_backend.forward(a, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v)
