@@ -15,9 +15,11 @@ block, and reads its input ids through a static index into the block: either thi
 staged ids or the tokens an earlier replay sampled (overlapped decoding, whose next step's ids
 are the last step's tokens, in any row order). Such a step costs the device one copy in, the
 replay and one copy of the tokens out; its hidden states are kept only when asked
-(`keep_hidden`: plain steps between speculative rounds, whose draft reads them to catch up), in
-its static buffer until its next replay: a draft that reads only the last plain step's copies
-nothing.
+(`keep_hidden`: plain steps between speculative rounds, whose draft reads them to catch up): in
+its static buffer until its next replay (a draft that reads only the last plain step's), or,
+given a `HiddenRing` (an EAGLE head, which reads every plain step's), written by the graph into
+the ring rows staged with its inputs (`ForwardBatch.hidden_at`; padded rows and a replay given
+none write the ring's scratch row).
 
 A *chain* graph runs a draft model's greedy decode steps back to back in one launch: between
 steps it moves the batch on, on the device (positions, write slots gathered from the device
@@ -56,6 +58,7 @@ import torch
 from attention import ForwardMode, KVPool
 from attention.staging import StagedBuffers
 from workers.forward_batch import DeviceInputs, ForwardBatch, ForwardOutput, HostInputs
+from workers.hidden_ring import HiddenRing
 from workers.memory import KVAllocator
 from workers.memory.allocator import cdiv
 
@@ -90,6 +93,7 @@ class _Family:
     spec_hidden: torch.Tensor | None
     argmax: bool = False  # a greedy decode graph: tokens into the runner's static tokens, ids through `select`
     keep_hidden: bool = True  # hidden states copied out (an argmax graph's only when asked)
+    ring: HiddenRing | None = None  # an argmax graph's: its hidden states written there, not to `hidden`
     logits: torch.Tensor | None = None  # [max rows, vocab] float32
     hidden: torch.Tensor | None = None  # [max rows, hidden handed on]
     ids: torch.Tensor | None = None  # [max rows, columns] the logits' target ids (a subset head's)
@@ -124,12 +128,14 @@ class CudaGraphRunner:
         self.staging = StagedBuffers(runner.device)
         self.staging.add("inputs", 4 * rows + self.max_batch_size, torch.int64)  # ids|positions|slots|rows|logits
         self.staging.add("select", rows, torch.int64)  # argmax graphs: each input id's word in the block
+        self.staging.add("ring_rows", self.max_batch_size, torch.int64)  # argmax graphs with a ring: its row each
         runner.backend.init_graph_buffers(self.max_batch_size, rows, max_pages, self.staging)
         self.staging.add("tokens", rows, torch.int64)  # never staged: argmax graphs write it
         self.staging.allocate()
         self.tokens = self.staging.view("tokens")
         self._select = self.staging.view("select")
         self._words = self.staging.block.view(torch.int64)
+        self._ring_rows = self.staging.view("ring_rows")
         self.hidden_in = hidden_in
         self.dtype = dtype
         self.emulate = emulate
@@ -151,17 +157,21 @@ class CudaGraphRunner:
         chain: int = 0,
         argmax: bool = False,
         keep_hidden: bool = False,
+        ring: HiddenRing | None = None,
     ) -> None:
         """Capture this key's graphs for every page-table width and batch size (largest first);
         `hidden_in` overrides the width of the hidden states read per token (a draft head's
         catch-up reads the target's, its decode steps its own); `chain`: that many greedy
         draft decode steps in each graph instead of one forward; `argmax`: a greedy decode
-        graph (see the module's docstring), which keeps its hidden states if `keep_hidden`."""
+        graph (see the module's docstring), which keeps its hidden states if `keep_hidden`, in
+        `ring` if given."""
         key = GraphKey(mode, q_len, query_offset, id(pool), chain)
         if key in self.families:
             return
         if chain and (mode != ForwardMode.DECODE or q_len != 1 or argmax):
             raise ValueError(f"cuda graphs: a chain of draft steps is single-token DECODE, not {mode.name} x{q_len}")
+        if ring is not None and not (argmax and keep_hidden and q_len == 1):
+            raise ValueError("cuda graphs: a hidden ring is for single-token argmax graphs keeping hidden states")
         if q_len > self.max_q_len:
             raise ValueError(f"cuda graphs: {q_len} query tokens a request, the staged buffers hold {self.max_q_len}")
         if max(q_len, chain) > len(self.allocator.scratch_slots):
@@ -169,7 +179,7 @@ class CudaGraphRunner:
         rows = self.max_batch_size * q_len
         width = hidden_in or self.hidden_in
         spec_hidden = torch.zeros(rows, width, dtype=self.dtype, device=self.device) if width else None
-        family = _Family(pool, spec_hidden, argmax, keep_hidden=not argmax or keep_hidden)
+        family = _Family(pool, spec_hidden, argmax, keep_hidden=not argmax or keep_hidden, ring=ring)
         if argmax:  # written by the graph's last kernel, which takes the argmax too
             vocab = self.runner.model.lm_head.vocab_size
             family.logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
@@ -212,7 +222,9 @@ class CudaGraphRunner:
                 out = self._forward(key, family, prepare())
         torch.cuda.current_stream().wait_stream(stream)
         rows = self.max_batch_size * key.q_len
-        if family.hidden is None and family.keep_hidden:
+        if family.ring is not None:
+            family.ring.match(out.hidden)
+        if family.hidden is None and family.keep_hidden and family.ring is None:
             family.hidden = torch.empty(rows, out.hidden.shape[-1], dtype=out.hidden.dtype, device=self.device)
         if family.logits is None and not key.chain:
             family.logits = torch.empty(rows, out.logits.shape[-1], dtype=out.logits.dtype, device=self.device)
@@ -229,7 +241,13 @@ class CudaGraphRunner:
                 family.ids[: out.ids.shape[0]].copy_(out.ids)
             if family.hidden is not None and not key.chain:
                 family.hidden[: out.hidden.shape[0]].copy_(out.hidden)
+            self._write_ring(family, out.hidden)
         return graph
+
+    def _write_ring(self, family: _Family, hidden: torch.Tensor) -> None:
+        """An argmax graph with a ring: its hidden states into the ring rows staged for it."""
+        if family.ring is not None:
+            family.ring.buffer.index_copy_(0, self._ring_rows[: hidden.shape[0]], hidden)
 
     def _forward(self, key: GraphKey, family: _Family, batch: ForwardBatch) -> ForwardOutput:
         """What a graph of `key` runs on the static `batch`: one forward, or a chain of greedy
@@ -306,17 +324,24 @@ class CudaGraphRunner:
             self._set_ahead(family, batch.batch_size, ahead)
         rows = batch.batch_size * key.q_len
         tokens = self.tokens[:rows] if family.argmax else None
+        ring = family.ring
         if self.emulate:  # outputs in static buffers, as a replay leaves them: the next one overwrites them
             out, most = self._forward(key, family, static), self.max_batch_size * key.q_len
             logits = out.logits[:rows] if family.argmax else _static(family, "logits", out.logits, rows, most)
             ids = None if out.ids is None else _static(family, "ids", out.ids, rows, most)
-            hidden = _static(family, "hidden", out.hidden, rows, most) if family.keep_hidden else None
-            return ForwardOutput(logits, hidden if hidden is None or family.argmax else hidden.clone(), tokens, ids)
-        graph.replay()
-        hidden = None
-        if family.keep_hidden:  # an argmax graph's: a plain step's, read before its next replay (`SpecWorker.hold`)
-            hidden = family.hidden[:rows] if family.argmax else family.hidden[:rows].clone()
-        return ForwardOutput(family.logits[:rows], hidden, tokens, None if family.ids is None else family.ids[:rows])
+            if ring is not None:
+                ring.match(out.hidden)
+            self._write_ring(family, out.hidden)
+            hidden = _static(family, "hidden", out.hidden, rows, most) if family.keep_hidden and not ring else None
+        else:
+            graph.replay()
+            logits, ids = family.logits[:rows], None if family.ids is None else family.ids[:rows]
+            hidden = family.hidden[:rows] if family.keep_hidden and not ring else None
+        if ring is not None:  # a plain step's, in the ring rows it was given (none: it kept nothing)
+            hidden = None if batch.hidden_at is None else ring.buffer[batch.hidden_at : batch.hidden_at + rows]
+        elif hidden is not None and not family.argmax:  # an argmax graph's is read before its next replay
+            hidden = hidden.clone()
+        return ForwardOutput(logits, hidden, tokens, ids)
 
     def run_chain(
         self, batch: ForwardBatch, pool: KVPool, steps: int, ahead: torch.Tensor | None = None, most: int = 0
@@ -412,6 +437,12 @@ class CudaGraphRunner:
                 device_ids = batch.device_input_ids()
         if family.argmax:
             self.staging.put("select", select)
+        if family.ring is not None:  # each row's ring row: the batch's, the scratch row for padding
+            at = batch.hidden_at if batch is not None else None
+            ring_rows = np.full(bs, family.ring.scratch, dtype=np.int64)
+            if at is not None:
+                ring_rows[: batch.batch_size] = at + np.arange(batch.batch_size)
+            self.staging.put("ring_rows", ring_rows)
         self.staging.upload()
         if device_ids is not None:
             static.input_ids[: device_ids.shape[0]].copy_(device_ids)

@@ -330,7 +330,8 @@ class Engine:
             drafter = self.spec.drafter
             ks = range(1, k + 1) if self.adaptive else [k]  # the draft lengths a round may run
             if self.adaptive:  # plain decode steps between rounds keep the hidden states a draft catches up from
-                kwargs = {"argmax": True, "keep_hidden": drafter.reads_hidden}
+                ring = self.spec.keep_in_ring(self.dtype)
+                kwargs = {"argmax": True, "keep_hidden": drafter.reads_hidden, "ring": ring}
                 plan.append((target, (ForwardMode.DECODE, 1, self.runner.pool), kwargs, "target decode"))
             for n in ks:
                 plan.append((target, (ForwardMode.TARGET_VERIFY, n + 1, self.runner.pool), {}, f"target verify x{n}"))
@@ -505,7 +506,8 @@ class Engine:
         self.last_step.draft_steps = k
         launched = self.spec.disturbances if self.spec is not None else 0
         if self.overlap and not k and self._overlap.eligible(sb):
-            self._inflight, self._inflight_disturbances = self._overlap.launch(sb.reqs, None), launched
+            launch = self._overlap.launch(sb.reqs, None, self._hidden_at(len(sb.reqs)))
+            self._inflight, self._inflight_disturbances = launch, launched
             self._overlap.choose(self._inflight)
             return self._end_step(sb.reqs, [], timing="launch")
         try:
@@ -537,7 +539,7 @@ class Engine:
         hidden = self.spec.hold(flight.hidden) if self.spec is not None else None  # before the next replay
         if following:
             self._inflight_disturbances = self.spec.disturbances if self.spec is not None else 0
-            self._inflight = self._overlap.launch(following, flight)
+            self._inflight = self._overlap.launch(following, flight, self._hidden_at(len(following)))
             self.last_step.draft_steps = 0 if self.spec is not None else None
         events = self._overlap.collect(flight)
         if self._inflight is not None:  # its grammar masks follow the tokens just committed
@@ -597,6 +599,8 @@ class Engine:
             self.last_step.drafts = self.spec.last_drafts
             return events
         batch = self.scheduler.build(sb)
+        if sb.mode is ForwardMode.DECODE:
+            batch.hidden_at = self._hidden_at(batch.batch_size)
         out = self.runner.forward(batch)
         rows = self.scheduler.logit_rows(sb)
         ends = list(itertools.accumulate(len(r) for r in rows))  # each request's logits rows end there
@@ -633,6 +637,11 @@ class Engine:
         if sb.mode is ForwardMode.EXTEND:
             self.scheduler.cache_prompts(sb.reqs)
         return events
+
+    def _hidden_at(self, rows: int) -> int | None:
+        """Where a plain decode step of `rows` requests keeps its target hidden states for the
+        draft: the ring row of its first (None: no ring)."""
+        return self.spec.hidden_at(rows) if self.spec is not None else None
 
     def _prompt_logprobs(self, sb: ScheduledBatch, rows: list[range], ends: list[int], logits: torch.Tensor) -> None:
         """The logprobs of the prompt tokens this prefill chunk predicts: its row at position p

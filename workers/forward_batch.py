@@ -78,6 +78,9 @@ class ForwardBatch:
     # input ids on the device (overlapped decoding, speculative rounds): `ids[rows]` (all of
     # `ids` when rows is None); the host ids are placeholders then
     device_ids: tuple[torch.Tensor, np.ndarray | None] | None = None
+    # a plain decode step of an engine keeping its target hidden states in a ring
+    # (`workers/hidden_ring.py`): the ring row of its first request's, the others' following
+    hidden_at: int | None = None
 
     input_ids = _OnDevice()
     positions = _OnDevice()

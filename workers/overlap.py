@@ -94,10 +94,11 @@ class OverlapDecoder:
         """Whether the token in flight reaches the request's length limit."""
         return len(req.output_ids) + 1 >= req.sampling.max_new_tokens or req.num_tokens + 1 >= req.max_len
 
-    def launch(self, reqs: list[Request], previous: InFlight | None) -> InFlight:
+    def launch(self, reqs: list[Request], previous: InFlight | None, hidden_at: int | None = None) -> InFlight:
         """Launch a decode step: each request's last committed token (no step in flight) or the
         token `previous` sampled for it, at the position after it. A step with grammars has its
-        tokens chosen by `choose`, once `previous` is committed."""
+        tokens chosen by `choose`, once `previous` is committed. `hidden_at`: the hidden ring row
+        where its graph keeps its hidden states (`ForwardBatch.hidden_at`)."""
         ahead = 1 if previous is not None else 0
         positions = [r.kv_len + ahead for r in reqs]
         ids = [[0] if previous is not None else r.tokens(r.kv_len, r.kv_len + 1) for r in reqs]
@@ -110,6 +111,7 @@ class OverlapDecoder:
             req_to_token=self.scheduler.req_to_token,
             logits_rows=range(len(reqs)),
         )
+        batch.hidden_at = hidden_at
         if previous is not None:
             index = None if previous.reqs == reqs else np.array([previous.reqs.index(r) for r in reqs])
             batch.use_device_ids(previous.tokens, index)

@@ -21,6 +21,7 @@ from ops import DEFAULT_MODEL, DRAFT_MODELS
 from tests.draft_models import SPEC_VARIANTS, make_perturbed_copy
 from tests.hf_models import WINDOW, make_tiny_model, random_prompts
 from workers.engine import Engine, SamplingParams
+from workers.speculative import worker as worker_module
 from workers.speculative.acceptance import AcceptanceModel
 from workers.speculative.controller import AdaptiveDraftSteps
 from workers.speculative.cost_model import EXCURSION, SWITCH, CostModel
@@ -508,15 +509,10 @@ def test_plain_steps_skip_only_window_releases_that_free_nothing():
     eng.check_no_leak()
 
 
-def test_overlapped_plain_steps_keep_each_steps_own_hidden_states():
-    """The target hidden states an EAGLE head's catch-up reads after overlapped plain steps are
-    each step's own: each step is replayed (emulated, from a graph's static buffer, which the
-    next replay overwrites) and launched before the one before it is committed, so the head
-    keeps a step's rows before the next replay (`SpecWorker.hold`); kept after it, they were
-    the next step's."""
-    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
-    eng = _tiny("emulate", spec, overlap_schedule=True)
-    eng.spec.controller = Schedule([K, *[0] * 8] * 3)
+def _kept_hidden_checked(eng: Engine) -> tuple[list, list]:
+    """Record every plain step's target hidden states as its forward produced them, and compare
+    each row an EAGLE head's catch-up reads with them: ((request, position) read wrong, the rows
+    each catch-up read per request)."""
     produced = {}  # (request row, position) -> the hidden state its plain step produced, as it came
     forward, plain_hidden, checked, wrong = eng._overlap.forward, eng.spec._plain_hidden, [], []
 
@@ -539,10 +535,57 @@ def test_overlapped_plain_steps_keep_each_steps_own_hidden_states():
         return out
 
     eng._overlap.forward, eng.spec._plain_hidden = recorded, compared
+    return wrong, checked
+
+
+def test_overlapped_plain_steps_keep_each_steps_own_hidden_states():
+    """The target hidden states an EAGLE head's catch-up reads after overlapped plain steps are
+    each step's own: each step is replayed (emulated) and launched before the one before it is
+    committed, so a step's rows must be kept before the next replay: the decode graph writes
+    them into the hidden ring at the rows staged for it (`workers/hidden_ring.py`); a copy
+    taken from its static buffer after the next launch held the next step's."""
+    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
+    eng = _tiny("emulate", spec, overlap_schedule=True)
+    eng.spec.controller = Schedule([K, *[0] * 8] * 3)
+    wrong, checked = _kept_hidden_checked(eng)
     outs = eng.generate(prompt_token_ids=PROMPTS, sampling=GREEDY)
     assert not wrong, wrong  # (request, position) whose kept hidden state is another step's
     assert len(checked) >= 4 and min(checked) >= 4, checked
     assert all(o.spec.plain_steps > 0 for o in outs)
+    assert eng.spec.ring is not None and eng.spec.ring.head > 0  # (kept in the ring)
+    eng.check_no_leak()
+
+
+def test_the_hidden_ring_wraps_and_catches_up_before_it_is_full(monkeypatch):
+    """A ring of 17 rows for 2 requests (`LAG_TOKENS` and `MAX_LAG` made small): long runs of
+    overlapped plain steps wrap it many times, a step that would wrap starting at row 0, and
+    the draft catches up whenever the next step might find too few free rows (before the lag
+    bounds would: `SpecWorker._ring_full`). Every row a catch-up reads is its step's own, and
+    greedy tokens equal plain decoding's."""
+    monkeypatch.setattr(worker_module, "LAG_TOKENS", 17)
+    monkeypatch.setattr(worker_module, "MAX_LAG", 4)
+    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
+    eng = _tiny("emulate", spec, overlap_schedule=True)
+    ring = eng.spec.ring
+    assert ring.capacity == 17
+    eng.spec.controller = Schedule([K, *[0] * 30])
+    wrong, checked = _kept_hidden_checked(eng)
+    taken, took = [], ring.take
+
+    def recorded_take(rows):
+        at = took(rows)
+        taken.append((at, ring.free))
+        return at
+
+    ring.take = recorded_take
+    sampling = SamplingParams(max_new_tokens=70, temperature=0.0, ignore_eos=True)
+    outs = eng.generate(prompt_token_ids=PROMPTS, sampling=sampling)
+    plain = _tiny(False).generate(prompt_token_ids=PROMPTS, sampling=sampling)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert not wrong, wrong
+    assert ring.head > 6 * ring.capacity and eng.spec.catch_ups >= 6
+    assert all(at + 2 <= ring.capacity for at, _ in taken)  # no step wraps
+    assert sum(at == 0 for at, _ in taken) >= 6
     eng.check_no_leak()
 
 

@@ -64,6 +64,7 @@ from attention import ForwardMode
 from attention.batch import upload
 from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
+from workers.hidden_ring import HiddenRing
 from workers.logprobs import of_rows
 from workers.model_runner import ForwardOutput, ModelRunner
 from workers.overlap import InFlight
@@ -173,6 +174,7 @@ class SpecWorker:
         )
         self.lag_tokens = LAG_TOKENS  # draft positions behind, over its requests, before a catch-up
         self._row_bytes = 0  # of the target hidden states kept per position
+        self.ring: HiddenRing | None = None  # with graphs, where plain steps keep an EAGLE head's hidden states
         self.catch_ups = 0  # catch-ups after plain decode steps
         self.drops = 0  # rounds launched ahead and dropped
         # `disturbances` when the last round read its results: what is counted after (a round
@@ -248,12 +250,33 @@ class SpecWorker:
         rows = [r.row for r in self.scheduler.running if r.prefilled]
         return self.controller.propose(max(1, len(rows)), lambda: self.acceptance.expected_tokens(rows))
 
+    def keep_in_ring(self, dtype: torch.dtype) -> HiddenRing | None:
+        """The ring where the target's plain decode graphs keep the hidden states of a draft
+        that reads every plain step's (EAGLE: `Drafter.hidden_kept` None), made now; None for
+        the others. It holds what the catch-up bounds let the draft fall behind (LAG_TOKENS
+        positions or HIDDEN_BYTES, no sooner than MAX_LAG steps of full batches)."""
+        if self.drafter.hidden_kept is not None:
+            return None
+        width = self.target.model.handed_on_size
+        batch = self.scheduler.max_running
+        rows = max(min(LAG_TOKENS, HIDDEN_BYTES // (width * dtype.itemsize)), (MAX_LAG + 4) * batch)
+        self.ring = HiddenRing(rows, width, dtype, self.target.device)
+        return self.ring
+
+    def hidden_at(self, rows: int) -> int | None:
+        """The ring row from which a plain decode step of `rows` requests keeps its target hidden
+        states (`ForwardBatch.hidden_at`; None: no ring)."""
+        return None if self.ring is None else self.ring.take(rows)
+
     def hold(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
-        """A plain step's target hidden states (a graph's, valid until its next replay) as the
-        draft keeps them: a copy where its catch-up reads more than the last step's rows, taken
-        before the next replay is launched (an overlapped plain step launches the next one
-        before committing this one); the rows themselves otherwise (no replay comes between the
-        last plain step and the round that reads them)."""
+        """A plain step's target hidden states as the draft keeps them: the ring rows its graph
+        wrote them to; else (a graph's static buffer, valid until its next replay) a copy where
+        its catch-up reads more than the last step's rows, taken before the next replay is
+        launched (an overlapped plain step launches the next one before committing this one);
+        the rows themselves otherwise (no replay comes between the last plain step and the round
+        that reads them)."""
+        if self.ring is not None and self.ring.keep(hidden):
+            return hidden
         kept = self.drafter.hidden_kept
         return hidden.clone() if hidden is not None and kept != 0 and kept != 1 else hidden
 
@@ -282,7 +305,7 @@ class SpecWorker:
         if (
             self.drafter.runner.pool is not None
             and not self.catches_up_lazily
-            and (self._lag >= min(self.max_lag, self._room) or self._too_far_behind())
+            and (self._lag >= min(self.max_lag, self._room) or self._too_far_behind() or self._ring_full())
         ):
             self._resume([r for r in reqs if not r.finished])
 
@@ -304,6 +327,11 @@ class SpecWorker:
         or hold HIDDEN_BYTES of kept target hidden states."""
         limit = min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
         return self._behind >= limit and self._lag >= MAX_LAG
+
+    def _ring_full(self) -> bool:
+        """Whether the ring may not hold the next plain step's rows (the step in flight took
+        its own; a step that would wrap skips to row 0): the rows kept so far are read first."""
+        return self.ring is not None and self.ring.free < 2 * self.scheduler.max_running
 
     def settle(self, req: Request) -> None:
         """Count the plain steps a request took part in since it last caught up, as it catches up
@@ -329,14 +357,26 @@ class SpecWorker:
                 self.settle(req)
             self.catch_ups += 1
         self._plain, self._behind, self._lag = [], 0, 0
+        if self.ring is not None:  # the rows the catch-up read
+            self.ring.release()
         self._moved = self._plain_count  # (a round's drafts move on after it too)
+
+    def _kept_rows(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The kept plain steps' hidden states as one tensor and each step's first row in it:
+        the ring itself when every step's rows are ring rows."""
+        kept = [hidden for _, hidden in self._plain]
+        ring = self.ring.buffer if self.ring is not None else None
+        if ring is not None and all(h.untyped_storage().data_ptr() == ring.untyped_storage().data_ptr() for h in kept):
+            return ring, np.array([h.storage_offset() // ring.stride(0) for h in kept], dtype=np.int64)
+        return torch.cat(kept), np.cumsum([0] + [h.shape[0] for h in kept])
 
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
         """Each request's target hidden states of positions [first, kv_len): from the first its
         catch-up reads (`Drafter.hidden_from`), the rows of the last plain steps (one a step, each
         a position further on); one gather. Consecutive steps of the same requests share one row
-        map, so the picks are a few array sums a request, not one lookup a request and step."""
-        bases = np.cumsum([0] + [hidden.shape[0] for _, hidden in self._plain])
+        map, so the picks are a few array sums a request, not one lookup a request and step.
+        Steps kept in the ring are gathered from it in place; others from their concatenation."""
+        every, bases = self._kept_rows()
         runs: list[list] = []  # [first step, end step, the requests' ids, the row of each]
         for s, (step, _) in enumerate(self._plain):
             ids = tuple(map(id, step))
@@ -352,7 +392,6 @@ class SpecWorker:
             for start, end, _, row in runs:
                 if end > since:
                     picks.append(bases[max(start, since) : end] + row[id(req)])
-        every = torch.cat([hidden for _, hidden in self._plain])
         rows = every.index_select(0, upload(np.concatenate(picks).astype(np.int64), every.device))
         out, start = {}, 0
         for req, first in zip(reqs, firsts):
