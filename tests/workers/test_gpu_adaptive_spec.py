@@ -3,14 +3,16 @@ target with each of its drafts, the draft length forced through every k and runs
 gives plain decoding's logits within bf16 noise up to any first divergence (which only a near
 tie may cause), with and without the host reading logits (without: plain steps overlapped,
 verifies launched ahead); start-up times every captured batch size and k; a plain step of a
-speculative engine reads the device once, as plain decoding's."""
+speculative engine reads the device once, as plain decoding's; the hidden states an EAGLE head
+catches up from are each plain step's own, as the captured decode graph wrote them to its ring."""
 
 import pytest
 
 from ops import DEFAULT_MODEL, DRAFT_MODELS
-from tests.workers.test_adaptive_spec import SCHEDULE, Schedule
+from tests.workers.test_adaptive_spec import SCHEDULE, Schedule, _kept_hidden_checked
 from tests.workers.test_gpu_engine import compare_bf16_runs
 from workers.engine import Engine, SamplingParams
+from workers.speculative import worker as worker_module
 from workers.speculative.controller import AdaptiveDraftSteps
 
 pytestmark = pytest.mark.gpu
@@ -100,4 +102,23 @@ def test_a_plain_step_of_a_speculative_engine_reads_the_device_once(algorithm):
     assert eng.step_in_flight  # overlapped
     while eng.has_unfinished():
         eng.step()
+    eng.check_no_leak()
+
+
+def test_an_eagle_heads_catch_up_reads_each_plain_steps_own_hidden_states_from_the_graphs_ring(monkeypatch):
+    """Overlapped plain steps under real replay write their target hidden states into the hidden
+    ring from inside the captured graph (`workers/hidden_ring.py`): every row a catch-up reads is
+    bit for bit the state its own step's forward produced, the ring wrapping meanwhile."""
+    monkeypatch.setattr(worker_module, "LAG_TOKENS", 17 * 8)  # a ring of 17 full steps' rows
+    monkeypatch.setattr(worker_module, "MAX_LAG", 4)
+    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
+    eng = _engine(spec)
+    ring = eng.spec.ring
+    assert ring is not None and ring.capacity == 17 * 8 and eng.runner.graphs is not None
+    eng.spec.controller, eng.spec.max_lag = Schedule([K, *[0] * 12]), 12
+    wrong, checked = _kept_hidden_checked(eng)
+    sampling = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    outs = eng.generate(prompt_token_ids=_prompts(), sampling=sampling)
+    assert not wrong, wrong[:8]
+    assert len(checked) >= 6 and ring.head > ring.capacity and all(o.spec.plain_steps for o in outs)
     eng.check_no_leak()
