@@ -316,9 +316,10 @@ class CudaGraphRunner:
         """The logits of every query row (and their target ids, for a subset head), hidden
         states handed on and greedy tokens of `batch`; logits, ids, tokens and an argmax graph's
         hidden states are views valid until this runner's next replay (of that graph, for hidden
-        states); argmax graphs keep hidden states only when captured to, other graphs no tokens
-        (None). `ahead` (a verify's; device, `[B]`, at most `most`): each row starts that
-        many positions further on, as in `run_chain`."""
+        states; an argmax graph's with a ring: the batch's ring rows, until released); argmax
+        graphs keep hidden states only when captured to, other graphs no tokens (None). `ahead`
+        (a verify's; device, `[B]`, at most `most`): each row starts that many positions
+        further on, as in `run_chain`."""
         key, family, graph, static = self._stage(batch, pool, 0, most)
         if family.ahead is not None:
             self._set_ahead(family, batch.batch_size, ahead)
