@@ -109,12 +109,20 @@ class Scheduler:
         chunk = max(1, min(self.chunk or prompt_len, prompt_len)) + (1 if self.lookahead else 0)
         return max(chunk, self.lookahead + 1 + self.draft_lag)
 
-    def draft_lag_room(self) -> int:
+    def draft_lag_room(self) -> int | None:
         """Plain decode steps every running request's draft may fall behind within the SWA pages
         its admission reserved (`kv_need`): at least `draft_lag`, more for a request whose
-        prefill chunk the reservation covers (the window then waits for the draft at no cost)."""
-        prompts = [len(r.prompt_ids) for r in self.running]
-        return min(self._per_forward(n) for n in prompts) - self.lookahead - 1 if prompts else self.draft_lag
+        prefill chunk the reservation covers (the window then waits for the draft at no cost);
+        no bound from a request whose SWA reservation holds every page it may ever hold (it
+        ends within a window and a chunk of its prompt), None when no request sets one."""
+        if not self.running:
+            return self.draft_lag
+        rooms = [
+            self._per_forward(len(r.prompt_ids)) - self.lookahead - 1
+            for r in self.running
+            if self._needs[r.rid].swa_pages < self._needs[r.rid].full_pages
+        ]
+        return min(rooms) if rooms else None
 
     def check_fits(self, prompt_len: int, max_len: int) -> None:
         """Raise ValueError when a request could never be admitted, however long it waits."""

@@ -461,6 +461,46 @@ def test_an_swa_draft_falls_behind_as_far_as_admission_reserved_its_window(monke
         eng.check_no_leak()
 
 
+def test_an_swa_draft_of_requests_whose_reservation_holds_all_their_pages_does_not_catch_up_on_plain_steps():
+    """Requests that end within their SWA reservation (`kv_need`'s SWA pages equal its full
+    pages: a window and a chunk of the prompt hold every page they may ever hold) set no bound
+    on how far a standalone draft in an SWA pool falls behind: 100 plain steps run with no
+    catch-up (the reserved room of a longer request would have caught up after 64); with a
+    longer request beside them, its room bounds the draft again. No request holds more SWA
+    pages than reserved, and greedy output stays plain decoding's."""
+    spec = {"algorithm": "standalone", "draft_model": DRAFT_MODELS["standalone"], "num_steps": K}
+    kwargs = dict(model=DEFAULT_MODEL, page_size=16, attention_backend="trtllm_mha", max_total_tokens=2048)
+    short = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_new_tokens=160, temperature=0.0, ignore_eos=True)
+    for jobs, rooms in (([(PROMPTS[1], short)], set()), ([(PROMPTS[1], short), (PROMPTS[0], long)], {64})):
+        plain = Engine(**kwargs)
+        want = [plain.generate(prompt_token_ids=[p], sampling=s)[0].token_ids for p, s in jobs]
+        eng = Engine(**kwargs, speculative=spec)
+        eng.spec.controller = Schedule([K] + [0] * 200)
+        lags, resume = [], eng.spec._resume
+
+        def recorded(reqs, eng=eng, resume=resume, lags=lags):
+            if eng.last_step.draft_steps == 0 and any(not r.finished for r in reqs):  # (not before a round)
+                lags.append(eng.spec._lag)
+            resume(reqs)
+
+        eng.spec._resume = recorded
+        sched, alloc, p = eng.scheduler, eng.allocator, eng.allocator.page_size
+        rids = [eng.add_request(prompt, sampling) for prompt, sampling in jobs]
+        outs, needs = {}, {}
+        while eng.has_unfinished():
+            for rid, new, _ in eng.step():
+                outs.setdefault(rid, []).extend(new)
+            for req in sched.running:
+                needs[req.rid] = sched._needs[req.rid]
+                held = -(-alloc.allocated_len(req.row) // p) - alloc.swa_start(req.row)
+                assert held <= needs[req.rid].swa_pages, req.rid
+        assert needs[rids[0]].swa_pages == needs[rids[0]].full_pages  # the short request's reservation: all its pages
+        assert [outs[r] for r in rids] == want
+        assert set(lags) == rooms, lags
+        eng.check_no_leak()
+
+
 def _catch_ups_in(eng: Engine) -> list[int | None]:
     """The draft steps of the engine step each of its draft's catch-ups runs in, as they come."""
     at = []

@@ -312,7 +312,8 @@ class SpecWorker:
     def _lag_room(self) -> int:
         """Plain steps the draft may fall behind before its SWA window outgrows what admission
         reserved for the running requests (no bound for a draft without SWA layers)."""
-        return self.scheduler.draft_lag_room() if self.swa else LAG_TOKENS
+        room = self.scheduler.draft_lag_room() if self.swa else None
+        return LAG_TOKENS if room is None else room
 
     def windows_moved(self) -> bool:
         """Whether a step may have moved some request's SWA window where windows wait for the
