@@ -56,6 +56,7 @@ round of k < num_steps is the same round with fewer drafts, replaying graphs cap
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import torch
@@ -78,6 +79,8 @@ from workers.speculative.acceptance import AcceptanceModel
 from workers.speculative.controller import DraftSteps, FixedDraftSteps, RelayedDraftSteps
 from workers.speculative.drafter import Drafter, DraftState, HiddenRows
 from workers.speculative.stats import SpecStats
+
+logger = logging.getLogger(__name__)
 
 # Plain decode steps a draft with KV of its own may fall behind before it catches up, in an SWA
 # draft pool, at least: admission reserves each request's SWA pages for them (`Scheduler.draft_lag`);
@@ -261,6 +264,7 @@ class SpecWorker:
         batch = self.scheduler.max_running
         rows = max(min(LAG_TOKENS, HIDDEN_BYTES // (width * dtype.itemsize)), (MAX_LAG + 4) * batch)
         self.ring = HiddenRing(rows, width, dtype, self.target.device)
+        logger.info("hidden ring: %d rows of %d, %.0f MiB", rows, width, self.ring.buffer.nbytes / 2**20)
         return self.ring
 
     def hidden_at(self, rows: int) -> int | None:
