@@ -256,8 +256,8 @@ class SpecWorker:
     def keep_in_ring(self, dtype: torch.dtype) -> HiddenRing | None:
         """The ring where the target's plain decode graphs keep the hidden states of a draft
         that reads every plain step's (EAGLE: `Drafter.hidden_kept` None), made now; None for
-        the others. It holds what the catch-up bounds let the draft fall behind (LAG_TOKENS
-        positions or HIDDEN_BYTES, no sooner than MAX_LAG steps of full batches)."""
+        the others. It holds what the catch-up bounds let the draft keep: the lesser of
+        LAG_TOKENS rows and HIDDEN_BYTES, and at least MAX_LAG + 4 steps of full batches."""
         if self.drafter.hidden_kept is not None:
             return None
         width = self.target.model.handed_on_size
