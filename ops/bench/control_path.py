@@ -1,7 +1,9 @@
 """Per-step overhead of the control path on CPU: decode steps per second of one request on a
-tiny model, run four ways:
+tiny model, run five ways:
 
   engine      `Engine.step()` in a loop, in process
+  spec_plain  the same with a speculative engine held at plain steps (a standalone self-draft over
+              the SWA pool, k = 0 every step): what a draft costs the steps where drafting does not pay
   rank_loop   one `RankLoop` in a thread, requests queued from another (no collectives)
   tp2_gloo    two processes (torch.distributed, gloo) in lockstep: plan broadcast + all-reduces
   tp2_ray     a Serve replica of two Ray rank actors, tokens streamed back through Serve
@@ -31,6 +33,7 @@ from ops.bench.record import add_record_args, record_run
 from workers.distributed import TPGroup
 from workers.engine import Engine, SamplingParams
 from workers.rank_loop import RankLoop
+from workers.speculative.controller import FixedDraftSteps
 
 
 def tiny_model_dir() -> str:
@@ -61,14 +64,21 @@ def sampling(steps: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=steps + 1, temperature=0.0, ignore_eos=True)
 
 
-def bench_engine(model: str, steps: int) -> float:
-    eng = Engine(**engine_kwargs(model))
+def bench_engine(model: str, steps: int, speculative: dict | None = None) -> float:
+    eng = Engine(**engine_kwargs(model), speculative=speculative)
+    if speculative is not None:
+        eng.spec.controller = FixedDraftSteps(0)
     eng.add_request([1, 2, 3, 4], sampling(steps))
     eng.step()  # prefill
     start = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
     return steps / (time.perf_counter() - start)
+
+
+def bench_spec_plain(model: str, steps: int) -> float:
+    spec = {"algorithm": "standalone", "draft_model": model, "draft_load_format": "dummy", "num_steps": 2}
+    return bench_engine(model, steps, spec)
 
 
 def _timed_stream(loop: RankLoop, steps: int) -> float:
@@ -158,7 +168,13 @@ def bench_tp2_ray(model: str, steps: int) -> float:
         ray.shutdown()
 
 
-MODES = {"engine": bench_engine, "rank_loop": bench_rank_loop, "tp2_gloo": bench_tp2_gloo, "tp2_ray": bench_tp2_ray}
+MODES = {
+    "engine": bench_engine,
+    "spec_plain": bench_spec_plain,
+    "rank_loop": bench_rank_loop,
+    "tp2_gloo": bench_tp2_gloo,
+    "tp2_ray": bench_tp2_ray,
+}
 
 
 def main() -> None:
