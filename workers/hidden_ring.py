@@ -68,14 +68,19 @@ class HiddenRing:
         the ring rows it took (a graph wrote them: a view, nothing to copy) rather than an eager
         forward's own tensor. Its rows, and every earlier step's, are the ones the next
         `release` frees."""
-        in_ring = hidden is not None and hidden.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
-        start = hidden.storage_offset() // self.buffer.stride(0) if in_ring else None
+        start = self.row_of(hidden)
         for i, (first, rows) in enumerate(self._taken):  # (a step whose forward failed was never kept)
-            if not in_ring or (first % self.capacity == start and rows == hidden.shape[0]):
+            if start is None or (first % self.capacity == start and rows == hidden.shape[0]):
                 self._kept_end = first + rows
                 del self._taken[: i + 1]
-                return in_ring
+                return start is not None
         return False
+
+    def row_of(self, hidden: torch.Tensor | None) -> int | None:
+        """The ring row where `hidden` starts, when it is a view of the ring (None otherwise)."""
+        if hidden is None or hidden.untyped_storage().data_ptr() != self.buffer.untyped_storage().data_ptr():
+            return None
+        return hidden.storage_offset() // self.buffer.stride(0)
 
     def release(self) -> None:
         """Free the rows of every kept step (a catch-up read them); a step taken since keeps its."""

@@ -419,6 +419,31 @@ def test_a_draft_that_holds_nothing_while_behind_catches_up_only_before_a_round(
     eng.check_no_leak()
 
 
+def _run_counting_catch_up_lags(eng: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list, list, dict]:
+    """Run `jobs` (prompt, sampling) to the end: each request's tokens, the plain steps the draft
+    was behind at each catch-up after plain steps, and each request's admission reservation (by
+    job); at every step no request holds more SWA pages than its reservation."""
+    lags, resume = [], eng.spec._resume
+
+    def recorded(reqs):
+        if eng.last_step.draft_steps == 0 and any(not r.finished for r in reqs):  # (not before a round)
+            lags.append(eng.spec._lag)
+        resume(reqs)
+
+    eng.spec._resume = recorded
+    sched, alloc, p = eng.scheduler, eng.allocator, eng.allocator.page_size
+    rids = [eng.add_request(prompt, sampling) for prompt, sampling in jobs]
+    outs, needs = {}, {}
+    while eng.has_unfinished():
+        for rid, new, _ in eng.step():
+            outs.setdefault(rid, []).extend(new)
+        for req in sched.running:
+            needs[rids.index(req.rid)] = sched._needs[req.rid]
+            held = -(-alloc.allocated_len(req.row) // p) - alloc.swa_start(req.row)
+            assert held <= sched._needs[req.rid].swa_pages, req.rid
+    return [outs[r] for r in rids], lags, needs
+
+
 def test_an_swa_draft_falls_behind_as_far_as_admission_reserved_its_window(monkeypatch):
     """A standalone draft in an SWA pool, plain steps after its first round, requests running
     well past the window: it catches up once it is as many plain steps behind as the running
@@ -438,25 +463,9 @@ def test_an_swa_draft_falls_behind_as_far_as_admission_reserved_its_window(monke
         eng = Engine(**kwargs, speculative=spec)
         assert eng.spec.swa and eng.scheduler.draft_lag == 3 and eng.scheduler.lookahead == K + 1
         eng.spec.controller = Schedule([K] + [0] * sampling.max_new_tokens)
-        lags, resume = [], eng.spec._resume
-
-        def recorded(reqs, eng=eng, resume=resume, lags=lags):
-            if eng.last_step.draft_steps == 0 and any(not r.finished for r in reqs):  # (not before a round)
-                lags.append(eng.spec._lag)
-            resume(reqs)
-
-        eng.spec._resume = recorded
-        sched, alloc, p = eng.scheduler, eng.allocator, eng.allocator.page_size
-        for prompt in prompts:
-            eng.add_request(prompt, sampling)
-        outs = {}
-        while eng.has_unfinished():
-            for rid, new, _ in eng.step():
-                outs.setdefault(rid, []).extend(new)
-            for req in sched.running:
-                held = -(-alloc.allocated_len(req.row) // p) - alloc.swa_start(req.row)
-                assert held <= sched._needs[req.rid].swa_pages < sched._needs[req.rid].full_pages, req.rid
-        assert list(outs.values()) == want
+        outs, lags, needs = _run_counting_catch_up_lags(eng, [(prompt, sampling) for prompt in prompts])
+        assert all(n.swa_pages < n.full_pages for n in needs.values())
+        assert outs == want
         assert len(lags) > 4 and set(lags) == rooms, lags
         eng.check_no_leak()
 
@@ -477,26 +486,9 @@ def test_an_swa_draft_of_requests_whose_reservation_holds_all_their_pages_does_n
         want = [plain.generate(prompt_token_ids=[p], sampling=s)[0].token_ids for p, s in jobs]
         eng = Engine(**kwargs, speculative=spec)
         eng.spec.controller = Schedule([K] + [0] * 200)
-        lags, resume = [], eng.spec._resume
-
-        def recorded(reqs, eng=eng, resume=resume, lags=lags):
-            if eng.last_step.draft_steps == 0 and any(not r.finished for r in reqs):  # (not before a round)
-                lags.append(eng.spec._lag)
-            resume(reqs)
-
-        eng.spec._resume = recorded
-        sched, alloc, p = eng.scheduler, eng.allocator, eng.allocator.page_size
-        rids = [eng.add_request(prompt, sampling) for prompt, sampling in jobs]
-        outs, needs = {}, {}
-        while eng.has_unfinished():
-            for rid, new, _ in eng.step():
-                outs.setdefault(rid, []).extend(new)
-            for req in sched.running:
-                needs[req.rid] = sched._needs[req.rid]
-                held = -(-alloc.allocated_len(req.row) // p) - alloc.swa_start(req.row)
-                assert held <= needs[req.rid].swa_pages, req.rid
-        assert needs[rids[0]].swa_pages == needs[rids[0]].full_pages  # the short request's reservation: all its pages
-        assert [outs[r] for r in rids] == want
+        outs, lags, needs = _run_counting_catch_up_lags(eng, jobs)
+        assert needs[0].swa_pages == needs[0].full_pages  # the short request's reservation: all its pages
+        assert outs == want
         assert set(lags) == rooms, lags
         eng.check_no_leak()
 

@@ -370,9 +370,9 @@ class SpecWorker:
         """The kept plain steps' hidden states as one tensor and each step's first row in it:
         the ring itself when every step's rows are ring rows."""
         kept = [hidden for _, hidden in self._plain]
-        ring = self.ring.buffer if self.ring is not None else None
-        if ring is not None and all(h.untyped_storage().data_ptr() == ring.untyped_storage().data_ptr() for h in kept):
-            return ring, np.array([h.storage_offset() // ring.stride(0) for h in kept], dtype=np.int64)
+        rows = [self.ring.row_of(h) for h in kept] if self.ring is not None else [None]
+        if None not in rows:
+            return self.ring.buffer, np.array(rows, dtype=np.int64)
         return torch.cat(kept), np.cumsum([0] + [h.shape[0] for h in kept])
 
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
