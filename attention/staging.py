@@ -40,7 +40,10 @@ class StagedBuffers:
         self.regions: dict[str, Region] = {}
         self.size = 0
         self.block: torch.Tensor | None = None  # the device block, once allocated
+        self._views: dict[str, torch.Tensor] = {}  # each region's device view, made once
+        self._numpy: dict[str, np.dtype] = {}  # each region's dtype on the host
         self._host: torch.Tensor | None = None  # the host block of the replay being staged
+        self._host_bytes: np.ndarray | None = None  # the same memory as numpy bytes
         self._end = 0  # bytes of the host block written so far (the prefix `upload` copies)
 
     def add(self, name: str, numel: int, dtype: torch.dtype) -> None:
@@ -50,15 +53,20 @@ class StagedBuffers:
         if name in self.regions:
             raise ValueError(f"staged buffers: region {name!r} added twice")
         region = self.regions[name] = Region(self.size, numel, dtype)
+        self._numpy[name] = torch.empty(0, dtype=dtype).numpy().dtype
         self.size += -(-region.nbytes // ALIGN) * ALIGN
 
     def allocate(self) -> None:
         self.block = torch.zeros(max(self.size, ALIGN), dtype=torch.uint8, device=self.device)
+        self._views.clear()
 
     def view(self, name: str) -> torch.Tensor:
         """The device region (fixed address: graphs capture it)."""
-        region = self.regions[name]
-        return self._slice(self.block, region).view(region.dtype)
+        view = self._views.get(name)
+        if view is None:
+            region = self.regions[name]
+            view = self._views[name] = self._slice(self.block, region).view(region.dtype)
+        return view
 
     @property
     def open(self) -> bool:
@@ -69,6 +77,7 @@ class StagedBuffers:
         """Start staging a replay's buffers."""
         pinned = self.device.type == "cuda"
         self._host = torch.empty(self.block.numel(), dtype=torch.uint8, pin_memory=pinned)
+        self._host_bytes = self._host.numpy()
         self._end = 0
 
     def put(self, name: str, values: np.ndarray, at: int = 0) -> torch.Tensor:
@@ -80,14 +89,16 @@ class StagedBuffers:
         n = values.size
         if at + n > region.numel:
             raise ValueError(f"staged buffers: {at + n} elements for region {name!r} of {region.numel}")
-        host = self._slice(self._host, region).view(region.dtype).numpy()
-        host[at : at + n] = values.reshape(-1)
-        self._end = max(self._end, region.offset + (at + n) * host.itemsize)
-        return self.view(name)[at : at + n]
+        size = region.dtype.itemsize
+        start, end = region.offset + at * size, region.offset + (at + n) * size
+        self._host_bytes[start:end].view(self._numpy[name])[:] = values.reshape(-1)
+        self._end = max(self._end, end)
+        view = self.view(name)
+        return view if n == region.numel else view[at : at + n]
 
     def upload(self) -> None:
         """Copy everything staged since `begin` to the device, in one copy."""
-        host, self._host = self._host, None
+        host, self._host, self._host_bytes = self._host, None, None
         if host is None:
             raise RuntimeError("staged buffers: upload() without begin()")
         if self._end:
