@@ -12,13 +12,17 @@
 
 One engine per draft, built adaptive (num_steps 4): it runs adaptive, then each fixed draft length
 through a fixed controller, replaying the graphs it captured for that k, as an engine of that
-num_steps would; plain decoding is an engine without a draft. Every case runs a warm-up at its
-batch size (first replays and, adaptive, the controller's first measurements), then times greedy
-decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of the decode
-steps) three times and keeps the median run. Each case is logged as it finishes, and a run stopped
-by a time limit (SIGTERM) still writes `--out` and the table of the cases it measured. For each model, draft and batch
-the table sets adaptive against max(plain, best fixed): the goal is to be within 3% of it
-(`of_best`), and at least 97% of plain where drafts are not accepted (`of_plain`).
+num_steps would; plain decoding is an engine without a draft, alive throughout. Every case runs a
+warm-up at its batch size (first replays and, adaptive, the controller's first measurements), then
+times greedy decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of
+the decode steps) five times and keeps the median run. The adaptive runs alternate with runs of
+the plain engine at the same batch (`<draft>/plain`): on a host whose speed drifts by more than
+the 3% sought between runs minutes apart (a tiny model's step is mostly host work), adaptive is
+set against plain decoding timed beside it. Each case is logged as it finishes, and a run stopped
+by a time limit (SIGTERM) still writes `--out` and the table of the cases it measured. For each
+model, draft and batch the table sets adaptive against max(plain beside it, best fixed): the goal
+is to be within 3% of it (`of_best`), and at least 97% of plain where drafts are not accepted
+(`of_plain`).
 
 What the time of a speculative case went to, from each timed step's end to the next's (the
 first from its start: not the prefill before it): plain steps (`plain_ms`: per plain decode
@@ -58,7 +62,7 @@ TINY_BATCHES = (1, 4, 16, 64)
 SHAPE_BATCHES = (1, 8, 64)
 MAX_STEPS = 4
 TOLERANCE = 0.03
-REPEATS = 3  # timed runs a case, the median kept
+REPEATS = 5  # timed runs a case, the median kept
 COLUMNS = [
     "tok_per_s",
     "ms_per_step",
@@ -158,21 +162,42 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int, out: dict) -> None:
+def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int, out: dict, plain=None) -> None:
     """Every mode of one engine (plain decoding without a draft), each batch warmed up, then timed
     `REPEATS` times: the case is the run of median tokens/s (a tiny model's step is a few hundred
-    microseconds of mostly host work, whose jitter one short run would carry). Cases go into `out`
-    as they finish."""
+    microseconds of mostly host work, whose jitter one short run would carry). With `plain` (the
+    engine without a draft, alive beside this one) each timed adaptive run follows a timed plain
+    run at the same batch, and those runs make the case `<draft>/plain`: a host whose speed
+    drifts between the runs of different engines moves both alike. Cases go into `out` as they
+    finish."""
     for mode, controller in modes(engine) if engine.spec is not None else [("plain", None)]:
         if controller is not None:
             engine.spec.controller = controller
+        beside = plain if mode == "adaptive" else None
         for batch in batches:
             prompts = prompts_for(batch)
-            decode(engine, prompts, max(8, new // 4))  # warm-up
-            runs = sorted((decode(engine, prompts, new) for _ in range(REPEATS)), key=lambda r: r["tok_per_s"])
-            r = out[f"{name}/b{batch}/{draft}/{mode}"] = runs[len(runs) // 2]
-            r["tok_per_s_range"] = [runs[0]["tok_per_s"], runs[-1]["tok_per_s"]]
-            logger.info("%s batch %d %s %s: %s", name, batch, draft, mode, json.dumps(r))
+            for each in (engine, beside) if beside is not None else (engine,):
+                decode(each, prompts, max(8, new // 4))  # warm-up
+            runs, plain_runs = [], []
+            for _ in range(REPEATS):
+                if beside is not None:
+                    plain_runs.append(decode(beside, prompts, new))
+                runs.append(decode(engine, prompts, new))
+            cases = [(mode, runs), ("plain", plain_runs)] if beside is not None else [(mode, runs)]
+            for case, timed in cases:
+                r = out[f"{name}/b{batch}/{draft}/{case}"] = _median_run(timed)
+                logger.info("%s batch %d %s %s: %s", name, batch, draft, case, json.dumps(r))
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s, with the range of all."""
+    runs = sorted(runs, key=lambda r: r["tok_per_s"])
+    r = runs[len(runs) // 2]
+    r["tok_per_s_range"] = [runs[0]["tok_per_s"], runs[-1]["tok_per_s"]]
+    return r
+
+
+def close(engine: Engine) -> None:
     engine.shutdown()
     del engine
     gc.collect()
@@ -186,7 +211,8 @@ def compare(results: dict) -> dict:
         model, batch, draft, mode = key.split("/")
         if mode != "adaptive":
             continue
-        plain = results[f"{model}/{batch}/none/plain"]["tok_per_s"]
+        beside = results.get(f"{model}/{batch}/{draft}/plain") or results[f"{model}/{batch}/none/plain"]
+        plain = beside["tok_per_s"]
         fixed = [v["tok_per_s"] for k, v in results.items() if k.startswith(f"{model}/{batch}/{draft}/k")]
         r["of_best"] = r["tok_per_s"] / max([plain, *fixed])
         r["of_plain"] = r["tok_per_s"] / plain
@@ -214,10 +240,14 @@ def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str]
             speculative=spec,
         )
 
-    run_modes("tiny", build(None), "none", batches, prompts_for, new, out)
+    plain = build(None)
+    run_modes("tiny", plain, "none", batches, prompts_for, new, out)
     for draft in drafts:
         spec = {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": max_steps}
-        run_modes("tiny", build(spec), draft, batches, prompts_for, new, out)
+        engine = build(spec)
+        run_modes("tiny", engine, draft, batches, prompts_for, new, out, plain)
+        close(engine)
+    close(plain)
 
 
 def shape_drafts(root: str, shape: str) -> dict[str, dict]:
@@ -275,11 +305,14 @@ def shapes_part(
         def prompts_for(batch: int, vocab: int = vocab) -> list[list[int]]:
             return random_prompts(vocab, batch, prompt_len)
 
-        run_modes(shape, build(None), "none", batches, prompts_for, new, out)
+        plain = build(None)
+        run_modes(shape, plain, "none", batches, prompts_for, new, out)
         for draft, spec in shape_drafts(root, shape).items():
             if drafts is None or draft in drafts:
                 engine = build({**spec, "num_steps": max_steps})
-                run_modes(shape, engine, draft, batches, prompts_for, new, out)
+                run_modes(shape, engine, draft, batches, prompts_for, new, out, plain)
+                close(engine)
+        close(plain)
 
 
 def table(results: dict) -> str:
