@@ -32,3 +32,32 @@ def test_the_time_split_sets_the_median_plain_step_beside_the_mean():
     split = adaptive_spec.time_split(steps, 0)
     assert split["plain_ms"] == pytest.approx(14 / 4) and split["plain_p50_ms"] == pytest.approx(1.0)
     assert split["round_ms"] == pytest.approx(5.0) and split["switches"] == 1
+
+
+def test_every_mode_of_a_batch_is_timed_in_turn_beside_plain_decoding(tmp_path, monkeypatch):
+    """Each round times plain decoding, adaptive and every fixed length once (after one warm-up
+    round), so that a host drifting between runs moves them alike; every case is written to the
+    output as its batch finishes."""
+    from types import SimpleNamespace
+
+    adaptive = object()
+    engine = SimpleNamespace(spec=SimpleNamespace(num_steps=2, controller=adaptive))
+    plain = SimpleNamespace(spec=None)
+    order = []
+
+    def fake_decode(each, prompts, new):
+        mode = "plain" if each is plain else "adaptive" if each.spec.controller is adaptive else "fixed"
+        order.append((mode, new))
+        return {"tok_per_s": float(len(order))}
+
+    monkeypatch.setattr(adaptive_spec, "decode", fake_decode)
+    out = adaptive_spec.Results(str(tmp_path / "out.json"))
+    adaptive_spec.run_modes("m", engine, "d", [4], lambda b: [[1]] * b, 64, out, plain)
+    turn = ["plain", "adaptive", "fixed", "fixed"]
+    assert [m for m, _ in order] == turn * (adaptive_spec.REPEATS + 1)
+    assert [n for _, n in order] == [16] * 4 + [64] * 4 * adaptive_spec.REPEATS
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert set(written) == {f"m/b4/d/{m}" for m in ("plain", "adaptive", "k1", "k2")}
+    assert written["m/b4/d/adaptive"]["of_plain"] == pytest.approx(
+        written["m/b4/d/adaptive"]["tok_per_s"] / written["m/b4/d/plain"]["tok_per_s"]
+    )

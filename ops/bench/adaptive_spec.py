@@ -12,17 +12,17 @@
 
 One engine per draft, built adaptive (num_steps 4): it runs adaptive, then each fixed draft length
 through a fixed controller, replaying the graphs it captured for that k, as an engine of that
-num_steps would; plain decoding is an engine without a draft, alive throughout. Every case runs a
-warm-up at its batch size (first replays and, adaptive, the controller's first measurements), then
-times greedy decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of
-the decode steps) five times and keeps the median run. The adaptive runs alternate with runs of
-the plain engine at the same batch (`<draft>/plain`): on a host whose speed drifts by more than
-the 3% sought between runs minutes apart (a tiny model's step is mostly host work), adaptive is
-set against plain decoding timed beside it. Each case is logged as it finishes, and a run stopped
-by a time limit (SIGTERM) still writes `--out` and the table of the cases it measured. For each
-model, draft and batch the table sets adaptive against max(plain beside it, best fixed): the goal
-is to be within 3% of it (`of_best`), and at least 97% of plain where drafts are not accepted
-(`of_plain`).
+num_steps would; plain decoding is an engine without a draft, alive throughout. At each batch
+every mode runs a warm-up (first replays and, adaptive, the controller's first measurements), then
+five rounds each time every mode once in turn, plain decoding first (`<draft>/plain`): greedy
+decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of the decode
+steps); a case keeps its median run. A host's speed drifts by more than the 3% sought between runs
+minutes apart (a tiny model's step is mostly host work: one H200 host ran the same plain steps
+at 0.40 and 0.89 ms a minute apart), so modes are compared only with runs seconds from theirs.
+Each case is logged and `--out` rewritten as it is measured, so that a run stopped any way keeps
+what it measured. For each model, draft and batch the table sets adaptive against max(plain,
+best fixed) of its own rounds: the goal is to be within 3% of it (`of_best`), and at least 97% of
+plain where drafts are not accepted (`of_plain`).
 
 What the time of a speculative case went to, from each timed step's end to the next's (the
 first from its start: not the prefill before it): plain steps (`plain_ms`: per plain decode
@@ -162,31 +162,49 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int, out: dict, plain=None) -> None:
-    """Every mode of one engine (plain decoding without a draft), each batch warmed up, then timed
-    `REPEATS` times: the case is the run of median tokens/s (a tiny model's step is a few hundred
-    microseconds of mostly host work, whose jitter one short run would carry). With `plain` (the
-    engine without a draft, alive beside this one) each timed adaptive run follows a timed plain
-    run at the same batch, and those runs make the case `<draft>/plain`: a host whose speed
-    drifts between the runs of different engines moves both alike. Cases go into `out` as they
-    finish."""
-    for mode, controller in modes(engine) if engine.spec is not None else [("plain", None)]:
-        if controller is not None:
-            engine.spec.controller = controller
-        beside = plain if mode == "adaptive" else None
-        for batch in batches:
-            prompts = prompts_for(batch)
-            for each in (engine, beside) if beside is not None else (engine,):
-                decode(each, prompts, max(8, new // 4))  # warm-up
-            runs, plain_runs = [], []
-            for _ in range(REPEATS):
-                if beside is not None:
-                    plain_runs.append(decode(beside, prompts, new))
-                runs.append(decode(engine, prompts, new))
-            cases = [(mode, runs), ("plain", plain_runs)] if beside is not None else [(mode, runs)]
-            for case, timed in cases:
-                r = out[f"{name}/b{batch}/{draft}/{case}"] = _median_run(timed)
-                logger.info("%s batch %d %s %s: %s", name, batch, draft, case, json.dumps(r))
+def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int, out: Results, plain=None) -> None:
+    """Every mode of one engine (plain decoding without a draft) at each batch: each mode warmed
+    up, then `REPEATS` rounds that time every mode once in turn; a case is its mode's run of
+    median tokens/s (a tiny model's step is a few hundred microseconds of mostly host work, whose
+    jitter one short run would carry). With `plain` (the engine without a draft, alive beside
+    this one) each round times it first, and those runs make the case `<draft>/plain`: a host
+    whose speed drifts between runs seconds apart moves every mode of a batch alike. Cases go
+    into `out` as their batch finishes."""
+    timed_modes = modes(engine) if engine.spec is not None else [("plain", None)]
+    if plain is not None:
+        timed_modes = [("plain", None), *timed_modes]
+    for batch in batches:
+        prompts = prompts_for(batch)
+        runs: dict[str, list[dict]] = {mode: [] for mode, _ in timed_modes}
+        for repeat in range(REPEATS + 1):  # the first a warm-up
+            for mode, controller in timed_modes:
+                each = plain if controller is None and plain is not None else engine
+                if controller is not None:
+                    engine.spec.controller = controller
+                r = decode(each, prompts, new if repeat else max(8, new // 4))
+                if repeat:
+                    runs[mode].append(r)
+        for mode, timed in runs.items():
+            out.add(f"{name}/b{batch}/{draft}/{mode}", _median_run(timed))
+
+
+class Results(dict):
+    """The cases measured so far, written to `path` (with the comparison) as each is added: a
+    run stopped any way keeps them."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def add(self, key: str, figures: dict) -> None:
+        self[key] = figures
+        logger.info("%s: %s", key, json.dumps(figures))
+        self.save()
+
+    def save(self) -> None:
+        compare(self)
+        with open(self.path, "w") as f:
+            json.dump(self, f, indent=1)
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -211,7 +229,9 @@ def compare(results: dict) -> dict:
         model, batch, draft, mode = key.split("/")
         if mode != "adaptive":
             continue
-        beside = results.get(f"{model}/{batch}/{draft}/plain") or results[f"{model}/{batch}/none/plain"]
+        beside = results.get(f"{model}/{batch}/{draft}/plain") or results.get(f"{model}/{batch}/none/plain")
+        if beside is None:
+            continue
         plain = beside["tok_per_s"]
         fixed = [v["tok_per_s"] for k, v in results.items() if k.startswith(f"{model}/{batch}/{draft}/k")]
         r["of_best"] = r["tok_per_s"] / max([plain, *fixed])
@@ -219,7 +239,7 @@ def compare(results: dict) -> dict:
     return results
 
 
-def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str], max_steps: int, out: dict) -> None:
+def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str], max_steps: int, out: Results) -> None:
     from workers.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEFAULT_MODEL)
@@ -281,7 +301,7 @@ def shape_drafts(root: str, shape: str) -> dict[str, dict]:
 
 
 def shapes_part(
-    shapes: list[str], batches, new: int, prompt_len: int, drafts: list[str] | None, max_steps: int, out: dict
+    shapes: list[str], batches, new: int, prompt_len: int, drafts: list[str] | None, max_steps: int, out: Results
 ) -> None:
     root = tempfile.mkdtemp(prefix="adaptive-shapes-")
     for shape in shapes:
@@ -361,8 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     chosen = args.drafts.split(",") if args.drafts else None
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None
-    results: dict = {}
-    signal.signal(signal.SIGTERM, _stop)  # a time limit still leaves the cases measured so far
+    results = Results(args.out)
+    signal.signal(signal.SIGTERM, _stop)  # a time limit still leaves the table of the cases measured so far
     try:
         if "tiny" in args.parts.split(","):
             drafts = [d for d in DRAFT_MODELS if chosen is None or d in chosen]
@@ -371,9 +391,7 @@ def main(argv: list[str] | None = None) -> None:
             shapes = args.shapes.split(",")
             shapes_part(shapes, batches or SHAPE_BATCHES, args.new, args.prompt, chosen, args.max_steps, results)
     finally:
-        compare(results)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        results.save()
         print(table(results))
     record_run(args, "adaptive_spec", results, COLUMNS, device=args.device if args.parts == "tiny" else None)
 
