@@ -169,7 +169,9 @@ def test_the_controller_measures_what_it_has_not_and_probes_deeper():
     after `probe_after` steps, and waits twice as long after a probe that changed nothing
     (probes as cheap as the time allows: `probe_share` 1)."""
     times = [1.0, 1.5, 2.0, 2.5]
-    ctrl = AdaptiveDraftSteps(CostModel(BUCKETS, K), dwell=3, probe_after=8, max_probe_after=32, probe_share=1.0)
+    ctrl = AdaptiveDraftSteps(
+        CostModel(BUCKETS, K), dwell=3, plain_dwell=3, probe_after=8, max_probe_after=32, probe_share=1.0
+    )
     chosen = _drive(ctrl, 4, _tokens(4, 0.1), 14, lambda k: times[k])
     assert chosen[:12] == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0] and chosen[12:] == [0, 0]
     assert ctrl.costs.seconds(4) == times  # each measured, the first step after a change left out
@@ -177,8 +179,38 @@ def test_the_controller_measures_what_it_has_not_and_probes_deeper():
     probes = [i for i, k in enumerate(chosen[:-1]) if k == 1]
     assert len(probes) >= 3 and all(chosen[i + 1] == 0 for i in probes) and set(chosen) == {0, 1}
     gaps = [b - a for a, b in itertools.pairwise(probes)]
-    assert gaps[1] > gaps[0] and gaps[-1] <= 32 + 2 * 3  # (decisions come every `dwell` steps)
+    assert gaps[1] > gaps[0] and gaps[-1] <= 32 + 2 * 3  # (decisions come every `dwell` steps here)
     assert _drive(ctrl, 4, _tokens(4, 0.99), 8, lambda k: times[k])[-1] == K  # drafts accepted: they pay now
+
+
+def test_at_plain_steps_the_controller_decides_every_plain_dwell_steps_until_the_batch_changes():
+    """Settled at plain steps, a decision (what the acceptance model expects, asked) comes every
+    `plain_dwell` steps while the batch size stays, and within `dwell` steps of a change of it:
+    a batch whose drafts now pay leaves plain steps at once."""
+    rows = {4: [1.0, 3.0, 5.0, 7.0], 16: [1.0, 1.1, 1.2, 1.3]}
+    ctrl = AdaptiveDraftSteps(_costs(rows), probe_after=10_000, max_probe_after=10_000)
+    assert _drive(ctrl, 4, _tokens(4, 0.8), 40)[-1] == 0
+    asked = []
+
+    def tokens_of(batch: int, rate: float):
+        def ask():
+            asked.append(batch)
+            return _tokens(batch, rate)
+
+        return ask
+
+    chosen = []
+    for _ in range(96):
+        k = ctrl.choose(4, tokens_of(4, 0.8))
+        ctrl.observe(4, k, ctrl.costs.seconds(4)[k])
+        chosen.append(k)
+    assert set(chosen) == {0} and 96 // ctrl.plain_dwell - 1 <= len(asked) <= 96 // ctrl.plain_dwell + 1
+    asked.clear()
+    for _ in range(ctrl.dwell):
+        if ctrl.choose(16, tokens_of(16, 0.8)):
+            break
+        ctrl.observe(16, 0, 1.0)
+    assert asked == [16] and ctrl.choose(16, tokens_of(16, 0.8)) == K  # (asked again: the same answer)
 
 
 def test_a_change_between_plain_steps_and_rounds_must_repay_what_it_was_measured_to_cost():

@@ -7,7 +7,11 @@ catching up later) maximising expected tokens per second: the acceptance model's
 tokens for k (`acceptance.py`) over the cost model's seconds for k at this batch size
 (`cost_model.py`). Against flapping it keeps a choice for at least `dwell` steps and leaves it
 only for one expected to be `margin` faster; it decides every `dwell` steps (a decision's host
-time is paid once in that many). Changing between plain steps and rounds costs more than either
+time is paid once in that many), and at plain steps every `plain_dwell` steps unless the batch
+size changed: no plain step judges a draft, so between them what the acceptance model expects
+stays as it was for the same requests, and a decision there (tens of microseconds of host time,
+a few percent of a host-bound plain step when paid every few steps) mostly finds what the last
+one found. Changing between plain steps and rounds costs more than either
 kind's steps (the pipeline drained and restarted, the draft's catch-up, a round launched ahead
 and dropped): the controller measures it and changes only when the faster choice repays it
 within `payback` steps. A draft length whose cost is unknown is tried (a CPU times nothing at
@@ -66,6 +70,7 @@ class AdaptiveDraftSteps:
     costs: CostModel
     margin: float = 0.05  # leave the current k only for one expected this much faster
     dwell: int = 4  # steps at a k before leaving it
+    plain_dwell: int = 32  # steps at plain decoding between decisions while the batch size stays
     probe_after: int = 32  # steps below num_steps before a step one draft deeper
     max_probe_after: int = 1024  # the wait for probes, doubled after each that changed nothing
     payback: int = 64  # steps at the new k within which a change between plain steps and rounds repays itself
@@ -81,6 +86,8 @@ class AdaptiveDraftSteps:
         self._probed = False  # the last step was a probe
         self._probe: int | None = None  # the probe `choose` returned, until a step is told
         self._steady: int | None = None  # the k of the last steady step
+        self._decided_for = 0  # the batch size of the last step that decided
+        self._deciding: int | None = None  # the batch size `choose` decided for, until a step is told
         # The unsteady steps since it: (batch size, k, seconds); None once one took unknown time.
         self._unsteady: list[tuple[int, int, float]] | None = []
 
@@ -93,8 +100,10 @@ class AdaptiveDraftSteps:
         return _rates(expected_tokens, self.costs.seconds(batch_size))
 
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
-        if self._steps < self.dwell or self._steps % self.dwell:  # decided every `dwell` steps
+        every = self.plain_dwell if self.k == 0 and batch_size == self._decided_for else self.dwell
+        if self._steps < self.dwell or self._steps % every:  # decided every `every` steps
             return self.k
+        self._deciding = batch_size
         tokens, costs = expected_tokens(), self.costs.seconds(batch_size)
         rates = _rates(tokens, costs)
         unknown = [k for k, r in enumerate(rates) if r is None]
@@ -112,6 +121,8 @@ class AdaptiveDraftSteps:
         """Counts the step: at k, a probe, or a change of k. A steady step (the k of the step
         before, its time known and clean) refreshes its cost entry; the others count towards
         what changing costs."""
+        if self._deciding is not None:
+            self._decided_for, self._deciding = self._deciding, None
         steady = seconds is not None and clean and k == self._last
         if steady:
             self.costs.observe(batch_size, k, seconds)
