@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -136,6 +137,7 @@ class CudaGraphRunner:
         self._select = self.staging.view("select")
         self._words = self.staging.block.view(torch.int64)
         self._ring_rows = self.staging.view("ring_rows")
+        self._padded: dict[tuple[int, int, int], np.ndarray] = {}  # (q_len, query offset, bs) -> all padding
         self.hidden_in = hidden_in
         self.dtype = dtype
         self.emulate = emulate
@@ -462,23 +464,35 @@ class CudaGraphRunner:
     def _padding(self, key: GraphKey, bs: int, real: int, batch: ForwardBatch | None = None) -> np.ndarray:
         """The packed static inputs of a batch of `bs` rows whose first `real` come from `batch`
         and the rest are padding (the padding row's scratch slots, positions 0..q-1), then the
-        rows' KV lengths (kept on the host)."""
-        q, pad = key.q_len, bs - real
-        seq_len = q  # a padded row's KV is its q scratch tokens
-        scratch = self.allocator.scratch_slots[:q]
-        host = batch.host if batch is not None else None
-        ids = np.concatenate([host.input_ids if host else [], np.full(pad * q, PADDING_TOKEN)])
-        positions = np.concatenate([host.positions if host else [], np.tile(np.arange(q), pad)])
-        locs = np.concatenate([host.out_cache_loc if host else [], np.tile(scratch, pad)])
-        rows = np.concatenate(
-            [host.req_pool_indices if host else [], np.full(pad, self.allocator.req_to_token.padding_row)]
-        )
-        seq_lens = np.concatenate([batch.seq_lens_cpu if batch is not None else [], np.full(pad, seq_len)])
-        if key.query_offset:  # read-only queries: nothing is written, positions sit past the KV
-            positions[real * q :] += key.query_offset
-            locs = np.zeros(0)
-        logits = np.arange(bs * q)
-        return np.concatenate([ids, positions, locs, rows, logits, seq_lens]).astype(np.int64)
+        rows' KV lengths (kept on the host): a copy of the all-padding inputs of its shape, made
+        once, with the batch's rows written over its first."""
+        shape = (key.q_len, key.query_offset, bs)
+        padded = self._padded.get(shape)
+        if padded is None:
+            padded = self._padded[shape] = self._all_padding(key, bs)
+        packed = padded.copy()
+        if not real:
+            return packed
+        q, n, host = key.q_len, bs * key.q_len, batch.host
+        m, writes = real * q, 0 if key.query_offset else n
+        packed[:m] = host.input_ids
+        packed[n : n + m] = host.positions  # (read-only queries: the batch's own, already past the KV)
+        if writes:
+            packed[2 * n : 2 * n + m] = host.out_cache_loc
+        rows = 2 * n + writes
+        packed[rows : rows + real] = host.req_pool_indices
+        packed[rows + bs + n : rows + bs + n + real] = batch.seq_lens_cpu
+        return packed
+
+    def _all_padding(self, key: GraphKey, bs: int) -> np.ndarray:
+        """`_padding`'s layout with every row padding: ids, positions, slots (none for read-only
+        queries, whose positions sit past the KV), rows, logits rows 0..bs*q-1, KV lengths."""
+        q = key.q_len
+        positions = np.tile(np.arange(q), bs) + key.query_offset
+        locs = np.zeros(0) if key.query_offset else np.tile(self.allocator.scratch_slots[:q], bs)
+        rows = np.full(bs, self.allocator.req_to_token.padding_row)
+        parts = [np.full(bs * q, PADDING_TOKEN), positions, locs, rows, np.arange(bs * q), np.full(bs, q)]
+        return np.concatenate(parts).astype(np.int64)
 
     def _static_batch(self, key: GraphKey, family: _Family, bs: int, packed: np.ndarray) -> ForwardBatch:
         """A ForwardBatch of `bs` rows over the static buffers, holding `packed` (staged)."""
@@ -497,8 +511,14 @@ class CudaGraphRunner:
             query_offset=key.query_offset,
             attn_backend=self.runner.backend,
             spec_hidden=family.spec_hidden[:n] if family.spec_hidden is not None else None,
-            host=HostInputs(*np.split(packed[: 3 * n + writes + bs], np.cumsum(sizes[:4])), every_row=True),
+            host=HostInputs(*_split(packed, sizes), every_row=True),
         )
+
+
+def _split(packed: np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """Consecutive views of `packed` of these sizes."""
+    ends = list(itertools.accumulate(sizes))
+    return [packed[end - size : end] for size, end in zip(sizes, ends)]
 
 
 @contextlib.contextmanager
