@@ -23,7 +23,7 @@ import torch
 class HiddenRing:
     def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = capacity
-        self.buffer = torch.zeros(capacity + 1, width, dtype=dtype, device=device)
+        self._hold(torch.zeros(capacity + 1, width, dtype=dtype, device=device))
         self.head = 0  # the number of the next row taken
         self.tail = 0  # the first row not yet released
         self._taken: list[tuple[int, int]] = []  # (first row, rows) of the steps taken and not yet kept
@@ -35,7 +35,13 @@ class HiddenRing:
         if (hidden.dtype, hidden.shape[-1]) != (self.buffer.dtype, self.buffer.shape[-1]):
             if self.head:
                 raise RuntimeError(f"hidden ring: {tuple(hidden.shape)} {hidden.dtype} rows after rows were kept")
-            self.buffer = hidden.new_zeros(self.capacity + 1, hidden.shape[-1])
+            self._hold(hidden.new_zeros(self.capacity + 1, hidden.shape[-1]))
+
+    def _hold(self, buffer: torch.Tensor) -> None:
+        """Make `buffer` the ring, with the address range `row_of` compares against."""
+        self.buffer = buffer
+        self._base, self._row_bytes = buffer.data_ptr(), buffer.stride(0) * buffer.element_size()
+        self._end = self._base + buffer.numel() * buffer.element_size()
 
     @property
     def scratch(self) -> int:
@@ -78,9 +84,10 @@ class HiddenRing:
 
     def row_of(self, hidden: torch.Tensor | None) -> int | None:
         """The ring row where `hidden` starts, when it is a view of the ring (None otherwise)."""
-        if hidden is None or hidden.untyped_storage().data_ptr() != self.buffer.untyped_storage().data_ptr():
+        address = hidden.data_ptr() if hidden is not None else None
+        if address is None or not self._base <= address < self._end:  # (one address a step: no storage objects)
             return None
-        return hidden.storage_offset() // self.buffer.stride(0)
+        return (address - self._base) // self._row_bytes
 
     def release(self) -> None:
         """Free the rows of every kept step (a catch-up read them); a step taken since keeps its."""
