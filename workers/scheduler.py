@@ -314,11 +314,10 @@ class Scheduler:
 
     def release_windows(self, reqs: list[Request]) -> None:
         """Give back the SWA slots that no later query of these requests can see."""
-        if not self.windows_moved():
+        if not self.allocator.is_hybrid or not self.windows_moved():
             return
-        for req in reqs:
-            if not req.finished:
-                self.allocator.release_window(req.row, self.window_from(req))
+        live = [req for req in reqs if not req.finished]
+        self.allocator.release_windows([req.row for req in live], [self.window_from(req) for req in live])
 
     def _finish_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling

@@ -78,6 +78,30 @@ def test_hybrid_allocator_maps_pages_and_evicts_outside_window():
     r2t.check_no_leak()
 
 
+def test_a_batchs_window_release_frees_what_each_requests_own_would():
+    """`release_windows` over a batch (rows at lengths on and off page boundaries, some released
+    before, some short of any release) leaves the allocator as `release_window` row by row does:
+    the same SWA pages free, the same full->SWA map, the same evicted pages a row."""
+    page, window = 4, 6
+    states = []
+    for batched in (False, True):
+        r2t = ReqToTokenPool(6, 64, "cpu")
+        alloc = HybridSWAAllocator(r2t, 64, 64, page, window)
+        rows = [r2t.alloc() for _ in range(6)]
+        for row, n in zip(rows, (3, 12, 13, 20, 29, 40)):
+            alloc.extend(row, n)
+        alloc.release_window(rows[3], 16)  # released up to an earlier length already
+        lens = [3, 12, 13, 21, 29, 40]
+        if batched:
+            alloc.release_windows(rows, lens)
+        else:
+            for row, n in zip(rows, lens):
+                alloc.release_window(row, n)
+        states.append((alloc.stats(), alloc.full_to_swa.clone(), dict(alloc._evicted)))
+    assert states[0][0] == states[1][0] and torch.equal(states[0][1], states[1][1])
+    assert states[0][2] == states[1][2] and len(states[0][2]) == 5  # all but the 3-token row let pages go
+
+
 def test_truncate_returns_swa_pages_of_rejected_tokens():
     page = 2
     r2t = ReqToTokenPool(2, 64, "cpu")

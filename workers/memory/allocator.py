@@ -220,6 +220,9 @@ class KVAllocator:
     def release_window(self, row: int, seq_len: int) -> None:
         """Called after every forward with the request's committed length; SWA eviction."""
 
+    def release_windows(self, rows: Sequence[int], seq_lens: Sequence[int]) -> None:
+        """`release_window` for a batch's requests."""
+
     def truncate(self, row: int, keep_len: int) -> None:
         """Give back the slots of positions >= keep_len (e.g. rejected draft tokens)."""
         start = self._lens.get(row, 0)
@@ -318,6 +321,15 @@ class HybridSWAAllocator(KVAllocator):
             return
         self._unmap(self._row_full_pages(row, first, upto))
         self._evicted[row] = upto
+
+    def release_windows(self, rows: Sequence[int], seq_lens: Sequence[int]) -> None:
+        """`release_window` for the rows whose window reached a page it has not let go of (a
+        decode step's window moves on a page once in `page_size` steps): one comparison a row,
+        a call for each of those few."""
+        p, w, evicted = self.page_size, self.sliding_window, self._evicted
+        for row, seq_len in zip(rows, seq_lens):
+            if (seq_len // p * p - w + 1) // p > evicted.get(row, 0):  # (`release_window`'s own test)
+                self.release_window(row, seq_len)
 
     def free(self, row: int) -> None:
         super().free(row)
