@@ -23,7 +23,7 @@ import torch
 class HiddenRing:
     def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = capacity
-        self._hold(torch.zeros(capacity + 1, width, dtype=dtype, device=device))
+        self._use(torch.zeros(capacity + 1, width, dtype=dtype, device=device))
         self.head = 0  # the number of the next row taken
         self.tail = 0  # the first row not yet released
         self._taken: list[tuple[int, int]] = []  # (first row, rows) of the steps taken and not yet kept
@@ -35,9 +35,9 @@ class HiddenRing:
         if (hidden.dtype, hidden.shape[-1]) != (self.buffer.dtype, self.buffer.shape[-1]):
             if self.head:
                 raise RuntimeError(f"hidden ring: {tuple(hidden.shape)} {hidden.dtype} rows after rows were kept")
-            self._hold(hidden.new_zeros(self.capacity + 1, hidden.shape[-1]))
+            self._use(hidden.new_zeros(self.capacity + 1, hidden.shape[-1]))
 
-    def _hold(self, buffer: torch.Tensor) -> None:
+    def _use(self, buffer: torch.Tensor) -> None:
         """Make `buffer` the ring, with the address range `row_of` compares against."""
         self.buffer = buffer
         self._base, self._row_bytes = buffer.data_ptr(), buffer.stride(0) * buffer.element_size()

@@ -314,9 +314,8 @@ class HybridSWAAllocator(KVAllocator):
         """Let go of SWA pages whose positions no future query can see: those before the window
         of a query at the last page boundary (so that the window before that boundary stays
         whole, for the prefix cache to keep)."""
-        p = self.page_size
         first = self._evicted.get(row, 0)
-        upto = max(0, seq_len // p * p - self.sliding_window + 1) // p
+        upto = self._window_start_page(seq_len)
         if upto <= first:
             return
         self._unmap(self._row_full_pages(row, first, upto))
@@ -326,10 +325,15 @@ class HybridSWAAllocator(KVAllocator):
         """`release_window` for the rows whose window reached a page it has not let go of (a
         decode step's window moves on a page once in `page_size` steps): one comparison a row,
         a call for each of those few."""
-        p, w, evicted = self.page_size, self.sliding_window, self._evicted
+        evicted = self._evicted
         for row, seq_len in zip(rows, seq_lens):
-            if (seq_len // p * p - w + 1) // p > evicted.get(row, 0):  # (`release_window`'s own test)
+            if self._window_start_page(seq_len) > evicted.get(row, 0):
                 self.release_window(row, seq_len)
+
+    def _window_start_page(self, seq_len: int) -> int:
+        """The first page the window of a query at the last page boundary of `seq_len` sees."""
+        p = self.page_size
+        return max(0, seq_len // p * p - self.sliding_window + 1) // p
 
     def free(self, row: int) -> None:
         super().free(row)
