@@ -171,11 +171,15 @@ class SpecWorker:
         # A draft with KV of its own that reads no target hidden states, in pools without
         # sliding windows, holds nothing while it falls behind (its pages are the target's, no
         # window waits for it): it catches up only before its next round, in forwards of at
-        # most a prefill chunk, so plain steps where speculation does not pay cost no draft work
+        # most `catch_up_tokens`, so plain steps where speculation does not pay cost no draft work
         self.catches_up_lazily = (
             drafter.runner.pool is not None and not drafter.reads_hidden and not scheduler.allocator.is_hybrid
         )
         self.lag_tokens = LAG_TOKENS  # draft positions behind, over its requests, before a catch-up
+        # Positions one catch-up forward reads: what the lag bounds allow (in one forward, not a
+        # prefill chunk's several: an eager draft forward costs milliseconds of host time at any
+        # size), or a prefill chunk where that is more; None: unbounded, as prefill is
+        self.catch_up_tokens = max(scheduler.chunk, LAG_TOKENS) if scheduler.chunk else None
         self._row_bytes = 0  # of the target hidden states kept per position
         self.ring: HiddenRing | None = None  # with graphs, where plain steps keep an EAGLE head's hidden states
         self.catch_ups = 0  # catch-ups after plain decode steps
@@ -355,8 +359,8 @@ class SpecWorker:
         if behind:
             rows = self._plain_hidden(behind) if self.drafter.reads_hidden else {}
             todo = behind
-            while todo:  # forwards of at most a prefill chunk
-                self.drafter.catch_up(ForwardMode.EXTEND, todo, rows, self.scheduler.chunk)
+            while todo:  # forwards of at most catch_up_tokens
+                self.drafter.catch_up(ForwardMode.EXTEND, todo, rows, self.catch_up_tokens)
                 todo = [r for r in todo if not r.finished and r.spec.draft_len < self.drafter.goal(r)]
             for req in behind:
                 self.settle(req)
