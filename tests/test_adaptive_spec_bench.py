@@ -32,6 +32,8 @@ def test_the_time_split_sets_the_median_plain_step_beside_the_mean():
     split = adaptive_spec.time_split(steps, 0)
     assert split["plain_ms"] == pytest.approx(14 / 4) and split["plain_p50_ms"] == pytest.approx(1.0)
     assert split["round_ms"] == pytest.approx(5.0) and split["switches"] == 1
+    quantiles = adaptive_spec.step_quantiles(steps, 0)  # every step: 1, 1, 10, 1, 5, 1 ms
+    assert quantiles["step_p50_ms"] == pytest.approx(1.0) and quantiles["step_p90_ms"] > 5.0
 
 
 def test_every_mode_of_a_batch_is_timed_in_turn_beside_plain_decoding(tmp_path, monkeypatch):

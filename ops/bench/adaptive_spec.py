@@ -24,7 +24,9 @@ what it measured. For each model, draft and batch the table sets adaptive agains
 best fixed) of its own rounds: the goal is to be within 3% of it (`of_best`), and at least 97% of
 plain where drafts are not accepted (`of_plain`).
 
-What the time of a speculative case went to, from each timed step's end to the next's (the
+Every case's steps' median and 90th percentile (`step_p50_ms`, `step_p90_ms`, from each timed
+step's end to the next's: what the mean hides, and a plain engine's steps beside a speculative
+engine's plain ones). What the time of a speculative case went to, from each timed step's end to the next's (the
 first from its start: not the prefill before it): plain steps (`plain_ms`: per plain decode
 step, the launch that restarts overlapped decoding and the commit that drains it included;
 `plain_p50_ms`: the median plain step, which leaves out the few that a catch-up held up) and
@@ -111,6 +113,7 @@ def decode(engine: Engine, prompts: list[list[int]], new: int) -> dict:
         "draft_steps": sum(drafted) / len(drafted) if drafted else None,
         "plain_share": drafted.count(0) / len(drafted) if drafted else None,
     }
+    out.update(step_quantiles(steps_run, starts[0] if starts else 0))
     if spec is not None:
         out.update(time_split(steps_run, starts[0] if starts else 0))
         out.update(catch_ups=spec.catch_ups - before[0], drops=spec.drops - before[1])
@@ -144,6 +147,17 @@ def time_split(steps_run: list[tuple[int | None, int]], start_ns: int) -> dict:
         "round_ms": 1e3 * rounds / verifies if verifies else None,
         "switches": switches,
     }
+
+
+def step_quantiles(steps_run: list[tuple[int | None, int]], start_ns: int) -> dict:
+    """The median and 90th percentile of every timed step (from the step before's end; the
+    first from `start_ns`), whatever it ran: what a mean hides (a catch-up, a pause of the host)
+    and what sets a plain engine's steps beside a speculative engine's plain ones."""
+    ends = [start_ns] + [end for _, end in steps_run]
+    ms = [(b - a) / 1e6 for a, b in zip(ends, ends[1:])]
+    if len(ms) < 2:
+        return {"step_p50_ms": ms[0] if ms else None, "step_p90_ms": ms[0] if ms else None}
+    return {"step_p50_ms": statistics.median(ms), "step_p90_ms": statistics.quantiles(ms, n=10)[-1]}
 
 
 def cost_table(controller: AdaptiveDraftSteps, batch: int) -> dict:
@@ -336,7 +350,7 @@ def shapes_part(
 
 
 def table(results: dict) -> str:
-    head = ["tok/s", "ms/step", "accept", "k", "plain", "plain ms", "round ms", "switch", "of best"]
+    head = ["tok/s", "ms/step", "p50 ms", "p90 ms", "accept", "k", "plain", "plain ms", "round ms", "switch", "of best"]
     lines = [f"{'case':<40} " + " ".join(f"{h:>9}" for h in head)]
     for key, r in results.items():
         if not isinstance(r, dict) or "tok_per_s" not in r:
@@ -344,6 +358,8 @@ def table(results: dict) -> str:
         cells = [
             f"{r['tok_per_s']:.1f}",
             f"{r['ms_per_step']:.3f}",
+            _cell(r, "step_p50_ms", ".3f"),
+            _cell(r, "step_p90_ms", ".3f"),
             _cell(r, "accept_length", ".2f"),
             _cell(r, "draft_steps", ".2f"),
             f"{100 * r['plain_share']:.0f}%" if r.get("plain_share") is not None else "",
