@@ -438,15 +438,7 @@ def test_a_draft_that_holds_nothing_while_behind_catches_up_only_before_a_round(
         assert eng.spec.catches_up_lazily
         eng.spec.controller, eng.spec.lag_tokens = Schedule([K] + [0] * 9), 2
         eng.spec.catch_up_tokens = most or eng.spec.catch_up_tokens
-        forwards = []  # (draft steps of the engine step, entries the forward ran)
-        catch_up = eng.spec.drafter.catch_up
-
-        def counted(mode, reqs, hidden, most=None):
-            entries = sum(r.spec.draft_len for r in reqs)
-            catch_up(mode, reqs, hidden, most)
-            forwards.append((eng.last_step.draft_steps, sum(r.spec.draft_len for r in reqs) - entries))
-
-        eng.spec.drafter.catch_up = counted
+        forwards = _catch_up_forwards(eng)
         assert [o.token_ids for o in eng.generate(prompt_token_ids=prompts, sampling=GREEDY)] == want
         behind = [(k, n) for k, n in forwards if k is not None]  # (not a prefill's)
         assert behind and all(k == K for k, _ in behind), behind  # never during plain steps
@@ -455,6 +447,20 @@ def test_a_draft_that_holds_nothing_while_behind_catches_up_only_before_a_round(
         else:
             assert all(0 < n <= 8 for _, n in behind) and sum(n == 8 for _, n in behind) > 1, behind
         eng.check_no_leak()
+
+
+def _catch_up_forwards(eng: Engine) -> list[tuple[int | None, int]]:
+    """Each forward of the engine's draft catch-ups as it comes: (draft steps of the engine
+    step it runs in, the entries it ran)."""
+    forwards, catch_up = [], eng.spec.drafter.catch_up
+
+    def counted(mode, reqs, hidden, most=None):
+        entries = sum(r.spec.draft_len for r in reqs)
+        catch_up(mode, reqs, hidden, most)
+        forwards.append((eng.last_step.draft_steps, sum(r.spec.draft_len for r in reqs) - entries))
+
+    eng.spec.drafter.catch_up = counted
+    return forwards
 
 
 def _run_counting_catch_up_lags(eng: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> tuple[list, list, dict]:
