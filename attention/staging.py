@@ -83,18 +83,24 @@ class StagedBuffers:
     def put(self, name: str, values: np.ndarray, at: int = 0) -> torch.Tensor:
         """Stage `values` at element `at` of a region; the device view of those elements (valid
         once uploaded)."""
-        if self._host is None:
-            raise RuntimeError(f"staged buffers: put({name!r}) outside begin()/upload()")
-        region = self.regions[name]
         n = values.size
+        self.host(name, n, at)[:] = values.reshape(-1)
+        view = self.view(name)
+        return view if n == self.regions[name].numel else view[at : at + n]
+
+    def host(self, name: str, n: int, at: int = 0) -> np.ndarray:
+        """The host memory of `n` elements of a region from element `at`, staged: written in
+        place by the caller, uploaded with the rest (no array of its own, no device view made,
+        for regions a graph reads and the host does not)."""
+        if self._host is None:
+            raise RuntimeError(f"staged buffers: {name!r} staged outside begin()/upload()")
+        region = self.regions[name]
         if at + n > region.numel:
             raise ValueError(f"staged buffers: {at + n} elements for region {name!r} of {region.numel}")
         size = region.dtype.itemsize
         start, end = region.offset + at * size, region.offset + (at + n) * size
-        self._host_bytes[start:end].view(self._numpy[name])[:] = values.reshape(-1)
         self._end = max(self._end, end)
-        view = self.view(name)
-        return view if n == region.numel else view[at : at + n]
+        return self._host_bytes[start:end].view(self._numpy[name])
 
     def upload(self) -> None:
         """Copy everything staged since `begin` to the device, in one copy."""

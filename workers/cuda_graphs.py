@@ -137,6 +137,7 @@ class CudaGraphRunner:
         self._select = self.staging.view("select")
         self._words = self.staging.block.view(torch.int64)
         self._ring_rows = self.staging.view("ring_rows")
+        self._counting = np.arange(rows, dtype=np.int64)  # 0, 1, ...: row numbers staged without an array each
         self._padded: dict[tuple[int, int, int], np.ndarray] = {}  # (q_len, query offset, bs) -> all padding
         self.hidden_in = hidden_in
         self.dtype = dtype
@@ -429,23 +430,23 @@ class CudaGraphRunner:
         self.staging.begin()
         static = self._static_batch(key, family, bs, packed)
         self.runner.backend.init_forward_metadata_replay(static, family.pool, width, reach=reach)
-        device_ids = None
-        select = self.staging.regions["inputs"].offset // 8 + np.arange(bs * key.q_len)  # the staged ids
+        device_ids, select = None, None
+        if family.argmax:  # each input id's word in the block: the staged ids'
+            select = self.staging.host("select", bs * key.q_len)
+            np.add(self._counting[: bs * key.q_len], self.staging.regions["inputs"].offset // 8, out=select)
         if batch is not None and batch.ids_on_device:
             ids, rows = batch.device_ids
-            if family.argmax and self._in_tokens(ids):
+            if select is not None and self._in_tokens(ids):  # or the tokens a replay left
                 real = ids.shape[0] if rows is None else len(rows)
-                select[:real] = ids.storage_offset() + (np.arange(real) if rows is None else rows)
+                select[:real] = ids.storage_offset() + (self._counting[:real] if rows is None else rows)
             else:
                 device_ids = batch.device_input_ids()
-        if family.argmax:
-            self.staging.put("select", select)
         if family.ring is not None:  # each row's ring row: the batch's, the scratch row for padding
             at = batch.hidden_at if batch is not None else None
-            ring_rows = np.full(bs, family.ring.scratch, dtype=np.int64)
+            ring_rows = self.staging.host("ring_rows", bs)
+            ring_rows[:] = family.ring.scratch
             if at is not None:
-                ring_rows[: batch.batch_size] = at + np.arange(batch.batch_size)
-            self.staging.put("ring_rows", ring_rows)
+                np.add(self._counting[: batch.batch_size], at, out=ring_rows[: batch.batch_size])
         self.staging.upload()
         if device_ids is not None:
             static.input_ids[: device_ids.shape[0]].copy_(device_ids)

@@ -23,6 +23,7 @@ import torch
 class HiddenRing:
     def __init__(self, capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = capacity
+        self.scratch = capacity  # the row padded rows write
         self._use(torch.zeros(capacity + 1, width, dtype=dtype, device=device))
         self.head = 0  # the number of the next row taken
         self.tail = 0  # the first row not yet released
@@ -42,11 +43,6 @@ class HiddenRing:
         self.buffer = buffer
         self._base, self._row_bytes = buffer.data_ptr(), buffer.stride(0) * buffer.element_size()
         self._end = self._base + buffer.numel() * buffer.element_size()
-
-    @property
-    def scratch(self) -> int:
-        """The row padded rows write."""
-        return self.capacity
 
     @property
     def free(self) -> int:

@@ -47,6 +47,20 @@ def test_one_upload_writes_what_was_staged_and_only_the_prefix_it_reached():
     assert staged.view("ids")[:1].tolist() == [1] and staged.view("mask")[:4].tolist() == [1, 2, 3, 65535]
 
 
+def test_a_region_written_in_place_is_uploaded_with_the_rest():
+    """`host`: the staged host memory of a region, written by the caller (no array of its own):
+    uploaded by the same copy, up to the prefix it reached."""
+    staged = _buffers()
+    staged.view("out").fill_(-1)
+    staged.begin()
+    lens = staged.host("lens", 2, at=1)
+    assert lens.dtype == np.int32 and lens.shape == (2,)
+    lens[:] = 6
+    np.add(np.arange(2, dtype=np.int32), 10, out=lens)
+    staged.upload()
+    assert staged.view("lens")[1:].tolist() == [10, 11] and staged.view("out").tolist() == [-1] * 4
+
+
 def test_misuse_is_refused_with_the_region_named():
     staged = _buffers()
     with pytest.raises(RuntimeError, match="'lens'"):
@@ -54,5 +68,7 @@ def test_misuse_is_refused_with_the_region_named():
     staged.begin()
     with pytest.raises(ValueError, match="'lens'"):
         staged.put("lens", np.arange(3), at=1)
+    with pytest.raises(ValueError, match="'mask'"):
+        staged.host("mask", 8)
     with pytest.raises(RuntimeError, match="'late'"):
         staged.add("late", 1, torch.int64)

@@ -47,11 +47,16 @@ class CostModel:
         if not 0.0 < self.weight <= 1.0:
             raise ValueError(f"cost model: weight must be in (0, 1], got {self.weight}")
         self._nearest: dict[tuple[int, int], tuple[int, int] | None] = {}  # `_added`'s choice, until an entry is new
+        self._bucket_of: dict[int, int] = {}  # batch size -> its bucket
 
     def bucket(self, batch_size: int) -> int:
-        """The bucket a batch of `batch_size` requests counts in (the largest past the last)."""
-        i = bisect.bisect_left(self.buckets, batch_size)
-        return self.buckets[min(i, len(self.buckets) - 1)]
+        """The bucket a batch of `batch_size` requests counts in (the largest past the last);
+        looked up once per size (it is asked every decode step)."""
+        bucket = self._bucket_of.get(batch_size)
+        if bucket is None:
+            i = bisect.bisect_left(self.buckets, batch_size)
+            bucket = self._bucket_of[batch_size] = self.buckets[min(i, len(self.buckets) - 1)]
+        return bucket
 
     def set_prior(self, bucket: int, k: int, seconds: float) -> None:
         self._check(k, seconds)

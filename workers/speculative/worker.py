@@ -233,7 +233,7 @@ class SpecWorker:
         controller chooses; a round launched ahead is dropped before a plain step (its slots
         given back)."""
         k = self.controller.choose(len(reqs), lambda: self.acceptance.expected_tokens([r.row for r in reqs]))
-        if k == 0:
+        if k == 0 and self._ahead is not None:
             self._drop_ahead()
         return k
 
@@ -305,7 +305,7 @@ class SpecWorker:
             self._room = self._lag_room()
         kept = self.drafter.hidden_kept
         if kept != 0:
-            if kept != 1 and hidden is not None:
+            if kept != 1 and hidden is not None and not self._row_bytes:
                 self._row_bytes = hidden.shape[-1] * hidden.element_size()
             self._plain.append((reqs, hidden))
             if kept:
@@ -334,8 +334,10 @@ class SpecWorker:
     def _too_far_behind(self) -> bool:
         """Whether the draft positions behind (no sooner than MAX_LAG steps) reach `lag_tokens`
         or hold HIDDEN_BYTES of kept target hidden states."""
+        if self._lag < MAX_LAG:
+            return False
         limit = min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
-        return self._behind >= limit and self._lag >= MAX_LAG
+        return self._behind >= limit
 
     def _ring_full(self) -> bool:
         """Whether the ring may not hold the next plain step's rows (the step in flight took
