@@ -68,6 +68,7 @@ REPEATS = 5  # timed runs a case, the median kept
 COLUMNS = [
     "tok_per_s",
     "ms_per_step",
+    "step_p50_ms",
     "accept_length",
     "draft_steps",
     "plain_share",
