@@ -81,6 +81,10 @@ class ForwardBatch:
     # a plain decode step of an engine keeping its target hidden states in a ring
     # (`workers/hidden_ring.py`): the ring row of its first request's, the others' following
     hidden_at: int | None = None
+    # the caller reads the model's outputs (logits, hidden states handed on) only at the logits
+    # rows (a draft's catch-up: each request's last row, which proposes): the last layer's
+    # feed-forward then runs on those rows alone, and the outputs are theirs, in logits order
+    prune_to_logits: bool = False
 
     input_ids = _OnDevice()
     positions = _OnDevice()
@@ -141,6 +145,10 @@ class ForwardBatch:
             if self.device_ids is not None:
                 self.inputs.input_ids = self.device_input_ids()
         return self.inputs
+
+    def kept_rows(self) -> torch.Tensor | None:
+        """The rows the last layer's feed-forward runs on (`prune_to_logits`; None: all)."""
+        return self.logits_indices if self.prune_to_logits else None
 
     def logits_of_every_row(self, rows: int) -> bool:
         """Whether the logits asked for are those of all `rows` token rows, in order (a decode

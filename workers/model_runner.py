@@ -172,7 +172,8 @@ class ModelRunner:
         own), hidden states handed on. What a CUDA graph captures. `greedy` (a target's greedy
         decode graph): buffers the logits and their argmax go to."""
         hidden, handed_on = self.model(batch)
-        rows = hidden if batch.logits_of_every_row(hidden.shape[0]) else hidden[batch.logits_indices]
+        every = batch.prune_to_logits or batch.logits_of_every_row(hidden.shape[0])  # (pruned: the model kept them)
+        rows = hidden if every else hidden[batch.logits_indices]
         if greedy is not None:
             return ForwardOutput(self.model.greedy_logits(rows, *greedy), handed_on)
         if getattr(self.model, "scores_subset", False):

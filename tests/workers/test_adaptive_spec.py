@@ -9,6 +9,7 @@ exactly, lazily where its pool allows, and the controller is told which steps' t
 kind's."""
 
 import collections
+import dataclasses
 import itertools
 import types
 
@@ -662,6 +663,57 @@ def test_the_hidden_ring_wraps_and_catches_up_before_it_is_full(monkeypatch):
     assert ring.head > 6 * ring.capacity and eng.spec.catch_ups >= 6
     assert all(at + 2 <= ring.capacity for at, _ in taken)  # no step wraps
     assert sum(at == 0 for at, _ in taken) >= 6
+    eng.check_no_leak()
+
+
+@pytest.mark.parametrize(
+    "target, variant",
+    [("gemma3", v) for v in ("standalone-swa", "eagle1-full", "eagle3-full")] + [("gemma4_moe", "standalone")],
+)
+def test_a_catch_up_runs_its_last_feed_forward_on_the_proposing_rows_alone(models, tmp_path, target, variant):
+    """A catch-up reads only each proposing request's last row: its forward, pruned to those
+    rows (`ForwardBatch.prune_to_logits`), runs the last layer's feed-forward on them alone and
+    gives the logits and hidden states the same batch gives unpruned at those rows (forwarded
+    again unpruned: its K and V writes are the same values). Gemma 4 with per-layer inputs and
+    experts, a Gemma 3 draft (sandwich norms) and EAGLE-1/3 heads, after prefill and after plain
+    steps; greedy output stays plain decoding's."""
+    if target == "gemma4_moe":
+        path = str(tmp_path / "gemma4")
+        make_tiny_model("gemma4_moe", path)
+        spec = {"algorithm": "standalone", "draft_model": make_perturbed_copy(path, str(tmp_path / "draft"), 0.05)}
+    else:
+        algorithm, pool, draft = SPEC_VARIANTS[variant]
+        path = models[target]["target"]
+        spec = {"algorithm": algorithm, "draft_model": models[target][draft], "draft_pool": pool}
+    kwargs = dict(model=path, page_size=4, max_total_tokens=2048)
+    prompts = random_prompts([2 * WINDOW + 3, WINDOW + 1], seed=5)
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in Engine(**kwargs).generate(prompt_token_ids=prompts, sampling=sampling)]
+    eng = Engine(**kwargs, speculative=spec | {"num_steps": K})
+    eng.spec.controller = Schedule([K, 0, 0, 0, 0, 0])
+    runner = eng.spec.drafter.runner
+    model = runner.model
+    last = model.midlayer if hasattr(model, "midlayer") else (getattr(model, "layers", None) or model.model.layers)[-1]
+    mlp_rows = []
+    last.mlp.register_forward_hook(lambda module, args, out: mlp_rows.append(args[0].shape[0]))
+    forward, checked = runner.forward, []
+
+    def compared(batch, pool=None):
+        if not batch.prune_to_logits:
+            return forward(batch, pool)
+        full = forward(dataclasses.replace(batch, prune_to_logits=False), pool)
+        rows_full = mlp_rows[-1]
+        out = forward(batch, pool)
+        kept = batch.logits_indices
+        assert mlp_rows[-1] == kept.shape[0] < rows_full
+        torch.testing.assert_close(out.logits, full.logits)
+        torch.testing.assert_close(out.hidden, full.hidden.index_select(0, kept))
+        checked.append((kept.shape[0], rows_full))
+        return out
+
+    runner.forward = compared
+    assert [o.token_ids for o in eng.generate(prompt_token_ids=prompts, sampling=sampling)] == want
+    assert len(checked) >= 3 and eng.spec.catch_ups >= 1, checked
     eng.check_no_leak()
 
 

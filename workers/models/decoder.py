@@ -240,7 +240,10 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         before: RMSNorm | None = None,
         scale: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
+        """`keep`: the rows the feed-forward runs on and the layer returns (all: None); every
+        row's K and V are written all the same."""
         if isinstance(hidden, TokenIds):
             attn, residual = self.self_attn.after_embedding(hidden, self.input_layernorm, rope, batch, reduce=False)
         elif self.input_layernorm is not None and residual is not None:
@@ -257,6 +260,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.pre_feedforward_layernorm.add(attn, residual, self.post_attention_layernorm)
         else:
             hidden, residual = self.post_attention_layernorm.add(attn, residual)
+        if keep is not None:
+            hidden, residual = hidden.index_select(0, keep), residual.index_select(0, keep)
         return self.mlp(hidden, reduce=False), residual
 
 
@@ -306,11 +311,16 @@ def run_layers(
     per_layer: torch.Tensor | None = None,
 ) -> LayersOut:
     """Layers in order over the residual stream; `per_layer`: each layer's own input beside the
-    stream (`[T, layers, width]`, Gemma 4's per-layer inputs), the i-th layer's `[:, i]`."""
+    stream (`[T, layers, width]`, Gemma 4's per-layer inputs), the i-th layer's `[:, i]`. A
+    batch pruned to its logits rows (`ForwardBatch.prune_to_logits`) runs the last layer's
+    feed-forward on those rows alone (after every row's attention has written its K and V): the
+    stream it returns holds those rows (the captured streams, of earlier layers, every row)."""
+    layers = list(layers)
+    keep, last = batch.kept_rows(), len(layers) - 1
     before, scale, captured = None, None, {}
     for i, layer in enumerate(layers):
         extra = () if per_layer is None else (per_layer[:, i],)
-        hidden, residual = layer(hidden, residual, rope, batch, before, scale, *extra)
+        hidden, residual = layer(hidden, residual, rope, batch, before, scale, *extra, keep=keep if i == last else None)
         before, scale = layer.output_norm, layer.output_scale
         if i in capture:
             hidden = reduced(hidden)  # the next layer takes it reduced: partial sums reduce once

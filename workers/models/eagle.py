@@ -193,4 +193,7 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: dict, batch: ForwardBatch) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         residual = hidden + self.self_attn(x, rope, batch)
+        keep = batch.kept_rows()  # (the feed-forward of a batch pruned to its logits rows: theirs alone)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
         return residual + self.mlp(self.post_attention_layernorm(residual))

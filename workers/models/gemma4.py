@@ -110,10 +110,13 @@ class Gemma4DecoderLayer(DecoderLayer):
         before: RMSNorm | None = None,
         scale: torch.Tensor | None = None,
         per_layer_input: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | Unreduced, torch.Tensor]:
-        """(out, residual) as `DecoderLayer.forward`; `per_layer_input`: this layer's row of the
-        per-layer inputs (models with them)."""
-        out, residual = super().forward(hidden, residual, rope, batch, before, scale)
+        """(out, residual) as `DecoderLayer.forward` (`keep` too); `per_layer_input`: this
+        layer's row of the per-layer inputs (models with them)."""
+        out, residual = super().forward(hidden, residual, rope, batch, before, scale, keep)
+        if keep is not None and per_layer_input is not None:
+            per_layer_input = per_layer_input.index_select(0, keep)
         if hasattr(self, "experts"):
             out = reduced(out)
             routing = self.router(residual)  # first: the experts' norm runs between (`routed_early`)

@@ -187,11 +187,13 @@ class Drafter:
             logits_rows=[e for e, p in zip(ends, proposes) if p],
             spec_hidden=spec_hidden,
         )
-        out = self.runner.forward(batch)
         proposing = [r for (r, _, _), p in zip(todo, proposes) if p]
+        # only the proposing rows' outputs are read: the last layer's feed-forward runs on them alone
+        batch.prune_to_logits = bool(proposing)
+        out = self.runner.forward(batch)
         for r, _, b in todo:
             r.spec.draft_len = b
-        self._propose(proposing, out.logits, out.hidden, [e for e, p in zip(ends, proposes) if p], out.ids)
+        self._propose(proposing, out.logits, out.hidden, range(len(proposing)), out.ids)
 
     def catch_up_verified(
         self,
