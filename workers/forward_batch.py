@@ -10,6 +10,7 @@ static buffers instead, and never uploads them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,7 +115,7 @@ class ForwardBatch:
         firsts = np.cumsum(q_lens, dtype=np.int64) - q_lens  # each request's first row
         within = np.arange(len(starts), dtype=np.int64) - np.repeat(firsts, q_lens)
         host = HostInputs(
-            input_ids=np.fromiter((t for ids in input_ids for t in ids), dtype=np.int64, count=len(starts)),
+            input_ids=np.fromiter(itertools.chain.from_iterable(input_ids), dtype=np.int64, count=len(starts)),
             positions=starts + within,
             out_cache_loc=out_cache_loc.numpy().astype(np.int64, copy=False),
             req_pool_indices=np.asarray(rows, dtype=np.int64),

@@ -84,8 +84,10 @@ class OverlapDecoder:
     def can_continue(self, flight: InFlight) -> list[Request]:
         """The requests to launch next while `flight` is in the air: none when anything else
         waits to be scheduled."""
-        running = [r for r in self.scheduler.running if not r.finished]
-        if self.scheduler.waiting or any(r not in flight.reqs for r in running):
+        if self.scheduler.waiting:
+            return []
+        launched = set(flight.reqs)  # (a list's `in` is a scan: a step at batch 64 took 4,096 comparisons)
+        if any(r not in launched for r in self.scheduler.running if not r.finished):
             return []
         return [r for r in flight.reqs if not r.finished and not self._last_token_pending(r)]
 
