@@ -637,8 +637,9 @@ def test_the_hidden_ring_wraps_and_catches_up_before_it_is_full(monkeypatch):
     """A ring of 17 rows for 2 requests (`LAG_TOKENS` and `MAX_LAG` made small): long runs of
     overlapped plain steps wrap it many times, a step that would wrap starting at row 0, and
     the draft catches up whenever the next step might find too few free rows (before the lag
-    bounds would: `SpecWorker._ring_full`). Every row a catch-up reads is its step's own, and
-    greedy tokens equal plain decoding's."""
+    bounds would: `SpecWorker._ring_full`). Every row a catch-up reads is its step's own (also
+    across steps before and after the other request ended, where its row moved), and greedy
+    tokens equal plain decoding's."""
     monkeypatch.setattr(worker_module, "LAG_TOKENS", 17)
     monkeypatch.setattr(worker_module, "MAX_LAG", 4)
     spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
@@ -651,17 +652,18 @@ def test_the_hidden_ring_wraps_and_catches_up_before_it_is_full(monkeypatch):
 
     def recorded_take(rows):
         at = took(rows)
-        taken.append((at, ring.free))
+        taken.append((at, rows))
         return at
 
     ring.take = recorded_take
-    sampling = SamplingParams(max_new_tokens=70, temperature=0.0, ignore_eos=True)
+    # the first request ends first: the other's catch-ups then read runs of steps where its row moved
+    sampling = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (45, 70)]
     outs = eng.generate(prompt_token_ids=PROMPTS, sampling=sampling)
     plain = _tiny(False).generate(prompt_token_ids=PROMPTS, sampling=sampling)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert not wrong, wrong
     assert ring.head > 6 * ring.capacity and eng.spec.catch_ups >= 6
-    assert all(at + 2 <= ring.capacity for at, _ in taken)  # no step wraps
+    assert all(at + rows <= ring.capacity for at, rows in taken)  # no step wraps
     assert sum(at == 0 for at, _ in taken) >= 6
     eng.check_no_leak()
 

@@ -385,27 +385,33 @@ class SpecWorker:
         """Each request's target hidden states of positions [first, kv_len): from the first its
         catch-up reads (`Drafter.hidden_from`), the rows of the last plain steps (one a step, each
         a position further on); one gather. Consecutive steps of the same requests share one row
-        map, so the picks are a few array sums a request, not one lookup a request and step.
-        Steps kept in the ring are gathered from it in place; others from their concatenation."""
+        map, and each such run's picks for every request are a few array operations, not a
+        lookup a request and step. Steps kept in the ring are gathered from it in place; others
+        from their concatenation."""
         every, bases = self._kept_rows()
-        runs: list[list] = []  # [first step, end step, the requests' ids, the row of each]
+        runs: list[list] = []  # [first step, end step, the step's requests]
         for s, (step, _) in enumerate(self._plain):
-            ids = tuple(map(id, step))
-            if runs and runs[-1][2] == ids:
+            if runs and runs[-1][2] == step:  # (the same requests in the same order: identity)
                 runs[-1][1] = s + 1
             else:
-                runs.append([s, s + 1, ids, None])
-        for run in runs:
-            run[3] = {rid: i for i, rid in enumerate(run[2])}
-        firsts, picks = [self.drafter.hidden_from(r) for r in reqs], []
-        for req, first in zip(reqs, firsts):
-            since = len(self._plain) - (req.kv_len - first)  # the step that committed position `first`
-            for start, end, _, row in runs:
-                if end > since:
-                    picks.append(bases[max(start, since) : end] + row[id(req)])
-        rows = every.index_select(0, upload(np.concatenate(picks).astype(np.int64), every.device))
+                runs.append([s, s + 1, step])
+        firsts = np.array([self.drafter.hidden_from(r) for r in reqs], dtype=np.int64)
+        since = len(self._plain) - (np.array([r.kv_len for r in reqs], dtype=np.int64) - firsts)  # step of `first`
+        owners, picks = [], []
+        for start, end, step in runs:
+            index = {id(r): i for i, r in enumerate(step)}
+            row = np.array([index.get(id(r), -1) for r in reqs], dtype=np.int64)  # its row in the run's steps
+            low = np.maximum(start, since)
+            n = np.maximum(end - low, 0)
+            if (n[row < 0] > 0).any():
+                raise RuntimeError("draft catch-up: a request behind since a plain step it took no part in")
+            offset = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # 0.. within each request's picks
+            owners.append(np.repeat(np.arange(len(reqs)), n))
+            picks.append(bases[np.repeat(low, n) + offset] + np.repeat(row, n))
+        order = np.argsort(np.concatenate(owners), kind="stable")  # each request's rows together, in step order
+        rows = every.index_select(0, upload(np.concatenate(picks)[order], every.device))
         out, start = {}, 0
-        for req, first in zip(reqs, firsts):
+        for req, first in zip(reqs, firsts.tolist()):
             n = req.kv_len - first
             out[req.rid], start = (first, rows[start : start + n]), start + n
         return out
