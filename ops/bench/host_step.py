@@ -1,0 +1,156 @@
+"""Host time of a decode step with the device's work taken out: plain decoding against each draft
+held at plain steps, where a tiny model's step is mostly host work.
+
+    python -m ops.bench.host_step --out host_step.json [--batches 1,16,64] [--record]
+
+On the CPU, one engine without a draft and one per shipped draft (standalone, EAGLE, frozen-KV
+MTP), all with emulated CUDA graphs and overlapped decoding, the code path a GPU runs. After a
+warm-up run, each graph's forward returns its first output instead of running the model (and
+writes nothing into an EAGLE engine's hidden ring, as a captured graph does on the device), so what
+a step costs is what the host does for it: scheduling, staging the replay, committing tokens, and
+for a draft engine its worker's and controller's bookkeeping (the draft's catch-ups, eager, still
+run the model). Draft engines run the adaptive controller with rounds priced far above a plain
+step, so they stay at plain steps as they would where speculation does not pay.
+
+At each batch every engine decodes `--new` tokens a request in turn, `--repeats` rounds; a case
+is the median over rounds of its median step (`p50_us`), with `over_plain_us`, a draft's median
+step less plain decoding's in the same round (the median over rounds): a host's speed drifts
+between runs, the difference within a round much less. `calls`: Python function calls a step
+(counted by cProfile over one more run; the same on every machine, unlike microseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import json
+import logging
+import pstats
+import statistics
+import time
+from collections.abc import Iterator
+
+import torch
+
+from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops.bench.decode_throughput import timed_decode
+from ops.bench.record import add_record_args, record_run
+from workers.cuda_graphs import CudaGraphRunner
+from workers.engine import Engine, SamplingParams
+
+BATCHES = (1, 16, 64)
+PROMPT = 64
+COLUMNS = ["p50_us", "over_plain_us", "calls", "calls_over_plain"]
+ROUND_SECONDS = 1.0  # what a draft engine's controller is told a round costs: plain steps throughout
+
+
+def build(batch: int, draft: str | None) -> Engine:
+    """An engine of `batch` requests on the CPU with emulated graphs; with `draft`, adaptive and
+    priced to stay at plain steps."""
+    spec = None if draft is None else {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": 4}
+    engine = Engine(
+        model=DEFAULT_MODEL,
+        page_size=16,
+        attention_backend="trtllm_mha",
+        max_total_tokens=batch * 700,
+        max_running_requests=batch,
+        cuda_graphs="emulate",
+        overlap_schedule=True,
+        speculative=spec,
+    )
+    if draft is not None:
+        costs = engine.spec.controller.costs
+        for bucket in costs.buckets:
+            for k in range(1, costs.num_steps + 1):
+                costs.measured[(bucket, k)] = ROUND_SECONDS
+    return engine
+
+
+@contextlib.contextmanager
+def device_work_taken_out() -> Iterator[None]:
+    """Each emulated graph's forward returns its first output (per runner and graph) from now on,
+    and writes no hidden states into a ring (a captured graph's own work on a GPU)."""
+    forward, write_ring, first = CudaGraphRunner._forward, CudaGraphRunner._write_ring, {}
+
+    def replayed(runner, key, family, static):
+        if (id(runner), key) not in first:
+            first[(id(runner), key)] = forward(runner, key, family, static)
+        return first[(id(runner), key)]
+
+    CudaGraphRunner._forward, CudaGraphRunner._write_ring = replayed, lambda runner, family, hidden: None
+    try:
+        yield
+    finally:
+        CudaGraphRunner._forward, CudaGraphRunner._write_ring = forward, write_ring
+
+
+def step_us(engine: Engine, batch: int, new: int) -> list[float]:
+    """Microseconds between consecutive decode steps of one run."""
+    prompts = [[5 + (i * 7 + j) % 2000 for j in range(PROMPT)] for i in range(batch)]
+    ends: list[int] = []
+    sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    timed_decode(engine, prompts, sampling, lambda: ends.append(time.perf_counter_ns()))
+    return [(b - a) / 1e3 for a, b in zip(ends, ends[1:])]
+
+
+def calls_per_step(engine: Engine, batch: int, new: int) -> float:
+    """Python function calls a decode step, over one run (cProfile's primitive and other calls)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    steps = len(step_us(engine, batch, new)) + 1
+    profile.disable()
+    return sum(entry[1] for entry in pstats.Stats(profile).stats.values()) / steps
+
+
+def measure(batch: int, drafts: list[str], new: int, repeats: int) -> dict[str, dict]:
+    engines = {"plain": build(batch, None), **{d: build(batch, d) for d in drafts}}
+    for engine in engines.values():  # the first replays of each graph, with the model
+        step_us(engine, batch, 8)
+    medians: dict[str, list[float]] = {name: [] for name in engines}
+    with device_work_taken_out():
+        for engine in engines.values():
+            step_us(engine, batch, new)
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                medians[name].append(statistics.median(step_us(engine, batch, new)))
+        calls = {name: calls_per_step(engine, batch, new) for name, engine in engines.items()}
+    out = {}
+    for name in engines:
+        case = {"p50_us": statistics.median(medians[name]), "p50_us_runs": medians[name], "calls": calls[name]}
+        if name != "plain":
+            case["over_plain_us"] = statistics.median(d - p for d, p in zip(medians[name], medians["plain"]))
+            case["calls_over_plain"] = calls[name] - calls["plain"]
+            case["plain_steps"] = engines[name].spec.controller.k == 0
+        out[f"b{batch}/{name}"] = case
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the cases as JSON here too")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--drafts", default=",".join(DRAFT_MODELS), help="drafts to run, comma-separated")
+    parser.add_argument("--new", type=int, default=200, help="new tokens a request a run")
+    parser.add_argument("--repeats", type=int, default=5)
+    add_record_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    results: dict[str, dict] = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        cases = measure(batch, args.drafts.split(","), args.new, args.repeats)
+        results.update(cases)
+        for key, case in cases.items():
+            extra = ""
+            if "over_plain_us" in case:
+                extra = f"  +{case['over_plain_us']:.1f} us, +{case['calls_over_plain']:.1f} calls"
+            print(f"{key:<24} p50 {case['p50_us']:8.1f} us  {case['calls']:7.1f} calls{extra}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    record_run(args, "host_step", results, COLUMNS, device="cpu")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""`ops/bench/host_step.py`: decode steps on the CPU's emulated graphs with the device's work
+taken out (the model does not run after each graph's first replay), a draft engine held at plain
+steps beside plain decoding."""
+
+from ops.bench import host_step
+
+
+def test_the_model_runs_only_for_each_graphs_first_replay_once_taken_out():
+    engine = host_step.build(1, None)
+    host_step.step_us(engine, 1, 4)
+    calls = []
+    model_forward = engine.runner.model.forward
+    engine.runner.model.forward = lambda batch: calls.append(batch.forward_mode) or model_forward(batch)
+    with host_step.device_work_taken_out():
+        steps = host_step.step_us(engine, 1, 12)
+    decodes = [mode for mode in calls if mode.name != "EXTEND"]  # (the prefill runs eagerly)
+    assert len(steps) >= 10 and len(decodes) <= 1  # the graph's first replay in the context, at most
+    engine.check_no_leak()
+
+
+def test_a_draft_engine_stays_at_plain_steps_and_is_set_against_plain_decoding():
+    cases = host_step.measure(1, ["eagle"], new=8, repeats=1)
+    assert set(cases) == {"b1/plain", "b1/eagle"}
+    eagle = cases["b1/eagle"]
+    assert eagle["plain_steps"] and eagle["over_plain_us"] == eagle["p50_us"] - cases["b1/plain"]["p50_us"]
+    assert eagle["calls_over_plain"] > 0  # the speculative worker's and controller's bookkeeping
