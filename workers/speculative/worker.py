@@ -181,6 +181,7 @@ class SpecWorker:
         # size), or a prefill chunk where that is more; None: unbounded, as prefill is
         self.catch_up_tokens = max(scheduler.chunk, LAG_TOKENS) if scheduler.chunk else None
         self._row_bytes = 0  # of the target hidden states kept per position
+        self._quiet = 0  # plain steps before the catch-up bounds are checked again (`_quiet_steps`)
         self.ring: HiddenRing | None = None  # with graphs, where plain steps keep an EAGLE head's hidden states
         self.catch_ups = 0  # catch-ups after plain decode steps
         self.drops = 0  # rounds launched ahead and dropped
@@ -226,7 +227,7 @@ class SpecWorker:
         for req in live:
             req.spec.synced = self._plain_count
         self._moved = self._plain_count
-        self._room = self._lag_room()  # (a request admitted)
+        self._room, self._quiet = self._lag_room(), 0  # (a request admitted)
 
     def draft_steps(self, reqs: list[Request]) -> int:
         """How many draft steps a decode step of `reqs` runs (0: a plain decode step), as the
@@ -302,7 +303,7 @@ class SpecWorker:
             for req in reqs:
                 if req.finished:  # its plain steps are counted now
                     self.settle(req)
-            self._room = self._lag_room()
+            self._room, self._quiet = self._lag_room(), 0
         kept = self.drafter.hidden_kept
         if kept != 0:
             if kept != 1 and hidden is not None and not self._row_bytes:
@@ -310,12 +311,26 @@ class SpecWorker:
             self._plain.append((reqs, hidden))
             if kept:
                 del self._plain[:-kept]
-        if (
-            self.drafter.runner.pool is not None
-            and not self.catches_up_lazily
-            and (self._lag >= min(self.max_lag, self._room) or self._too_far_behind() or self._ring_full())
-        ):
-            self._resume([r for r in reqs if not r.finished])
+        if self._quiet:  # no bound can be reached yet
+            self._quiet -= 1
+        elif self.drafter.runner.pool is not None and not self.catches_up_lazily:
+            if self._lag >= min(self.max_lag, self._room) or self._too_far_behind() or self._ring_full():
+                self._resume([r for r in reqs if not r.finished])
+            else:
+                self._quiet = self._quiet_steps()
+
+    def _quiet_steps(self) -> int:
+        """Plain steps after this one in which no catch-up bound can be reached (checked again
+        after them, or once a request ends or is admitted): the lag grows by one a step, the
+        positions behind by at most the running requests, the ring's free rows by at most twice
+        them (a step that would wrap skips to row 0)."""
+        most = self.scheduler.max_running
+        steps = min(self.max_lag, self._room) - self._lag
+        limit = min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
+        steps = min(steps, max(MAX_LAG - self._lag, (limit - self._behind) // most))
+        if self.ring is not None:
+            steps = min(steps, (self.ring.free - 2 * most) // (2 * most))
+        return max(0, steps - 1)
 
     def _lag_room(self) -> int:
         """Plain steps the draft may fall behind before its SWA window outgrows what admission
@@ -367,7 +382,7 @@ class SpecWorker:
             for req in behind:
                 self.settle(req)
             self.catch_ups += 1
-        self._plain, self._behind, self._lag = [], 0, 0
+        self._plain, self._behind, self._lag, self._quiet = [], 0, 0, 0
         if self.ring is not None:  # the rows the catch-up read
             self.ring.release()
         self._moved = self._plain_count  # (a round's drafts move on after it too)
