@@ -355,8 +355,9 @@ class Drafter:
                 best = self.greedy_masked(logits, ids, self.scheduler.history(reqs, partial_vocab=self.partial_vocab))
             else:
                 best = self.greedy(logits, ids)
-            for i, (r, row) in enumerate(zip(reqs, rows)):
-                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = best[i], None, hidden[row]
+            picked = hidden if rows == range(hidden.shape[0]) else hidden[list(rows)]  # (a gather: a copy)
+            for r, token, state in zip(reqs, best.unbind(0), picked.unbind(0)):  # (views in one call)
+                r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = token, None, state
             return
         # through the processor stage, as the target will process the pending token's position
         drawn, errors = draw_each(
@@ -412,7 +413,7 @@ class FrozenKVDrafter(Drafter):
             return
         rows = torch.cat([_rows(hidden[r.rid], r.kv_len - 1, r.kv_len) for r in ready])
         out = self.step(ready, 1, [r.output_ids[-1] for r in ready], rows)
-        self._propose(ready, out.logits, out.hidden, list(range(len(ready))), out.ids)
+        self._propose(ready, out.logits, out.hidden, range(len(ready)), out.ids)
 
     def catch_up_verified(
         self, reqs: list[Request], starts: list[int], accepted: list[int], width: int, hidden: torch.Tensor
@@ -440,8 +441,8 @@ class FrozenKVDrafter(Drafter):
         if out is None:
             return None
         drafts, first_hidden = out
-        for i, r in enumerate(reqs):
-            r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = drafts[i, 0], None, first_hidden[i]
+        for r, token, state in zip(reqs, drafts[:, 0].unbind(0), first_hidden.unbind(0)):
+            r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = token, None, state
         return drafts[:, 1:]
 
     @property
