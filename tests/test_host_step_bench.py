@@ -22,5 +22,11 @@ def test_a_draft_engine_stays_at_plain_steps_and_is_set_against_plain_decoding()
     cases = host_step.measure(1, ["eagle"], new=8, repeats=1)
     assert set(cases) == {"b1/plain", "b1/eagle"}
     eagle = cases["b1/eagle"]
-    assert eagle["plain_steps"] and eagle["over_plain_us"] == eagle["p50_us"] - cases["b1/plain"]["p50_us"]
+    assert eagle["draft_steps"] == 0 and eagle["over_plain_us"] == eagle["p50_us"] - cases["b1/plain"]["p50_us"]
     assert eagle["calls_over_plain"] > 0  # the speculative worker's and controller's bookkeeping
+
+
+def test_rounds_of_a_fixed_draft_length_are_timed_as_the_draft_engines_steps():
+    cases = host_step.measure(1, ["eagle"], new=8, repeats=1, round_steps=2)
+    assert set(cases) == {"b1/plain", "b1/eagle/k2"} and cases["b1/eagle/k2"]["draft_steps"] == 2
+    assert cases["b1/eagle/k2"]["calls"] > 2 * cases["b1/plain"]["calls"]  # a chain, a verify, a catch-up a round

@@ -10,7 +10,9 @@ writes nothing into an EAGLE engine's hidden ring, as a captured graph does on t
 a step costs is what the host does for it: scheduling, staging the replay, committing tokens, and
 for a draft engine its worker's and controller's bookkeeping (the draft's catch-ups, eager, still
 run the model). Draft engines run the adaptive controller with rounds priced far above a plain
-step, so they stay at plain steps as they would where speculation does not pay.
+step, so they stay at plain steps as they would where speculation does not pay; with
+`--round-steps K`, a draft engine's steps are rounds of K draft steps instead (`<draft>/kK`: the
+host work of a round; the device's outputs repeat, so each round accepts what the first did).
 
 At each batch every engine decodes `--new` tokens a request in turn, `--repeats` rounds; a case
 is the median over rounds of its median step (`p50_us`), with `over_plain_us`, a draft's median
@@ -38,6 +40,7 @@ from ops.bench.decode_throughput import timed_decode
 from ops.bench.record import add_record_args, record_run
 from workers.cuda_graphs import CudaGraphRunner
 from workers.engine import Engine, SamplingParams
+from workers.speculative.controller import FixedDraftSteps
 
 BATCHES = (1, 16, 64)
 PROMPT = 64
@@ -45,9 +48,9 @@ COLUMNS = ["p50_us", "over_plain_us", "calls", "calls_over_plain"]
 ROUND_SECONDS = 1.0  # what a draft engine's controller is told a round costs: plain steps throughout
 
 
-def build(batch: int, draft: str | None) -> Engine:
+def build(batch: int, draft: str | None, round_steps: int = 0) -> Engine:
     """An engine of `batch` requests on the CPU with emulated graphs; with `draft`, adaptive and
-    priced to stay at plain steps."""
+    priced to stay at plain steps, or with `round_steps`, rounds of that many draft steps."""
     spec = None if draft is None else {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": 4}
     engine = Engine(
         model=DEFAULT_MODEL,
@@ -59,7 +62,9 @@ def build(batch: int, draft: str | None) -> Engine:
         overlap_schedule=True,
         speculative=spec,
     )
-    if draft is not None:
+    if draft is not None and round_steps:
+        engine.spec.controller = FixedDraftSteps(round_steps)
+    elif draft is not None:
         costs = engine.spec.controller.costs
         for bucket in costs.buckets:
             for k in range(1, costs.num_steps + 1):
@@ -103,8 +108,11 @@ def calls_per_step(engine: Engine, batch: int, new: int) -> float:
     return sum(entry[1] for entry in pstats.Stats(profile).stats.values()) / steps
 
 
-def measure(batch: int, drafts: list[str], new: int, repeats: int) -> dict[str, dict]:
-    engines = {"plain": build(batch, None), **{d: build(batch, d) for d in drafts}}
+def measure(batch: int, drafts: list[str], new: int, repeats: int, round_steps: int = 0) -> dict[str, dict]:
+    """Each engine's median step over `repeats` rounds, set against plain decoding's; with
+    `round_steps`, a draft engine's step is a round of that many draft steps (`<draft>/k<n>`)."""
+    named = {d if not round_steps else f"{d}/k{round_steps}": d for d in drafts}
+    engines = {"plain": build(batch, None), **{name: build(batch, d, round_steps) for name, d in named.items()}}
     for engine in engines.values():  # the first replays of each graph, with the model
         step_us(engine, batch, 8)
     medians: dict[str, list[float]] = {name: [] for name in engines}
@@ -121,7 +129,7 @@ def measure(batch: int, drafts: list[str], new: int, repeats: int) -> dict[str, 
         if name != "plain":
             case["over_plain_us"] = statistics.median(d - p for d, p in zip(medians[name], medians["plain"]))
             case["calls_over_plain"] = calls[name] - calls["plain"]
-            case["plain_steps"] = engines[name].spec.controller.k == 0
+            case["draft_steps"] = getattr(engines[name].spec.controller, "k", round_steps)
         out[f"b{batch}/{name}"] = case
     return out
 
@@ -133,13 +141,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafts", default=",".join(DRAFT_MODELS), help="drafts to run, comma-separated")
     parser.add_argument("--new", type=int, default=200, help="new tokens a request a run")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--round-steps", type=int, default=0, help="time rounds of this many draft steps instead of plain steps"
+    )
     add_record_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     results: dict[str, dict] = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        cases = measure(batch, args.drafts.split(","), args.new, args.repeats)
+        cases = measure(batch, args.drafts.split(","), args.new, args.repeats, args.round_steps)
         results.update(cases)
         for key, case in cases.items():
             extra = ""
