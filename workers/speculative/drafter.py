@@ -355,7 +355,11 @@ class Drafter:
                 best = self.greedy_masked(logits, ids, self.scheduler.history(reqs, partial_vocab=self.partial_vocab))
             else:
                 best = self.greedy(logits, ids)
-            picked = hidden if rows == range(hidden.shape[0]) else hidden[list(rows)]  # (a gather: a copy)
+            picked = (
+                hidden
+                if rows == range(hidden.shape[0])
+                else hidden.index_select(0, upload(np.asarray(rows, dtype=np.int64), hidden.device))
+            )
             for r, token, state in zip(reqs, best.unbind(0), picked.unbind(0)):  # (views in one call)
                 r.spec.next_token, r.spec.next_probs, r.spec.next_hidden = token, None, state
             return

@@ -67,6 +67,7 @@ from workers.cuda_graphs import PADDING_TOKEN
 from workers.forward_batch import ForwardBatch
 from workers.hidden_ring import HiddenRing
 from workers.logprobs import of_rows
+from workers.memory.allocator import expand_ranges
 from workers.model_runner import ForwardOutput, ModelRunner
 from workers.overlap import InFlight
 from workers.processors import at_work, process
@@ -326,8 +327,7 @@ class SpecWorker:
         them (a step that would wrap skips to row 0)."""
         most = self.scheduler.max_running
         steps = min(self.max_lag, self._room) - self._lag
-        limit = min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
-        steps = min(steps, max(MAX_LAG - self._lag, (limit - self._behind) // most))
+        steps = min(steps, max(MAX_LAG - self._lag, (self._behind_limit() - self._behind) // most))
         if self.ring is not None:
             steps = min(steps, (self.ring.free - 2 * most) // (2 * most))
         return max(0, steps - 1)
@@ -349,10 +349,12 @@ class SpecWorker:
     def _too_far_behind(self) -> bool:
         """Whether the draft positions behind (no sooner than MAX_LAG steps) reach `lag_tokens`
         or hold HIDDEN_BYTES of kept target hidden states."""
-        if self._lag < MAX_LAG:
-            return False
-        limit = min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
-        return self._behind >= limit
+        return self._lag >= MAX_LAG and self._behind >= self._behind_limit()
+
+    def _behind_limit(self) -> int:
+        """Draft positions behind at which the draft catches up: `lag_tokens`, or fewer where
+        their kept target hidden states would pass HIDDEN_BYTES."""
+        return min(self.lag_tokens, HIDDEN_BYTES // self._row_bytes) if self._row_bytes else self.lag_tokens
 
     def _ring_full(self) -> bool:
         """Whether the ring may not hold the next plain step's rows (the step in flight took
@@ -417,12 +419,12 @@ class SpecWorker:
             index = {id(r): i for i, r in enumerate(step)}
             row = np.array([index.get(id(r), -1) for r in reqs], dtype=np.int64)  # its row in the run's steps
             low = np.maximum(start, since)
-            n = np.maximum(end - low, 0)
-            if (n[row < 0] > 0).any():
+            high = np.maximum(end, low)
+            if ((high > low) & (row < 0)).any():
                 raise RuntimeError("draft catch-up: a request behind since a plain step it took no part in")
-            offset = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)  # 0.. within each request's picks
-            owners.append(np.repeat(np.arange(len(reqs)), n))
-            picks.append(bases[np.repeat(low, n) + offset] + np.repeat(row, n))
+            of, steps = expand_ranges(low, high)  # each request's steps of the run it reads
+            owners.append(of)
+            picks.append(bases[steps] + row[of])
         order = np.argsort(np.concatenate(owners), kind="stable")  # each request's rows together, in step order
         rows = every.index_select(0, upload(np.concatenate(picks)[order], every.device))
         out, start = {}, 0
