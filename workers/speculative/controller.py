@@ -18,7 +18,10 @@ within `payback` steps. A draft length whose cost is unknown is tried (a CPU tim
 start-up), and below num_steps it probes one step deeper now and then: position k + 1 is never
 judged at k, so its rate would otherwise stay whatever it last was. A probe that changes nothing
 doubles the wait for the next; a probe from plain steps (a round and back) waits besides until
-its measured cost is at most `probe_share` of the time between probes.
+its measured cost is at most `probe_share` of the time between probes. At rounds, plain steps are
+re-checked now and then the same way (a change to them, judged again after `dwell` steps): their
+figure is what they cost when they last ran, and a host's speed drifts; coming back to a k
+restarts its cost entry (`CostModel.restart`).
 
 A step is steady when it ran the k of the step before and nothing else ran in its time: its time
 refreshes its cost entry. The others (a change, a probe, a catch-up) are what changing costs:
@@ -90,6 +93,10 @@ class AdaptiveDraftSteps:
         self._deciding: int | None = None  # the batch size `choose` decided for, until a step is told
         # The unsteady steps since it: (batch size, k, seconds); None once one took unknown time.
         self._unsteady: list[tuple[int, int, float]] | None = []
+        self._at_rounds = 0  # steps at rounds since the last plain step
+        self._recheck_wait = self.probe_after  # steps at rounds before plain steps are re-checked
+        self._recheck = False  # `choose` returned a re-check of plain steps, until a step is told
+        self._rechecking = False  # at plain steps for a re-check, until judged
 
     @property
     def num_steps(self) -> int:
@@ -100,7 +107,9 @@ class AdaptiveDraftSteps:
         return _rates(expected_tokens, self.costs.seconds(batch_size))
 
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
-        every = self.plain_dwell if self.k == 0 and batch_size == self._decided_for else self.dwell
+        every = (
+            self.plain_dwell if self.k == 0 and batch_size == self._decided_for and not self._rechecking else self.dwell
+        )
         if self._steps < self.dwell or self._steps % every:  # decided every `every` steps
             return self.k
         self._deciding = batch_size
@@ -112,6 +121,9 @@ class AdaptiveDraftSteps:
         best = max(range(len(rates)), key=lambda k: (rates[k], k))
         if rates[best] > rates[self.k] * (1.0 + self.margin) and self._repays(batch_size, best, rates, costs):
             return best
+        if self._recheck_due(batch_size, tokens, rates, costs):
+            self._recheck = True
+            return 0
         if self._probe_due(batch_size, tokens, costs):
             self._probe = self.k + 1
             return self._probe
@@ -128,6 +140,7 @@ class AdaptiveDraftSteps:
             self.costs.observe(batch_size, k, seconds)
         self._account(batch_size, k, seconds, steady)
         self._last = k
+        self._at_rounds = self._at_rounds + 1 if k else 0
         if self._probed:  # the step after a probe: back at k (it changed nothing) or moved on
             self._probe_wait = min(2 * self._probe_wait, self.max_probe_after) if k == self.k else self.probe_after
             self._probed = False
@@ -137,8 +150,19 @@ class AdaptiveDraftSteps:
         elif k == self._probe:
             self._probed, self._since_probe = True, 0
         else:
+            self._judge_recheck(k)
+            self._rechecking = k == 0 and self._recheck
             self.k, self._steps, self._since_probe = k, 1, 1
-        self._probe = None
+            self.costs.restart(batch_size, k)
+        if self._rechecking and self._steps > self.dwell:  # plain steps kept when judged: the re-check paid
+            self._judge_recheck(0)
+        self._probe, self._recheck = None, False
+
+    def _judge_recheck(self, k: int) -> None:
+        """A re-check of plain steps ends at k: back at rounds doubles the wait for the next."""
+        if self._rechecking:
+            self._recheck_wait = min(2 * self._recheck_wait, self.max_probe_after) if k else self.probe_after
+            self._rechecking = False
 
     def _repays(self, batch_size: int, best: int, rates: list[float], costs: list[float]) -> bool:
         """Whether leaving k for `best` saves, over `payback` steps at best, more than the change
@@ -148,6 +172,17 @@ class AdaptiveDraftSteps:
             return True
         saved = self.payback * costs[best] * (rates[best] / rates[self.k] - 1.0)
         return saved > self.costs.change_seconds(batch_size, SWITCH)
+
+    def _recheck_due(self, batch_size: int, tokens: np.ndarray, rates: list[float], costs: list[float]) -> bool:
+        """Whether plain steps are due a re-check from rounds: `_recheck_wait` steps at rounds
+        since the last plain step, and no sooner than its cost (two switches, as measured, and
+        `dwell` plain steps' loss against rounds, as estimated) is `probe_share` of the time at
+        rounds since."""
+        if self.k == 0:
+            return False
+        loss = self.dwell * max(0.0, costs[0] - float(tokens[0]) / rates[self.k])
+        cost = 2.0 * self.costs.change_seconds(batch_size, SWITCH) + loss
+        return self._at_rounds >= max(self._recheck_wait, cost / (self.probe_share * costs[self.k]))
 
     def _probe_due(self, batch_size: int, tokens: np.ndarray, costs: list[float]) -> bool:
         """Whether a step one draft deeper is due: `_probe_wait` steps at k; from plain steps

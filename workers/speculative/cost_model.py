@@ -6,8 +6,13 @@ One entry per batch-size bucket (the captured graph sizes: a batch runs padded t
 that holds it) and draft length k in 0..num_steps: the seconds of a plain decode step (k = 0) or
 of a round of k draft steps, its verify and the draft's catch-up. With CUDA graphs a start-up
 measurement of their replays gives every entry a prior (`round_timing.py`); while serving, each
-steady decode step's measured time refreshes its entry as an exponential moving average, so that
-the host's share, which replays alone leave out, is counted. An entry not measured yet is its
+steady decode step's measured time refreshes its entry, so that the host's share, which replays
+alone leave out, is counted. An entry is the median of its last `window` measurements: a host's
+step times have a long tail (a tiny model's plain steps on one H200 host: 90th percentile 1.7x
+the median), and a controller that judged a k on a mean of its first few steps left it for good
+on one slow step. The controller restarts an entry when it comes back to its k after others
+(`restart`): a host's speed drifts by 2x over minutes, so what an entry measured before is not
+mixed with what it measures now. An entry not measured yet is its
 prior plus what serving added to the prior of the nearest measured entry of its kind (a plain
 step's to a plain step's, a round's to a round's: their host work differs; the same bucket
 first, then the nearest bucket): a bucket never served is not explored round by round on
@@ -26,7 +31,9 @@ figure takes the nearest smaller bucket's (changing costs grow with the batch).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
+import statistics
 
 SWITCH = "switch"  # between plain steps and rounds, either way
 EXCURSION = "excursion"  # from plain steps to a round and back
@@ -36,7 +43,8 @@ EXCURSION = "excursion"  # from plain steps to a round and back
 class CostModel:
     buckets: list[int]  # batch sizes, ascending; a batch counts as the smallest bucket holding it
     num_steps: int  # draft lengths 0..num_steps
-    weight: float = 0.2  # of a new measurement in its entry's moving average
+    window: int = 8  # measurements an entry keeps: its figure is their median
+    weight: float = 0.2  # of a new measurement in a change's moving average
     prior: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, k) -> s, start-up
     measured: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # (bucket, k) -> s, serving
     changes: dict[tuple[int, str], float] = dataclasses.field(default_factory=dict)  # (bucket, kind) -> s, serving
@@ -44,10 +52,15 @@ class CostModel:
     def __post_init__(self) -> None:
         if not self.buckets or sorted(set(self.buckets)) != list(self.buckets) or self.buckets[0] < 1:
             raise ValueError(f"cost model: buckets must be ascending distinct sizes >= 1, got {self.buckets}")
+        if self.window < 1:
+            raise ValueError(f"cost model: window must be >= 1 measurement, got {self.window}")
         if not 0.0 < self.weight <= 1.0:
             raise ValueError(f"cost model: weight must be in (0, 1], got {self.weight}")
         self._nearest: dict[tuple[int, int], tuple[int, int] | None] = {}  # `_added`'s choice, until an entry is new
         self._bucket_of: dict[int, int] = {}  # batch size -> its bucket
+        self._recent: dict[tuple[int, int], collections.deque] = {}  # each entry's last measurements
+        self._unread: set[tuple[int, int]] = set()  # entries measured since their figure was last taken
+        self._restarted: set[tuple[int, int]] = set()  # entries whose next measurement starts them afresh
 
     def bucket(self, batch_size: int) -> int:
         """The bucket a batch of `batch_size` requests counts in (the largest past the last);
@@ -66,12 +79,26 @@ class CostModel:
         self._nearest.clear()
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
-        """A steady decode step of `batch_size` requests and `k` draft steps took `seconds`."""
+        """A steady decode step of `batch_size` requests and `k` draft steps took `seconds`
+        (kept: the entry's median is taken when it is next read, at a decision every few steps)."""
         self._check(k, seconds)
         key = (self.bucket(batch_size), k)
-        if key not in self.measured:
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = collections.deque(maxlen=self.window)
             self._nearest.clear()
-        self._average(self.measured, key, seconds)
+        elif key in self._restarted:
+            recent.clear()
+            self._restarted.discard(key)
+        recent.append(seconds)
+        self._unread.add(key)
+
+    def restart(self, batch_size: int, k: int) -> None:
+        """The entry of `k` at this batch size starts afresh with its next measurement (its
+        figure stands until then)."""
+        key = (self.bucket(batch_size), k)
+        if key in self._recent:
+            self._restarted.add(key)
 
     def observe_change(self, batch_size: int, kind: str, seconds: float) -> None:
         """A change of `kind` (`SWITCH`, `EXCURSION`) took `seconds` beyond its steps' entries."""
@@ -83,6 +110,9 @@ class CostModel:
         """The expected seconds of a step of `batch_size` requests for each k in 0..num_steps:
         measured, else the prior and what serving added to the nearest measured entry of its
         kind; None where neither is known."""
+        for key in self._unread:  # each entry measured since: the median of its recent measurements
+            self.measured[key] = statistics.median(self._recent[key])
+        self._unread.clear()
         b = self.bucket(batch_size)
         out: list[float | None] = []
         for k in range(self.num_steps + 1):
