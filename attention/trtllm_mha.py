@@ -92,6 +92,7 @@ class TRTLLMMHABackend(AttentionBackend):
         )
         self._md: ForwardMetadata | None = None
         self._staging: StagedBuffers | None = None
+        self._static_views: dict[tuple, dict[str, torch.Tensor]] = {}  # `_place_static`'s, by shape
         self._layout: dict[str, int] = {}
         self._rows_layout: dict[str, int] = {}
         self._has_wide = False  # a layer reads one query a row in multi-query forwards
@@ -215,16 +216,24 @@ class TRTLLMMHABackend(AttentionBackend):
 
     def _place_static(self, host: dict[str, np.ndarray], region: str = "int32") -> dict[str, torch.Tensor]:
         """Host metadata staged into the static buffers (`int32_rows`: a one-query-a-row view's);
-        views of them in the same shapes."""
+        views of them in the same shapes, made once per shape (a view is microseconds of host
+        time, and every replay of a graph stages the same shape; the dict is shared: read only)."""
         at, (b, w) = (self._rows_layout if region == "int32_rows" else self._layout), host["full_page_table"].shape
-        staging = self._staging
-        views = {
-            name: staging.put(region, host[name], at[name]) for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv")
-        }
-        for i, name in enumerate(["full_page_table", "swa_page_table"][: 1 + ("swa_page_table" in host)]):
-            views[name] = staging.put(region, host[name], at["tables"] + i * b * w).view(b, w)
+        places = [(name, region, at[name]) for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv")]
+        tables = ["full_page_table", "swa_page_table"][: 1 + ("swa_page_table" in host)]
+        places += [(name, region, at["tables"] + i * b * w) for i, name in enumerate(tables)]
         if "swa_out_loc" in host:
-            views["swa_out_loc"] = staging.put("swa_out_loc", host["swa_out_loc"])
+            places.append(("swa_out_loc", "swa_out_loc", 0))
+        staging = self._staging
+        for name, into, offset in places:
+            staging.host(into, host[name].size, offset)[:] = host[name].reshape(-1)
+        shape = (region, b, w, len(tables), host["swa_out_loc"].size if "swa_out_loc" in host else -1)
+        views = self._static_views.get(shape)
+        if views is None:
+            views = self._static_views[shape] = {
+                name: staging.view(into)[offset : offset + host[name].size].view(host[name].shape)
+                for name, into, offset in places
+            }
         return views
 
     def _static_mask(self, batch_size: int, q_len: int) -> torch.Tensor:
