@@ -641,7 +641,8 @@ class Engine:
     def _hidden_at(self, rows: int) -> int | None:
         """Where a plain decode step of `rows` requests keeps its target hidden states for the
         draft: the ring row of its first (None: no ring)."""
-        return self.spec.hidden_at(rows) if self.spec is not None else None
+        ring = self.spec.ring if self.spec is not None else None
+        return ring.take(rows) if ring is not None else None
 
     def _prompt_logprobs(self, sb: ScheduledBatch, rows: list[range], ends: list[int], logits: torch.Tensor) -> None:
         """The logprobs of the prompt tokens this prefill chunk predicts: its row at position p

@@ -138,7 +138,10 @@ class AdaptiveDraftSteps:
         steady = seconds is not None and clean and k == self._last
         if steady:
             self.costs.observe(batch_size, k, seconds)
-        self._account(batch_size, k, seconds, steady)
+        if not steady or self._unsteady:
+            self._account(batch_size, k, seconds, steady)
+        else:  # steady steps in a row (the common step): nothing to tell
+            self._steady = k
         self._last = k
         self._at_rounds = self._at_rounds + 1 if k else 0
         if self._probed:  # the step after a probe: back at k (it changed nothing) or moved on
@@ -211,8 +214,8 @@ class AdaptiveDraftSteps:
                 self._unsteady = None if seconds is None else [*self._unsteady, (batch_size, k, seconds)]
             return
         steps = self._unsteady
-        if not steps:  # (steady steps in a row: nothing to tell, nothing allocated)
-            self._steady, self._unsteady = k, [] if steps is None else steps
+        if steps is None:  # (a step of unknown time since the last steady one: nothing to tell)
+            self._steady, self._unsteady = k, []
             return
         self._unsteady = []
         if self._steady is None or all(j == self._steady for _, j, _ in steps):

@@ -81,8 +81,10 @@ class CostModel:
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady decode step of `batch_size` requests and `k` draft steps took `seconds`
         (kept: the entry's median is taken when it is next read, at a decision every few steps)."""
-        self._check(k, seconds)
-        key = (self.bucket(batch_size), k)
+        if not (0 <= k <= self.num_steps and seconds > 0.0):  # (checked inline: told every step)
+            self._check(k, seconds)
+        bucket = self._bucket_of.get(batch_size)
+        key = (bucket if bucket is not None else self.bucket(batch_size), k)
         recent = self._recent.get(key)
         if recent is None:
             recent = self._recent[key] = collections.deque(maxlen=self.window)

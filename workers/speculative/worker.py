@@ -191,6 +191,9 @@ class SpecWorker:
         self.ring: HiddenRing | None = None  # with graphs, where plain steps keep an EAGLE head's hidden states
         self.catch_ups = 0  # catch-ups after plain decode steps
         self.drops = 0  # rounds launched ahead and dropped
+        # Work that ran besides a decode step's own (the two above): a step in whose time it ran
+        # is not its kind's time (read twice a step: a count, not a sum)
+        self.disturbances = 0
         # `disturbances` when the last round read its results: what is counted after (a round
         # launched ahead, dropped once the read showed a request finished) runs in the next step's time
         self.disturbances_read = 0
@@ -205,12 +208,6 @@ class SpecWorker:
         self._behind = 0  # draft positions behind since the last catch-up, over its requests
         self._moved = 0  # the plain-step count when some request's draft last moved on
         self._finishes = 0  # the scheduler's count of ended requests at the last plain step
-
-    @property
-    def disturbances(self) -> int:
-        """Work that ran besides a decode step's own (a catch-up after plain steps, a round
-        launched ahead and dropped): a step in whose time it ran is not its kind's time."""
-        return self.catch_ups + self.drops
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -249,12 +246,17 @@ class SpecWorker:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        self.drops += 1
+        self._dropped()
         if isinstance(ahead, _MaskedAhead):
             ahead.restore()
         for req in ahead.reqs:
             if not req.finished:
                 self.scheduler.trim(req)
+
+    def _dropped(self) -> None:
+        """A round launched ahead was dropped: its work ran besides a step's own."""
+        self.drops += 1
+        self.disturbances += 1
 
     def propose_draft_steps(self) -> int | None:
         """Rank 0 of a tensor-parallel group: the draft steps of the group's next decode step,
@@ -277,11 +279,6 @@ class SpecWorker:
         self.ring = HiddenRing(rows, width, dtype, self.target.device)
         logger.info("hidden ring: %d rows of %d, %.0f MiB", rows, width, self.ring.buffer.nbytes / 2**20)
         return self.ring
-
-    def hidden_at(self, rows: int) -> int | None:
-        """The ring row from which a plain decode step of `rows` requests keeps its target hidden
-        states (`ForwardBatch.hidden_at`; None: no ring)."""
-        return None if self.ring is None else self.ring.take(rows)
 
     def hold(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
         """A plain step's target hidden states as the draft keeps them: the ring rows its graph
@@ -389,6 +386,7 @@ class SpecWorker:
             for req in behind:
                 self.settle(req)
             self.catch_ups += 1
+            self.disturbances += 1
         self._plain, self._behind, self._lag, self._quiet = [], 0, 0, 0
         if self.ring is not None:  # the rows the catch-up read
             self.ring.release()
@@ -452,7 +450,7 @@ class SpecWorker:
             if isinstance(ahead, _MaskedAhead):
                 ahead.restore()
             ahead = None
-            self.drops += 1
+            self._dropped()
         logits = chosen = None  # the verify's, and its rows' distributions, where the host may read them
         masked = None  # a masked round's drafts on the device
         free = None  # the device drafts of a round whose grammars mask only its verify
@@ -541,7 +539,7 @@ class SpecWorker:
         self._logprobs(events, reqs, chosen, k)
         if self._ahead is not None and len(live) < len(reqs):  # good for a round of exactly these requests
             self._ahead = None
-            self.drops += 1
+            self._dropped()
         if live:
             _, live_reqs, live_starts, accepted = map(list, zip(*live))
             if early:
@@ -554,7 +552,7 @@ class SpecWorker:
                 self.drafter.catch_up_verified(live_reqs, live_starts, accepted, k + 1, hidden)
             if self._ahead is not None and any(r.finished for r in reqs):  # (a failed proposal ends one)
                 self._ahead = None
-                self.drops += 1
+                self._dropped()
             # rejected drafts' slots, written by the catch-up's padding rows; those the next
             # round's verify writes stay while it is in flight
             keep = k if self._ahead is not None and self._ahead.verified is not None else 0
