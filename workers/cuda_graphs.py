@@ -101,6 +101,11 @@ class _Family:
     drafts: torch.Tensor | None = None  # chains: [max batch, steps] int64, each step's token
     ahead: torch.Tensor | None = None  # chains, verifies: [max batch] positions each row starts further on
     graphs: dict[tuple[int, int], object] = dataclasses.field(default_factory=dict)  # (batch size, width)
+    # rows -> a replay's outputs (logits, ids, hidden states): views of the static outputs, made
+    # once (a slice is microseconds of host time; every replay of a size makes the same ones)
+    outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 class CudaGraphRunner:
@@ -140,6 +145,7 @@ class CudaGraphRunner:
         self._counting = np.arange(rows, dtype=np.int64)  # 0, 1, ...: row numbers staged without an array each
         self._padded: dict[tuple[int, int, int], np.ndarray] = {}  # (q_len, query offset, bs) -> all padding
         self._input_views: dict[tuple[GraphKey, int], tuple[torch.Tensor, ...]] = {}  # `_static_batch`'s
+        self._token_views: dict[int, torch.Tensor] = {}  # `_tokens_of`'s
         self.hidden_in = hidden_in
         self.dtype = dtype
         self.emulate = emulate
@@ -328,7 +334,7 @@ class CudaGraphRunner:
         if family.ahead is not None:
             self._set_ahead(family, batch.batch_size, ahead)
         rows = batch.batch_size * key.q_len
-        tokens = self.tokens[:rows] if family.argmax else None
+        tokens = self._tokens_of(rows) if family.argmax else None
         ring = family.ring
         if self.emulate:  # outputs in static buffers, as a replay leaves them: the next one overwrites them
             out, most = self._forward(key, family, static), self.max_batch_size * key.q_len
@@ -340,13 +346,26 @@ class CudaGraphRunner:
             hidden = _static(family, "hidden", out.hidden, rows, most) if family.keep_hidden and not ring else None
         else:
             graph.replay()
-            logits, ids = family.logits[:rows], None if family.ids is None else family.ids[:rows]
-            hidden = family.hidden[:rows] if family.keep_hidden and not ring else None
+            outputs = family.outputs.get(rows)
+            if outputs is None:
+                outputs = family.outputs[rows] = (
+                    family.logits[:rows],
+                    None if family.ids is None else family.ids[:rows],
+                    family.hidden[:rows] if family.keep_hidden and not ring else None,
+                )
+            logits, ids, hidden = outputs
         if ring is not None:  # a plain step's, in the ring rows it was given (none: it kept nothing)
             hidden = None if batch.hidden_at is None else ring.buffer[batch.hidden_at : batch.hidden_at + rows]
         elif hidden is not None and not family.argmax:  # an argmax graph's is read before its next replay
             hidden = hidden.clone()
         return ForwardOutput(logits, hidden, tokens, ids)
+
+    def _tokens_of(self, rows: int) -> torch.Tensor:
+        """The static tokens of an argmax replay of `rows` rows (a view made once per size)."""
+        view = self._token_views.get(rows)
+        if view is None:
+            view = self._token_views[rows] = self.tokens[:rows]
+        return view
 
     def run_chain(
         self, batch: ForwardBatch, pool: KVPool, steps: int, ahead: torch.Tensor | None = None, most: int = 0
