@@ -8,19 +8,22 @@ one device block: a replay writes what it needs into a pinned host block of the 
 and `upload` copies the written prefix in one go. Regions are laid out in the order they were
 added, so owners put the small, always-written ones first.
 
-The host block comes fresh from torch's pinned-memory cache for every replay: a block is reused
-only once the copy that read it has run, so the host may stage the next replay while the device
-still has this one queued.
+Host blocks are kept and reused, each with a typed view of every region made once (a fresh
+block and its views for every replay were tens of microseconds of a host-bound step); a block is
+reused only once the copy that read it has run (on a GPU, an event recorded after the copy says
+so), so the host may stage the next replays while the device still has this one queued.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
 import torch
 
 ALIGN = 16  # bytes: every region starts here, so any dtype's view of it is aligned
+MAX_HOST_BLOCKS = 8  # host blocks kept; past them, staging waits for the oldest block's copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,20 @@ class Region:
         return self.numel * self.dtype.itemsize
 
 
+@dataclasses.dataclass
+class _HostBlock:
+    """A host block of the device block's layout: its bytes, each region's elements as a typed
+    array, and (on a GPU) the event after the copy that last read it."""
+
+    tensor: torch.Tensor
+    typed: dict[str, np.ndarray]
+    copied: torch.cuda.Event | None = None
+
+    def free(self) -> bool:
+        """Whether no copy reading it is still queued."""
+        return self.copied is None or self.copied.query()
+
+
 class StagedBuffers:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -42,8 +59,9 @@ class StagedBuffers:
         self.block: torch.Tensor | None = None  # the device block, once allocated
         self._views: dict[str, torch.Tensor] = {}  # each region's device view, made once
         self._numpy: dict[str, np.dtype] = {}  # each region's dtype on the host
-        self._host: torch.Tensor | None = None  # the host block of the replay being staged
-        self._host_bytes: np.ndarray | None = None  # the same memory as numpy bytes
+        self._host: _HostBlock | None = None  # the host block of the replay being staged
+        self._spare: collections.deque[_HostBlock] = collections.deque()  # host blocks not in use, oldest first
+        self._blocks = 0  # host blocks made
         self._end = 0  # bytes of the host block written so far (the prefix `upload` copies)
 
     def add(self, name: str, numel: int, dtype: torch.dtype) -> None:
@@ -74,11 +92,27 @@ class StagedBuffers:
         return self._host is not None
 
     def begin(self) -> None:
-        """Start staging a replay's buffers."""
-        pinned = self.device.type == "cuda"
-        self._host = torch.empty(self.block.numel(), dtype=torch.uint8, pin_memory=pinned)
-        self._host_bytes = self._host.numpy()
+        """Start staging a replay's buffers, in the oldest host block whose copy has run (a new
+        one while fewer than MAX_HOST_BLOCKS were made; past them, the oldest once its copy ran)."""
+        spare = self._spare
+        if spare and (spare[0].free() or self._blocks >= MAX_HOST_BLOCKS):
+            self._host = spare.popleft()
+            if self._host.copied is not None:
+                self._host.copied.synchronize()
+        else:
+            self._host = self._new_host_block()
         self._end = 0
+
+    def _new_host_block(self) -> _HostBlock:
+        pinned = self.device.type == "cuda"
+        tensor = torch.empty(self.block.numel(), dtype=torch.uint8, pin_memory=pinned)
+        data = tensor.numpy()
+        typed = {
+            name: data[region.offset : region.offset + region.nbytes].view(self._numpy[name])
+            for name, region in self.regions.items()
+        }
+        self._blocks += 1
+        return _HostBlock(tensor, typed, torch.cuda.Event() if pinned else None)
 
     def put(self, name: str, values: np.ndarray, at: int = 0) -> torch.Tensor:
         """Stage `values` at element `at` of a region; the device view of those elements (valid
@@ -97,18 +131,21 @@ class StagedBuffers:
         region = self.regions[name]
         if at + n > region.numel:
             raise ValueError(f"staged buffers: {at + n} elements for region {name!r} of {region.numel}")
-        size = region.dtype.itemsize
-        start, end = region.offset + at * size, region.offset + (at + n) * size
-        self._end = max(self._end, end)
-        return self._host_bytes[start:end].view(self._numpy[name])
+        end = region.offset + (at + n) * region.dtype.itemsize
+        if end > self._end:
+            self._end = end
+        return self._host.typed[name][at : at + n]
 
     def upload(self) -> None:
         """Copy everything staged since `begin` to the device, in one copy."""
-        host, self._host, self._host_bytes = self._host, None, None
+        host, self._host = self._host, None
         if host is None:
             raise RuntimeError("staged buffers: upload() without begin()")
         if self._end:
-            self.block[: self._end].copy_(host[: self._end], non_blocking=True)
+            self.block[: self._end].copy_(host.tensor[: self._end], non_blocking=True)
+            if host.copied is not None:
+                host.copied.record()
+        self._spare.append(host)
 
     @staticmethod
     def _slice(block: torch.Tensor, region: Region) -> torch.Tensor:

@@ -72,3 +72,18 @@ def test_misuse_is_refused_with_the_region_named():
         staged.host("mask", 8)
     with pytest.raises(RuntimeError, match="'late'"):
         staged.add("late", 1, torch.int64)
+
+
+def test_replays_reuse_one_host_block_once_its_copy_ran():
+    """On a CPU the copy has run by the time `upload` returns: every replay stages into the same
+    host block (no allocation and no views made a replay), and each uploads its own values."""
+    staged = _buffers()
+    addresses = set()
+    for value in (3, 4, 5):
+        staged.begin()
+        ids = staged.host("ids", 2)
+        addresses.add(ids.ctypes.data)
+        ids[:] = value
+        staged.upload()
+        assert staged.view("ids")[:2].tolist() == [value, value]
+    assert len(addresses) == 1
