@@ -17,6 +17,7 @@ Correct by construction where the upstream engine was not (docs/design.md §4):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -392,14 +393,16 @@ class TRTLLMMHABackend(AttentionBackend):
             within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
             seq_lens, req_rows = starts + within + 1, np.repeat(req_rows, n)
             q_lens = np.ones(len(seq_lens), dtype=np.int64)
-        cols = np.arange(pages)
-        first_slots = table[req_rows[:, None], np.minimum(cols * p, table.shape[1] - 1)[None, :]]
+        cols, starts = _page_columns(pages, p, table.shape[1])
+        first_slots = table[req_rows[:, None], starts[None, :]]
         used = cols[None, :] < ((seq_lens + reach + p - 1) // p)[:, None]
-        zero = np.zeros(1, dtype=np.int64)
+        cu_q, cu_kv = np.zeros((2, len(seq_lens) + 1), dtype=np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        np.cumsum(seq_lens, out=cu_kv[1:])
         out = {
             "seq_lens": seq_lens,
-            "cu_seq_lens_q": np.concatenate([zero, np.cumsum(q_lens, dtype=np.int64)]),
-            "cu_seq_lens_kv": np.concatenate([zero, np.cumsum(seq_lens)]),
+            "cu_seq_lens_q": cu_q,
+            "cu_seq_lens_kv": cu_kv,
             "full_page_table": np.where(used, first_slots // p, 0),
         }
         if pool.has_swa:
@@ -600,6 +603,16 @@ def _int32_layout(rows: int) -> dict[str, int]:
     """Offsets in a static int32 region of `[seq_lens | cu_seq_lens_q | cu_seq_lens_kv | tables]`
     for up to `rows` rows."""
     return {"seq_lens": 0, "cu_seq_lens_q": rows, "cu_seq_lens_kv": 2 * rows + 1, "tables": 3 * rows + 2}
+
+
+@functools.lru_cache(maxsize=256)
+def _page_columns(pages: int, page_size: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """Page-table columns 0..pages-1 and the table position each reads (its page's first,
+    clamped to the table): the same for every forward of a width, made once (read only)."""
+    cols = np.arange(pages)
+    starts = np.minimum(cols * page_size, positions - 1)
+    cols.flags.writeable = starts.flags.writeable = False
+    return cols, starts
 
 
 def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
