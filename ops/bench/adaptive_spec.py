@@ -14,7 +14,7 @@ One engine per draft, built adaptive (num_steps 4): it runs adaptive, then each 
 through a fixed controller, replaying the graphs it captured for that k, as an engine of that
 num_steps would; plain decoding is an engine without a draft, alive throughout. At each batch
 every mode runs a warm-up (first replays and, adaptive, the controller's first measurements), then
-five rounds each time every mode once in turn, plain decoding first (`<draft>/plain`): greedy
+`--repeats` rounds (5) each time every mode once in turn, plain decoding first (`<draft>/plain`): greedy
 decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of the decode
 steps); a case keeps its median run. A host's speed drifts by more than the 3% sought between runs
 minutes apart (a tiny model's step is mostly host work: one H200 host ran the same plain steps
@@ -177,9 +177,19 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: int, out: Results, plain=None) -> None:
+def run_modes(
+    name: str,
+    engine: Engine,
+    draft: str,
+    batches,
+    prompts_for,
+    new: int,
+    out: Results,
+    plain=None,
+    repeats: int = REPEATS,
+) -> None:
     """Every mode of one engine (plain decoding without a draft) at each batch: each mode warmed
-    up, then `REPEATS` rounds that time every mode once in turn; a case is its mode's run of
+    up, then `repeats` rounds that time every mode once in turn; a case is its mode's run of
     median tokens/s (a tiny model's step is a few hundred microseconds of mostly host work, whose
     jitter one short run would carry). With `plain` (the engine without a draft, alive beside
     this one) each round times it first, and those runs make the case `<draft>/plain`: a host
@@ -191,7 +201,7 @@ def run_modes(name: str, engine: Engine, draft: str, batches, prompts_for, new: 
     for batch in batches:
         prompts = prompts_for(batch)
         runs: dict[str, list[dict]] = {mode: [] for mode, _ in timed_modes}
-        for repeat in range(REPEATS + 1):  # the first a warm-up
+        for repeat in range(repeats + 1):  # the first a warm-up
             for mode, controller in timed_modes:
                 each = plain if controller is None and plain is not None else engine
                 if controller is not None:
@@ -254,7 +264,16 @@ def compare(results: dict) -> dict:
     return results
 
 
-def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str], max_steps: int, out: Results) -> None:
+def tiny_part(
+    device: str,
+    batches,
+    new: int,
+    prompt_len: int,
+    drafts: list[str],
+    max_steps: int,
+    out: Results,
+    repeats: int = REPEATS,
+) -> None:
     from workers.tokenizer import load_tokenizer
 
     tok = load_tokenizer(DEFAULT_MODEL)
@@ -276,11 +295,11 @@ def tiny_part(device: str, batches, new: int, prompt_len: int, drafts: list[str]
         )
 
     plain = build(None)
-    run_modes("tiny", plain, "none", batches, prompts_for, new, out)
+    run_modes("tiny", plain, "none", batches, prompts_for, new, out, repeats=repeats)
     for draft in drafts:
         spec = {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": max_steps}
         engine = build(spec)
-        run_modes("tiny", engine, draft, batches, prompts_for, new, out, plain)
+        run_modes("tiny", engine, draft, batches, prompts_for, new, out, plain, repeats)
         close(engine)
     close(plain)
 
@@ -316,7 +335,14 @@ def shape_drafts(root: str, shape: str) -> dict[str, dict]:
 
 
 def shapes_part(
-    shapes: list[str], batches, new: int, prompt_len: int, drafts: list[str] | None, max_steps: int, out: Results
+    shapes: list[str],
+    batches,
+    new: int,
+    prompt_len: int,
+    drafts: list[str] | None,
+    max_steps: int,
+    out: Results,
+    repeats: int = REPEATS,
 ) -> None:
     root = tempfile.mkdtemp(prefix="adaptive-shapes-")
     for shape in shapes:
@@ -341,11 +367,11 @@ def shapes_part(
             return random_prompts(vocab, batch, prompt_len)
 
         plain = build(None)
-        run_modes(shape, plain, "none", batches, prompts_for, new, out)
+        run_modes(shape, plain, "none", batches, prompts_for, new, out, repeats=repeats)
         for draft, spec in shape_drafts(root, shape).items():
             if drafts is None or draft in drafts:
                 engine = build({**spec, "num_steps": max_steps})
-                run_modes(shape, engine, draft, batches, prompts_for, new, out, plain)
+                run_modes(shape, engine, draft, batches, prompts_for, new, out, plain, repeats)
                 close(engine)
         close(plain)
 
@@ -393,6 +419,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="the largest num_steps (adaptive's)")
     parser.add_argument("--device", default="cuda", help="the tiny part's device (cpu: a smoke run)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=REPEATS,
+        help="timed runs a case (the median kept)",
+    )
     add_record_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -403,10 +435,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if "tiny" in args.parts.split(","):
             drafts = [d for d in DRAFT_MODELS if chosen is None or d in chosen]
-            tiny_part(args.device, batches or TINY_BATCHES, args.new, args.prompt, drafts, args.max_steps, results)
+            tiny_part(
+                args.device,
+                batches or TINY_BATCHES,
+                args.new,
+                args.prompt,
+                drafts,
+                args.max_steps,
+                results,
+                args.repeats,
+            )
         if "shapes" in args.parts.split(","):
             shapes = args.shapes.split(",")
-            shapes_part(shapes, batches or SHAPE_BATCHES, args.new, args.prompt, chosen, args.max_steps, results)
+            shapes_part(
+                shapes, batches or SHAPE_BATCHES, args.new, args.prompt, chosen, args.max_steps, results, args.repeats
+            )
     finally:
         results.save()
         print(table(results))
