@@ -277,6 +277,17 @@ def test_one_slow_step_does_not_drive_the_controller_from_plain_steps_and_a_stal
     assert wait <= rounds <= wait + ctrl.dwell and set(chosen[chosen.index(0) :]) == {0}, rounds
 
 
+def test_a_step_of_unknown_time_leaves_later_changes_measured():
+    """A decode step right after a prefill has no decode step before it to time from: it counts
+    towards no change, and the next change (a plain step 10 s dearer than its entry) is measured
+    as usual."""
+    ctrl = AdaptiveDraftSteps(_costs({4: [1.0, 2.0, 3.0, 4.0]}))
+    ctrl.observe(4, K, None)
+    for seconds in [4.0] * 6 + [11.0] + [1.0] * 3:  # steady rounds, a change to plain steps, steady ones
+        ctrl.observe(4, K if seconds == 4.0 else 0, seconds)
+    assert ctrl.costs.change_seconds(4, SWITCH) == pytest.approx(10.0)
+
+
 def test_probes_from_plain_steps_cost_at_most_their_share_of_the_time():
     """Plain steps are fastest and every change costs 5 s more: probes from plain steps (a round
     and back, 10 s beyond their steps, and the round's own loss against plain steps) come no more

@@ -138,10 +138,10 @@ class AdaptiveDraftSteps:
         steady = seconds is not None and clean and k == self._last
         if steady:
             self.costs.observe(batch_size, k, seconds)
-        if not steady or self._unsteady:
-            self._account(batch_size, k, seconds, steady)
-        else:  # steady steps in a row (the common step): nothing to tell
+        if steady and self._unsteady == []:  # steady steps in a row (the common step): nothing to tell
             self._steady = k
+        else:
+            self._account(batch_size, k, seconds, steady)
         self._last = k
         self._at_rounds = self._at_rounds + 1 if k else 0
         if self._probed:  # the step after a probe: back at k (it changed nothing) or moved on
