@@ -8,9 +8,9 @@ of a round of k draft steps, its verify and the draft's catch-up. With CUDA grap
 measurement of their replays gives every entry a prior (`round_timing.py`); while serving, each
 steady decode step's measured time refreshes its entry, so that the host's share, which replays
 alone leave out, is counted. An entry is the median of its last `window` measurements: a host's
-step times have a long tail (a tiny model's plain steps on one H200 host: 90th percentile 1.7x
-the median), and a controller that judged a k on a mean of its first few steps left it for good
-on one slow step. The controller restarts an entry when it comes back to its k after others
+step times have a long tail (a tiny model's plain steps on one H200 host: 90th percentile up to
+1.7x the median), a moving average holds a slow step for several steps after it, and a decision
+taken meanwhile can leave a k for good. The controller restarts an entry when it comes back to its k after others
 (`restart`): a host's speed drifts by 2x over minutes, so what an entry measured before is not
 mixed with what it measures now. An entry not measured yet is its
 prior plus what serving added to the prior of the nearest measured entry of its kind (a plain
