@@ -93,7 +93,8 @@ class TRTLLMMHABackend(AttentionBackend):
         )
         self._md: ForwardMetadata | None = None
         self._staging: StagedBuffers | None = None
-        self._static_views: dict[tuple, dict[str, torch.Tensor]] = {}  # `_place_static`'s, by shape
+        # `_place_static`'s, by shape: where each array is staged (name, region, offset) and its view
+        self._static_views: dict[tuple, tuple[list[tuple[str, str, int]], dict[str, torch.Tensor]]] = {}
         self._layout: dict[str, int] = {}
         self._rows_layout: dict[str, int] = {}
         self._has_wide = False  # a layer reads one query a row in multi-query forwards
@@ -219,22 +220,26 @@ class TRTLLMMHABackend(AttentionBackend):
         """Host metadata staged into the static buffers (`int32_rows`: a one-query-a-row view's);
         views of them in the same shapes, made once per shape (a view is microseconds of host
         time, and every replay of a graph stages the same shape; the dict is shared: read only)."""
-        at, (b, w) = (self._rows_layout if region == "int32_rows" else self._layout), host["full_page_table"].shape
-        places = [(name, region, at[name]) for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv")]
-        tables = ["full_page_table", "swa_page_table"][: 1 + ("swa_page_table" in host)]
-        places += [(name, region, at["tables"] + i * b * w) for i, name in enumerate(tables)]
-        if "swa_out_loc" in host:
-            places.append(("swa_out_loc", "swa_out_loc", 0))
+        b, w = host["full_page_table"].shape
+        swa = "swa_page_table" in host
+        shape = (region, b, w, swa, host["swa_out_loc"].size if "swa_out_loc" in host else -1)
+        placed = self._static_views.get(shape)
         staging = self._staging
-        for name, into, offset in places:
-            staging.host(into, host[name].size, offset)[:] = host[name].reshape(-1)
-        shape = (region, b, w, len(tables), host["swa_out_loc"].size if "swa_out_loc" in host else -1)
-        views = self._static_views.get(shape)
-        if views is None:
-            views = self._static_views[shape] = {
+        if placed is None:
+            at = self._rows_layout if region == "int32_rows" else self._layout
+            places = [(name, region, at[name]) for name in ("seq_lens", "cu_seq_lens_q", "cu_seq_lens_kv")]
+            tables = ["full_page_table", "swa_page_table"][: 1 + swa]
+            places += [(name, region, at["tables"] + i * b * w) for i, name in enumerate(tables)]
+            if "swa_out_loc" in host:
+                places.append(("swa_out_loc", "swa_out_loc", 0))
+            views = {
                 name: staging.view(into)[offset : offset + host[name].size].view(host[name].shape)
                 for name, into, offset in places
             }
+            placed = self._static_views[shape] = (places, views)
+        places, views = placed
+        for name, into, offset in places:
+            staging.host(into, host[name].size, offset)[:] = host[name].reshape(-1)
         return views
 
     def _static_mask(self, batch_size: int, q_len: int) -> torch.Tensor:
