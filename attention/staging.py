@@ -95,10 +95,11 @@ class StagedBuffers:
         """Start staging a replay's buffers, in the oldest host block whose copy has run (a new
         one while fewer than MAX_HOST_BLOCKS were made; past them, the oldest once its copy ran)."""
         spare = self._spare
-        if spare and (spare[0].free() or self._blocks >= MAX_HOST_BLOCKS):
+        if spare and spare[0].free():
             self._host = spare.popleft()
-            if self._host.copied is not None:
-                self._host.copied.synchronize()
+        elif spare and self._blocks >= MAX_HOST_BLOCKS:  # the device is that many replays behind: wait
+            self._host = spare.popleft()
+            self._host.copied.synchronize()
         else:
             self._host = self._new_host_block()
         self._end = 0

@@ -70,15 +70,8 @@ class HiddenRing:
         the ring rows it took (a graph wrote them: a view, nothing to copy) rather than an eager
         forward's own tensor. Its rows, and every earlier step's, are the ones the next
         `release` frees."""
-        taken = self._taken
-        if taken and hidden is not None:  # the oldest step's rows, as a graph leaves them: no search
-            first, rows = taken[0]
-            if hidden.data_ptr() == self._base + first % self.capacity * self._row_bytes and rows == hidden.shape[0]:
-                self._kept_end = first + rows
-                del taken[0]
-                return True
         start = self.row_of(hidden)
-        for i, (first, rows) in enumerate(taken):  # (a step whose forward failed was never kept)
+        for i, (first, rows) in enumerate(self._taken):  # (a step whose forward failed was never kept)
             if start is None or (first % self.capacity == start and rows == hidden.shape[0]):
                 self._kept_end = first + rows
                 del self._taken[: i + 1]
