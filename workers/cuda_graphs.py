@@ -18,8 +18,8 @@ replay and one copy of the tokens out; its hidden states are kept only when aske
 (`keep_hidden`: plain steps between speculative rounds, whose draft reads them to catch up): in
 its static buffer until its next replay (a draft that reads only the last plain step's), or,
 given a `HiddenRing` (an EAGLE head, which reads every plain step's), written by the graph into
-the ring rows staged with its inputs (`ForwardBatch.hidden_at`; padded rows and a replay given
-none write the ring's scratch row).
+the ring rows from the one row number staged with its inputs (`ForwardBatch.hidden_at`; padded
+rows follow the real ones, and a replay given none writes the ring's scratch rows).
 
 A *chain* graph runs a draft model's greedy decode steps back to back in one launch: between
 steps it moves the batch on, on the device (positions, write slots gathered from the device
@@ -134,14 +134,15 @@ class CudaGraphRunner:
         self.staging = StagedBuffers(runner.device)
         self.staging.add("inputs", 4 * rows + self.max_batch_size, torch.int64)  # ids|positions|slots|rows|logits
         self.staging.add("select", rows, torch.int64)  # argmax graphs: each input id's word in the block
-        self.staging.add("ring_rows", self.max_batch_size, torch.int64)  # argmax graphs with a ring: its row each
+        self.staging.add("ring_at", 1, torch.int64)  # argmax graphs with a ring: the row of the batch's first
         runner.backend.init_graph_buffers(self.max_batch_size, rows, max_pages, self.staging)
         self.staging.add("tokens", rows, torch.int64)  # never staged: argmax graphs write it
         self.staging.allocate()
         self.tokens = self.staging.view("tokens")
         self._select = self.staging.view("select")
         self._words = self.staging.block.view(torch.int64)
-        self._ring_rows = self.staging.view("ring_rows")
+        self._ring_at = self.staging.view("ring_at")
+        self._ring_offsets = torch.arange(self.max_batch_size, device=runner.device)  # each row's from the first
         self._counting = np.arange(rows, dtype=np.int64)  # 0, 1, ...: row numbers staged without an array each
         self._padded: dict[tuple[int, int, int], np.ndarray] = {}  # (q_len, query offset, bs) -> all padding
         self._input_views: dict[tuple[GraphKey, int], tuple[torch.Tensor, ...]] = {}  # `_static_batch`'s
@@ -182,6 +183,11 @@ class CudaGraphRunner:
             raise ValueError(f"cuda graphs: a chain of draft steps is single-token DECODE, not {mode.name} x{q_len}")
         if ring is not None and not (argmax and keep_hidden and q_len == 1):
             raise ValueError("cuda graphs: a hidden ring is for single-token argmax graphs keeping hidden states")
+        if ring is not None and ring.slack < self.max_batch_size:
+            raise ValueError(
+                f"cuda graphs: a hidden ring with {ring.slack} slack rows; a padded batch of up to "
+                f"{self.max_batch_size} writes that many"
+            )
         if q_len > self.max_q_len:
             raise ValueError(f"cuda graphs: {q_len} query tokens a request, the staged buffers hold {self.max_q_len}")
         if max(q_len, chain) > len(self.allocator.scratch_slots):
@@ -255,9 +261,10 @@ class CudaGraphRunner:
         return graph
 
     def _write_ring(self, family: _Family, hidden: torch.Tensor) -> None:
-        """An argmax graph with a ring: its hidden states into the ring rows staged for it."""
+        """An argmax graph with a ring: its hidden states into the ring rows from the one staged."""
         if family.ring is not None:
-            family.ring.buffer.index_copy_(0, self._ring_rows[: hidden.shape[0]], hidden)
+            rows = self._ring_at + self._ring_offsets[: hidden.shape[0]]
+            family.ring.buffer.index_copy_(0, rows, hidden)
 
     def _forward(self, key: GraphKey, family: _Family, batch: ForwardBatch) -> ForwardOutput:
         """What a graph of `key` runs on the static `batch`: one forward, or a chain of greedy
@@ -326,8 +333,8 @@ class CudaGraphRunner:
         """The logits of every query row (and their target ids, for a subset head), hidden
         states handed on and greedy tokens of `batch`; logits, ids, tokens and an argmax graph's
         hidden states are views valid until this runner's next replay (of that graph, for hidden
-        states; an argmax graph's with a ring: the batch's ring rows, until released); argmax
-        graphs keep hidden states only when captured to, other graphs no tokens (None). `ahead`
+        states); argmax graphs keep hidden states only when captured to (with a ring: none here,
+        they are in the ring from `batch.hidden_at`), other graphs no tokens (None). `ahead`
         (a verify's; device, `[B]`, at most `most`): each row starts that many positions
         further on, as in `run_chain`."""
         key, family, graph, static = self._stage(batch, pool, 0, most)
@@ -340,7 +347,7 @@ class CudaGraphRunner:
             out, most = self._forward(key, family, static), self.max_batch_size * key.q_len
             logits = out.logits[:rows] if family.argmax else _static(family, "logits", out.logits, rows, most)
             ids = None if out.ids is None else _static(family, "ids", out.ids, rows, most)
-            if ring is not None:
+            if ring is not None and not ring.head:  # (before any row is taken)
                 ring.match(out.hidden)
             self._write_ring(family, out.hidden)
             hidden = _static(family, "hidden", out.hidden, rows, most) if family.keep_hidden and not ring else None
@@ -354,8 +361,8 @@ class CudaGraphRunner:
                     family.hidden[:rows] if family.keep_hidden and not ring else None,
                 )
             logits, ids, hidden = outputs
-        if ring is not None:  # a plain step's, in the ring rows it was given (none: it kept nothing)
-            hidden = None if batch.hidden_at is None else ring.buffer[batch.hidden_at : batch.hidden_at + rows]
+        if ring is not None:  # a plain step's: in the ring, from the row number it was given
+            hidden = None
         elif hidden is not None and not family.argmax:  # an argmax graph's is read before its next replay
             hidden = hidden.clone()
         return ForwardOutput(logits, hidden, tokens, ids)
@@ -461,12 +468,9 @@ class CudaGraphRunner:
                 select[:real] = ids.storage_offset() + (self._counting[:real] if rows is None else rows)
             else:
                 device_ids = batch.device_input_ids()
-        if family.ring is not None:  # each row's ring row: the batch's, the scratch row for padding
+        if family.ring is not None:  # the ring row of the batch's first row (none: the scratch rows)
             at = batch.hidden_at if batch is not None else None
-            ring_rows = self.staging.host("ring_rows", bs)
-            ring_rows[:] = family.ring.scratch
-            if at is not None:
-                np.add(self._counting[: batch.batch_size], at, out=ring_rows[: batch.batch_size])
+            self.staging.host("ring_at", 1)[0] = family.ring.scratch if at is None else at % family.ring.capacity
         self.staging.upload()
         if device_ids is not None:
             static.input_ids[: device_ids.shape[0]].copy_(device_ids)

@@ -536,7 +536,7 @@ class Engine:
         following = self._overlap.can_continue(flight)
         if following and self.spec is not None and self.spec.draft_steps(following):
             following = []  # the next step drafts: the pipeline drains first
-        hidden = self.spec.hold(flight.hidden) if self.spec is not None else None  # before the next replay
+        hidden = self.spec.hold(flight.hidden) if flight.hidden is not None else None  # before the next replay
         if following:
             self._inflight_disturbances = self.spec.disturbances if self.spec is not None else 0
             self._inflight = self._overlap.launch(following, flight, self._hidden_at(len(following)))
@@ -545,7 +545,7 @@ class Engine:
         if self._inflight is not None:  # its grammar masks follow the tokens just committed
             self._overlap.choose(self._inflight)
         if self.spec is not None:
-            self.spec.after_plain(flight.reqs, hidden)
+            self.spec.after_plain(flight.reqs, hidden, flight.hidden_at)
         self.scheduler.release_windows(live)
         return self._end_step(live, events, timing="step" if following else "drain", read=read)
 
@@ -631,7 +631,7 @@ class Engine:
             [t for t in drawn.tokens if t is not None],
         )
         if self.spec is not None and sb.mode is ForwardMode.DECODE:
-            self.spec.after_plain(sb.reqs, self.spec.hold(out.hidden))
+            self.spec.after_plain(sb.reqs, self.spec.hold(out.hidden), batch.hidden_at)
         elif self.spec is not None:
             self.spec.after_extend(sb, out.hidden)
         if sb.mode is ForwardMode.EXTEND:
@@ -640,7 +640,7 @@ class Engine:
 
     def _hidden_at(self, rows: int) -> int | None:
         """Where a plain decode step of `rows` requests keeps its target hidden states for the
-        draft: the ring row of its first (None: no ring)."""
+        draft: the ring row number of its first (None: no ring)."""
         ring = self.spec.ring if self.spec is not None else None
         return ring.take(rows) if ring is not None else None
 

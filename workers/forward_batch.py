@@ -80,7 +80,7 @@ class ForwardBatch:
     # `ids` when rows is None); the host ids are placeholders then
     device_ids: tuple[torch.Tensor, np.ndarray | None] | None = None
     # a plain decode step of an engine keeping its target hidden states in a ring
-    # (`workers/hidden_ring.py`): the ring row of its first request's, the others' following
+    # (`workers/hidden_ring.py`): the row number of its first request's, the others' following
     hidden_at: int | None = None
     # the caller reads the model's outputs (logits, hidden states handed on) only at the logits
     # rows (a draft's catch-up: each request's last row, which proposes): the last layer's

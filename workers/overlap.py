@@ -45,6 +45,7 @@ class InFlight:
     host_tokens: torch.Tensor | None  # [B] int64 on the host (pinned on a GPU), filled when `copied` is reached
     copied: torch.cuda.Event | None  # None on a CPU: the copy is done when queued
     hidden: torch.Tensor | None = None  # the step's hidden states, a row per request, where its forward kept them
+    hidden_at: int | None = None  # the hidden ring row number its graph wrote them from (`ForwardBatch.hidden_at`)
     logits: torch.Tensor | None = None  # while its tokens wait for their grammar masks (`OverlapDecoder.choose`)
 
     @classmethod
@@ -100,7 +101,7 @@ class OverlapDecoder:
         """Launch a decode step: each request's last committed token (no step in flight) or the
         token `previous` sampled for it, at the position after it. A step with grammars has its
         tokens chosen by `choose`, once `previous` is committed. `hidden_at`: the hidden ring row
-        where its graph keeps its hidden states (`ForwardBatch.hidden_at`)."""
+        number from which its graph keeps its hidden states (`ForwardBatch.hidden_at`)."""
         ahead = 1 if previous is not None else 0
         positions = [r.kv_len + ahead for r in reqs]
         ids = [[0] if previous is not None else r.tokens(r.kv_len, r.kv_len + 1) for r in reqs]
@@ -119,9 +120,9 @@ class OverlapDecoder:
             batch.use_device_ids(previous.tokens, index)
         out = self.forward(batch)
         if any(r.grammar is not None for r in reqs):
-            return InFlight(list(reqs), None, None, None, out.hidden, out.logits)
+            return InFlight(list(reqs), None, None, None, out.hidden, hidden_at, out.logits)
         flight = InFlight.of(list(reqs), out.tokens if out.tokens is not None else out.logits.argmax(dim=-1))
-        flight.hidden = out.hidden
+        flight.hidden, flight.hidden_at = out.hidden, hidden_at
         return flight
 
     def choose(self, flight: InFlight) -> None:

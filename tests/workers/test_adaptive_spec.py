@@ -303,6 +303,43 @@ def test_probes_from_plain_steps_cost_at_most_their_share_of_the_time():
     assert all(b - a >= (10.0 + 1.5 - 1.3) / 0.01 for a, b in itertools.pairwise(probes))
 
 
+class _AlwaysAccounting(AdaptiveDraftSteps):
+    """The controller without its shortcut for steady steps: every step through the whole
+    bookkeeping."""
+
+    def observe(self, batch_size, k, seconds, clean=True):
+        self._calm = False
+        super().observe(batch_size, k, seconds, clean)
+
+
+def test_the_shortcut_for_steady_steps_leaves_the_controller_as_the_whole_bookkeeping_does():
+    """Steady steps skip the controller's bookkeeping (a plain step's host time counts on a
+    host-bound model): over random runs of steps (batch sizes changing now and then, slow, unclean
+    and unknown-time steps, the steps a relayed group runs regardless of the choice), the
+    controller with the shortcut chooses, and ends in, what the one without it does."""
+    rng = np.random.default_rng(7)
+    times = {b: [b * (1.0 + 0.6 * k) for k in range(K + 1)] for b in BUCKETS}
+    fast, whole = AdaptiveDraftSteps(CostModel(BUCKETS, K)), _AlwaysAccounting(CostModel(BUCKETS, K))
+    batch, rate, shortcuts = 4, 0.7, 0
+    for _ in range(3000):
+        if rng.random() < 0.01:
+            batch, rate = int(rng.choice([1, 3, 4, 16, 40])), float(rng.uniform(0.1, 0.9))
+        tokens = _tokens(batch, rate)
+        k = fast.choose(batch, lambda tokens=tokens: tokens)
+        assert whole.choose(batch, lambda tokens=tokens: tokens) == k
+        if rng.random() < 0.01:  # a step a relayed group ran whatever this rank chose
+            k = int(rng.integers(0, K + 1))
+        seconds = times[fast.costs.bucket(batch)][k] * float(rng.lognormal(0.0, 0.3))
+        told = (batch, k, None if rng.random() < 0.01 else seconds, rng.random() > 0.02)
+        shortcuts += fast._calm and k == fast.k and told[2] is not None and told[3]
+        fast.observe(*told)
+        whole.observe(*told)
+        state = {n: v for n, v in vars(fast).items() if n not in ("costs", "_calm")}
+        assert state == {n: v for n, v in vars(whole).items() if n not in ("costs", "_calm")}
+        assert fast.costs.seconds(batch) == whole.costs.seconds(batch)
+    assert shortcuts > 1000 and len(set(fast.costs.measured)) > 8
+
+
 # -- engines on a forced schedule ------------------------------------------------------------------
 SCHEDULE = [K, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0, K, 2, 2, 0]  # rounds of every k, plain runs past max_lag
 PROMPTS = [[5, 17, 99, 3, 250, 1000, 7, 8, 9, 10] * 2, [11, 12, 13, 14] * 3]
@@ -653,8 +690,9 @@ def _kept_hidden_checked(eng: Engine) -> tuple[list, list]:
 
     def recorded(batch):
         out = forward(batch)
-        for row, position, hidden in zip(batch.req_pool_indices.tolist(), batch.positions.tolist(), out.hidden):
-            produced[row, position] = hidden.clone()
+        hidden = out.hidden if out.hidden is not None else eng.spec.ring.view(batch.hidden_at, batch.batch_size)
+        for row, position, state in zip(batch.req_pool_indices.tolist(), batch.positions.tolist(), hidden):
+            produced[row, position] = state.clone()
         return out
 
     def compared(reqs):
@@ -721,8 +759,8 @@ def test_the_hidden_ring_wraps_and_catches_up_before_it_is_full(monkeypatch):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert not wrong, wrong
     assert ring.head > 6 * ring.capacity and eng.spec.catch_ups >= 6
-    assert all(at + rows <= ring.capacity for at, rows in taken)  # no step wraps
-    assert sum(at == 0 for at, _ in taken) >= 6
+    assert all(ring.row(at) + rows <= ring.capacity for at, rows in taken)  # no step wraps
+    assert sum(ring.row(at) == 0 for at, _ in taken) >= 6
     eng.check_no_leak()
 
 

@@ -97,6 +97,7 @@ class AdaptiveDraftSteps:
         self._recheck_wait = self.probe_after  # steps at rounds before plain steps are re-checked
         self._recheck = False  # `choose` returned a re-check of plain steps, until a step is told
         self._rechecking = False  # at plain steps for a re-check, until judged
+        self._calm = False  # the last step was steady at k and nothing waits: a steady step at k only counts
 
     @property
     def num_steps(self) -> int:
@@ -112,7 +113,7 @@ class AdaptiveDraftSteps:
         )
         if self._steps < self.dwell or self._steps % every:  # decided every `every` steps
             return self.k
-        self._deciding = batch_size
+        self._deciding, self._calm = batch_size, False
         tokens, costs = expected_tokens(), self.costs.seconds(batch_size)
         rates = _rates(tokens, costs)
         unknown = [k for k, r in enumerate(rates) if r is None]
@@ -133,6 +134,13 @@ class AdaptiveDraftSteps:
         """Counts the step: at k, a probe, or a change of k. A steady step (the k of the step
         before, its time known and clean) refreshes its cost entry; the others count towards
         what changing costs."""
+        if self._calm and k == self.k and clean and seconds is not None:  # the common step: nothing else to do
+            self.costs.observe(batch_size, k, seconds)
+            self._steps += 1
+            self._since_probe += 1
+            if k:
+                self._at_rounds += 1
+            return
         if self._deciding is not None:
             self._decided_for, self._deciding = self._deciding, None
         steady = seconds is not None and clean and k == self._last
@@ -160,6 +168,7 @@ class AdaptiveDraftSteps:
         if self._rechecking and self._steps > self.dwell:  # plain steps kept when judged: the re-check paid
             self._judge_recheck(0)
         self._probe, self._recheck = None, False
+        self._calm = steady and k == self.k and not self._probed and not self._rechecking  # (steady: nothing unsteady)
 
     def _judge_recheck(self, k: int) -> None:
         """A re-check of plain steps ends at k: back at rounds doubles the wait for the next."""

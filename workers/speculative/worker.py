@@ -199,15 +199,16 @@ class SpecWorker:
         self.disturbances_read = 0
         # Plain decode steps run, those since the draft last caught up (`_lag`), and of those the
         # ones whose target hidden states its catch-up reads: (the step's requests, their hidden
-        # states, a row each). Every running request takes part in every decode step, so a request
-        # is as many plain steps behind as were counted since it last caught up
-        # (`DraftState.synced`): no per-request work.
+        # states, a row each, or the ring row number of their first). Every running request takes
+        # part in every decode step, so a request is as many plain steps behind as were counted
+        # since it last caught up (`DraftState.synced`): no per-request work.
         self._plain_count = 0
         self._lag = 0
-        self._plain: list[tuple[list[Request], torch.Tensor | None]] = []
+        self._plain: list[tuple[list[Request], torch.Tensor | int | None]] = []
         self._behind = 0  # draft positions behind since the last catch-up, over its requests
         self._moved = 0  # the plain-step count when some request's draft last moved on
         self._finishes = 0  # the scheduler's count of ended requests at the last plain step
+        self._ring_end = 0  # the ring row number after the last plain step's rows
 
     def add_request(self, req: Request) -> None:
         req.spec = DraftState(SpecStats(self.num_steps))
@@ -276,28 +277,31 @@ class SpecWorker:
         width = self.target.model.handed_on_size
         batch = self.scheduler.max_running
         rows = max(min(LAG_TOKENS, HIDDEN_BYTES // (width * dtype.itemsize)), (MAX_LAG + 4) * batch)
-        self.ring = HiddenRing(rows, width, dtype, self.target.device)
+        self.ring = HiddenRing(rows, width, dtype, self.target.device, slack=batch)
         logger.info("hidden ring: %d rows of %d, %.0f MiB", rows, width, self.ring.buffer.nbytes / 2**20)
         return self.ring
 
     def hold(self, hidden: torch.Tensor | None) -> torch.Tensor | None:
-        """A plain step's target hidden states as the draft keeps them: the ring rows its graph
-        wrote them to; else (a graph's static buffer, valid until its next replay) a copy where
-        its catch-up reads more than the last step's rows, taken before the next replay is
-        launched (an overlapped plain step launches the next one before committing this one);
-        the rows themselves otherwise (no replay comes between the last plain step and the round
-        that reads them)."""
-        if self.ring is not None and self.ring.keep(hidden):
-            return hidden
+        """A plain step's target hidden states as its forward returned them (None where its
+        graph wrote them into the ring), as the draft keeps them: a graph's static buffer, valid
+        until its next replay, copied where its catch-up reads more than the last step's rows,
+        before the next replay is launched (an overlapped plain step launches the next one
+        before committing this one); the rows themselves otherwise (no replay comes between the
+        last plain step and the round that reads them)."""
         kept = self.drafter.hidden_kept
         return hidden.clone() if hidden is not None and kept != 0 and kept != 1 else hidden
 
-    def after_plain(self, reqs: list[Request], hidden: torch.Tensor | None) -> None:
+    def after_plain(self, reqs: list[Request], hidden: torch.Tensor | None, ring_at: int | None = None) -> None:
         """A plain decode step committed a token for each of `reqs` (`hidden`: the target's
-        hidden states, a row each, as `hold` kept them): the draft falls a token behind and
-        keeps the rows its catch-up reads; a draft with KV of its own catches up once too far
-        behind. The same few operations whatever the batch, but for a catch-up and a look at
-        the requests once some request has ended."""
+        hidden states, a row each, as `hold` kept them, or None where its graph wrote them into
+        the ring from row number `ring_at`): the draft falls a token behind and keeps the rows
+        its catch-up reads; a draft with KV of its own catches up once too far behind. The same
+        few operations whatever the batch, but for a catch-up and a look at the requests once
+        some request has ended."""
+        if ring_at is not None:  # the rows it took, read by the next catch-up and freed after it
+            self._ring_end = ring_at + len(reqs)
+            if hidden is None:
+                hidden = ring_at
         self._plain_count += 1
         self._lag += 1
         self._behind += len(reqs)
@@ -310,7 +314,9 @@ class SpecWorker:
         kept = self.drafter.hidden_kept
         if kept != 0:
             if kept != 1 and hidden is not None and not self._row_bytes:
-                self._row_bytes = hidden.shape[-1] * hidden.element_size()
+                self._row_bytes = (
+                    self.ring.row_bytes if isinstance(hidden, int) else hidden.shape[-1] * hidden.element_size()
+                )
             self._plain.append((reqs, hidden))
             if kept:
                 del self._plain[:-kept]
@@ -389,16 +395,16 @@ class SpecWorker:
             self.disturbances += 1
         self._plain, self._behind, self._lag, self._quiet = [], 0, 0, 0
         if self.ring is not None:  # the rows the catch-up read
-            self.ring.release()
+            self.ring.release(self._ring_end)
         self._moved = self._plain_count  # (a round's drafts move on after it too)
 
     def _kept_rows(self) -> tuple[torch.Tensor, np.ndarray]:
         """The kept plain steps' hidden states as one tensor and each step's first row in it:
-        the ring itself when every step's rows are ring rows."""
+        the ring itself when every step's rows are ring rows (kept as their first row number)."""
         kept = [hidden for _, hidden in self._plain]
-        rows = [self.ring.row_of(h) for h in kept] if self.ring is not None else [None]
-        if None not in rows:
-            return self.ring.buffer, np.array(rows, dtype=np.int64)
+        if self.ring is not None and all(isinstance(h, int) for h in kept):
+            return self.ring.buffer, np.array(kept, dtype=np.int64) % self.ring.capacity
+        kept = [self.ring.view(h, len(step)) if isinstance(h, int) else h for (step, _), h in zip(self._plain, kept)]
         return torch.cat(kept), np.cumsum([0] + [h.shape[0] for h in kept])
 
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
