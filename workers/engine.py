@@ -536,7 +536,9 @@ class Engine:
         following = self._overlap.can_continue(flight)
         if following and self.spec is not None and self.spec.draft_steps(following):
             following = []  # the next step drafts: the pipeline drains first
-        hidden = self.spec.hold(flight.hidden) if flight.hidden is not None else None  # before the next replay
+        hidden = flight.hidden  # kept before the next replay
+        if hidden is not None and self.spec is not None:
+            hidden = self.spec.hold(hidden)
         if following:
             self._inflight_disturbances = self.spec.disturbances if self.spec is not None else 0
             self._inflight = self._overlap.launch(following, flight, self._hidden_at(len(following)))

@@ -55,12 +55,14 @@ class HiddenRing:
         """The number of the row where a step of `rows` requests writes its first hidden state
         (its others follow); raises when fewer rows are free, counting the `slack` rows a padded
         graph may write (the speculative worker catches up before that: `SpecWorker.after_plain`)."""
-        first = self.head
-        at = first % self.capacity
-        if at + rows > self.capacity:  # no step wraps: it starts at row 0
-            first, at = first + self.capacity - at, 0
-        reach = min(max(rows, self.slack), self.capacity - at)  # (padded rows past the last go to the slack)
-        if first + reach - self.tail > self.capacity:
+        first, capacity = self.head, self.capacity
+        at = first % capacity
+        if at + rows > capacity:  # no step wraps: it starts at row 0
+            first, at = first + capacity - at, 0
+        reach = rows if rows > self.slack else self.slack
+        if at + reach > capacity:  # (padded rows past the last go to the slack)
+            reach = capacity - at
+        if first + reach - self.tail > capacity:
             raise RuntimeError(
                 f"hidden ring: {rows} rows for a step (up to {max(rows, self.slack)} with padding), {self.free} "
                 f"of {self.capacity} free (the draft should have caught up before)"

@@ -303,6 +303,37 @@ def test_probes_from_plain_steps_cost_at_most_their_share_of_the_time():
     assert all(b - a >= (10.0 + 1.5 - 1.3) / 0.01 for a, b in itertools.pairwise(probes))
 
 
+class _NoHotEntry(CostModel):
+    """The cost model without its shortcut for a repeated measurement."""
+
+    def observe(self, batch_size, k, seconds):
+        self._hot = None
+        super().observe(batch_size, k, seconds)
+
+
+def test_the_cost_models_shortcut_for_repeated_measurements_keeps_what_the_whole_path_does():
+    """Runs of measurements of the same step append to their entry directly; over random runs
+    (batch sizes sharing a bucket, entries restarted and read between them) the figures are the
+    whole path's."""
+    rng = np.random.default_rng(3)
+    fast, whole = CostModel(BUCKETS, K, window=4), _NoHotEntry(BUCKETS, K, window=4)
+    batch, k = 2, 0
+    for _ in range(4000):
+        if rng.random() < 0.05:
+            batch, k = int(rng.choice([1, 2, 3, 4, 9, 64])), int(rng.integers(0, K + 1))
+        seconds = float(rng.uniform(0.5, 2.0))
+        for model in (fast, whole):
+            model.observe(batch, k, seconds)
+        if rng.random() < 0.03:
+            for model in (fast, whole):
+                model.restart(batch, k)
+        if rng.random() < 0.1:
+            read = int(rng.choice([1, 3, 16]))
+            assert fast.seconds(read) == whole.seconds(read)
+    assert {b: fast.seconds(b) for b in BUCKETS} == {b: whole.seconds(b) for b in BUCKETS}
+    assert fast.measured == whole.measured and len(fast.measured) > 8
+
+
 class _AlwaysAccounting(AdaptiveDraftSteps):
     """The controller without its shortcut for steady steps: every step through the whole
     bookkeeping."""

@@ -61,6 +61,9 @@ class CostModel:
         self._recent: dict[tuple[int, int], collections.deque] = {}  # each entry's last measurements
         self._unread: set[tuple[int, int]] = set()  # entries measured since their figure was last taken
         self._restarted: set[tuple[int, int]] = set()  # entries whose next measurement starts them afresh
+        # (batch size, k, its entry's measurements) of the last measurement, until its entry is read
+        # or restarted: the next measurement of the same step appends there and nothing else
+        self._hot: tuple[int, int, collections.deque] | None = None
 
     def bucket(self, batch_size: int) -> int:
         """The bucket a batch of `batch_size` requests counts in (the largest past the last);
@@ -81,7 +84,11 @@ class CostModel:
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         """A steady decode step of `batch_size` requests and `k` draft steps took `seconds`
         (kept: the entry's median is taken when it is next read, at a decision every few steps)."""
-        if not (0 <= k <= self.num_steps and seconds > 0.0):  # (checked inline: told every step)
+        hot = self._hot
+        if hot is not None and hot[0] == batch_size and hot[1] == k and seconds > 0.0:  # (told every step)
+            hot[2].append(seconds)
+            return
+        if not (0 <= k <= self.num_steps and seconds > 0.0):
             self._check(k, seconds)
         bucket = self._bucket_of.get(batch_size)
         key = (bucket if bucket is not None else self.bucket(batch_size), k)
@@ -94,6 +101,7 @@ class CostModel:
             self._restarted.discard(key)
         recent.append(seconds)
         self._unread.add(key)
+        self._hot = (batch_size, k, recent)
 
     def restart(self, batch_size: int, k: int) -> None:
         """The entry of `k` at this batch size starts afresh with its next measurement (its
@@ -101,6 +109,7 @@ class CostModel:
         key = (self.bucket(batch_size), k)
         if key in self._recent:
             self._restarted.add(key)
+            self._hot = None
 
     def observe_change(self, batch_size: int, kind: str, seconds: float) -> None:
         """A change of `kind` (`SWITCH`, `EXCURSION`) took `seconds` beyond its steps' entries."""
@@ -115,6 +124,7 @@ class CostModel:
         for key in self._unread:  # each entry measured since: the median of its recent measurements
             self.measured[key] = statistics.median(self._recent[key])
         self._unread.clear()
+        self._hot = None
         b = self.bucket(batch_size)
         out: list[float | None] = []
         for k in range(self.num_steps + 1):

@@ -298,13 +298,14 @@ class SpecWorker:
         its catch-up reads; a draft with KV of its own catches up once too far behind. The same
         few operations whatever the batch, but for a catch-up and a look at the requests once
         some request has ended."""
+        rows = len(reqs)
         if ring_at is not None:  # the rows it took, read by the next catch-up and freed after it
-            self._ring_end = ring_at + len(reqs)
+            self._ring_end = ring_at + rows
             if hidden is None:
                 hidden = ring_at
         self._plain_count += 1
         self._lag += 1
-        self._behind += len(reqs)
+        self._behind += rows
         if self.scheduler.finishes != self._finishes:  # one ended (in this step or before it)
             self._finishes = self.scheduler.finishes
             for req in reqs:
