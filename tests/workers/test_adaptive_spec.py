@@ -713,18 +713,23 @@ def test_plain_steps_skip_only_window_releases_that_free_nothing():
 
 
 def _kept_hidden_checked(eng: Engine) -> tuple[list, list]:
-    """Record every plain step's target hidden states as its forward produced them, and compare
-    each row an EAGLE head's catch-up reads with them: ((request, position) read wrong, the rows
-    each catch-up read per request)."""
+    """Record every plain step's target hidden states as its forward produced them (overlapped or
+    not), and compare each row an EAGLE head's catch-up reads with them: ((request, position) read
+    wrong, the rows each catch-up read per request)."""
     produced = {}  # (request row, position) -> the hidden state its plain step produced, as it came
-    forward, plain_hidden, checked, wrong = eng._overlap.forward, eng.spec._plain_hidden, [], []
+    plain_hidden, checked, wrong = eng.spec._plain_hidden, [], []
 
-    def recorded(batch):
-        out = forward(batch)
-        hidden = out.hidden if out.hidden is not None else eng.spec.ring.view(batch.hidden_at, batch.batch_size)
-        for row, position, state in zip(batch.req_pool_indices.tolist(), batch.positions.tolist(), hidden):
-            produced[row, position] = state.clone()
-        return out
+    def recording(forward):
+        def recorded(batch):
+            out = forward(batch)
+            if batch.forward_mode is not ForwardMode.DECODE:
+                return out
+            hidden = out.hidden if out.hidden is not None else eng.spec.ring.view(batch.hidden_at, batch.batch_size)
+            for row, position, state in zip(batch.req_pool_indices.tolist(), batch.positions.tolist(), hidden):
+                produced[row, position] = state.clone()
+            return out
+
+        return recorded
 
     def compared(reqs):
         out = plain_hidden(reqs)
@@ -738,7 +743,8 @@ def _kept_hidden_checked(eng: Engine) -> tuple[list, list]:
             checked.append(len(rows))
         return out
 
-    eng._overlap.forward, eng.spec._plain_hidden = recorded, compared
+    eng._overlap.forward, eng.runner.forward = recording(eng._overlap.forward), recording(eng.runner.forward)
+    eng.spec._plain_hidden = compared
     return wrong, checked
 
 
@@ -757,6 +763,31 @@ def test_overlapped_plain_steps_keep_each_steps_own_hidden_states():
     assert len(checked) >= 4 and min(checked) >= 4, checked
     assert all(o.spec.plain_steps > 0 for o in outs)
     assert eng.spec.ring is not None and eng.spec.ring.head > 0  # (kept in the ring)
+    eng.check_no_leak()
+
+
+def test_a_catch_up_reads_ring_rows_and_an_eager_steps_own_hidden_states_alike():
+    """Graphs captured for one request: a plain step of two runs eagerly and keeps its own copy
+    of its hidden states, a step of one, under (emulated) replay, keeps them in the ring as row
+    numbers. Once the shorter request ends, a catch-up reads runs of both kinds at once, each row
+    its own step's, and greedy tokens equal plain decoding's."""
+    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
+    eng = _tiny("emulate", spec, overlap_schedule=True, cuda_graph_max_batch_size=1)
+    eng.spec.controller = Schedule([K, *[0] * 10])
+    wrong, checked = _kept_hidden_checked(eng)
+    kept_rows, kinds = eng.spec._kept_rows, []
+
+    def recorded_kept_rows():
+        kinds.append({type(h).__name__ for _, h in eng.spec._plain})
+        return kept_rows()
+
+    eng.spec._kept_rows = recorded_kept_rows
+    sampling = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (60, 17)]
+    outs = eng.generate(prompt_token_ids=PROMPTS, sampling=sampling)
+    plain = _tiny(False).generate(prompt_token_ids=PROMPTS, sampling=sampling)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert not wrong, wrong
+    assert {"int", "Tensor"} in kinds and len(checked) >= 4, (kinds, checked)
     eng.check_no_leak()
 
 
