@@ -308,7 +308,7 @@ class TRTLLMMHABackend(AttentionBackend):
         flat = kernel == "decode" and q_len_per_req > 1 and (self._has_wide or few)
         rows_per_req = q_len_per_req if flat else 1
         uniform_rows = [q_len_per_req] * batch.batch_size if flat else None
-        host = self._host_tables(batch, pool, pages_per_req, reach, uniform_rows)
+        host = self._host_tables(batch, pool, pages_per_req, reach, uniform_rows, q_len_per_req)
         dev = place(host) if place else dict(zip(host, _upload_int32(list(host.values()), self.device)))
         rows = None
         if self._has_wide and kernel is not None and not flat and (kernel == "context" or q_len_per_req > 1):
@@ -380,13 +380,19 @@ class TRTLLMMHABackend(AttentionBackend):
 
     @staticmethod
     def _host_tables(
-        batch: AttentionBatch, pool: KVPool, pages: int, reach: int = 0, query_rows: list[int] | None = None
+        batch: AttentionBatch,
+        pool: KVPool,
+        pages: int,
+        reach: int = 0,
+        query_rows: list[int] | None = None,
+        q_len: int = 0,
     ) -> dict[str, np.ndarray]:
         """Lengths, page tables `[B, pages]` and SWA write slots on the host. A page table holds
         each request's slot at the start of every page (allocation is page aligned, so slot //
         page_size is the page); columns past a request's length (plus `reach`) are 0. With
         `query_rows` (a flat verify: its uniform query length; a wide layer's rows: the batch's
-        query lengths) request i has that many rows, one a query, each row's KV ending there."""
+        query lengths) request i has that many rows, one a query, each row's KV ending there.
+        `q_len`: the batch's one query length a request, where it has one (0: ragged)."""
         p = pool.page_size
         table = batch.req_to_token_host
         seq_lens = np.asarray(batch.seq_lens_cpu, dtype=np.int64)
@@ -397,12 +403,15 @@ class TRTLLMMHABackend(AttentionBackend):
             starts = np.repeat(seq_lens - n, n)  # KV before each request's first query
             within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
             seq_lens, req_rows = starts + within + 1, np.repeat(req_rows, n)
-            q_lens = np.ones(len(seq_lens), dtype=np.int64)
         cols, starts = _page_columns(pages, p, table.shape[1])
         first_slots = table[req_rows[:, None], starts[None, :]]
-        used = cols[None, :] < ((seq_lens + reach + p - 1) // p)[:, None]
-        cu_q, cu_kv = np.zeros((2, len(seq_lens) + 1), dtype=np.int64)
-        np.cumsum(q_lens, out=cu_q[1:])
+        used = np.greater.outer((seq_lens + (reach + p - 1)) // p, cols)  # columns within each request's pages
+        if query_rows is not None or q_len:  # one query length a request: 0, q, 2q, ...
+            cu_q = _uniform_starts(len(seq_lens), 1 if query_rows is not None else q_len)
+        else:
+            cu_q = np.zeros(len(seq_lens) + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=cu_q[1:])
+        cu_kv = np.zeros(len(seq_lens) + 1, dtype=np.int64)
         np.cumsum(seq_lens, out=cu_kv[1:])
         out = {
             "seq_lens": seq_lens,
@@ -618,6 +627,15 @@ def _page_columns(pages: int, page_size: int, positions: int) -> tuple[np.ndarra
     starts = np.minimum(cols * page_size, positions - 1)
     cols.flags.writeable = starts.flags.writeable = False
     return cols, starts
+
+
+@functools.lru_cache(maxsize=1024)
+def _uniform_starts(requests: int, q_len: int) -> np.ndarray:
+    """Each request's first query row, and the total, when every request has `q_len` (read only;
+    made once: a cumulative sum of a list is microseconds of a host-bound step)."""
+    starts = np.arange(requests + 1, dtype=np.int64) * q_len
+    starts.flags.writeable = False
+    return starts
 
 
 def _upload_int32(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
