@@ -100,13 +100,14 @@ class TRTLLMMHABackend(AttentionBackend):
         self._has_wide = False  # a layer reads one query a row in multi-query forwards
         self._max_pages = 0
         self._page_size = 1
+        self._widths: dict[int, int] = {}  # `table_width`'s answers (asked every replay)
         self._fp8 = False  # an FP8 cache: its own split-KV routing (`KernelSet.decode_kernel`)
 
     # -- start-up ----------------------------------------------------------------------------
     def prepare(self, layers: list[AttentionLayer], page_size: int, kv_dtype: torch.dtype | None = None) -> None:
         """Fail at start-up on a feature combination the kernels of this device lack."""
         ks = self.kernels
-        self._page_size = page_size
+        self._page_size, self._widths = page_size, {}
         self._fp8 = kv_dtype == FP8_E4M3
         if ks.page_sizes is not None and page_size not in ks.page_sizes:
             raise ValueError(f"page_size: trtllm_mha on {ks.name} supports {ks.page_sizes}, got {page_size}")
@@ -177,7 +178,7 @@ class TRTLLMMHABackend(AttentionBackend):
         batch writes a short prefix of the block."""
         b = max(max_batch_size, max_tokens)  # rows: a flat verify has one a query
         self._layout = _int32_layout(b)
-        self._max_pages = max_pages_per_req
+        self._max_pages, self._widths = max_pages_per_req, {}
         self._staging = staging if staging is not None else StagedBuffers(self.device)
         self._staging.add("swa_out_loc", max_tokens, torch.int64)
         self._staging.add("mask", max_tokens * 2 * cdiv(MAX_VERIFY_TOKENS, 32), torch.uint16)
@@ -197,7 +198,10 @@ class TRTLLMMHABackend(AttentionBackend):
     def table_width(self, pages: int) -> int:
         """The narrowest captured width that holds `pages` pages (the exact count without
         graph buffers)."""
-        return next((w for w in self.graph_table_widths() if w >= pages), pages)
+        width = self._widths.get(pages)
+        if width is None:
+            width = self._widths[pages] = next((w for w in self.graph_table_widths() if w >= pages), pages)
+        return width
 
     def init_forward_metadata_replay(
         self, batch: AttentionBatch, pool: KVPool, width: int | None = None, reach: int = 0

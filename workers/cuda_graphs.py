@@ -129,6 +129,8 @@ class CudaGraphRunner:
         self.allocator = allocator
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch_size = self.batch_sizes[-1]
+        # n -> the smallest captured size holding n rows (looked up every replay)
+        self._padded_size = [next(b for b in self.batch_sizes if b >= n) for n in range(self.max_batch_size + 1)]
         self.max_q_len = max_q_len
         rows = self.max_batch_size * max_q_len
         self.staging = StagedBuffers(runner.device)
@@ -428,7 +430,7 @@ class CudaGraphRunner:
         tables reach `most` more positions for batches that start further on."""
         key = self._key(batch, pool, chain)
         family = self.families[key]
-        bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
+        bs = self._padded_size[batch.batch_size]
         reach = _reach(key) + most
         width = self.runner.backend.table_width(cdiv(max(batch.seq_lens_cpu) + reach, self.allocator.page_size))
         static = self._prepare(key, family, bs, self._padding(key, bs, batch.batch_size, batch), width, reach, batch)
