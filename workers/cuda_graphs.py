@@ -406,7 +406,7 @@ class CudaGraphRunner:
         stages its batch: what the start-up timing of a round replays."""
         key = GraphKey(mode, q_len, query_offset, id(pool), chain)
         family = self.families[key]
-        bs = next(b for b in self.batch_sizes if b >= batch_size)
+        bs = self._padded_size[batch_size]
         width = min(self.runner.backend.graph_table_widths())
         graph = family.graphs[(bs, width)]
 

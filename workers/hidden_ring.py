@@ -72,7 +72,7 @@ class HiddenRing:
 
     def view(self, first: int, rows: int) -> torch.Tensor:
         """The hidden states of the `rows` rows from number `first`."""
-        at = first % self.capacity
+        at = self.row(first)
         return self.buffer[at : at + rows]
 
     def release(self, end: int) -> None:

@@ -6,6 +6,7 @@ the scratch pages; a graph is replayed only for the pool it was captured with; e
 back at its free count. (On a GPU, tests/workers/test_gpu_engine.py replays real graphs.)"""
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -234,7 +235,10 @@ def test_scratch_pages_are_outside_every_request(models):
 def test_metadata_from_the_host_tables_equals_the_device_copies(models):
     """trtllm_mha builds page tables and SWA write slots from the host's tables (one upload per
     forward); on a busy hybrid pool whose windows have slid (evicted SWA pages) they equal what
-    the device copies of the same tables give, computed here independently."""
+    the device copies of the same tables give, computed here independently: for tables reaching
+    every number of positions past the KV within a page (so that some request's reach ends on a
+    page boundary; past it the table holds a live page's slot, which must not show), with the
+    query starts summed or, for one query length a request, made once."""
     eng = _busy_engine(models, "plain")
     sb = eng.scheduler.schedule()
     batch = eng.scheduler.build(sb)
@@ -242,24 +246,27 @@ def test_metadata_from_the_host_tables_equals_the_device_copies(models):
     eng.allocator.flush()
     pool, page = eng.runner.pool, eng.allocator.page_size
     width = eng.runner.backend.graph_table_widths()[-1]
-    host = eng.runner.backend._host_tables(batch, pool, width)
-
+    table = eng.req_to_token
+    for row, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu):  # past each length: a live page's slot
+        table.host[row, n:] = table.table[row, n:] = table.host[row, 0]
     cols = torch.arange(width)
     first = batch.req_to_token[batch.req_pool_indices[:, None], (cols * page)[None, :]].long()
     seq_lens, q_lens = torch.tensor(batch.seq_lens_cpu), torch.tensor(batch.q_lens_cpu)
-    used = cols[None, :] < ((seq_lens + page - 1) // page)[:, None]
     f2s = eng.allocator.full_to_swa
-    expected = {
-        "seq_lens": seq_lens,
-        "cu_seq_lens_q": torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]),
-        "cu_seq_lens_kv": torch.cat([torch.zeros(1, dtype=torch.int64), seq_lens.cumsum(0)]),
-        "full_page_table": torch.where(used, first // page, 0),
-        "swa_page_table": torch.where(used, f2s[first] // page, 0),
-        "swa_out_loc": f2s[batch.out_cache_loc],
-    }
-    assert set(host) == set(expected)
-    for name, value in expected.items():
-        np.testing.assert_array_equal(host[name], value.numpy(), err_msg=name)
+    for reach, q_len in itertools.product(range(page), (0, 1)):
+        host = eng.runner.backend._host_tables(batch, pool, width, reach, q_len=q_len)
+        used = cols[None, :] < ((seq_lens + reach + page - 1) // page)[:, None]
+        expected = {
+            "seq_lens": seq_lens,
+            "cu_seq_lens_q": torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]),
+            "cu_seq_lens_kv": torch.cat([torch.zeros(1, dtype=torch.int64), seq_lens.cumsum(0)]),
+            "full_page_table": torch.where(used, first // page, 0),
+            "swa_page_table": torch.where(used, f2s[first] // page, 0),
+            "swa_out_loc": f2s[batch.out_cache_loc],
+        }
+        assert set(host) == set(expected)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(host[name], value.numpy(), err_msg=f"{name}, reach {reach}, q_len {q_len}")
     eng.shutdown()
 
 

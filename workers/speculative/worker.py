@@ -405,7 +405,7 @@ class SpecWorker:
         kept = [hidden for _, hidden in self._plain]
         if self.ring is not None and all(isinstance(h, int) for h in kept):
             return self.ring.buffer, np.array(kept, dtype=np.int64) % self.ring.capacity
-        kept = [self.ring.view(h, len(step)) if isinstance(h, int) else h for (step, _), h in zip(self._plain, kept)]
+        kept = [self.ring.view(h, len(step)) if isinstance(h, int) else h for step, h in self._plain]
         return torch.cat(kept), np.cumsum([0] + [h.shape[0] for h in kept])
 
     def _plain_hidden(self, reqs: list[Request]) -> HiddenRows:
