@@ -590,7 +590,12 @@ class Engine:
             before = self._decode_end_ns
             seconds = (step.end_ns - before) / 1e9 if before is not None else None
             clean = self.spec.disturbances == self._disturbances
-            self.spec.controller.observe(batch_size, step.draft_steps, seconds, clean)
+            lease = self.spec.lease  # a leased plain step's time: kept for the controller's next look
+            leased = lease.seconds is not None and batch_size == lease.batch_size and step.draft_steps == 0
+            if leased and clean and seconds is not None:
+                lease.seconds.append(seconds)
+            else:
+                self.spec.controller.observe(batch_size, step.draft_steps, seconds, clean)
         self._decode_end_ns, self._disturbances = step.end_ns, read
 
     def _run(self, sb: ScheduledBatch, k: int | None) -> list[tuple[Request, list[int]]]:

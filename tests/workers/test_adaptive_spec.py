@@ -371,6 +371,68 @@ def test_the_shortcut_for_steady_steps_leaves_the_controller_as_the_whole_bookke
     assert shortcuts > 1000 and len(set(fast.costs.measured)) > 8
 
 
+def _ask(ctrl: AdaptiveDraftSteps, batch: int, tokens) -> int:
+    """Ask for a step's k as the speculative worker does: a leased plain step without asking."""
+    lease = ctrl.lease
+    if lease.steps and batch == lease.batch_size:
+        lease.steps -= 1
+        return 0
+    return ctrl.choose(batch, tokens)
+
+
+def _tell(ctrl: AdaptiveDraftSteps, batch: int, k: int, seconds, clean: bool) -> None:
+    """Tell a step as the engine does: a leased plain step's time kept in the lease."""
+    lease = ctrl.lease
+    if lease.seconds is not None and batch == lease.batch_size and k == 0 and clean and seconds is not None:
+        lease.seconds.append(seconds)
+    else:
+        ctrl.observe(batch, k, seconds, clean)
+
+
+class _Unleased(AdaptiveDraftSteps):
+    """The controller granting no plain steps ahead: asked and told at every step."""
+
+    def _grant(self, batch_size):
+        pass
+
+
+def _state(ctrl: AdaptiveDraftSteps) -> dict:
+    return {n: v for n, v in vars(ctrl).items() if n not in ("costs", "lease")}
+
+
+def test_plain_steps_leased_ahead_leave_the_controller_as_asking_every_step_does():
+    """Plain steps granted ahead are neither asked for nor told one by one: over random runs
+    (plain steps the fastest at most batch sizes, batch sizes changing now and then, slow,
+    unclean and unknown-time steps, steps a relayed group runs regardless of the choice, two
+    asks without a tell between, as a launched step and the next one make), the leasing
+    controller runs every step's k and ends where the one asked and told every step does."""
+    rng = np.random.default_rng(11)
+    times = {b: [b * (1.0 + (0.6 if b > 4 else 0.05) * k) for k in range(K + 1)] for b in BUCKETS}
+    leasing, asked = AdaptiveDraftSteps(CostModel(BUCKETS, K)), _Unleased(CostModel(BUCKETS, K))
+    batch, rate, leased = 16, 0.3, 0
+    for _ in range(4000):
+        if rng.random() < 0.005:
+            batch, rate = int(rng.choice([1, 3, 4, 16, 40])), float(rng.uniform(0.1, 0.9))
+        tokens = _tokens(batch, rate)
+        leased += bool(leasing.lease.steps) and batch == leasing.lease.batch_size
+        k = _ask(leasing, batch, lambda tokens=tokens: tokens)
+        assert asked.choose(batch, lambda tokens=tokens: tokens) == k
+        if rng.random() < 0.01:  # a launched step: asked again before it is told
+            k = _ask(leasing, batch, lambda tokens=tokens: tokens)
+            assert asked.choose(batch, lambda tokens=tokens: tokens) == k
+        if rng.random() < 0.01:  # a step a relayed group ran whatever this rank chose
+            k = int(rng.integers(0, K + 1))
+        seconds = times[leasing.costs.bucket(batch)][k] * float(rng.lognormal(0.0, 0.3))
+        told = (batch, k, None if rng.random() < 0.01 else seconds, rng.random() > 0.02)
+        _tell(leasing, *told)
+        asked.observe(*told)
+    leasing.choose(batch, lambda: _tokens(batch, rate))  # (takes in what the lease holds)
+    asked.choose(batch, lambda: _tokens(batch, rate))
+    assert _state(leasing) == _state(asked)
+    assert {b: leasing.costs.seconds(b) for b in BUCKETS} == {b: asked.costs.seconds(b) for b in BUCKETS}
+    assert leased > 2000 and leasing.costs.measured == asked.costs.measured
+
+
 # -- engines on a forced schedule ------------------------------------------------------------------
 SCHEDULE = [K, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0, K, 2, 2, 0]  # rounds of every k, plain runs past max_lag
 PROMPTS = [[5, 17, 99, 3, 250, 1000, 7, 8, 9, 10] * 2, [11, 12, 13, 14] * 3]
@@ -950,6 +1012,58 @@ def test_the_adaptive_engine_records_its_choices_and_stays_lossless(models):
     assert steps[:explored] == [k for k in range(K, -1, -1) for _ in range(4)], steps
     assert steps[explored:].count(0) >= len(steps[explored:]) - 2, steps  # (probes at k = 1)
     eng.check_no_leak()
+
+
+def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(plain_tokens):
+    """EAGLE engines under emulated replay with overlapped plain steps (the hidden ring), their
+    controllers' measurements a fixed table (plain steps the fastest), a request admitted while
+    others decode and requests ending at different steps, the draft catching up every few plain
+    steps: the engine whose controller leases plain steps ahead runs each step's draft length as
+    one asked and told every step, both tell the cost model the same steps and end in the same
+    controller state, greedy output is plain decoding's, and the leasing controller was asked at
+    a fraction of the steps."""
+    spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
+    runs = {}
+    for name, kind in (("leasing", AdaptiveDraftSteps), ("asked", _Unleased)):
+        eng = Engine(
+            model=DEFAULT_MODEL,
+            page_size=16,
+            attention_backend="trtllm_mha",
+            max_total_tokens=2048,
+            context_length=256,
+            max_running_requests=3,
+            cuda_graphs="emulate",
+            overlap_schedule=True,
+            speculative=spec,
+        )
+        ctrl = eng.spec.controller = kind(CostModel(eng.spec.controller.costs.buckets, K))
+        measure, told, chooses = ctrl.costs.observe, [], []
+
+        def fixed(batch_size, k, seconds, measure=measure, told=told):
+            told.append((batch_size, k))
+            measure(batch_size, k, 1.0 + 2 * k)
+
+        ctrl.costs.observe = fixed
+        choose = ctrl.choose
+        ctrl.choose = lambda *a, choose=choose, chooses=chooses: chooses.append(1) or choose(*a)
+        eng.spec.max_lag = 32
+        rids = [eng.add_request(p, dataclasses.replace(GREEDY, max_new_tokens=n)) for p, n in zip(PROMPTS, (200, 150))]
+        steps = []
+        while eng.has_unfinished():
+            eng.step()
+            steps.append(eng.last_step.draft_steps)
+            if len(steps) == 70:
+                late = eng.add_request(PROMPTS[0][::-1], dataclasses.replace(GREEDY, max_new_tokens=40))
+        assert [eng.output(r).token_ids[:28] for r in rids] == plain_tokens
+        assert eng.spec.catch_ups > 2 and eng.output(late).finish_reason == "length"
+        eng.check_no_leak()
+        ctrl.choose(1, lambda: _tokens(1, 0.5))  # (takes in what a lease holds)
+        state = {n: v for n, v in _state(ctrl).items() if n not in ("choose", "_unsteady")}  # (these: real times)
+        state["_unsteady"] = None if ctrl._unsteady is None else [(b, k) for b, k, _ in ctrl._unsteady]
+        runs[name] = (steps, state, told, len(chooses))
+    (steps, state, told, asks), asked = runs["leasing"], runs["asked"]
+    assert steps == asked[0] and state == asked[1] and told == asked[2]
+    assert steps.count(0) > 100 and asks < asked[3] / 2.5, (asks, asked[3])
 
 
 def test_fixed_rounds_when_adaptive_is_off(models):

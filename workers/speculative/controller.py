@@ -27,6 +27,12 @@ A step is steady when it ran the k of the step before and nothing else ran in it
 refreshes its cost entry. The others (a change, a probe, a catch-up) are what changing costs:
 what they took beyond their entries is told to the cost model once steps are steady again.
 
+Steady at plain steps, the controller grants the plain steps up to its next decision ahead
+(`PlainLease`): the speculative worker runs them without asking and the engine keeps their times
+in the lease instead of telling each (on a host-bound model every call a plain step makes is a
+share of its time); the controller takes them in, as though told one by one, when it is next
+asked or told anything else.
+
 `FixedDraftSteps` is `speculative.adaptive: false`: num_steps every step. `RelayedDraftSteps`
 runs what rank 0 of a tensor-parallel group chose.
 """
@@ -43,7 +49,8 @@ from workers.speculative.cost_model import EXCURSION, SWITCH, CostModel
 
 
 class DraftSteps(Protocol):
-    """What the speculative worker asks every decode step and tells after it."""
+    """What the speculative worker asks every decode step and tells after it (a controller may
+    also hold a `lease: PlainLease` of steps granted ahead; one without grants none)."""
 
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         """k for this step; `expected_tokens()[k]`: the batch's expected tokens from k draft
@@ -55,6 +62,18 @@ class DraftSteps(Protocol):
         (None: unknown, no decode step came right before); `clean`: nothing else ran in that
         time (no catch-up after plain steps, no work launched ahead and dropped)."""
         ...
+
+
+@dataclasses.dataclass
+class PlainLease:
+    """Plain decode steps granted ahead: while `steps` remain, a decode step of `batch_size`
+    requests runs plain without asking `choose`; while `seconds` is a list, the time of a decode
+    step told the way the shortcut for steady steps takes it (plain, of `batch_size` requests,
+    known and clean) goes there instead of to `observe`."""
+
+    steps: int = 0
+    batch_size: int = -1
+    seconds: list[float] | None = None  # None: no lease open
 
 
 @dataclasses.dataclass
@@ -98,6 +117,7 @@ class AdaptiveDraftSteps:
         self._recheck = False  # `choose` returned a re-check of plain steps, until a step is told
         self._rechecking = False  # at plain steps for a re-check, until judged
         self._calm = False  # the last step was steady at k and nothing waits: a steady step at k only counts
+        self.lease = PlainLease()  # plain steps granted ahead (`_grant`), taken in by `settle` (one object throughout)
 
     @property
     def num_steps(self) -> int:
@@ -108,6 +128,8 @@ class AdaptiveDraftSteps:
         return _rates(expected_tokens, self.costs.seconds(batch_size))
 
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
+        if self.lease.seconds is not None:
+            self.settle()
         every = (
             self.plain_dwell if self.k == 0 and batch_size == self._decided_for and not self._rechecking else self.dwell
         )
@@ -134,12 +156,16 @@ class AdaptiveDraftSteps:
         """Counts the step: at k, a probe, or a change of k. A steady step (the k of the step
         before, its time known and clean) refreshes its cost entry; the others count towards
         what changing costs."""
+        if self.lease.seconds is not None:
+            self.settle()
         if self._calm and k == self.k and clean and seconds is not None:  # the common step: nothing else to do
             self.costs.observe(batch_size, k, seconds)
             self._steps += 1
             self._since_probe += 1
             if k:
                 self._at_rounds += 1
+            else:
+                self._grant(batch_size)
             return
         if self._deciding is not None:
             self._decided_for, self._deciding = self._deciding, None
@@ -169,6 +195,33 @@ class AdaptiveDraftSteps:
             self._judge_recheck(0)
         self._probe, self._recheck = None, False
         self._calm = steady and k == self.k and not self._probed and not self._rechecking  # (steady: nothing unsteady)
+        if self._calm and k == 0:
+            self._grant(batch_size)
+
+    def _grant(self, batch_size: int) -> None:
+        """Calm at plain steps: lease the steps of this batch size that `choose` would answer
+        without deciding (asked once between every two tells, as the engine does), up to the
+        first step whose count of steps at k is a decision's (`choose`)."""
+        if batch_size != self._decided_for:  # (the next ask decides within `dwell` steps)
+            return
+        steps = self._steps
+        decides = max(steps, self.dwell)
+        decides += -decides % self.plain_dwell
+        if decides > steps:
+            lease = self.lease
+            lease.steps, lease.batch_size, lease.seconds = decides - steps, batch_size, []
+
+    def settle(self) -> None:
+        """Take in the leased steps told so far, each as the shortcut for steady plain steps
+        would have; the steps not yet run are asked for again (a reader of `costs` first)."""
+        lease = self.lease
+        told, lease.seconds, lease.steps = lease.seconds, None, 0
+        if told is None:
+            return
+        for seconds in told:
+            self.costs.observe(lease.batch_size, 0, seconds)
+        self._steps += len(told)
+        self._since_probe += len(told)
 
     def _judge_recheck(self, k: int) -> None:
         """A re-check of plain steps ends at k: back at rounds doubles the wait for the next."""

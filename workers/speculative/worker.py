@@ -77,7 +77,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledBatch, Scheduler
 from workers.speculative.accept import verify_greedy, verify_sampling
 from workers.speculative.acceptance import AcceptanceModel
-from workers.speculative.controller import DraftSteps, FixedDraftSteps, RelayedDraftSteps
+from workers.speculative.controller import DraftSteps, FixedDraftSteps, PlainLease, RelayedDraftSteps
 from workers.speculative.drafter import Drafter, DraftState, HiddenRows
 from workers.speculative.stats import SpecStats
 
@@ -169,6 +169,7 @@ class SpecWorker:
         self.masked_rounds_ahead = 0  # masked rounds whose draft step 2 the previous round launched
         self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
         self.acceptance = AcceptanceModel(num_steps, scheduler.req_to_token.max_requests)
+        self.lease = PlainLease()  # the controller's plain steps granted ahead (none for one that grants none)
         self.controller: DraftSteps = FixedDraftSteps(num_steps)
         self.swa = drafter.runner.pool is not None and drafter.runner.pool.has_swa
         self.max_lag = LAG_TOKENS  # plain steps behind before a catch-up (in an SWA pool: the room, if less)
@@ -233,10 +234,23 @@ class SpecWorker:
         self._moved = self._plain_count
         self._room, self._quiet = self._lag_room(), 0  # (a request admitted)
 
+    @property
+    def controller(self) -> DraftSteps:
+        return self._controller
+
+    @controller.setter
+    def controller(self, controller: DraftSteps) -> None:
+        self._controller = controller
+        self.lease = getattr(controller, "lease", None) or PlainLease()
+
     def draft_steps(self, reqs: list[Request]) -> int:
         """How many draft steps a decode step of `reqs` runs (0: a plain decode step), as the
-        controller chooses; a round launched ahead is dropped before a plain step (its slots
-        given back)."""
+        controller chooses, or a plain step it leased; a round launched ahead is dropped before
+        a plain step (its slots given back)."""
+        lease = self.lease
+        if lease.steps and len(reqs) == lease.batch_size and self._ahead is None:
+            lease.steps -= 1
+            return 0
         k = self.controller.choose(len(reqs), lambda: self.acceptance.expected_tokens([r.row for r in reqs]))
         if k == 0 and self._ahead is not None:
             self._drop_ahead()
