@@ -312,18 +312,19 @@ class _NoHotEntry(CostModel):
 
 
 def test_the_cost_models_shortcut_for_repeated_measurements_keeps_what_the_whole_path_does():
-    """Runs of measurements of the same step append to their entry directly; over random runs
-    (batch sizes sharing a bucket, entries restarted and read between them) the figures are the
-    whole path's."""
+    """Runs of measurements of the same step append to their entry directly, and several taken in
+    at once (`observe_all`) extend it; over random runs (batch sizes sharing a bucket, entries
+    restarted and read between them) the figures are the whole path's, one at a time."""
     rng = np.random.default_rng(3)
     fast, whole = CostModel(BUCKETS, K, window=4), _NoHotEntry(BUCKETS, K, window=4)
     batch, k = 2, 0
     for _ in range(4000):
         if rng.random() < 0.05:
             batch, k = int(rng.choice([1, 2, 3, 4, 9, 64])), int(rng.integers(0, K + 1))
-        seconds = float(rng.uniform(0.5, 2.0))
-        for model in (fast, whole):
-            model.observe(batch, k, seconds)
+        seconds = [float(t) for t in rng.uniform(0.5, 2.0, size=int(rng.choice([1, 1, 1, 2, 7])))]
+        fast.observe_all(batch, k, seconds) if len(seconds) > 1 else fast.observe(batch, k, seconds[0])
+        for each in seconds:
+            whole.observe(batch, k, each)
         if rng.random() < 0.03:
             for model in (fast, whole):
                 model.restart(batch, k)
@@ -332,6 +333,8 @@ def test_the_cost_models_shortcut_for_repeated_measurements_keeps_what_the_whole
             assert fast.seconds(read) == whole.seconds(read)
     assert {b: fast.seconds(b) for b in BUCKETS} == {b: whole.seconds(b) for b in BUCKETS}
     assert fast.measured == whole.measured and len(fast.measured) > 8
+    with pytest.raises(ValueError, match="positive time"):
+        fast.observe_all(1, 0, [1.0, 0.0])
 
 
 class _AlwaysAccounting(AdaptiveDraftSteps):
@@ -1014,6 +1017,23 @@ def test_the_adaptive_engine_records_its_choices_and_stays_lossless(models):
     eng.check_no_leak()
 
 
+class _FixedTable(CostModel):
+    """Measurements replaced by a fixed table (a round of k costs 1 + 2k plain steps), so that a
+    busy test machine's noise decides nothing; the steps told, in turn."""
+
+    def __init__(self, buckets, num_steps):
+        super().__init__(buckets, num_steps)
+        self.told = []
+
+    def observe(self, batch_size, k, seconds):
+        self.told.append((batch_size, k))
+        super().observe(batch_size, k, 1.0 + 2 * k)
+
+    def observe_all(self, batch_size, k, seconds):
+        for each in seconds:
+            self.observe(batch_size, k, each)
+
+
 def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(plain_tokens):
     """EAGLE engines under emulated replay with overlapped plain steps (the hidden ring), their
     controllers' measurements a fixed table (plain steps the fastest), a request admitted while
@@ -1036,14 +1056,8 @@ def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(p
             overlap_schedule=True,
             speculative=spec,
         )
-        ctrl = eng.spec.controller = kind(CostModel(eng.spec.controller.costs.buckets, K))
-        measure, told, chooses = ctrl.costs.observe, [], []
-
-        def fixed(batch_size, k, seconds, measure=measure, told=told):
-            told.append((batch_size, k))
-            measure(batch_size, k, 1.0 + 2 * k)
-
-        ctrl.costs.observe = fixed
+        ctrl = eng.spec.controller = kind(_FixedTable(eng.spec.controller.costs.buckets, K))
+        told, chooses = ctrl.costs.told, []
         choose = ctrl.choose
         ctrl.choose = lambda *a, choose=choose, chooses=chooses: chooses.append(1) or choose(*a)
         eng.spec.max_lag = 32

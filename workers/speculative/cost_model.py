@@ -103,6 +103,15 @@ class CostModel:
         self._unread.add(key)
         self._hot = (batch_size, k, recent)
 
+    def observe_all(self, batch_size: int, k: int, seconds: list[float]) -> None:
+        """`observe` each of `seconds` in turn (steps a controller leased, taken in at once)."""
+        if seconds and min(seconds) > 0.0:
+            self.observe(batch_size, k, seconds[0])
+            self._hot[2].extend(seconds[1:])  # (the entry the first went to)
+        else:
+            for each in seconds:
+                self.observe(batch_size, k, each)
+
     def restart(self, batch_size: int, k: int) -> None:
         """The entry of `k` at this batch size starts afresh with its next measurement (its
         figure stands until then)."""
