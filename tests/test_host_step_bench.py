@@ -19,11 +19,24 @@ def test_the_model_runs_only_for_each_graphs_first_replay_once_taken_out():
 
 
 def test_a_draft_engine_stays_at_plain_steps_and_is_set_against_plain_decoding():
-    cases = host_step.measure(1, ["eagle"], new=8, repeats=1)
+    cases = host_step.measure(1, ["eagle"], new=12, repeats=2)
     assert set(cases) == {"b1/plain", "b1/eagle"}
     eagle = cases["b1/eagle"]
-    assert eagle["draft_steps"] == 0 and eagle["over_plain_us"] == eagle["p50_us"] - cases["b1/plain"]["p50_us"]
+    assert eagle["draft_steps"] == 0 and eagle["steps"] == cases["b1/plain"]["steps"] == 2 * (12 - 2)
     assert eagle["calls_over_plain"] > 0  # the speculative worker's and controller's bookkeeping
+
+
+def test_a_draft_engines_step_is_set_against_plain_decodings_step_of_the_same_turn():
+    """A host that slows down over a round and between rounds: each turn's difference stays 5 us,
+    which the difference of the medians misses."""
+    rounds = [
+        {"plain": [100.0, 200.0, 300.0], "eagle": [105.0, 205.0, 305.0]},
+        {"plain": [1000.0, 1000.0, 1000.0], "eagle": [1005.0, 1005.0, 1005.0]},
+        {"plain": [90.0, 90.0], "eagle": [95.0, 95.0, 90.0]},  # (a step more: left unpaired)
+    ]
+    cases = host_step.set_against_plain(rounds)
+    assert cases["eagle"]["over_plain_us"] == 5.0 and cases["eagle"]["steps"] == 9
+    assert cases["plain"]["p50_us"] == 250.0 and cases["eagle"]["p50_us"] == 205.0
 
 
 def test_rounds_of_a_fixed_draft_length_are_timed_as_the_draft_engines_steps():

@@ -1,24 +1,28 @@
-"""Host time of a decode step with the device's work taken out: plain decoding against each draft
-held at plain steps, where a tiny model's step is mostly host work.
+"""Host time of a decode step: plain decoding against each draft held at plain steps, where a
+tiny model's step is mostly host work.
 
-    python -m ops.bench.host_step --out host_step.json [--batches 1,16,64] [--record]
+    python -m ops.bench.host_step --out host_step.json [--device cuda] [--batches 1,16,64] [--record]
 
-On the CPU, one engine without a draft and one per shipped draft (standalone, EAGLE, frozen-KV
-MTP), all with emulated CUDA graphs and overlapped decoding, the code path a GPU runs. After a
-warm-up run, each graph's forward returns its first output instead of running the model (and
-writes nothing into an EAGLE engine's hidden ring, as a captured graph does on the device), so what
-a step costs is what the host does for it: scheduling, staging the replay, committing tokens, and
-for a draft engine its worker's and controller's bookkeeping (the draft's catch-ups, eager, still
-run the model). Draft engines run the adaptive controller with rounds priced far above a plain
-step, so they stay at plain steps as they would where speculation does not pay; with
-`--round-steps K`, a draft engine's steps are rounds of K draft steps instead (`<draft>/kK`: the
-host work of a round; the device's outputs repeat, so each round accepts what the first did).
+One engine without a draft and one per shipped draft (standalone, EAGLE, frozen-KV MTP), all with
+overlapped decoding. On the CPU (the default) the graphs are emulated, the code path a GPU runs,
+and after a warm-up run each graph's forward returns its first output instead of running the model
+(and writes nothing into an EAGLE engine's hidden ring, as a captured graph does on the device),
+so what a step costs is what the host does for it: scheduling, staging the replay, committing
+tokens, and for a draft engine its worker's and controller's bookkeeping (the draft's catch-ups,
+eager, still run the model). With `--device cuda` the graphs are captured and replayed on the GPU,
+whose work on a tiny model takes less than the host's, so a step's time is still the host's. Draft
+engines run the adaptive controller with rounds priced far above a plain step, so they stay at
+plain steps as they would where speculation does not pay; with `--round-steps K`, a draft engine's
+steps are rounds of K draft steps instead (`<draft>/kK`: the host work of a round; on the CPU the
+device's outputs repeat, so each round accepts what the first did).
 
-At each batch every engine decodes `--new` tokens a request in turn, `--repeats` rounds; a case
-is the median over rounds of its median step (`p50_us`), with `over_plain_us`, a draft's median
-step less plain decoding's in the same round (the median over rounds): a host's speed drifts
-between runs, the difference within a round much less. `calls`: Python function calls a step
-(counted by cProfile over one more run; the same on every machine, unlike microseconds).
+At each batch, `--repeats` rounds: every engine is given the batch's requests of `--new` tokens,
+then the engines take one step each, in a new random order every time, until all are done (a
+host's speed drifts by more than the differences sought between runs even seconds apart, and
+within a step's neighbourhood hardly at all). A case is the median of its decode steps over the
+rounds (`p50_us`), with `over_plain_us` the median difference between a draft engine's step and
+plain decoding's step of the same turn. `calls`: Python function calls a step (counted by
+cProfile over one more run; the same on every machine, unlike microseconds).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import cProfile
 import json
 import logging
 import pstats
+import random
 import statistics
 import time
 from collections.abc import Iterator
@@ -48,17 +53,19 @@ COLUMNS = ["p50_us", "over_plain_us", "calls", "calls_over_plain"]
 ROUND_SECONDS = 1.0  # what a draft engine's controller is told a round costs: plain steps throughout
 
 
-def build(batch: int, draft: str | None, round_steps: int = 0) -> Engine:
-    """An engine of `batch` requests on the CPU with emulated graphs; with `draft`, adaptive and
-    priced to stay at plain steps, or with `round_steps`, rounds of that many draft steps."""
+def build(batch: int, draft: str | None, round_steps: int = 0, device: str = "cpu") -> Engine:
+    """An engine of `batch` requests on `device` (the CPU: graphs emulated); with `draft`,
+    adaptive and priced to stay at plain steps, or with `round_steps`, rounds of that many draft
+    steps."""
     spec = None if draft is None else {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": 4}
     engine = Engine(
         model=DEFAULT_MODEL,
+        device=device,
         page_size=16,
         attention_backend="trtllm_mha",
         max_total_tokens=batch * 700,
         max_running_requests=batch,
-        cuda_graphs="emulate",
+        cuda_graphs="emulate" if device == "cpu" else True,
         overlap_schedule=True,
         speculative=spec,
     )
@@ -108,30 +115,65 @@ def calls_per_step(engine: Engine, batch: int, new: int) -> float:
     return sum(entry[1] for entry in pstats.Stats(profile).stats.values()) / steps
 
 
-def measure(batch: int, drafts: list[str], new: int, repeats: int, round_steps: int = 0) -> dict[str, dict]:
-    """Each engine's median step over `repeats` rounds, set against plain decoding's; with
-    `round_steps`, a draft engine's step is a round of that many draft steps (`<draft>/k<n>`)."""
+def turns(engines: dict[str, Engine], batch: int, new: int, rng: random.Random) -> dict[str, list[float]]:
+    """One round: each engine given `batch` requests of `new` tokens, then stepped once each, in a
+    new random order every turn, until all are done; each engine's decode step times (us, in turn
+    order: its prefill and the first and last decode steps, a launch and a drain, left out)."""
+    sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    for engine in engines.values():
+        for i in range(batch):
+            engine.add_request([5 + (i * 7 + j) % 2000 for j in range(PROMPT)], sampling)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    order = list(engines.items())
+    while any(engine.has_unfinished() for engine in engines.values()):
+        rng.shuffle(order)
+        for name, engine in order:
+            if engine.has_unfinished():
+                start = time.perf_counter_ns()
+                engine.step()
+                times[name].append((time.perf_counter_ns() - start) / 1e3)
+    return {name: steps[2:-1] for name, steps in times.items()}
+
+
+def measure(
+    batch: int, drafts: list[str], new: int, repeats: int, round_steps: int = 0, device: str = "cpu"
+) -> dict[str, dict]:
+    """Each engine's median step over `repeats` rounds of turns, set against plain decoding's
+    step of the same turn; with `round_steps`, a draft engine's step is a round of that many
+    draft steps (`<draft>/k<n>`)."""
     named = {d if not round_steps else f"{d}/k{round_steps}": d for d in drafts}
-    engines = {"plain": build(batch, None), **{name: build(batch, d, round_steps) for name, d in named.items()}}
+    engines = {
+        "plain": build(batch, None, device=device),
+        **{name: build(batch, d, round_steps, device) for name, d in named.items()},
+    }
     for engine in engines.values():  # the first replays of each graph, with the model
         step_us(engine, batch, 8)
-    medians: dict[str, list[float]] = {name: [] for name in engines}
-    with device_work_taken_out():
-        for engine in engines.values():
-            step_us(engine, batch, new)
-        for _ in range(repeats):
-            for name, engine in engines.items():
-                medians[name].append(statistics.median(step_us(engine, batch, new)))
-        calls = {name: calls_per_step(engine, batch, new) for name, engine in engines.items()}
-    out = {}
-    for name in engines:
-        case = {"p50_us": statistics.median(medians[name]), "p50_us_runs": medians[name], "calls": calls[name]}
+    rng = random.Random(0)
+    with device_work_taken_out() if device == "cpu" else contextlib.nullcontext():
+        turns(engines, batch, new, rng)  # (a warm-up)
+        cases = set_against_plain([turns(engines, batch, new, rng) for _ in range(repeats)])
+        for name, engine in engines.items():
+            cases[name]["calls"] = calls_per_step(engine, batch, new)
+    for name, case in cases.items():
         if name != "plain":
-            case["over_plain_us"] = statistics.median(d - p for d, p in zip(medians[name], medians["plain"]))
-            case["calls_over_plain"] = calls[name] - calls["plain"]
+            case["calls_over_plain"] = case["calls"] - cases["plain"]["calls"]
             case["draft_steps"] = getattr(engines[name].spec.controller, "k", round_steps)
-        out[f"b{batch}/{name}"] = case
-    return out
+    for engine in engines.values():
+        engine.shutdown()
+    return {f"b{batch}/{name}": case for name, case in cases.items()}
+
+
+def set_against_plain(rounds: list[dict[str, list[float]]]) -> dict[str, dict]:
+    """Each engine's median step over `rounds` (each engine's step times in turn order), and a
+    draft engine's median difference from plain decoding's step of the same turn."""
+    cases = {}
+    for name in rounds[0]:
+        steps = [t for run in rounds for t in run[name]]
+        cases[name] = {"p50_us": statistics.median(steps), "steps": len(steps)}
+        if name != "plain":
+            over = [t - p for run in rounds for t, p in zip(run[name], run["plain"])]
+            cases[name]["over_plain_us"] = statistics.median(over)
+    return cases
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="write the cases as JSON here too")
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--drafts", default=",".join(DRAFT_MODELS), help="drafts to run, comma-separated")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--new", type=int, default=200, help="new tokens a request a run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
@@ -150,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     results: dict[str, dict] = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        cases = measure(batch, args.drafts.split(","), args.new, args.repeats, args.round_steps)
+        cases = measure(batch, args.drafts.split(","), args.new, args.repeats, args.round_steps, args.device)
         results.update(cases)
         for key, case in cases.items():
             extra = ""
@@ -160,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    record_run(args, "host_step", results, COLUMNS, device="cpu")
+    record_run(args, "host_step", results, COLUMNS, device=args.device)
 
 
 if __name__ == "__main__":

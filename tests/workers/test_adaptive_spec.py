@@ -354,24 +354,40 @@ def test_the_shortcut_for_steady_steps_leaves_the_controller_as_the_whole_bookke
     rng = np.random.default_rng(7)
     times = {b: [b * (1.0 + 0.6 * k) for k in range(K + 1)] for b in BUCKETS}
     fast, whole = AdaptiveDraftSteps(CostModel(BUCKETS, K)), _AlwaysAccounting(CostModel(BUCKETS, K))
-    batch, rate, shortcuts = 4, 0.7, 0
-    for _ in range(3000):
-        if rng.random() < 0.01:
-            batch, rate = int(rng.choice([1, 3, 4, 16, 40])), float(rng.uniform(0.1, 0.9))
-        tokens = _tokens(batch, rate)
+    shortcuts = 0
+    for batch, tokens in _random_batches(rng, 3000, 4, 0.7, 0.01):
         k = fast.choose(batch, lambda tokens=tokens: tokens)
         assert whole.choose(batch, lambda tokens=tokens: tokens) == k
-        if rng.random() < 0.01:  # a step a relayed group ran whatever this rank chose
-            k = int(rng.integers(0, K + 1))
-        seconds = times[fast.costs.bucket(batch)][k] * float(rng.lognormal(0.0, 0.3))
-        told = (batch, k, None if rng.random() < 0.01 else seconds, rng.random() > 0.02)
-        shortcuts += fast._calm and k == fast.k and told[2] is not None and told[3]
+        told = _random_tell(rng, times, batch, k)
+        shortcuts += fast._calm and told[1] == fast.k and told[2] is not None and told[3]
         fast.observe(*told)
         whole.observe(*told)
         state = {n: v for n, v in vars(fast).items() if n not in ("costs", "_calm")}
         assert state == {n: v for n, v in vars(whole).items() if n not in ("costs", "_calm")}
         assert fast.costs.seconds(batch) == whole.costs.seconds(batch)
     assert shortcuts > 1000 and len(set(fast.costs.measured)) > 8
+
+
+_BUCKETING = CostModel(BUCKETS, K)
+
+
+def _random_batches(rng, steps: int, batch: int, rate: float, change: float):
+    """`steps` decode steps' batch sizes and expected tokens: a new batch size and acceptance
+    rate at a step with probability `change`."""
+    for _ in range(steps):
+        if rng.random() < change:
+            batch, rate = int(rng.choice([1, 3, 4, 16, 40])), float(rng.uniform(0.1, 0.9))
+        yield batch, _tokens(batch, rate)
+
+
+def _random_tell(rng, times: dict, batch: int, k: int) -> tuple:
+    """What a decode step chosen at `k` tells: now and then a k a relayed group ran whatever this
+    rank chose, its time from `times` (per bucket and k) with noise, now and then unknown or
+    unclean."""
+    if rng.random() < 0.01:
+        k = int(rng.integers(0, K + 1))
+    seconds = times[_BUCKETING.bucket(batch)][k] * float(rng.lognormal(0.0, 0.3))
+    return (batch, k, None if rng.random() < 0.01 else seconds, rng.random() > 0.02)
 
 
 def _ask(ctrl: AdaptiveDraftSteps, batch: int, tokens) -> int:
@@ -412,25 +428,17 @@ def test_plain_steps_leased_ahead_leave_the_controller_as_asking_every_step_does
     rng = np.random.default_rng(11)
     times = {b: [b * (1.0 + (0.6 if b > 4 else 0.05) * k) for k in range(K + 1)] for b in BUCKETS}
     leasing, asked = AdaptiveDraftSteps(CostModel(BUCKETS, K)), _Unleased(CostModel(BUCKETS, K))
-    batch, rate, leased = 16, 0.3, 0
-    for _ in range(4000):
-        if rng.random() < 0.005:
-            batch, rate = int(rng.choice([1, 3, 4, 16, 40])), float(rng.uniform(0.1, 0.9))
-        tokens = _tokens(batch, rate)
+    leased = 0
+    for batch, tokens in _random_batches(rng, 4000, 16, 0.3, 0.005):
         leased += bool(leasing.lease.steps) and batch == leasing.lease.batch_size
-        k = _ask(leasing, batch, lambda tokens=tokens: tokens)
-        assert asked.choose(batch, lambda tokens=tokens: tokens) == k
-        if rng.random() < 0.01:  # a launched step: asked again before it is told
+        for _ in range(2 if rng.random() < 0.01 else 1):  # (twice: a launched step and the next)
             k = _ask(leasing, batch, lambda tokens=tokens: tokens)
             assert asked.choose(batch, lambda tokens=tokens: tokens) == k
-        if rng.random() < 0.01:  # a step a relayed group ran whatever this rank chose
-            k = int(rng.integers(0, K + 1))
-        seconds = times[leasing.costs.bucket(batch)][k] * float(rng.lognormal(0.0, 0.3))
-        told = (batch, k, None if rng.random() < 0.01 else seconds, rng.random() > 0.02)
+        told = _random_tell(rng, times, batch, k)
         _tell(leasing, *told)
         asked.observe(*told)
-    leasing.choose(batch, lambda: _tokens(batch, rate))  # (takes in what the lease holds)
-    asked.choose(batch, lambda: _tokens(batch, rate))
+    leasing.choose(batch, lambda: tokens)  # (takes in what the lease holds)
+    asked.choose(batch, lambda: tokens)
     assert _state(leasing) == _state(asked)
     assert {b: leasing.costs.seconds(b) for b in BUCKETS} == {b: asked.costs.seconds(b) for b in BUCKETS}
     assert leased > 2000 and leasing.costs.measured == asked.costs.measured
