@@ -169,8 +169,7 @@ class SpecWorker:
         self.masked_rounds_ahead = 0  # masked rounds whose draft step 2 the previous round launched
         self.verify_ahead = True  # off: every round launches its own verify (benchmarks compare)
         self.acceptance = AcceptanceModel(num_steps, scheduler.req_to_token.max_requests)
-        self.lease = PlainLease()  # the controller's plain steps granted ahead (none for one that grants none)
-        self.controller: DraftSteps = FixedDraftSteps(num_steps)
+        self.controller: DraftSteps = FixedDraftSteps(num_steps)  # (and `lease`, its plain steps granted ahead)
         self.swa = drafter.runner.pool is not None and drafter.runner.pool.has_swa
         self.max_lag = LAG_TOKENS  # plain steps behind before a catch-up (in an SWA pool: the room, if less)
         self.reserved_lag = MAX_LAG if self.swa else 0  # what admission reserves every request (`Scheduler.draft_lag`)
@@ -240,8 +239,10 @@ class SpecWorker:
 
     @controller.setter
     def controller(self, controller: DraftSteps) -> None:
+        """Its lease too: the plain steps it granted ahead (one never granted for a controller
+        that grants none)."""
         self._controller = controller
-        self.lease = getattr(controller, "lease", None) or PlainLease()
+        self.lease: PlainLease = getattr(controller, "lease", None) or PlainLease()
 
     def draft_steps(self, reqs: list[Request]) -> int:
         """How many draft steps a decode step of `reqs` runs (0: a plain decode step), as the
