@@ -264,7 +264,7 @@ class Engine:
                     for (size, k), seconds in time_rounds(self.runner, self.spec.drafter, spec.num_steps).items():
                         costs.set_prior(size, k, seconds)
             # a tensor-parallel group runs what rank 0's controller chose (its step plan carries it)
-            lead = AdaptiveDraftSteps(costs)
+            lead = AdaptiveDraftSteps(costs, leases=tp.size == 1)
             self.spec.controller = lead if tp.size == 1 else RelayedDraftSteps(lead, spec.num_steps)
         self._rng = random.Random(seed)
         self._ids = itertools.count()

@@ -195,12 +195,11 @@ def run_modes(
 ) -> None:
     """Every mode of one engine (plain decoding without a draft) at each batch: each mode warmed
     up, then `repeats` rounds that time every mode once in turn (in reverse every other round);
-    a case is its mode's run of
-    median tokens/s (a tiny model's step is a few hundred microseconds of mostly host work, whose
-    jitter one short run would carry). With `plain` (the engine without a draft, alive beside
-    this one) each round times it first, and those runs make the case `<draft>/plain`: a host
-    whose speed drifts between runs seconds apart moves every mode of a batch alike. Cases go
-    into `out` as their batch finishes."""
+    a case is its mode's run of median tokens/s (a tiny model's step is a few hundred
+    microseconds of mostly host work, whose jitter one short run would carry). With `plain` (the
+    engine without a draft, alive beside this one) each round times it first, and those runs
+    make the case `<draft>/plain`: a host whose speed drifts between runs seconds apart moves
+    every mode of a batch alike. Cases go into `out` as their batch finishes."""
     timed_modes = modes(engine) if engine.spec is not None else [("plain", None)]
     if plain is not None:
         timed_modes = [("plain", None), *timed_modes]

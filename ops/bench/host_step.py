@@ -97,9 +97,13 @@ def device_work_taken_out() -> Iterator[None]:
         CudaGraphRunner._forward, CudaGraphRunner._write_ring = forward, write_ring
 
 
+def _prompts(batch: int) -> list[list[int]]:
+    return [[5 + (i * 7 + j) % 2000 for j in range(PROMPT)] for i in range(batch)]
+
+
 def step_us(engine: Engine, batch: int, new: int) -> list[float]:
     """Microseconds between consecutive decode steps of one run."""
-    prompts = [[5 + (i * 7 + j) % 2000 for j in range(PROMPT)] for i in range(batch)]
+    prompts = _prompts(batch)
     ends: list[int] = []
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     timed_decode(engine, prompts, sampling, lambda: ends.append(time.perf_counter_ns()))
@@ -121,8 +125,8 @@ def turns(engines: dict[str, Engine], batch: int, new: int, rng: random.Random) 
     order: its prefill and the first and last decode steps, a launch and a drain, left out)."""
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
-        for i in range(batch):
-            engine.add_request([5 + (i * 7 + j) % 2000 for j in range(PROMPT)], sampling)
+        for prompt in _prompts(batch):
+            engine.add_request(prompt, sampling)
     times: dict[str, list[float]] = {name: [] for name in engines}
     order = list(engines.items())
     while any(engine.has_unfinished() for engine in engines.values()):

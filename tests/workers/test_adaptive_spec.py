@@ -408,15 +408,8 @@ def _tell(ctrl: AdaptiveDraftSteps, batch: int, k: int, seconds, clean: bool) ->
         ctrl.observe(batch, k, seconds, clean)
 
 
-class _Unleased(AdaptiveDraftSteps):
-    """The controller granting no plain steps ahead: asked and told at every step."""
-
-    def _grant(self, batch_size):
-        pass
-
-
 def _state(ctrl: AdaptiveDraftSteps) -> dict:
-    return {n: v for n, v in vars(ctrl).items() if n not in ("costs", "lease")}
+    return {n: v for n, v in vars(ctrl).items() if n not in ("costs", "lease", "leases")}
 
 
 def test_plain_steps_leased_ahead_leave_the_controller_as_asking_every_step_does():
@@ -427,7 +420,7 @@ def test_plain_steps_leased_ahead_leave_the_controller_as_asking_every_step_does
     controller runs every step's k and ends where the one asked and told every step does."""
     rng = np.random.default_rng(11)
     times = {b: [b * (1.0 + (0.6 if b > 4 else 0.05) * k) for k in range(K + 1)] for b in BUCKETS}
-    leasing, asked = AdaptiveDraftSteps(CostModel(BUCKETS, K)), _Unleased(CostModel(BUCKETS, K))
+    leasing, asked = AdaptiveDraftSteps(CostModel(BUCKETS, K)), AdaptiveDraftSteps(CostModel(BUCKETS, K), leases=False)
     leased = 0
     for batch, tokens in _random_batches(rng, 4000, 16, 0.3, 0.005):
         leased += bool(leasing.lease.steps) and batch == leasing.lease.batch_size
@@ -437,6 +430,7 @@ def test_plain_steps_leased_ahead_leave_the_controller_as_asking_every_step_does
         told = _random_tell(rng, times, batch, k)
         _tell(leasing, *told)
         asked.observe(*told)
+        assert asked.lease.seconds is None  # (a controller that leases nothing: a relayed group's lead)
     leasing.choose(batch, lambda: tokens)  # (takes in what the lease holds)
     asked.choose(batch, lambda: tokens)
     assert _state(leasing) == _state(asked)
@@ -1052,7 +1046,7 @@ def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(p
     a fraction of the steps."""
     spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
     runs = {}
-    for name, kind in (("leasing", AdaptiveDraftSteps), ("asked", _Unleased)):
+    for name, leases in (("leasing", True), ("asked", False)):
         eng = Engine(
             model=DEFAULT_MODEL,
             page_size=16,
@@ -1064,7 +1058,8 @@ def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(p
             overlap_schedule=True,
             speculative=spec,
         )
-        ctrl = eng.spec.controller = kind(_FixedTable(eng.spec.controller.costs.buckets, K))
+        costs = _FixedTable(eng.spec.controller.costs.buckets, K)
+        ctrl = eng.spec.controller = AdaptiveDraftSteps(costs, leases=leases)
         told, chooses = ctrl.costs.told, []
         choose = ctrl.choose
         ctrl.choose = lambda *a, choose=choose, chooses=chooses: chooses.append(1) or choose(*a)

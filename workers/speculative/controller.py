@@ -97,6 +97,7 @@ class AdaptiveDraftSteps:
     max_probe_after: int = 1024  # the wait for probes, doubled after each that changed nothing
     payback: int = 64  # steps at the new k within which a change between plain steps and rounds repays itself
     probe_share: float = 0.01  # of the time at plain steps that probing from them may cost
+    leases: bool = True  # plain steps granted ahead (off for a relayed group's lead: no worker runs them)
     k: int = dataclasses.field(init=False)  # the current choice (probes aside)
 
     def __post_init__(self) -> None:
@@ -202,7 +203,7 @@ class AdaptiveDraftSteps:
         """Calm at plain steps: lease the steps of this batch size that `choose` would answer
         without deciding (asked once between every two tells, as the engine does), up to the
         first step whose count of steps at k is a decision's (`choose`)."""
-        if batch_size != self._decided_for:  # (the next ask decides within `dwell` steps)
+        if not self.leases or batch_size != self._decided_for:  # (the next ask decides within `dwell` steps)
             return
         steps = self._steps
         decides = max(steps, self.dwell)
