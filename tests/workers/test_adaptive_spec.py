@@ -445,13 +445,12 @@ GREEDY = SamplingParams(max_new_tokens=28, temperature=0.0, ignore_eos=True)
 
 
 def _tiny(graphs, speculative=None, **kw) -> Engine:
+    kw = {"context_length": 96, "max_running_requests": 2, **kw}
     return Engine(
         model=DEFAULT_MODEL,
         page_size=16,
         attention_backend="trtllm_mha",
         max_total_tokens=2048,
-        context_length=96,
-        max_running_requests=2,
         cuda_graphs=graphs,
         speculative=speculative,
         **kw,
@@ -1047,17 +1046,7 @@ def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(p
     spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
     runs = {}
     for name, leases in (("leasing", True), ("asked", False)):
-        eng = Engine(
-            model=DEFAULT_MODEL,
-            page_size=16,
-            attention_backend="trtllm_mha",
-            max_total_tokens=2048,
-            context_length=256,
-            max_running_requests=3,
-            cuda_graphs="emulate",
-            overlap_schedule=True,
-            speculative=spec,
-        )
+        eng = _tiny("emulate", spec, overlap_schedule=True, context_length=256, max_running_requests=3)
         costs = _FixedTable(eng.spec.controller.costs.buckets, K)
         ctrl = eng.spec.controller = AdaptiveDraftSteps(costs, leases=leases)
         told, chooses = ctrl.costs.told, []
