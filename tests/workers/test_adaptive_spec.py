@@ -197,10 +197,11 @@ def test_the_controller_measures_what_it_has_not_and_probes_deeper():
     assert _drive(ctrl, 4, _tokens(4, 0.99), 8, lambda k: times[k])[-1] == K  # drafts accepted: they pay now
 
 
-def test_at_plain_steps_the_controller_decides_every_plain_dwell_steps_until_the_batch_changes():
-    """Settled at plain steps, a decision (what the acceptance model expects, asked) comes every
-    `plain_dwell` steps while the batch size stays, and within `dwell` steps of a change of it:
-    a batch whose drafts now pay leaves plain steps at once."""
+def test_at_plain_steps_the_controller_decides_ever_less_often_until_the_batch_changes():
+    """Settled at plain steps, a decision (what the acceptance model expects, asked) comes after
+    `plain_dwell` steps, then twice as long after each that kept plain steps, up to
+    `max_plain_dwell`, while the batch size stays, and within `dwell` steps of a change of it: a
+    batch whose drafts now pay leaves plain steps at once."""
     rows = {4: [1.0, 3.0, 5.0, 7.0], 16: [1.0, 1.1, 1.2, 1.3]}
     ctrl = AdaptiveDraftSteps(_costs(rows), probe_after=10_000, max_probe_after=10_000)
     assert _drive(ctrl, 4, _tokens(4, 0.8), 40)[-1] == 0
@@ -213,12 +214,16 @@ def test_at_plain_steps_the_controller_decides_every_plain_dwell_steps_until_the
 
         return ask
 
-    chosen = []
-    for _ in range(96):
+    chosen, asked_at = [], []
+    for step in range(1200):
         k = ctrl.choose(4, tokens_of(4, 0.8))
         ctrl.observe(4, k, ctrl.costs.seconds(4)[k])
         chosen.append(k)
-    assert set(chosen) == {0} and 96 // ctrl.plain_dwell - 1 <= len(asked) <= 96 // ctrl.plain_dwell + 1
+        if len(asked) > len(asked_at):
+            asked_at.append(step)
+    gaps = np.diff(asked_at).tolist()
+    assert set(chosen) == {0} and gaps[0] >= 2 * ctrl.plain_dwell and gaps[-2:] == [ctrl.max_plain_dwell] * 2
+    assert all(b == min(2 * a, ctrl.max_plain_dwell) for a, b in itertools.pairwise(gaps)), gaps
     asked.clear()
     for _ in range(ctrl.dwell):
         if ctrl.choose(16, tokens_of(16, 0.8)):
@@ -238,9 +243,10 @@ def test_a_change_between_plain_steps_and_rounds_must_repay_what_it_was_measured
     for ctrl, change in ((dear, 10.0), (free, 0.0)):
         assert _drive(ctrl, 4, worse, 40, change=change) == [K] * 4 + [0] * 36
     assert dear.costs.change_seconds(4, SWITCH) == pytest.approx(10.0) and free.costs.change_seconds(4, SWITCH) == 0.0
-    assert set(_drive(dear, 4, slightly, 40, change=10.0)) == {0}  # 64 steps x 2 s x 6% = 7.7 s < 10 s
-    assert _drive(free, 4, slightly, 40)[-1] == 1
-    assert _drive(dear, 4, clearly, 40, change=10.0)[-1] == 1
+    # (600 steps: decisions at plain steps come ever less often, three of them here)
+    assert set(_drive(dear, 4, slightly, 600, change=10.0)) == {0}  # 64 steps x 2 s x 6% = 7.7 s < 10 s
+    assert _drive(free, 4, slightly, 600)[-1] == 1
+    assert _drive(dear, 4, clearly, 600, change=10.0)[-1] == 1
 
 
 def test_one_slow_step_does_not_drive_the_controller_from_plain_steps_and_a_stale_figure_is_rechecked():

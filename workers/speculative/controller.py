@@ -3,25 +3,27 @@
 Speculation pays only while the tokens a round adds outrun what the round costs beyond a plain
 step, and that balance moves with the batch size, the text and the model. Every decode step the
 adaptive controller picks k in 0..num_steps for the batch (0: a plain decode step, the draft
-catching up later) maximising expected tokens per second: the acceptance model's expected
-tokens for k (`acceptance.py`) over the cost model's seconds for k at this batch size
+catching up later) maximising expected tokens per second: the acceptance model's expected tokens
+for k (`acceptance.py`) over the cost model's seconds for k at this batch size
 (`cost_model.py`). Against flapping it keeps a choice for at least `dwell` steps and leaves it
 only for one expected to be `margin` faster; it decides every `dwell` steps (a decision's host
-time is paid once in that many), and at plain steps every `plain_dwell` steps unless the batch
-size changed: no plain step judges a draft, so between them what the acceptance model expects
-stays as it was for the same requests, and a decision there (tens of microseconds of host time,
-a few percent of a host-bound plain step when paid every few steps) mostly finds what the last
-one found. Changing between plain steps and rounds costs more than either
-kind's steps (the pipeline drained and restarted, the draft's catch-up, a round launched ahead
-and dropped): the controller measures it and changes only when the faster choice repays it
-within `payback` steps. A draft length whose cost is unknown is tried (a CPU times nothing at
-start-up), and below num_steps it probes one step deeper now and then: position k + 1 is never
-judged at k, so its rate would otherwise stay whatever it last was. A probe that changes nothing
-doubles the wait for the next; a probe from plain steps (a round and back) waits besides until
-its measured cost is at most `probe_share` of the time between probes. At rounds, plain steps are
-re-checked now and then the same way (a change to them, judged again after `dwell` steps): their
-figure is what they cost when they last ran, and a host's speed drifts; coming back to a k
-restarts its cost entry (`CostModel.restart`).
+time is paid once in that many), and at plain steps after `plain_dwell` steps unless the batch
+size changed, then twice as long after each decision there that kept them, up to
+`max_plain_dwell` steps, and never past a probe's due step: no plain step judges a draft, so
+between them what the acceptance model expects stays as it was for the same requests, and a
+decision there (tens of microseconds of host time, a few percent of a host-bound plain step when
+paid every few steps, about 1% every 32) mostly finds what the last one found. Changing between
+plain steps and rounds costs more than either kind's steps (the pipeline drained and restarted,
+the draft's catch-up, a round launched ahead and dropped): the controller measures it and
+changes only when the faster choice repays it within `payback` steps. A draft length whose cost
+is unknown is tried (a CPU times nothing at start-up), and below num_steps it probes one step
+deeper now and then: position k + 1 is never judged at k, so its rate would otherwise stay
+whatever it last was. A probe that changes nothing doubles the wait for the next; a probe from
+plain steps (a round and back) waits besides until its measured cost is at most `probe_share` of
+the time between probes. At rounds, plain steps are re-checked now and then the same way (a
+change to them, judged again after `dwell` steps): their figure is what they cost when they last
+ran, and a host's speed drifts; coming back to a k restarts its cost entry
+(`CostModel.restart`).
 
 A step is steady when it ran the k of the step before and nothing else ran in its time: its time
 refreshes its cost entry. The others (a change, a probe, a catch-up) are what changing costs:
@@ -40,6 +42,7 @@ runs what rank 0 of a tensor-parallel group chose.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -92,7 +95,8 @@ class AdaptiveDraftSteps:
     costs: CostModel
     margin: float = 0.05  # leave the current k only for one expected this much faster
     dwell: int = 4  # steps at a k before leaving it
-    plain_dwell: int = 32  # steps at plain decoding between decisions while the batch size stays
+    plain_dwell: int = 32  # steps at plain decoding before a decision while the batch size stays
+    max_plain_dwell: int = 256  # the wait between decisions at plain steps, doubled after each that kept them
     probe_after: int = 32  # steps below num_steps before a step one draft deeper
     max_probe_after: int = 1024  # the wait for probes, doubled after each that changed nothing
     payback: int = 64  # steps at the new k within which a change between plain steps and rounds repays itself
@@ -110,6 +114,8 @@ class AdaptiveDraftSteps:
         self._probe: int | None = None  # the probe `choose` returned, until a step is told
         self._steady: int | None = None  # the k of the last steady step
         self._decided_for = 0  # the batch size of the last step that decided
+        self._plain_wait = self.plain_dwell  # steps between decisions at plain steps (`_decide_at`)
+        self._decide_at = self.plain_dwell  # the count of steps at plain decoding that next decides
         self._deciding: int | None = None  # the batch size `choose` decided for, until a step is told
         # The unsteady steps since it: (batch size, k, seconds); None once one took unknown time.
         self._unsteady: list[tuple[int, int, float]] | None = []
@@ -131,10 +137,10 @@ class AdaptiveDraftSteps:
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         if self.lease.seconds is not None:
             self.settle()
-        every = (
-            self.plain_dwell if self.k == 0 and batch_size == self._decided_for and not self._rechecking else self.dwell
-        )
-        if self._steps < self.dwell or self._steps % every:  # decided every `every` steps
+        if self._steps < self.dwell:
+            return self.k
+        calm_plain = self.k == 0 and batch_size == self._decided_for and not self._rechecking
+        if (self._steps < self._decide_at) if calm_plain else (self._steps % self.dwell):
             return self.k
         self._deciding, self._calm = batch_size, False
         tokens, costs = expected_tokens(), self.costs.seconds(batch_size)
@@ -148,9 +154,13 @@ class AdaptiveDraftSteps:
         if self._recheck_due(batch_size, tokens, rates, costs):
             self._recheck = True
             return 0
-        if self._probe_due(batch_size, tokens, costs):
+        probe_in = self._probe_in(batch_size, tokens, costs)
+        if probe_in <= 0:
             self._probe = self.k + 1
             return self._probe
+        if self.k == 0:  # kept: the next decision waits longer, up to the probe's due step
+            self._plain_wait = min(2 * self._plain_wait, self.max_plain_dwell) if calm_plain else self.plain_dwell
+            self._decide_at = self._steps + min(self._plain_wait, math.ceil(probe_in))
         return self.k
 
     def observe(self, batch_size: int, k: int, seconds: float | None, clean: bool = True) -> None:
@@ -191,6 +201,7 @@ class AdaptiveDraftSteps:
             self._judge_recheck(k)
             self._rechecking = k == 0 and self._recheck
             self.k, self._steps, self._since_probe = k, 1, 1
+            self._plain_wait = self._decide_at = self.plain_dwell
             self.costs.restart(batch_size, k)
         if self._rechecking and self._steps > self.dwell:  # plain steps kept when judged: the re-check paid
             self._judge_recheck(0)
@@ -206,8 +217,7 @@ class AdaptiveDraftSteps:
         if not self.leases or batch_size != self._decided_for:  # (the next ask decides within `dwell` steps)
             return
         steps = self._steps
-        decides = max(steps, self.dwell)
-        decides += -decides % self.plain_dwell
+        decides = max(self.dwell, self._decide_at)
         if decides > steps:
             lease = self.lease
             lease.steps, lease.batch_size, lease.seconds = decides - steps, batch_size, []
@@ -249,13 +259,13 @@ class AdaptiveDraftSteps:
         cost = 2.0 * self.costs.change_seconds(batch_size, SWITCH) + loss
         return self._at_rounds >= max(self._recheck_wait, cost / (self.probe_share * costs[self.k]))
 
-    def _probe_due(self, batch_size: int, tokens: np.ndarray, costs: list[float]) -> bool:
-        """Whether a step one draft deeper is due: `_probe_wait` steps at k; from plain steps
-        also no sooner than its cost (the excursion's, measured, else two switches'; and the
-        round's loss against plain steps) is `probe_share` of the time at plain steps since the
-        last."""
+    def _probe_in(self, batch_size: int, tokens: np.ndarray, costs: list[float]) -> float:
+        """Steps until a step one draft deeper is due (at most 0: now): `_probe_wait` steps at
+        k; from plain steps also no sooner than its cost (the excursion's, measured, else two
+        switches'; and the round's loss against plain steps) is `probe_share` of the time at
+        plain steps since the last."""
         if self.k >= self.num_steps:
-            return False
+            return float("inf")
         wait = self._probe_wait
         if self.k == 0:
             loss = max(0.0, costs[1] - costs[0] * float(tokens[1]) / float(tokens[0]))
@@ -263,7 +273,7 @@ class AdaptiveDraftSteps:
                 batch_size, SWITCH
             )
             wait = max(wait, (loss + excursion) / (self.probe_share * costs[0]))
-        return self._since_probe >= wait
+        return wait - self._since_probe
 
     def _account(self, batch_size: int, k: int, seconds: float | None, steady: bool) -> None:
         """What the unsteady steps since the last steady one took beyond their entries (as they
