@@ -39,6 +39,14 @@ def test_a_draft_engines_step_is_set_against_plain_decodings_step_of_the_same_tu
     assert cases["plain"]["p50_us"] == 250.0 and cases["eagle"]["p50_us"] == 205.0
 
 
+def test_the_mean_difference_holds_the_rare_dear_step_the_median_leaves_out():
+    """One step in nine decides (90 us more): the median difference misses it, the mean, which
+    throughput sees, holds it."""
+    cases = host_step.set_against_plain([{"plain": [100.0] * 9, "eagle": [105.0] * 8 + [195.0]}])
+    assert cases["eagle"]["over_plain_us"] == 5.0 and cases["eagle"]["over_plain_mean_us"] == 15.0
+    assert cases["eagle"]["mean_us"] == 115.0 and cases["plain"]["mean_us"] == 100.0
+
+
 def test_rounds_of_a_fixed_draft_length_are_timed_as_the_draft_engines_steps():
     cases = host_step.measure(1, ["eagle"], new=8, repeats=1, round_steps=2)
     assert set(cases) == {"b1/plain", "b1/eagle/k2"} and cases["b1/eagle/k2"]["draft_steps"] == 2

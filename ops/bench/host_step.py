@@ -21,8 +21,10 @@ then the engines take one step each, in a new random order every time, until all
 host's speed drifts by more than the differences sought between runs even seconds apart, and
 within a step's neighbourhood hardly at all). A case is the median of its decode steps over the
 rounds (`p50_us`), with `over_plain_us` the median difference between a draft engine's step and
-plain decoding's step of the same turn. `calls`: Python function calls a step (counted by
-cProfile over one more run; the same on every machine, unlike microseconds).
+plain decoding's step of the same turn; `mean_us` and `over_plain_mean_us` are their means (what
+throughput sees: a median leaves out the few steps that decide or catch up). `calls`: Python
+function calls a step (counted by cProfile over one more run; the same on every machine, unlike
+microseconds).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from workers.speculative.controller import FixedDraftSteps
 
 BATCHES = (1, 16, 64)
 PROMPT = 64
-COLUMNS = ["p50_us", "over_plain_us", "calls", "calls_over_plain"]
+COLUMNS = ["p50_us", "over_plain_us", "mean_us", "over_plain_mean_us", "calls", "calls_over_plain"]
 ROUND_SECONDS = 1.0  # what a draft engine's controller is told a round costs: plain steps throughout
 
 
@@ -168,15 +170,16 @@ def measure(
 
 
 def set_against_plain(rounds: list[dict[str, list[float]]]) -> dict[str, dict]:
-    """Each engine's median step over `rounds` (each engine's step times in turn order), and a
-    draft engine's median difference from plain decoding's step of the same turn."""
+    """Each engine's median and mean step over `rounds` (each engine's step times in turn order),
+    and a draft engine's median and mean difference from plain decoding's step of the same turn."""
     cases = {}
     for name in rounds[0]:
         steps = [t for run in rounds for t in run[name]]
-        cases[name] = {"p50_us": statistics.median(steps), "steps": len(steps)}
+        cases[name] = {"p50_us": statistics.median(steps), "mean_us": statistics.fmean(steps), "steps": len(steps)}
         if name != "plain":
             over = [t - p for run in rounds for t, p in zip(run[name], run["plain"])]
             cases[name]["over_plain_us"] = statistics.median(over)
+            cases[name]["over_plain_mean_us"] = statistics.fmean(over)
     return cases
 
 
@@ -202,8 +205,12 @@ def main(argv: list[str] | None = None) -> None:
         for key, case in cases.items():
             extra = ""
             if "over_plain_us" in case:
-                extra = f"  +{case['over_plain_us']:.1f} us, +{case['calls_over_plain']:.1f} calls"
-            print(f"{key:<24} p50 {case['p50_us']:8.1f} us  {case['calls']:7.1f} calls{extra}", flush=True)
+                extra = (
+                    f"  +{case['over_plain_us']:.1f} us (mean +{case['over_plain_mean_us']:.1f}),"
+                    f" +{case['calls_over_plain']:.1f} calls"
+                )
+            times = f"p50 {case['p50_us']:8.1f} us  mean {case['mean_us']:8.1f} us"
+            print(f"{key:<24} {times}  {case['calls']:7.1f} calls{extra}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
