@@ -3,6 +3,7 @@ taken out (the model does not run after each graph's first replay), a draft engi
 steps beside plain decoding."""
 
 from ops.bench import host_step
+from ops.bench.decode_throughput import timed_decode
 
 
 def test_the_model_runs_only_for_each_graphs_first_replay_once_taken_out():
@@ -37,6 +38,16 @@ def test_a_draft_engines_step_is_set_against_plain_decodings_step_of_the_same_tu
     cases = host_step.set_against_plain(rounds)
     assert cases["eagle"]["over_plain_us"] == 5.0 and cases["eagle"]["steps"] == 9
     assert cases["plain"]["p50_us"] == 250.0 and cases["eagle"]["p50_us"] == 205.0
+
+
+def test_a_draft_engine_runs_no_round_from_its_first_step():
+    """Its rounds are priced, not timed: a first round would price them from its own time."""
+    engine = host_step.build(1, "frozen_kv_mtp")
+    drafted = []
+    sampling = host_step.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    timed_decode(engine, host_step._prompts(1), sampling, lambda: drafted.append(engine.last_step.draft_steps))
+    assert len(drafted) >= 10 and set(drafted) - {None} == {0}  # (None: the drain, launching nothing)
+    engine.shutdown()
 
 
 def test_the_mean_difference_holds_the_rare_dear_step_the_median_leaves_out():

@@ -11,8 +11,10 @@ so what a step costs is what the host does for it: scheduling, staging the repla
 tokens, and for a draft engine its worker's and controller's bookkeeping (the draft's catch-ups,
 eager, still run the model). With `--device cuda` the graphs are captured and replayed on the GPU,
 whose work on a tiny model takes less than the host's, so a step's time is still the host's. Draft
-engines run the adaptive controller with rounds priced far above a plain step, so they stay at
-plain steps as they would where speculation does not pay; with `--round-steps K`, a draft engine's
+engines run the adaptive controller with rounds priced far above a plain step, starting at plain
+steps, so they stay there as they would where speculation does not pay (a controller starting at
+rounds would price them from its first steps, whose time in turns holds the other engines' steps
+too: plain steps look that much dearer); with `--round-steps K`, a draft engine's
 steps are rounds of K draft steps instead (`<draft>/kK`: the host work of a round; on the CPU the
 device's outputs repeat, so each round accepts what the first did).
 
@@ -74,10 +76,11 @@ def build(batch: int, draft: str | None, round_steps: int = 0, device: str = "cp
     if draft is not None and round_steps:
         engine.spec.controller = FixedDraftSteps(round_steps)
     elif draft is not None:
-        costs = engine.spec.controller.costs
-        for bucket in costs.buckets:
-            for k in range(1, costs.num_steps + 1):
-                costs.measured[(bucket, k)] = ROUND_SECONDS
+        controller = engine.spec.controller
+        for bucket in controller.costs.buckets:
+            for k in range(1, controller.num_steps + 1):
+                controller.costs.measured[(bucket, k)] = ROUND_SECONDS
+        controller.k = 0
     return engine
 
 
