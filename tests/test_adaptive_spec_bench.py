@@ -2,6 +2,7 @@
 draft, adaptive set against plain and the best fixed draft length, the table and the JSON."""
 
 import json
+import os
 import statistics
 
 import pytest
@@ -90,3 +91,15 @@ def test_every_mode_of_a_batch_is_timed_in_turn_beside_plain_decoding(tmp_path, 
     assert written["m/b4/d/adaptive"]["of_plain"] == pytest.approx(
         statistics.median(a / p for a, p in zip(adaptive, plain))
     )
+
+
+def test_the_process_is_pinned_to_the_cpu_asked_for_and_a_cpu_it_may_not_use_is_refused():
+    allowed = os.sched_getaffinity(0)
+    try:
+        adaptive_spec.pin_cpu(max(allowed))
+        assert os.sched_getaffinity(0) == {max(allowed)}
+    finally:
+        os.sched_setaffinity(0, allowed)
+    with pytest.raises(ValueError, match="--pin-cpu: .* this process may run on CPUs"):
+        adaptive_spec.pin_cpu(max(allowed) + 1000)
+    assert os.sched_getaffinity(0) == allowed
