@@ -225,6 +225,15 @@ def test_at_plain_steps_the_controller_decides_ever_less_often_until_the_batch_c
     assert set(chosen) == {0} and gaps[0] >= 2 * ctrl.plain_dwell and gaps[-2:] == [ctrl.max_plain_dwell] * 2
     assert all(b == min(2 * a, ctrl.max_plain_dwell) for a, b in itertools.pairwise(gaps)), gaps
     asked.clear()
+    asked_at.clear()
+    for step in range(100):  # another batch size, plain steps still best: the wait starts afresh
+        k = ctrl.choose(3, tokens_of(3, 0.8))  # (batch 3: bucket 4's costs)
+        ctrl.observe(3, k, ctrl.costs.seconds(3)[k])
+        if len(asked) > len(asked_at):
+            asked_at.append(step)
+    first = asked_at[0]
+    assert first < ctrl.dwell and asked_at[1:] == [first + ctrl.plain_dwell, first + 3 * ctrl.plain_dwell], asked_at
+    asked.clear()
     for _ in range(ctrl.dwell):
         if ctrl.choose(16, tokens_of(16, 0.8)):
             break

@@ -160,7 +160,7 @@ class AdaptiveDraftSteps:
             return self._probe
         if self.k == 0:  # kept: the next decision waits longer, up to the probe's due step
             self._plain_wait = min(2 * self._plain_wait, self.max_plain_dwell) if calm_plain else self.plain_dwell
-            self._decide_at = self._steps + min(self._plain_wait, math.ceil(probe_in))
+            self._decide_at = self._steps + math.ceil(min(self._plain_wait, probe_in))
         return self.k
 
     def observe(self, batch_size: int, k: int, seconds: float | None, clean: bool = True) -> None:
