@@ -15,13 +15,17 @@ def test_the_benchmark_compares_adaptive_with_plain_and_each_fixed_length(tmp_pa
     argv = ["--out", str(out), "--parts", "tiny", "--device", "cpu", "--batches", "1", "--new", "4"]
     adaptive_spec.main([*argv, "--prompt", "8", "--drafts", "frozen_kv_mtp", "--max-steps", "2"])
     results = json.loads(out.read_text())
-    cases = {"tiny/b1/none/plain", *(f"tiny/b1/frozen_kv_mtp/{m}" for m in ("k1", "k2", "adaptive", "plain"))}
-    assert set(results) == cases
+    modes = ("k1", "k2", "adaptive", "plain", "control")
+    assert set(results) == {"tiny/b1/none/plain", *(f"tiny/b1/frozen_kv_mtp/{m}" for m in modes)}
     adaptive = results["tiny/b1/frozen_kv_mtp/adaptive"]
     # set against plain decoding and each fixed length timed in the same round (not the plain
-    # engine's own, earlier case), the median over rounds
+    # engine's own, earlier case), the median over rounds; the control against plain alike
     rounds = {k.rsplit("/", 1)[1]: r["tok_per_s_runs"] for k, r in results.items() if "/none/" not in k}
     assert {len(runs) for runs in rounds.values()} == {adaptive_spec.REPEATS}
+    control = rounds.pop("control")
+    assert adaptive["control_of_plain"] == pytest.approx(
+        statistics.median(c / p for c, p in zip(control, rounds["plain"]))
+    )
     mine = rounds.pop("adaptive")
     best = [max(others) for others in zip(*rounds.values())]
     assert adaptive["of_best"] == pytest.approx(statistics.median(a / b for a, b in zip(mine, best)))
@@ -62,31 +66,34 @@ def test_the_time_split_sets_the_median_plain_step_beside_the_mean():
 
 
 def test_every_mode_of_a_batch_is_timed_in_turn_beside_plain_decoding(tmp_path, monkeypatch):
-    """Each round times plain decoding, adaptive and every fixed length once (after one warm-up
-    round), so that a host drifting between runs moves them alike; every case is written to the
-    output as its batch finishes."""
+    """Each round times the control, plain decoding, adaptive and every fixed length once (after
+    one warm-up round), adaptive and the control each right beside plain, so that a host drifting
+    between runs moves them alike; every case is written to the output as its batch finishes."""
     from types import SimpleNamespace
 
     adaptive = object()
     engine = SimpleNamespace(spec=SimpleNamespace(num_steps=2, controller=adaptive))
-    plain = SimpleNamespace(spec=None)
+    plain, control = SimpleNamespace(spec=None), SimpleNamespace(spec=None)
     order = []
 
     def fake_decode(each, prompts, new):
-        mode = "plain" if each is plain else "adaptive" if each.spec.controller is adaptive else "fixed"
+        if each.spec is None:
+            mode = "plain" if each is plain else "control"
+        else:
+            mode = "adaptive" if each.spec.controller is adaptive else "fixed"
         order.append((mode, new))
         return {"tok_per_s": float(len(order))}
 
     monkeypatch.setattr(adaptive_spec, "decode", fake_decode)
     out = adaptive_spec.Results(str(tmp_path / "out.json"))
-    adaptive_spec.run_modes("m", engine, "d", [4], lambda b: [[1]] * b, 64, out, plain)
-    turn = ["plain", "adaptive", "fixed", "fixed"]
-    rounds = [order[i : i + 4] for i in range(0, len(order), 4)]
+    adaptive_spec.run_modes("m", engine, "d", [4], lambda b: [[1]] * b, 64, out, plain, control=control)
+    turn = ["control", "plain", "adaptive", "fixed", "fixed"]
+    rounds = [order[i : i + 5] for i in range(0, len(order), 5)]
     assert [[m for m, _ in r] for r in rounds] == [turn if i % 2 == 0 else turn[::-1] for i in range(len(rounds))]
     assert len(rounds) == adaptive_spec.REPEATS + 1
-    assert [n for _, n in order] == [16] * 4 + [64] * 4 * adaptive_spec.REPEATS
+    assert [n for _, n in order] == [16] * 5 + [64] * 5 * adaptive_spec.REPEATS
     written = json.loads((tmp_path / "out.json").read_text())
-    assert set(written) == {f"m/b4/d/{m}" for m in ("plain", "adaptive", "k1", "k2")}
+    assert set(written) == {f"m/b4/d/{m}" for m in ("plain", "adaptive", "k1", "k2", "control")}
     adaptive, plain = written["m/b4/d/adaptive"]["tok_per_s_runs"], written["m/b4/d/plain"]["tok_per_s_runs"]
     assert written["m/b4/d/adaptive"]["of_plain"] == pytest.approx(
         statistics.median(a / p for a, p in zip(adaptive, plain))

@@ -12,23 +12,25 @@
 
 One engine per draft, built adaptive (num_steps 4): it runs adaptive, then each fixed draft length
 through a fixed controller, replaying the graphs it captured for that k, as an engine of that
-num_steps would; plain decoding is an engine without a draft, alive throughout. At each batch
-every mode runs a warm-up (first replays and, adaptive, the controller's first measurements), then
-`--repeats` rounds (5) each time every mode once in turn, plain decoding first (`<draft>/plain`) and
-the order reversed every other round (a drift within a round moves every mode alike): greedy
-decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of the decode
-steps); a case keeps its median run and every run's tokens/s (`tok_per_s_runs`, in round order).
-A host's speed drifts by more than the 3% sought between runs minutes apart (a tiny model's step
-is mostly host work: one H200 host ran the same plain steps at 0.40 and 0.89 ms a minute apart,
-and 0.38 and 0.73 ms within one run), so modes are compared only with runs seconds from theirs:
-for each model, draft and batch the table sets adaptive against max(plain, best fixed) of the
-same round, the median over rounds (of medians where the cases' rounds do not pair up): the goal
-is to be within 3% of it (`of_best`), and at least 97% of plain where drafts are not accepted
-(`of_plain`). Each case is logged and `--out` rewritten as it is measured, so that a run stopped
-any way keeps what it measured. With `--pin-cpu N` the process runs on CPU N alone: on one H200
-host two identical plain engines alternated this way gave medians of their per-round ratios from
-0.89 to 1.06 free (interquartile ranges up to 0.26) and 0.97 to 0.98 pinned (0.04 to 0.08): an
-unpinned run cannot resolve the 3% sought at batch 1.
+num_steps would; plain decoding is an engine without a draft, alive throughout. At each batch every
+mode runs a warm-up (first replays and, adaptive, the controller's first measurements), then
+`--repeats` rounds (5) each time every mode once in turn, plain decoding right before adaptive
+(`<draft>/plain`) and, on the tiny part, a second engine without a draft right before plain
+(`<draft>/control`), the order reversed every other round (a drift within a round moves every mode
+alike): greedy decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of
+the decode steps); a case keeps its median run and every run's tokens/s (`tok_per_s_runs`, in round
+order). A host's speed drifts by more than the 3% sought between runs minutes apart (a tiny model's
+step is mostly host work: one H200 host ran the same plain steps at 0.40 and 0.89 ms a minute
+apart, and 0.38 and 0.73 ms within one run), so modes are compared only with runs seconds from
+theirs: for each model, draft and batch the table sets adaptive against max(plain, best fixed) of
+the same round, the median over rounds (of medians where the cases' rounds do not pair up): the
+goal is to be within 3% of it (`of_best`), and at least 97% of plain where drafts are not accepted
+(`of_plain`); `control_of_plain` sets the control against plain the same way: what two identical
+engines differ by in that run, the resolution of its `of_plain`. Each case is logged and `--out`
+rewritten as it is measured, so that a run stopped any way keeps what it measured. With `--pin-cpu
+N` the process runs on CPU N alone: on one H200 host two identical plain engines alternated this
+way gave medians of their per-round ratios from 0.89 to 1.06 free (interquartile ranges up to 0.26)
+and 0.97 to 0.98 pinned (0.04 to 0.08): an unpinned run cannot resolve the 3% sought at batch 1.
 
 Every case's steps' median and 90th percentile (`step_p50_ms`, `step_p90_ms`, from each timed
 step's end to the next's: what the mean hides, and a plain engine's steps beside a speculative
@@ -84,6 +86,7 @@ COLUMNS = [
     "switches",
     "of_best",
     "of_plain",
+    "control_of_plain",
 ]
 
 
@@ -195,25 +198,30 @@ def run_modes(
     out: Results,
     plain=None,
     repeats: int = REPEATS,
+    control=None,
 ) -> None:
     """Every mode of one engine (plain decoding without a draft) at each batch: each mode warmed
     up, then `repeats` rounds that time every mode once in turn (in reverse every other round);
     a case is its mode's run of median tokens/s (a tiny model's step is a few hundred
     microseconds of mostly host work, whose jitter one short run would carry). With `plain` (the
-    engine without a draft, alive beside this one) each round times it first, and those runs
-    make the case `<draft>/plain`: a host whose speed drifts between runs seconds apart moves
-    every mode of a batch alike. Cases go into `out` as their batch finishes."""
-    timed_modes = modes(engine) if engine.spec is not None else [("plain", None)]
-    if plain is not None:
-        timed_modes = [("plain", None), *timed_modes]
+    engine without a draft, alive beside this one) each round times it right before adaptive,
+    and those runs make the case `<draft>/plain`: a host whose speed drifts between runs seconds
+    apart moves every mode of a batch alike. With `control` (a second engine without a draft)
+    each round times it right before plain (`<draft>/control`): set against plain as adaptive
+    is, it reads what two identical engines differ by in this run. Cases go into `out` as their
+    batch finishes."""
+    timed_modes = [(mode, engine, c) for mode, c in modes(engine)] if engine.spec is not None else []
+    if plain is not None or engine.spec is None:
+        timed_modes = [("plain", plain if plain is not None else engine, None), *timed_modes]
+    if control is not None:
+        timed_modes = [("control", control, None), *timed_modes]
     for batch in batches:
         prompts = prompts_for(batch)
-        runs: dict[str, list[dict]] = {mode: [] for mode, _ in timed_modes}
+        runs: dict[str, list[dict]] = {mode: [] for mode, _, _ in timed_modes}
         for repeat in range(repeats + 1):  # the first a warm-up
-            for mode, controller in timed_modes if repeat % 2 == 0 else timed_modes[::-1]:
-                each = plain if controller is None and plain is not None else engine
+            for mode, each, controller in timed_modes if repeat % 2 == 0 else timed_modes[::-1]:
                 if controller is not None:
-                    engine.spec.controller = controller
+                    each.spec.controller = controller
                 r = decode(each, prompts, new if repeat else max(8, new // 4))
                 if repeat:
                     runs[mode].append(r)
@@ -275,6 +283,9 @@ def compare(results: dict) -> dict:
             mine, plain, *others = (np.array(c) for c in rounds)
             r["of_best"] = float(np.median(mine / np.maximum.reduce([plain, *others])))
             r["of_plain"] = float(np.median(mine / plain))
+            control = results.get(f"{model}/{batch}/{draft}/control", {}).get("tok_per_s_runs")
+            if control is not None and len(control) == len(plain):  # identical engines, as this run reads them
+                r["control_of_plain"] = float(np.median(np.array(control) / plain))
         else:
             plain = beside["tok_per_s"]
             r["of_best"] = r["tok_per_s"] / max([plain, *(v["tok_per_s"] for v in fixed)])
@@ -312,13 +323,14 @@ def tiny_part(
             speculative=spec,
         )
 
-    plain = build(None)
+    plain, control = build(None), build(None)
     run_modes("tiny", plain, "none", batches, prompts_for, new, out, repeats=repeats)
     for draft in drafts:
         spec = {"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": max_steps}
         engine = build(spec)
-        run_modes("tiny", engine, draft, batches, prompts_for, new, out, plain, repeats)
+        run_modes("tiny", engine, draft, batches, prompts_for, new, out, plain, repeats, control)
         close(engine)
+    close(control)
     close(plain)
 
 
@@ -395,7 +407,8 @@ def shapes_part(
 
 
 def table(results: dict) -> str:
-    head = ["tok/s", "ms/step", "p50 ms", "p90 ms", "accept", "k", "plain", "plain ms", "round ms", "switch", "of best"]
+    head = ["tok/s", "ms/step", "p50 ms", "p90 ms", "accept", "k", "plain", "plain ms", "round ms", "switch"]
+    head += ["of best", "control"]
     lines = [f"{'case':<40} " + " ".join(f"{h:>9}" for h in head)]
     for key, r in results.items():
         if not isinstance(r, dict) or "tok_per_s" not in r:
@@ -412,6 +425,7 @@ def table(results: dict) -> str:
             _cell(r, "round_ms", ".3f"),
             _cell(r, "switches", "d"),
             f"{100 * r['of_best']:.1f}%{'' if r['of_best'] >= 1 - TOLERANCE else ' LOW'}" if "of_best" in r else "",
+            f"{100 * r['control_of_plain']:.1f}%" if "control_of_plain" in r else "",
         ]
         lines.append(f"{key:<40} " + " ".join(f"{c:>9}" for c in cells))
     return "\n".join(lines)
