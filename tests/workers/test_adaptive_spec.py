@@ -259,9 +259,9 @@ def test_a_change_between_plain_steps_and_rounds_must_repay_what_it_was_measured
 
 
 def test_one_slow_step_does_not_drive_the_controller_from_plain_steps_and_a_stale_figure_is_rechecked():
-    """Plain steps (0.4 s) beat rounds of K drafts (1.8 s for 3.5 tokens). The plain step before
-    each decision there takes 2 s (a host's pause): it stays at plain steps (a moving average
-    weighing the last step 0.2 made them 0.72 s, worse than rounds; their mean is 0.45). When the
+    """Plain steps (0.4 s) beat rounds of K drafts (1.8 s for 3.5 tokens). Every 8th plain step
+    takes 2 s (a host's pauses): it stays at plain steps (their mean, 0.6 s, is worse than rounds;
+    a moving average weighing the last step 0.2 made one such step before a decision 0.72 s). When the
     host is slow for a stretch (plain steps 1.0 s, rounds unchanged) it goes back to rounds; once
     the host is fast again it re-checks plain steps from rounds within the wait `probe_share`
     allows (two switches, as measured, and `dwell` plain steps' loss, at most 1% of the time at
@@ -276,7 +276,7 @@ def test_one_slow_step_does_not_drive_the_controller_from_plain_steps_and_a_stal
                 slow_first["plain"] = 0
                 return [0.0, 1.4, 1.6, 1.8][k]
             slow_first["plain"] += 1
-            return 2.0 if slow_first["plain"] % ctrl.plain_dwell == 0 else plain
+            return 2.0 if slow_first["plain"] % 8 == 0 else plain
 
         return seconds
 
