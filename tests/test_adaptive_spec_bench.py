@@ -31,6 +31,8 @@ def test_the_benchmark_compares_adaptive_with_plain_and_each_fixed_length(tmp_pa
     assert adaptive["of_best"] == pytest.approx(statistics.median(a / b for a, b in zip(mine, best)))
     assert adaptive["of_plain"] == pytest.approx(statistics.median(a / b for a, b in zip(mine, rounds["plain"])))
     assert results["tiny/b1/frozen_kv_mtp/k2"]["draft_steps"] == 2.0
+    assert len(adaptive["switches_runs"]) == len(adaptive["catch_ups_runs"]) == adaptive_spec.REPEATS
+    assert "switches_runs" not in results["tiny/b1/none/plain"]  # (no draft: nothing changes)
     assert "tiny/b1/frozen_kv_mtp/adaptive" in capsys.readouterr().out
 
 

@@ -19,12 +19,13 @@ mode runs a warm-up (first replays and, adaptive, the controller's first measure
 (`<draft>/control`), the order reversed every other round (a drift within a round moves every mode
 alike): greedy decoding of `--new` tokens per request after a `--prompt`-token prompt (tokens/s of
 the decode steps); a case keeps its median run and every run's tokens/s (`tok_per_s_runs`, in round
-order). A host's speed drifts by more than the 3% sought between runs minutes apart (a tiny model's
-step is mostly host work: one H200 host ran the same plain steps at 0.40 and 0.89 ms a minute
-apart, and 0.38 and 0.73 ms within one run), so modes are compared only with runs seconds from
-theirs: for each model, draft and batch the table sets adaptive against max(plain, best fixed) of
-the same round, the median over rounds (of medians where the cases' rounds do not pair up): the
-goal is to be within 3% of it (`of_best`), and at least 97% of plain where drafts are not accepted
+order; a speculative mode's changes and catch-ups too, `switches_runs` and `catch_ups_runs`). A
+host's speed drifts by more than the 3% sought between runs minutes apart (a tiny model's step is
+mostly host work: one H200 host ran the same plain steps at 0.40 and 0.89 ms a minute apart, and
+0.38 and 0.73 ms within one run), so modes are compared only with runs seconds from theirs: for
+each model, draft and batch the table sets adaptive against max(plain, best fixed) of the same
+round, the median over rounds (of medians where the cases' rounds do not pair up): the goal is to
+be within 3% of it (`of_best`), and at least 97% of plain where drafts are not accepted
 (`of_plain`); `control_of_plain` sets the control against plain the same way: what two identical
 engines differ by in that run, the resolution of its `of_plain`. Each case is logged and `--out`
 rewritten as it is measured, so that a run stopped any way keeps what it measured. With `--pin-cpu
@@ -249,12 +250,15 @@ class Results(dict):
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """The run of median tokens/s, with the range of all and each run's in round order."""
+    """The run of median tokens/s, with the range of all and each run's tokens/s in round order,
+    and for a speculative mode each run's changes and catch-ups (what a slow run held)."""
+    by_round = {f"{name}_runs": [r[name] for r in runs] for name in ("switches", "catch_ups") if name in runs[0]}
     order = [r["tok_per_s"] for r in runs]
     runs = sorted(runs, key=lambda r: r["tok_per_s"])
     r = runs[len(runs) // 2]
     r["tok_per_s_range"] = [runs[0]["tok_per_s"], runs[-1]["tok_per_s"]]
     r["tok_per_s_runs"] = order
+    r.update(by_round)
     return r
 
 
