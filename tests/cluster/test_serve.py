@@ -22,7 +22,8 @@ from workers.engine import Engine, SamplingParams
 
 NEW = 20
 PROMPTS = random_prompts([29, 11, 17, 40])
-STALL_S = 4  # a tiny model's step on CPU takes milliseconds
+STALL_S = 8  # a tiny model's step on CPU takes milliseconds; room for one starved on a loaded 2-core host
+# (with 4 s, the ranks were once killed before the test had installed its stall)
 
 
 @pytest.fixture(scope="module")
