@@ -6,17 +6,17 @@ tiny model's step is mostly host work.
 One engine without a draft and one per shipped draft (standalone, EAGLE, frozen-KV MTP), all with
 overlapped decoding. On the CPU (the default) the graphs are emulated, the code path a GPU runs,
 and after a warm-up run each graph's forward returns its first output instead of running the model
-(and writes nothing into an EAGLE engine's hidden ring, as a captured graph does on the device),
-so what a step costs is what the host does for it: scheduling, staging the replay, committing
-tokens, and for a draft engine its worker's and controller's bookkeeping (the draft's catch-ups,
-eager, still run the model). With `--device cuda` the graphs are captured and replayed on the GPU,
-whose work on a tiny model takes less than the host's, so a step's time is still the host's. Draft
+(and writes nothing into an EAGLE engine's hidden ring, as a captured graph does on the device), so
+what a step costs is what the host does for it: scheduling, staging the replay, committing tokens,
+and for a draft engine its worker's and controller's bookkeeping (the draft's catch-ups, eager,
+still run the model). With `--device cuda` the graphs are captured and replayed on the GPU, whose
+work on a tiny model takes less than the host's, so a step's time is still the host's. Draft
 engines run the adaptive controller with rounds priced far above a plain step, starting at plain
 steps, so they stay there as they would where speculation does not pay (a controller starting at
 rounds would price them from its first steps, whose time in turns holds the other engines' steps
-too: plain steps look that much dearer); with `--round-steps K`, a draft engine's
-steps are rounds of K draft steps instead (`<draft>/kK`: the host work of a round; on the CPU the
-device's outputs repeat, so each round accepts what the first did).
+too: plain steps look that much dearer); with `--round-steps K`, a draft engine's steps are rounds
+of K draft steps instead (`<draft>/kK`: the host work of a round; on the CPU the device's outputs
+repeat, so each round accepts what the first did).
 
 At each batch, `--repeats` rounds: every engine is given the batch's requests of `--new` tokens,
 then the engines take one step each, in a new random order every time, until all are done (a

@@ -373,7 +373,7 @@ def test_the_shortcut_for_steady_steps_leaves_the_controller_as_the_whole_bookke
     for batch, tokens in _random_batches(rng, 3000, 4, 0.7, 0.01):
         k = fast.choose(batch, lambda tokens=tokens: tokens)
         assert whole.choose(batch, lambda tokens=tokens: tokens) == k
-        told = _random_tell(rng, times, batch, k)
+        told = _random_tell(rng, times, fast.costs.bucket, batch, k)
         shortcuts += fast._calm and told[1] == fast.k and told[2] is not None and told[3]
         fast.observe(*told)
         whole.observe(*told)
@@ -381,9 +381,6 @@ def test_the_shortcut_for_steady_steps_leaves_the_controller_as_the_whole_bookke
         assert state == {n: v for n, v in vars(whole).items() if n not in ("costs", "_calm")}
         assert fast.costs.seconds(batch) == whole.costs.seconds(batch)
     assert shortcuts > 1000 and len(set(fast.costs.measured)) > 8
-
-
-_BUCKETING = CostModel(BUCKETS, K)
 
 
 def _random_batches(rng, steps: int, batch: int, rate: float, change: float):
@@ -395,13 +392,13 @@ def _random_batches(rng, steps: int, batch: int, rate: float, change: float):
         yield batch, _tokens(batch, rate)
 
 
-def _random_tell(rng, times: dict, batch: int, k: int) -> tuple:
+def _random_tell(rng, times: dict, bucket, batch: int, k: int) -> tuple:
     """What a decode step chosen at `k` tells: now and then a k a relayed group ran whatever this
-    rank chose, its time from `times` (per bucket and k) with noise, now and then unknown or
-    unclean."""
+    rank chose, its time from `times` (per `bucket(batch)` and k) with noise, now and then unknown
+    or unclean."""
     if rng.random() < 0.01:
         k = int(rng.integers(0, K + 1))
-    seconds = times[_BUCKETING.bucket(batch)][k] * float(rng.lognormal(0.0, 0.3))
+    seconds = times[bucket(batch)][k] * float(rng.lognormal(0.0, 0.3))
     return (batch, k, None if rng.random() < 0.01 else seconds, rng.random() > 0.02)
 
 
@@ -442,7 +439,7 @@ def test_plain_steps_leased_ahead_leave_the_controller_as_asking_every_step_does
         for _ in range(2 if rng.random() < 0.01 else 1):  # (twice: a launched step and the next)
             k = _ask(leasing, batch, lambda tokens=tokens: tokens)
             assert asked.choose(batch, lambda tokens=tokens: tokens) == k
-        told = _random_tell(rng, times, batch, k)
+        told = _random_tell(rng, times, leasing.costs.bucket, batch, k)
         _tell(leasing, *told)
         asked.observe(*told)
         assert asked.lease.seconds is None  # (a controller that leases nothing: a relayed group's lead)
