@@ -160,18 +160,18 @@ def test_the_controller_picks_the_fastest_draft_length_per_batch_size():
 def test_the_controller_does_not_flap_between_near_equals():
     """k = 1 and k = 2 within 2% of each other, step times noisy by 5%: once settled the
     controller keeps one of them, leaving it only for single probes a step deeper (ever rarer)
-    and a re-check of plain steps (`dwell` of them, no sooner than their loss is 1% of the time
-    since); a clear winner (25% faster) it takes."""
+    and a re-check of plain steps (`dwell` of them after `settle_steps`, no sooner than their
+    loss is 1% of the time since); a clear winner (25% faster) it takes."""
     rows = {4: [1.0, 1.0, 1.0, 3.0]}
     tokens = np.array([4.0, 7.0, 7.14, 7.2])
     rng = np.random.default_rng(0)
     ctrl = AdaptiveDraftSteps(_costs(rows))
-    settled = _drive(ctrl, 4, tokens, 240, lambda k: rows[4][k] * rng.uniform(0.95, 1.05))[10:]
-    k = ctrl.k
-    rechecks = "".join(map(str, settled)).split("0" * ctrl.dwell)
-    assert k in (1, 2) and len(rechecks) == 2 and len(rechecks[0]) >= ctrl.dwell * (1 - 4 / 7) / 0.01 - 10
-    assert 0 not in settled[: settled.index(0)] + settled[settled.index(0) + ctrl.dwell :]
-    assert settled.count(k) >= len(settled) - 4 - ctrl.dwell
+    settled = _drive(ctrl, 4, tokens, 700, lambda k: rows[4][k] * rng.uniform(0.95, 1.05))[10:]
+    k, stay = ctrl.k, ctrl.stay_after_change
+    rechecks = "".join(map(str, settled)).split("0" * stay)
+    assert k in (1, 2) and len(rechecks) == 2 and len(rechecks[0]) >= 0.95 * stay * (1 - 4 / 7) / 0.01 - 10
+    assert 0 not in settled[: settled.index(0)] + settled[settled.index(0) + stay :]
+    assert settled.count(k) >= len(settled) - 6 - stay
     probes = [i for i, n in enumerate(settled) if n not in (k, 0)]
     assert all(settled[i] == k + 1 and settled[i + 1] == k for i in probes)
     assert _drive(ctrl, 4, np.array([4.0, 9.0, 7.2, 7.2]), 10)[-1] == 1
@@ -179,22 +179,24 @@ def test_the_controller_does_not_flap_between_near_equals():
 
 def test_the_controller_measures_what_it_has_not_and_probes_deeper():
     """Without start-up timing (a CPU) every k is tried for `dwell` steps, deepest first, before
-    the fastest is chosen; a step right after a change is not timed. At k = 0 it probes k = 1
+    the fastest is chosen; a step right after a change is not timed, nor the `settle_steps` from
+    a change between rounds and plain steps, which run for that many more. At k = 0 it probes k = 1
     after `probe_after` steps, and waits twice as long after a probe that changed nothing
     (probes as cheap as the time allows: `probe_share` 1)."""
     times = [1.0, 1.5, 2.0, 2.5]
     ctrl = AdaptiveDraftSteps(
         CostModel(BUCKETS, K), dwell=3, plain_dwell=3, probe_after=8, max_probe_after=32, probe_share=1.0
     )
-    chosen = _drive(ctrl, 4, _tokens(4, 0.1), 14, lambda k: times[k])
-    assert chosen[:12] == [3, 3, 3, 2, 2, 2, 1, 1, 1, 0, 0, 0] and chosen[12:] == [0, 0]
-    assert ctrl.costs.seconds(4) == times  # each measured, the first step after a change left out
+    chosen = _drive(ctrl, 4, _tokens(4, 0.1), 9 + ctrl.stay_after_change, lambda k: times[k])
+    assert chosen[:9] == [3, 3, 3, 2, 2, 2, 1, 1, 1] and chosen[9:] == [0] * ctrl.stay_after_change
+    assert ctrl.costs.seconds(4) == times  # each measured, the first steps after a change left out
     chosen = _drive(ctrl, 4, _tokens(4, 0.1), 120, lambda k: times[k])
     probes = [i for i, k in enumerate(chosen[:-1]) if k == 1]
     assert len(probes) >= 3 and all(chosen[i + 1] == 0 for i in probes) and set(chosen) == {0, 1}
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert gaps[1] > gaps[0] and gaps[-1] <= 32 + 2 * 3  # (decisions come every `dwell` steps here)
-    assert _drive(ctrl, 4, _tokens(4, 0.99), 8, lambda k: times[k])[-1] == K  # drafts accepted: they pay now
+    went = _drive(ctrl, 4, _tokens(4, 0.99), ctrl.max_probe_after + 1, lambda k: times[k])  # (a decision comes)
+    assert K in went and set(went[went.index(K) :]) == {K}  # drafts accepted: they pay now
 
 
 def test_at_plain_steps_the_controller_decides_ever_less_often_until_the_batch_changes():
@@ -258,27 +260,34 @@ def test_a_change_between_plain_steps_and_rounds_must_repay_what_it_was_measured
     assert _drive(dear, 4, clearly, 600, change=10.0)[-1] == 1
 
 
+def _host(plain):
+    """Step times: rounds of k drafts 1.4, 1.6, 1.8 s (k = 1..3); the nth plain step since the
+    last round `plain(n)` s."""
+    since = [0]
+
+    def seconds(k: int) -> float:
+        if k:
+            since[0] = 0
+            return [0.0, 1.4, 1.6, 1.8][k]
+        since[0] += 1
+        return plain(since[0])
+
+    return seconds
+
+
 def test_one_slow_step_does_not_drive_the_controller_from_plain_steps_and_a_stale_figure_is_rechecked():
     """Plain steps (0.4 s) beat rounds of K drafts (1.8 s for 3.5 tokens). Every 8th plain step
     takes 2 s (a host's pauses): it stays at plain steps (their mean, 0.6 s, is worse than rounds;
     a moving average weighing the last step 0.2 made one such step before a decision 0.72 s). When the
     host is slow for a stretch (plain steps 1.0 s, rounds unchanged) it goes back to rounds; once
     the host is fast again it re-checks plain steps from rounds within the wait `probe_share`
-    allows (two switches, as measured, and `dwell` plain steps' loss, at most 1% of the time at
-    rounds) and keeps them."""
+    allows (two switches, as measured, and the loss of `stay_after_change` plain steps, at most
+    1% of the time at rounds) and keeps them."""
     rows = {1: [0.35, 0.6, 0.7, 0.8]}
     tokens = np.array([1.0, 1.9, 2.7, 3.5])
-    slow_first = {"plain": 0}  # plain steps since the last round
 
     def host(plain: float):
-        def seconds(k: int) -> float:
-            if k:
-                slow_first["plain"] = 0
-                return [0.0, 1.4, 1.6, 1.8][k]
-            slow_first["plain"] += 1
-            return 2.0 if slow_first["plain"] % 8 == 0 else plain
-
-        return seconds
+        return _host(lambda n: 2.0 if n % 8 == 0 else plain)
 
     ctrl = AdaptiveDraftSteps(_costs(rows))
     chosen = _drive(ctrl, 1, tokens, 200, host(0.4), change=1.0)
@@ -286,10 +295,34 @@ def test_one_slow_step_does_not_drive_the_controller_from_plain_steps_and_a_stal
     slow = _drive(ctrl, 1, tokens, 40, host(1.0), change=1.0)
     assert slow[-1] == K and ctrl.costs.seconds(1)[0] == pytest.approx(1.0)
     switch = ctrl.costs.change_seconds(1, SWITCH)
-    chosen = _drive(ctrl, 1, tokens, 400, host(0.4), change=1.0)
+    chosen = _drive(ctrl, 1, tokens, 800, host(0.4), change=1.0)
     rounds = slow[::-1].index(0) + chosen.index(0)  # steps at rounds before the re-check
-    wait = (2 * switch + ctrl.dwell * (1.0 - 1.8 / 3.5)) / (ctrl.probe_share * 1.8)
+    wait = (2 * switch + ctrl.stay_after_change * (1.0 - 1.8 / 3.5)) / (ctrl.probe_share * 1.8)
     assert wait <= rounds <= wait + ctrl.dwell and set(chosen[chosen.index(0) :]) == {0}, rounds
+
+
+def test_the_steps_right_after_rounds_count_towards_the_change_and_a_re_check_finds_plain_steps_fast():
+    """Plain steps (0.4 s) beat rounds of K drafts (1.8 s for 3.5 tokens), but the first 4 plain
+    steps after rounds take 1.0 s (as on a GPU host: the pipeline and the host warm up again).
+    After a slow stretch has sent the controller to rounds, a re-check of plain steps times them
+    only after `settle_steps`: it finds them fast and keeps them, the slow steps counted towards
+    the switch. A controller timing them from the second step (`settle_steps` 1) finds them as
+    slow as the stretch left them and stays at rounds for good."""
+    rows = {1: [0.35, 0.6, 0.7, 0.8]}
+    tokens = np.array([1.0, 1.9, 2.7, 3.5])
+
+    def host(plain: float):
+        return _host(lambda n: 1.0 if n <= 4 else plain)
+
+    for settle_steps, back in ((8, True), (1, False)):
+        ctrl = AdaptiveDraftSteps(_costs(rows), settle_steps=settle_steps)
+        assert _drive(ctrl, 1, tokens, 60, host(1.0))[-1] == K  # (a slow stretch: rounds pay)
+        chosen = _drive(ctrl, 1, tokens, 3000, host(0.4))
+        assert chosen.count(0) > 0  # re-checked
+        assert (chosen[-200:] == [0] * 200) == back, "".join(map(str, chosen))
+        if back:
+            assert ctrl.costs.seconds(1)[0] == pytest.approx(0.4)
+            assert ctrl.costs.change_seconds(1, SWITCH) > 0.0  # (the slow steps, beyond plain steps' entry)
 
 
 def test_a_step_of_unknown_time_leaves_later_changes_measured():
@@ -298,7 +331,7 @@ def test_a_step_of_unknown_time_leaves_later_changes_measured():
     as usual."""
     ctrl = AdaptiveDraftSteps(_costs({4: [1.0, 2.0, 3.0, 4.0]}))
     ctrl.observe(4, K, None)
-    for seconds in [4.0] * 6 + [11.0] + [1.0] * 3:  # steady rounds, a change to plain steps, steady ones
+    for seconds in [4.0] * 6 + [11.0] + [1.0] * (ctrl.settle_steps + 2):  # steady rounds, a change, plain steps
         ctrl.observe(4, K if seconds == 4.0 else 0, seconds)
     assert ctrl.costs.change_seconds(4, SWITCH) == pytest.approx(10.0)
 
@@ -1053,8 +1086,8 @@ def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(p
     others decode and requests ending at different steps, the draft catching up every few plain
     steps: the engine whose controller leases plain steps ahead runs each step's draft length as
     one asked and told every step, both tell the cost model the same steps and end in the same
-    controller state, greedy output is plain decoding's, and the leasing controller was asked at
-    a fraction of the steps."""
+    controller state, greedy output is plain decoding's, and the leasing controller was not asked
+    at half the plain steps or more."""
     spec = {"algorithm": "eagle", "draft_model": DRAFT_MODELS["eagle"], "num_steps": K}
     runs = {}
     for name, leases in (("leasing", True), ("asked", False)):
@@ -1081,7 +1114,8 @@ def test_an_engine_leasing_plain_steps_runs_the_steps_of_one_asking_every_step(p
         runs[name] = (steps, state, told, len(chooses))
     (steps, state, told, asks), asked = runs["leasing"], runs["asked"]
     assert steps == asked[0] and state == asked[1] and told == asked[2]
-    assert steps.count(0) > 100 and asks < asked[3] / 2.5, (asks, asked[3])
+    plain = steps.count(0)
+    assert plain > 60 and asks <= asked[3] - plain / 2, (asks, asked[3], plain)
 
 
 def test_fixed_rounds_when_adaptive_is_off(models):

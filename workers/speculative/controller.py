@@ -21,13 +21,18 @@ deeper now and then: position k + 1 is never judged at k, so its rate would othe
 whatever it last was. A probe that changes nothing doubles the wait for the next; a probe from
 plain steps (a round and back) waits besides until its measured cost is at most `probe_share` of
 the time between probes. At rounds, plain steps are re-checked now and then the same way (a
-change to them, judged again after `dwell` steps): their figure is what they cost when they last
+change to them, judged again after `stay_after_change` steps): their figure is what they cost when they last
 ran, and a host's speed drifts; coming back to a k restarts its cost entry
 (`CostModel.restart`).
 
-A step is steady when it ran the k of the step before and nothing else ran in its time: its time
-refreshes its cost entry. The others (a change, a probe, a catch-up) are what changing costs:
-what they took beyond their entries is told to the cost model once steps are steady again.
+A step is steady when it ran the k of the step before and nothing else ran in its time, and it is
+not one of the first `settle_steps` from a change between plain steps and rounds (they run slower
+than the steps after them while the pipeline and the host warm up again: timed into its entry,
+the first plain steps of a re-check from rounds made plain steps look dearer than rounds and kept
+the controller at rounds for good): its time refreshes its cost entry. The others (a change and
+the steps settling after it, a probe, a catch-up) are what changing costs: what they took beyond
+their entries is told to the cost model once steps are steady again. A k reached by a change
+between plain steps and rounds is kept until it has been timed (`stay_after_change`).
 
 Steady at plain steps, the controller grants the plain steps up to its next decision ahead
 (`PlainLease`): the speculative worker runs them without asking and the engine keeps their times
@@ -95,6 +100,7 @@ class AdaptiveDraftSteps:
     costs: CostModel
     margin: float = 0.05  # leave the current k only for one expected this much faster
     dwell: int = 4  # steps at a k before leaving it
+    settle_steps: int = 8  # steps from a change between plain steps and rounds (it included) counted as the change's
     plain_dwell: int = 32  # steps at plain decoding before a decision while the batch size stays
     max_plain_dwell: int = 256  # the wait between decisions at plain steps, doubled after each that kept them
     probe_after: int = 32  # steps below num_steps before a step one draft deeper
@@ -107,7 +113,9 @@ class AdaptiveDraftSteps:
     def __post_init__(self) -> None:
         self.k = self.num_steps
         self._steps = 0  # steps at k
+        self._stay = self.dwell  # steps at k before it may be left (`stay_after_change` after a change of kind)
         self._last = -1  # the k of the last step
+        self._settling = 0  # steps still to come whose time counts towards a change of kind
         self._since_probe = 0  # steps since the last probe (or change)
         self._probe_wait = self.probe_after
         self._probed = False  # the last step was a probe
@@ -130,6 +138,13 @@ class AdaptiveDraftSteps:
     def num_steps(self) -> int:
         return self.costs.num_steps
 
+    @property
+    def stay_after_change(self) -> int:
+        """Steps at a k reached by a change between plain steps and rounds before it may be left:
+        the `settle_steps` untimed, then `dwell` - 1 at least, up to the next decision (decisions
+        come every `dwell` steps)."""
+        return self.dwell * math.ceil((self.dwell + max(0, self.settle_steps - 1)) / self.dwell)
+
     def rates(self, batch_size: int, expected_tokens: np.ndarray) -> list[float | None]:
         """Expected tokens per second for each k (None: its cost unknown)."""
         return _rates(expected_tokens, self.costs.seconds(batch_size))
@@ -137,7 +152,7 @@ class AdaptiveDraftSteps:
     def choose(self, batch_size: int, expected_tokens: Callable[[], np.ndarray]) -> int:
         if self.lease.seconds is not None:
             self.settle()
-        if self._steps < self.dwell:
+        if self._steps < self._stay:
             return self.k
         calm_plain = self.k == 0 and batch_size == self._decided_for and not self._rechecking
         if (self._steps < self._decide_at) if calm_plain else (self._steps % self.dwell):
@@ -180,7 +195,12 @@ class AdaptiveDraftSteps:
             return
         if self._deciding is not None:
             self._decided_for, self._deciding = self._deciding, None
-        steady = seconds is not None and clean and k == self._last
+        settling = self._settling > 0
+        if self._last >= 0 and (k == 0) != (self._last == 0):  # a change of kind: the steps after it settle
+            self._settling = self.settle_steps - 1
+        elif settling:
+            self._settling -= 1
+        steady = seconds is not None and clean and k == self._last and not settling
         if steady:
             self.costs.observe(batch_size, k, seconds)
         if steady and self._unsteady == []:  # steady steps in a row (the common step): nothing to tell
@@ -200,10 +220,11 @@ class AdaptiveDraftSteps:
         else:
             self._judge_recheck(k)
             self._rechecking = k == 0 and self._recheck
+            self._stay = self.stay_after_change if (k == 0) != (self.k == 0) else self.dwell
             self.k, self._steps, self._since_probe = k, 1, 1
             self._plain_wait = self._decide_at = self.plain_dwell
             self.costs.restart(batch_size, k)
-        if self._rechecking and self._steps > self.dwell:  # plain steps kept when judged: the re-check paid
+        if self._rechecking and self._steps > self._stay:  # plain steps kept when judged: the re-check paid
             self._judge_recheck(0)
         self._probe, self._recheck = None, False
         self._calm = steady and k == self.k and not self._probed and not self._rechecking  # (steady: nothing unsteady)
@@ -255,7 +276,7 @@ class AdaptiveDraftSteps:
         rounds since."""
         if self.k == 0:
             return False
-        loss = self.dwell * max(0.0, costs[0] - float(tokens[0]) / rates[self.k])
+        loss = self.stay_after_change * max(0.0, costs[0] - float(tokens[0]) / rates[self.k])
         cost = 2.0 * self.costs.change_seconds(batch_size, SWITCH) + loss
         return self._at_rounds >= max(self._recheck_wait, cost / (self.probe_share * costs[self.k]))
 
