@@ -1,0 +1,49 @@
+"""`ops/bench/settle_steps.py`: decode steps by their place after a change between plain steps and
+rounds, under a scripted controller."""
+
+import argparse
+
+import pytest
+
+from ops.bench import settle_steps
+from ops.bench.decode_throughput import timed_decode
+from workers.engine import SamplingParams
+
+
+def test_steps_are_placed_after_the_last_change_of_kind():
+    """Ends 1 ms apart but where noted: the first stretch and each first step after a change are
+    left out, a drain (None) has no place and does not end a stretch."""
+    ks = [0, 0, 0, None, 4, 4, 4, 0, 0, 0, 0, None, 2, 2]
+    ends, t = [], 0
+    for i in range(len(ks)):
+        t += 3_000_000 if i in (5, 9) else 1_000_000  # (a slow second round, a slow third plain step)
+        ends.append(t)
+    plain, rounds = settle_steps.places(list(zip(ks, ends)))
+    assert plain == {2: [1000.0], 3: [3000.0], 4: [1000.0]}
+    assert rounds == {2: [3000.0, 1000.0], 3: [1000.0]}
+
+
+def test_bands_are_medians_set_against_the_steady_last():
+    by_place = {2: [300.0], 3: [200.0, 250.0], 6: [150.0], 40: [100.0, 100.0, 120.0]}
+    band_us = settle_steps.bands(by_place, settle_steps.PLAIN_BANDS)
+    assert band_us == {"2-4": 250.0, "5-8": 150.0, "33-on": 100.0}
+    assert settle_steps.over_steady(band_us) == {"2-4": 2.5, "5-8": 1.5, "33-on": 1.0}
+    assert settle_steps.over_steady({}) == {}
+    assert settle_steps.COLUMNS[0] == "plain_over_steady/2-4" and "round_over_steady/2" in settle_steps.COLUMNS
+
+
+@pytest.mark.parametrize("draft", ["frozen_kv_mtp"])
+def test_the_scripted_controller_alternates_rounds_and_plain_steps(draft):
+    engine = settle_steps.build(1, draft, "cpu")
+    engine.spec.controller = settle_steps.AlternatingDraftSteps(rounds=2, plain=5, k=3)
+    steps = []
+    sampling = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    timed_decode(engine, [[5, 6, 7, 8] * 8], sampling, lambda: steps.append(engine.last_step.draft_steps))
+    engine.check_no_leak()
+    engine.shutdown()
+    decoded = [k for k in steps if k is not None]
+    assert decoded[:10] == [3, 3] + [0] * 6 + [3, 3], steps  # (plain: the launch, not told, and 5 told)
+    args = argparse.Namespace(device="cpu", rounds=2, plain=6, k=3, new=30, repeats=1)
+    case = settle_steps.measure(draft, 1, args)
+    assert case["plain_steps"] > 0 and case["rounds"] > 0 and list(case["round_us"]) == ["2"]
+    assert case["plain_over_steady"][list(case["plain_us"])[-1]] == 1.0
