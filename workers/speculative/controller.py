@@ -21,8 +21,8 @@ deeper now and then: position k + 1 is never judged at k, so its rate would othe
 whatever it last was. A probe that changes nothing doubles the wait for the next; a probe from
 plain steps (a round and back) waits besides until its measured cost is at most `probe_share` of
 the time between probes. At rounds, plain steps are re-checked now and then the same way (a
-change to them, judged again after `stay_after_change` steps): their figure is what they cost when they last
-ran, and a host's speed drifts; coming back to a k restarts its cost entry
+change to them, judged again after `stay_after_change` steps): their figure is what they cost
+when they last ran, and a host's speed drifts; coming back to a k restarts its cost entry
 (`CostModel.restart`).
 
 A step is steady when it ran the k of the step before and nothing else ran in its time, and it is
