@@ -351,6 +351,18 @@ def test_probes_from_plain_steps_cost_at_most_their_share_of_the_time():
     assert all(b - a >= (10.0 + 1.5 - 1.3) / 0.01 for a, b in itertools.pairwise(probes))
 
 
+def test_no_probe_from_plain_steps_while_no_round_could_beat_them_with_every_draft_accepted():
+    """Rounds of k drafts cost k + 1.2 plain steps: accepting every draft they would still yield
+    fewer tokens a second than plain steps, so once at plain steps the controller never probes
+    from them (what a probe learns, the acceptance, could not change its choice); rounds a little
+    cheaper than k + 1 plain steps are probed (the test above)."""
+    dear = [1.0] + [k + 1.2 for k in range(1, K + 1)]
+    ctrl = AdaptiveDraftSteps(CostModel(BUCKETS, K))
+    chosen = _drive(ctrl, 1, _tokens(1, 0.3), 4000, lambda k: dear[k])
+    explored = [k for k in range(K, 0, -1) for _ in range(ctrl.dwell)]
+    assert chosen[: len(explored)] == explored and set(chosen[len(explored) :]) == {0}
+
+
 class _NoHotEntry(CostModel):
     """The cost model without its shortcut for a repeated measurement."""
 

@@ -20,10 +20,11 @@ is unknown is tried (a CPU times nothing at start-up), and below num_steps it pr
 deeper now and then: position k + 1 is never judged at k, so its rate would otherwise stay
 whatever it last was. A probe that changes nothing doubles the wait for the next; a probe from
 plain steps (a round and back) waits besides until its measured cost is at most `probe_share` of
-the time between probes. At rounds, plain steps are re-checked now and then the same way (a
-change to them, judged again after `stay_after_change` steps): their figure is what they cost
-when they last ran, and a host's speed drifts; coming back to a k restarts its cost entry
-(`CostModel.restart`).
+the time between probes, and none comes while no round could beat plain steps even with every
+draft accepted (a round of k drafts costing k + 1 plain steps or more). At rounds, plain steps
+are re-checked now and then the same way (a change to them, judged again after
+`stay_after_change` steps): their figure is what they cost when they last ran, and a host's
+speed drifts; coming back to a k restarts its cost entry (`CostModel.restart`).
 
 A step is steady when it ran the k of the step before and nothing else ran in its time, and it is
 not one of the first `settle_steps` from a change between plain steps and rounds (they run slower
@@ -284,8 +285,10 @@ class AdaptiveDraftSteps:
         """Steps until a step one draft deeper is due (at most 0: now): `_probe_wait` steps at
         k; from plain steps also no sooner than its cost (the excursion's, measured, else two
         switches'; and the round's loss against plain steps) is `probe_share` of the time at
-        plain steps since the last."""
-        if self.k >= self.num_steps:
+        plain steps since the last; never from plain steps while no round length could beat them
+        were every draft accepted (a round of k drafts costing k + 1 plain steps or more): what a
+        probe learns, the acceptance, could not make rounds pay."""
+        if self.k >= self.num_steps or (self.k == 0 and not _rounds_could_pay(costs)):
             return float("inf")
         wait = self._probe_wait
         if self.k == 0:
@@ -320,6 +323,12 @@ class AdaptiveDraftSteps:
         if kind is not None and None not in entries:
             excess = sum(seconds for _, _, seconds in steps) - sum(entries)
             self.costs.observe_change(batch_size, kind, max(0.0, excess))
+
+
+def _rounds_could_pay(costs: list[float]) -> bool:
+    """Whether a round of some k drafts costs less than k + 1 plain steps (`costs[0]` each): the
+    tokens it yields with every draft accepted."""
+    return any((k + 1) * costs[0] > cost for k, cost in enumerate(costs) if k)
 
 
 def _rates(tokens: np.ndarray, costs: list[float | None]) -> list[float | None]:
