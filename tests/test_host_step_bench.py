@@ -45,7 +45,7 @@ def test_a_draft_engine_runs_no_round_from_its_first_step():
     engine = host_step.build(1, "frozen_kv_mtp")
     drafted = []
     sampling = host_step.SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    timed_decode(engine, host_step._prompts(1), sampling, lambda: drafted.append(engine.last_step.draft_steps))
+    timed_decode(engine, host_step.prompts(1), sampling, lambda: drafted.append(engine.last_step.draft_steps))
     assert len(drafted) >= 10 and set(drafted) - {None} == {0}  # (None: the drain, launching nothing)
     engine.shutdown()
 

@@ -34,7 +34,7 @@ def test_bands_are_medians_set_against_the_steady_last():
 
 @pytest.mark.parametrize("draft", ["frozen_kv_mtp"])
 def test_the_scripted_controller_alternates_rounds_and_plain_steps(draft):
-    engine = settle_steps.build(1, draft, "cpu")
+    engine = settle_steps.host_step.build(1, draft, 3, "cpu")
     engine.spec.controller = settle_steps.AlternatingDraftSteps(rounds=2, plain=5, k=3)
     steps = []
     sampling = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)

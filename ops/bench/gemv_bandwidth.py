@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import logging
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from ops.bench.record import add_record_args, record_run
+from ops.bench.record import add_record_args, record_run, write_out
 from ops.bench.xqa_decode_bandwidth import graph_ms
 from workers.models import fp8_gemv, fp8_matmul, gemv, gemv_tiles
 from workers.models.fp8 import quantize
@@ -191,9 +190,7 @@ def main() -> None:
             f"{r['gemv_us']:8.2f} {r['gemv_TBps']:6.2f} {ratio:6.2f}"
             + (f"  best {r['best_us']} us {r['best_tile']}" if "best_us" in r else "")
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    write_out(args.out, {"device": torch.cuda.get_device_name(), "rows": rows})
     cases = {
         f"{r['shape']}{'' if r['weights'] == 'bf16' else '+' + r['weights']} x{r['rows']}": {
             k: v for k, v in r.items() if k not in ("shape", "rows", "weights")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import json
 import logging
 import pstats
 import random
@@ -46,7 +45,7 @@ import torch
 
 from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.bench.decode_throughput import timed_decode
-from ops.bench.record import add_record_args, record_run
+from ops.bench.record import add_record_args, record_run, write_out
 from workers.cuda_graphs import CudaGraphRunner
 from workers.engine import Engine, SamplingParams
 from workers.speculative.controller import FixedDraftSteps
@@ -102,16 +101,16 @@ def device_work_taken_out() -> Iterator[None]:
         CudaGraphRunner._forward, CudaGraphRunner._write_ring = forward, write_ring
 
 
-def _prompts(batch: int) -> list[list[int]]:
+def prompts(batch: int) -> list[list[int]]:
+    """`batch` prompts of PROMPT token ids, each its own."""
     return [[5 + (i * 7 + j) % 2000 for j in range(PROMPT)] for i in range(batch)]
 
 
 def step_us(engine: Engine, batch: int, new: int) -> list[float]:
     """Microseconds between consecutive decode steps of one run."""
-    prompts = _prompts(batch)
     ends: list[int] = []
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    timed_decode(engine, prompts, sampling, lambda: ends.append(time.perf_counter_ns()))
+    timed_decode(engine, prompts(batch), sampling, lambda: ends.append(time.perf_counter_ns()))
     return [(b - a) / 1e3 for a, b in zip(ends, ends[1:])]
 
 
@@ -130,7 +129,7 @@ def turns(engines: dict[str, Engine], batch: int, new: int, rng: random.Random) 
     order: its prefill and the first and last decode steps, a launch and a drain, left out)."""
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     for engine in engines.values():
-        for prompt in _prompts(batch):
+        for prompt in prompts(batch):
             engine.add_request(prompt, sampling)
     times: dict[str, list[float]] = {name: [] for name in engines}
     order = list(engines.items())
@@ -214,9 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             times = f"p50 {case['p50_us']:8.1f} us  mean {case['mean_us']:8.1f} us"
             print(f"{key:<24} {times}  {case['calls']:7.1f} calls{extra}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_out(args.out, results)
     record_run(args, "host_step", results, COLUMNS, device=args.device)
 
 

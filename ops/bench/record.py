@@ -298,6 +298,13 @@ class _RecordAction(argparse.Action):
         setattr(namespace, self.dest, self.const if values is None else values)
 
 
+def write_out(path: str | None, data: Any) -> None:
+    """A benchmark's `--out`: its cases as JSON at `path`, when one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
 def add_record_args(parser: argparse.ArgumentParser) -> None:
     """`--record [DIR]` (write the run to DIR, by default `ops/bench/results/`) and
     `--not-kept WHY` (an experiment measured and not merged: history only)."""

@@ -4,7 +4,8 @@ adaptive controller should leave untimed (`AdaptiveDraftSteps.settle_steps`).
     python -m ops.bench.settle_steps --out settle.json [--device cuda] [--batches 1,16] [--record]
 
 The shipped tiny target with each draft (`--drafts`, default EAGLE and the frozen-KV MTP head),
-overlapped decoding, graphs captured on a GPU (emulated on the CPU: a smoke run). A scripted
+built as `host_step` builds it: overlapped decoding, graphs captured on a GPU (emulated on the
+CPU: a smoke run). A scripted
 controller alternates `--rounds` rounds of `--k` draft steps with `--plain` plain steps, so that
 every stretch starts right after a change; `--repeats` runs of `--new` tokens a request. Each decode
 step is timed from the end of the step before (as the controller times it). A case is a draft and
@@ -20,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import statistics
 
 import torch
 
-from ops import DEFAULT_MODEL, DRAFT_MODELS
+from ops.bench import host_step
 from ops.bench.decode_throughput import timed_decode
-from ops.bench.record import add_record_args, record_run
+from ops.bench.record import add_record_args, record_run, write_out
 from workers.engine import Engine, SamplingParams
 
 PLAIN_BANDS = ((2, 4), (5, 8), (9, 16), (17, 32), (33, None))  # places after a change (the first left out)
@@ -42,7 +42,6 @@ def band_name(first: int, last: int | None) -> str:
 COLUMNS = [f"plain_over_steady/{band_name(*b)}" for b in PLAIN_BANDS[:-1]] + [
     f"round_over_steady/{band_name(*b)}" for b in ROUND_BANDS[:-1]
 ]
-PROMPT = 128
 
 
 @dataclasses.dataclass
@@ -101,29 +100,15 @@ def over_steady(band_us: dict[str, float]) -> dict[str, float]:
     return {band: us / steady for band, us in band_us.items()}
 
 
-def build(batch: int, draft: str, device: str) -> Engine:
-    return Engine(
-        model=DEFAULT_MODEL,
-        device=device,
-        page_size=16,
-        attention_backend="trtllm_mha",
-        max_total_tokens=batch * 1200,
-        max_running_requests=batch,
-        cuda_graphs=True if device == "cuda" else "emulate",
-        overlap_schedule=True,
-        speculative={"algorithm": draft, "draft_model": DRAFT_MODELS[draft], "num_steps": 4},
-    )
-
-
 def _each_step(engine: Engine, steps: list[tuple[int | None, int]]):
     return lambda: steps.append((engine.last_step.draft_steps, engine.last_step.end_ns))
 
 
 def measure(draft: str, batch: int, args: argparse.Namespace) -> dict:
     """One engine's case: a warm-up run, then `args.repeats` timed runs."""
-    engine = build(batch, draft, args.device)
+    engine = host_step.build(batch, draft, args.k, args.device)
     engine.spec.controller = AlternatingDraftSteps(args.rounds, args.plain, args.k)
-    prompts = [[5 + (i * 7 + j) % 2000 for j in range(PROMPT)] for i in range(batch)]
+    prompts = host_step.prompts(batch)
     timed_decode(engine, prompts, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
     plain: dict[int, list[float]] = {}
     rounds: dict[int, list[float]] = {}
@@ -155,8 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--rounds", type=int, default=24, help="rounds a stretch")
     parser.add_argument("--plain", type=int, default=96, help="plain steps a stretch")
-    parser.add_argument("--k", type=int, default=4, help="draft steps a round")
-    parser.add_argument("--new", type=int, default=512, help="new tokens a request a run")
+    parser.add_argument("--k", type=int, default=4, choices=range(1, 5), help="draft steps a round")
+    parser.add_argument("--new", type=int, default=512, help="new tokens a request a run (at most 600)")
     parser.add_argument("--repeats", type=int, default=6)
     add_record_args(parser)
     args = parser.parse_args(argv)
@@ -170,9 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             plain = " ".join(f"{b} {v:.2f}" for b, v in case["plain_over_steady"].items())
             rounds = " ".join(f"{b} {v:.2f}" for b, v in case["round_over_steady"].items())
             print(f"{draft}/b{batch}: plain steps after rounds {plain} | rounds after plain {rounds}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_out(args.out, results)
     record_run(args, "settle_steps", results, COLUMNS, device=args.device)
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 
 import torch
 
 from attention.kernels import DecodeCall, chain_mask, flashinfer_hopper, split_decode
 from attention.trtllm_mha import WORKSPACE_BYTES
-from ops.bench.record import add_record_args, record_run
+from ops.bench.record import add_record_args, record_run, write_out
 from ops.bench.xqa_decode_bandwidth import graph_ms, paged_kv
 
 logger = logging.getLogger(__name__)
@@ -78,9 +77,7 @@ def main() -> None:
             f"{key:24} multi-query {us['multi_query']:6.1f} us  flat {us['flat']:6.1f} us  "
             f"flat split {us['flat_split']:6.1f} us"
         )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    write_out(args.out, {"device": torch.cuda.get_device_name(), "results": results})
     record_run(args, "verify_attention", results, ["multi_query", "flat", "flat_split"])
 
 
