@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from ops.bench import settle_steps
+from ops.bench import host_step, settle_steps
 from ops.bench.decode_throughput import timed_decode
 from workers.engine import SamplingParams
 
@@ -32,9 +32,9 @@ def test_bands_are_medians_set_against_the_steady_last():
     assert settle_steps.COLUMNS[0] == "plain_over_steady/2-4" and "round_over_steady/2" in settle_steps.COLUMNS
 
 
-@pytest.mark.parametrize("draft", ["frozen_kv_mtp"])
-def test_the_scripted_controller_alternates_rounds_and_plain_steps(draft):
-    engine = settle_steps.host_step.build(1, draft, 3, "cpu")
+def test_the_scripted_controller_alternates_rounds_and_plain_steps(capsys):
+    draft = "frozen_kv_mtp"
+    engine = host_step.build(1, draft, 3, "cpu")
     engine.spec.controller = settle_steps.AlternatingDraftSteps(rounds=2, plain=5, k=3)
     steps = []
     sampling = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
@@ -47,3 +47,6 @@ def test_the_scripted_controller_alternates_rounds_and_plain_steps(draft):
     case = settle_steps.measure(draft, 1, args)
     assert case["plain_steps"] > 0 and case["rounds"] > 0 and list(case["round_us"]) == ["2"]
     assert case["plain_over_steady"][list(case["plain_us"])[-1]] == 1.0
+    with pytest.raises(SystemExit):
+        settle_steps.main(["--new", str(host_step.TOKENS_A_REQUEST)])
+    assert f"--new: {host_step.TOKENS_A_REQUEST}, but a request holds 1 to" in capsys.readouterr().err

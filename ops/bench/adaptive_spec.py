@@ -63,7 +63,7 @@ import torch
 
 from ops import DEFAULT_MODEL, DRAFT_MODELS
 from ops.bench.decode_throughput import SHAPES, random_prompts, timed_decode, write_config
-from ops.bench.record import add_record_args, record_run
+from ops.bench.record import add_record_args, record_run, write_out
 from workers.engine import Engine, SamplingParams
 from workers.speculative.controller import AdaptiveDraftSteps, DraftSteps, FixedDraftSteps
 from workers.speculative.cost_model import EXCURSION, SWITCH
@@ -245,8 +245,7 @@ class Results(dict):
 
     def save(self) -> None:
         compare(self)
-        with open(self.path, "w") as f:
-            json.dump(self, f, indent=1)
+        write_out(self.path, self)
 
 
 def _median_run(runs: list[dict]) -> dict:

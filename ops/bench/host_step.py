@@ -52,6 +52,7 @@ from workers.speculative.controller import FixedDraftSteps
 
 BATCHES = (1, 16, 64)
 PROMPT = 64
+TOKENS_A_REQUEST = 700  # the KV an engine holds a request: its prompt and new tokens
 COLUMNS = ["p50_us", "over_plain_us", "mean_us", "over_plain_mean_us", "calls", "calls_over_plain"]
 ROUND_SECONDS = 1.0  # what a draft engine's controller is told a round costs: plain steps throughout
 
@@ -66,7 +67,7 @@ def build(batch: int, draft: str | None, round_steps: int = 0, device: str = "cp
         device=device,
         page_size=16,
         attention_backend="trtllm_mha",
-        max_total_tokens=batch * 700,
+        max_total_tokens=batch * TOKENS_A_REQUEST,
         max_running_requests=batch,
         cuda_graphs="emulate" if device == "cpu" else True,
         overlap_schedule=True,

@@ -5,9 +5,9 @@ adaptive controller should leave untimed (`AdaptiveDraftSteps.settle_steps`).
 
 The shipped tiny target with each draft (`--drafts`, default EAGLE and the frozen-KV MTP head),
 built as `host_step` builds it: overlapped decoding, graphs captured on a GPU (emulated on the
-CPU: a smoke run). A scripted
-controller alternates `--rounds` rounds of `--k` draft steps with `--plain` plain steps, so that
-every stretch starts right after a change; `--repeats` runs of `--new` tokens a request. Each decode
+CPU: a smoke run). A scripted controller alternates `--rounds` rounds of `--k` draft steps with
+`--plain` plain steps, so that every stretch starts right after a change; `--repeats` runs of
+`--new` tokens a request. Each decode
 step is timed from the end of the step before (as the controller times it). A case is a draft and
 batch: the median of the steps at each place after a change (`plain_us`: plain steps 2-4, 5-8,
 9-16, 17-32 and 33 on after rounds; `round_us`: rounds 2, 3-4 and 5 on after plain steps) and each
@@ -141,10 +141,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=24, help="rounds a stretch")
     parser.add_argument("--plain", type=int, default=96, help="plain steps a stretch")
     parser.add_argument("--k", type=int, default=4, choices=range(1, 5), help="draft steps a round")
-    parser.add_argument("--new", type=int, default=512, help="new tokens a request a run (at most 600)")
+    most = host_step.TOKENS_A_REQUEST - host_step.PROMPT
+    parser.add_argument("--new", type=int, default=512, help=f"new tokens a request a run (1 to {most})")
     parser.add_argument("--repeats", type=int, default=6)
     add_record_args(parser)
     args = parser.parse_args(argv)
+    if not 1 <= args.new <= most:
+        parser.error(f"--new: {args.new}, but a request holds 1 to {most} new tokens beside its prompt")
     logging.basicConfig(level=logging.WARNING)
     if args.device == "cpu":
         torch.set_num_threads(1)
