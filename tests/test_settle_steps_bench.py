@@ -2,6 +2,8 @@
 rounds, under a scripted controller."""
 
 import argparse
+import random
+import types
 
 import pytest
 
@@ -32,6 +34,53 @@ def test_bands_are_medians_set_against_the_steady_last():
     assert settle_steps.COLUMNS[0] == "plain_over_steady/2-4" and "round_over_steady/2" in settle_steps.COLUMNS
 
 
+def test_held_plain_steps_leave_out_the_first_and_what_decoded_nothing():
+    steps = [(None, 0), (0, 1_000), (0, 3_000), (None, 4_000), (0, 4_500), (0, 5_000)]
+    assert settle_steps.held_plain_us(steps) == [2.0, 0.5, 0.5]
+
+
+class _Clock:
+    ns = 0
+
+    def perf_counter_ns(self) -> int:
+        return self.ns
+
+
+class _Engine:
+    """Decodes `steps` plain steps, each advancing the shared clock by `ns`."""
+
+    def __init__(self, clock: _Clock, ns: int, steps: int) -> None:
+        self.clock, self.ns, self.left = clock, ns, steps
+        self.scheduler = types.SimpleNamespace(running=[], waiting=[])
+        self.last_step = types.SimpleNamespace(draft_steps=None)
+        self.released: list[str] = []
+
+    def add_request(self, prompt, sampling) -> str:
+        return f"r{len(prompt)}"
+
+    def has_unfinished(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> None:
+        self.clock.ns += self.ns
+        self.left -= 1
+        self.last_step.draft_steps = 0
+
+    def release(self, rid: str) -> None:
+        self.released.append(rid)
+
+
+def test_engines_stepped_in_turns_are_each_timed_by_their_own_calls(monkeypatch):
+    """Another engine's step between two of an engine's own is not counted."""
+    clock = _Clock()
+    monkeypatch.setattr(settle_steps, "time", clock)
+    engines = {"fast": _Engine(clock, 1_000, 6), "slow": _Engine(clock, 7_000, 4)}
+    steps = settle_steps.interleaved(engines, [[1, 2], [3]], None, random.Random(0))
+    assert steps["fast"] == [(0, 1_000 * i) for i in range(1, 7)]
+    assert steps["slow"] == [(0, 7_000 * i) for i in range(1, 5)]
+    assert engines["fast"].released == engines["slow"].released == ["r2", "r1"]
+
+
 def test_the_scripted_controller_alternates_rounds_and_plain_steps(capsys):
     draft = "frozen_kv_mtp"
     engine = host_step.build(1, draft, 3, "cpu")
@@ -47,6 +96,9 @@ def test_the_scripted_controller_alternates_rounds_and_plain_steps(capsys):
     case = settle_steps.measure(draft, 1, args)
     assert case["plain_steps"] > 0 and case["rounds"] > 0 and list(case["round_us"]) == ["2"]
     assert case["plain_over_steady"][list(case["plain_us"])[-1]] == 1.0
+    assert case["held_us"] > 0 and list(case["plain_over_held"]) == list(case["plain_us"])
+    band, us = next(iter(case["plain_us"].items()))
+    assert case["plain_over_held"][band] == pytest.approx(us / case["held_us"])
     with pytest.raises(SystemExit):
         settle_steps.main(["--new", str(host_step.TOKENS_A_REQUEST)])
     assert f"--new: {host_step.TOKENS_A_REQUEST}, but a request holds 1 to" in capsys.readouterr().err

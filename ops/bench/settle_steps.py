@@ -6,15 +6,20 @@ adaptive controller should leave untimed (`AdaptiveDraftSteps.settle_steps`).
 The shipped tiny target with each draft (`--drafts`, default EAGLE and the frozen-KV MTP head),
 built as `host_step` builds it: overlapped decoding, graphs captured on a GPU (emulated on the
 CPU: a smoke run). A scripted controller alternates `--rounds` rounds of `--k` draft steps with
-`--plain` plain steps, so that every stretch starts right after a change; `--repeats` runs of
-`--new` tokens a request. Each decode
-step is timed from the end of the step before (as the controller times it). A case is a draft and
-batch: the median of the steps at each place after a change (`plain_us`: plain steps 2-4, 5-8,
-9-16, 17-32 and 33 on after rounds; `round_us`: rounds 2, 3-4 and 5 on after plain steps) and each
-band against the last, the steady steps (`plain_over_steady`, `round_over_steady`). The first step
-after a change is left out (its time holds the other kind's last work: the launch that restarts
-overlapped plain steps, the drain and catch-up before a round); the controller counts it towards
-the change anyway.
+`--plain` plain steps, so that every stretch starts right after a change. Beside it, an engine of
+the same draft held at plain steps throughout (never a round: what plain steps cost an engine
+that has not run any) is given the same requests, and the two take one step each, in a new random
+order every turn (a host's speed drifts by more than the differences sought between runs seconds
+apart), for `--repeats` runs of `--new` tokens a request. Each decode step is timed from the end of
+the engine's step before (as the controller times it), counting only that engine's own calls. A
+case is a draft and batch: the median of the steps at each place after a change (`plain_us`: plain
+steps 2-4, 5-8, 9-16, 17-32 and 33 on after rounds; `round_us`: rounds 2, 3-4 and 5 on after plain
+steps), each band against the last, the steady steps (`plain_over_steady`, `round_over_steady`),
+and the plain bands against the held engine's median plain step (`held_us`, `plain_over_held`: a
+band that stays over 1 from 33 on is a slowdown that rounds leave behind for good, which no number
+of untimed steps removes). The first step after a change is left out (its time holds the other
+kind's last work: the launch that restarts overlapped plain steps, the drain and catch-up before a
+round); the controller counts it towards the change anyway.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import random
 import statistics
+import time
 
 import torch
 
@@ -39,9 +46,11 @@ def band_name(first: int, last: int | None) -> str:
     return str(first) if first == last else f"{first}-{last or 'on'}"
 
 
-COLUMNS = [f"plain_over_steady/{band_name(*b)}" for b in PLAIN_BANDS[:-1]] + [
-    f"round_over_steady/{band_name(*b)}" for b in ROUND_BANDS[:-1]
-]
+COLUMNS = (
+    [f"plain_over_steady/{band_name(*b)}" for b in PLAIN_BANDS[:-1]]
+    + [f"round_over_steady/{band_name(*b)}" for b in ROUND_BANDS[:-1]]
+    + [f"plain_over_held/{band_name(*b)}" for b in PLAIN_BANDS]
+)
 
 
 @dataclasses.dataclass
@@ -100,33 +109,72 @@ def over_steady(band_us: dict[str, float]) -> dict[str, float]:
     return {band: us / steady for band, us in band_us.items()}
 
 
-def _each_step(engine: Engine, steps: list[tuple[int | None, int]]):
-    return lambda: steps.append((engine.last_step.draft_steps, engine.last_step.end_ns))
+def held_plain_us(steps: list[tuple[int | None, int]]) -> list[float]:
+    """Microseconds of each plain step of an engine that ran nothing else (`steps` as `places`
+    takes them), but its first (the launch that starts overlapped plain steps goes with it)."""
+    return [(end - before) / 1e3 for (_, before), (k, end) in zip(steps, steps[1:]) if k == 0][1:]
+
+
+def interleaved(
+    engines: dict[str, Engine], prompts: list[list[int]], sampling: SamplingParams, rng: random.Random
+) -> dict[str, list[tuple[int | None, int]]]:
+    """Each engine given `prompts` and prefilled, then stepped once each, in a new random order
+    every turn, until all are done; each engine's decode steps as (draft steps, end ns) on a clock
+    of its own calls alone, so that another engine's step between two of its own is not counted
+    (the requests' records are released)."""
+    rids = {name: [engine.add_request(p, sampling) for p in prompts] for name, engine in engines.items()}
+    for engine in engines.values():
+        while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+    clocks = dict.fromkeys(engines, 0)
+    steps: dict[str, list[tuple[int | None, int]]] = {name: [] for name in engines}
+    order = list(engines.items())
+    while any(engine.has_unfinished() for engine in engines.values()):
+        rng.shuffle(order)
+        for name, engine in order:
+            if engine.has_unfinished():
+                start = time.perf_counter_ns()
+                engine.step()
+                clocks[name] += time.perf_counter_ns() - start
+                steps[name].append((engine.last_step.draft_steps, clocks[name]))
+    for name, engine in engines.items():
+        for rid in rids[name]:
+            engine.release(rid)
+    return steps
 
 
 def measure(draft: str, batch: int, args: argparse.Namespace) -> dict:
-    """One engine's case: a warm-up run, then `args.repeats` timed runs."""
-    engine = host_step.build(batch, draft, args.k, args.device)
-    engine.spec.controller = AlternatingDraftSteps(args.rounds, args.plain, args.k)
+    """One draft and batch: the scripted engine and the held one, a warm-up run each, then
+    `args.repeats` runs stepped in turns."""
+    scripted = host_step.build(batch, draft, args.k, args.device)
+    scripted.spec.controller = AlternatingDraftSteps(args.rounds, args.plain, args.k)
+    engines = {"scripted": scripted, "held": host_step.build(batch, draft, device=args.device)}
     prompts = host_step.prompts(batch)
-    timed_decode(engine, prompts, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    for engine in engines.values():
+        timed_decode(engine, prompts, SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
     plain: dict[int, list[float]] = {}
     rounds: dict[int, list[float]] = {}
+    held: list[float] = []
     sampling = SamplingParams(max_new_tokens=args.new, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
     for _ in range(args.repeats):
-        steps: list[tuple[int | None, int]] = []
-        timed_decode(engine, prompts, sampling, _each_step(engine, steps))
-        p, r = places(steps)
+        steps = interleaved(engines, prompts, sampling, rng)
+        p, r = places(steps["scripted"])
         for into, got in ((plain, p), (rounds, r)):
             for place, times in got.items():
                 into.setdefault(place, []).extend(times)
-    engine.shutdown()
-    plain_us, round_us = bands(plain, PLAIN_BANDS), bands(rounds, ROUND_BANDS)
+        held.extend(held_plain_us(steps["held"]))
+    for engine in engines.values():
+        engine.check_no_leak()
+        engine.shutdown()
+    plain_us, round_us, held_us = bands(plain, PLAIN_BANDS), bands(rounds, ROUND_BANDS), statistics.median(held)
     return {
         "plain_us": plain_us,
         "round_us": round_us,
+        "held_us": held_us,
         "plain_over_steady": over_steady(plain_us),
         "round_over_steady": over_steady(round_us),
+        "plain_over_held": {band: us / held_us for band, us in plain_us.items()},
         "plain_steps": sum(map(len, plain.values())),
         "rounds": sum(map(len, rounds.values())),
     }
@@ -157,7 +205,12 @@ def main(argv: list[str] | None = None) -> None:
             case = results[f"{draft}/b{batch}"] = measure(draft, batch, args)
             plain = " ".join(f"{b} {v:.2f}" for b, v in case["plain_over_steady"].items())
             rounds = " ".join(f"{b} {v:.2f}" for b, v in case["round_over_steady"].items())
-            print(f"{draft}/b{batch}: plain steps after rounds {plain} | rounds after plain {rounds}", flush=True)
+            held = " ".join(f"{b} {v:.2f}" for b, v in case["plain_over_held"].items())
+            print(
+                f"{draft}/b{batch}: plain steps after rounds {plain} | rounds after plain {rounds}"
+                f" | plain steps after rounds over held ({case['held_us']:.0f} us) {held}",
+                flush=True,
+            )
     write_out(args.out, results)
     record_run(args, "settle_steps", results, COLUMNS, device=args.device)
 
