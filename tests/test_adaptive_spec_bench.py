@@ -6,6 +6,7 @@ import os
 import statistics
 
 import pytest
+import torch
 
 from ops.bench import adaptive_spec
 
@@ -103,12 +104,15 @@ def test_every_mode_of_a_batch_is_timed_in_turn_beside_plain_decoding(tmp_path, 
 
 
 def test_the_process_is_pinned_to_the_cpu_asked_for_and_a_cpu_it_may_not_use_is_refused():
-    allowed = os.sched_getaffinity(0)
+    allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
         adaptive_spec.pin_cpu(max(allowed))
         assert os.sched_getaffinity(0) == {max(allowed)}
+        assert torch.get_num_threads() == 1
     finally:
         os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="--pin-cpu: .* this process may run on CPUs"):
         adaptive_spec.pin_cpu(max(allowed) + 1000)
     assert os.sched_getaffinity(0) == allowed

@@ -1,7 +1,7 @@
 """Decode steps by their place after a change between plain steps and rounds: how many of them the
 adaptive controller should leave untimed (`AdaptiveDraftSteps.settle_steps`).
 
-    python -m ops.bench.settle_steps --out settle.json [--device cuda] [--batches 1,16] [--record]
+    python -m ops.bench.settle_steps --out settle.json [--device cuda] [--batches 1,16] [--pin-cpu N] [--record]
 
 The shipped tiny target with each draft (`--drafts`, default EAGLE and the frozen-KV MTP head),
 built as `host_step` builds it: overlapped decoding, graphs captured on a GPU (emulated on the
@@ -34,6 +34,7 @@ import time
 import torch
 
 from ops.bench import host_step
+from ops.bench.adaptive_spec import pin_cpu
 from ops.bench.decode_throughput import timed_decode
 from ops.bench.record import add_record_args, record_run, write_out
 from workers.engine import Engine, SamplingParams
@@ -192,11 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     most = host_step.TOKENS_A_REQUEST - host_step.PROMPT
     parser.add_argument("--new", type=int, default=512, help=f"new tokens a request a run (1 to {most})")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--pin-cpu", type=int, default=None, help="run the process on this CPU alone")
     add_record_args(parser)
     args = parser.parse_args(argv)
     if not 1 <= args.new <= most:
         parser.error(f"--new: {args.new}, but a request holds 1 to {most} new tokens beside its prompt")
     logging.basicConfig(level=logging.WARNING)
+    if args.pin_cpu is not None:
+        pin_cpu(args.pin_cpu)
     if args.device == "cpu":
         torch.set_num_threads(1)
     results = {}
