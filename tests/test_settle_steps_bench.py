@@ -73,7 +73,7 @@ class _Engine:
 def test_engines_stepped_in_turns_are_each_timed_by_their_own_calls(monkeypatch):
     """Another engine's step between two of an engine's own is not counted."""
     clock = _Clock()
-    monkeypatch.setattr(settle_steps, "time", clock)
+    monkeypatch.setattr(host_step, "time", clock)
     engines = {"fast": _Engine(clock, 1_000, 6), "slow": _Engine(clock, 7_000, 4)}
     steps = settle_steps.interleaved(engines, [[1, 2], [3]], None, random.Random(0))
     assert steps["fast"] == [(0, 1_000 * i) for i in range(1, 7)]

@@ -132,7 +132,13 @@ def turns(engines: dict[str, Engine], batch: int, new: int, rng: random.Random) 
     for engine in engines.values():
         for prompt in prompts(batch):
             engine.add_request(prompt, sampling)
-    times: dict[str, list[float]] = {name: [] for name in engines}
+    return {name: [ns / 1e3 for _, ns in steps[2:-1]] for name, steps in in_turns(engines, rng).items()}
+
+
+def in_turns(engines: dict[str, Engine], rng: random.Random) -> dict[str, list[tuple[int | None, int]]]:
+    """Step the engines once each, in a new random order every turn, until all are done; each
+    engine's calls as (its last step's draft steps, nanoseconds the call took)."""
+    calls: dict[str, list[tuple[int | None, int]]] = {name: [] for name in engines}
     order = list(engines.items())
     while any(engine.has_unfinished() for engine in engines.values()):
         rng.shuffle(order)
@@ -140,8 +146,8 @@ def turns(engines: dict[str, Engine], batch: int, new: int, rng: random.Random) 
             if engine.has_unfinished():
                 start = time.perf_counter_ns()
                 engine.step()
-                times[name].append((time.perf_counter_ns() - start) / 1e3)
-    return {name: steps[2:-1] for name, steps in times.items()}
+                calls[name].append((engine.last_step.draft_steps, time.perf_counter_ns() - start))
+    return calls
 
 
 def measure(

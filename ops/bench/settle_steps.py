@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import random
 import statistics
-import time
 
 import torch
 
@@ -127,17 +127,10 @@ def interleaved(
     for engine in engines.values():
         while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
-    clocks = dict.fromkeys(engines, 0)
-    steps: dict[str, list[tuple[int | None, int]]] = {name: [] for name in engines}
-    order = list(engines.items())
-    while any(engine.has_unfinished() for engine in engines.values()):
-        rng.shuffle(order)
-        for name, engine in order:
-            if engine.has_unfinished():
-                start = time.perf_counter_ns()
-                engine.step()
-                clocks[name] += time.perf_counter_ns() - start
-                steps[name].append((engine.last_step.draft_steps, clocks[name]))
+    steps = {
+        name: list(zip((k for k, _ in calls), itertools.accumulate(ns for _, ns in calls)))
+        for name, calls in host_step.in_turns(engines, rng).items()
+    }
     for name, engine in engines.items():
         for rid in rids[name]:
             engine.release(rid)
