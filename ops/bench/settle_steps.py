@@ -16,8 +16,8 @@ case is a draft and batch: the median of the steps at each place after a change 
 steps 2-4, 5-8, 9-16, 17-32 and 33 on after rounds; `round_us`: rounds 2, 3-4 and 5 on after plain
 steps), each band against the last, the steady steps (`plain_over_steady`, `round_over_steady`),
 and the plain bands against the held engine's median plain step (`held_us`, `plain_over_held`: a
-band that stays over 1 from 33 on is a slowdown that rounds leave behind for good, which no number
-of untimed steps removes). The first step after a change is left out (its time holds the other
+band still over 1 from 33 on is a slowdown that outlasts what the controller leaves untimed, which
+its plain-step figure then carries). The first step after a change is left out (its time holds the other
 kind's last work: the launch that restarts overlapped plain steps, the drain and catch-up before a
 round); the controller counts it towards the change anyway.
 """
