@@ -393,6 +393,12 @@ class TimedDecode(NamedTuple):
     seconds: float
 
 
+def prefill(engine: Engine) -> None:
+    """Step until every request submitted is admitted and prefilled (decode steps may run meanwhile)."""
+    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
 def timed_decode(
     engine: Engine, prompts: list[list[int]], sampling: SamplingParams, each_step: Callable[[], None] | None = None
 ) -> TimedDecode:
@@ -400,8 +406,7 @@ def timed_decode(
     (`each_step`: called after each timed step, which `engine.last_step` describes); the
     requests' records are released."""
     rids = [engine.add_request(p, sampling) for p in prompts]
-    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    prefill(engine)
     _sync(engine)
     start, steps, tokens = time.perf_counter(), 0, 0
     while engine.has_unfinished():

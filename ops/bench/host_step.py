@@ -146,7 +146,8 @@ def in_turns(engines: dict[str, Engine], rng: random.Random) -> dict[str, list[t
             if engine.has_unfinished():
                 start = time.perf_counter_ns()
                 engine.step()
-                calls[name].append((engine.last_step.draft_steps, time.perf_counter_ns() - start))
+                took = time.perf_counter_ns() - start
+                calls[name].append((engine.last_step.draft_steps, took))
     return calls
 
 

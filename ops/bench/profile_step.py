@@ -33,6 +33,7 @@ from ops.bench.decode_throughput import (
     draft_specs,
     engine_for,
     free,
+    prefill,
     random_prompts,
     sync_sites,
     write_config,
@@ -84,8 +85,7 @@ def profile_decode(engine: Engine, batch: int, steps: int, top: int, trace: str 
     """Prefill `batch` prompts, warm up, then profile `steps` decode steps."""
     sampling = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, sampling) for p in random_prompts(engine.cfg.vocab_size, batch, PROMPT)]
-    while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    prefill(engine)
     for _ in range(8):
         engine.step()
     sites = sync_sites(engine, 4)

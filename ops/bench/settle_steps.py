@@ -35,7 +35,7 @@ import torch
 
 from ops.bench import host_step
 from ops.bench.adaptive_spec import pin_cpu
-from ops.bench.decode_throughput import timed_decode
+from ops.bench.decode_throughput import prefill, timed_decode
 from ops.bench.record import add_record_args, record_run, write_out
 from workers.engine import Engine, SamplingParams
 
@@ -125,8 +125,7 @@ def interleaved(
     (the requests' records are released)."""
     rids = {name: [engine.add_request(p, sampling) for p in prompts] for name, engine in engines.items()}
     for engine in engines.values():
-        while any(not r.prefilled for r in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
+        prefill(engine)
     steps = {
         name: list(zip((k for k, _ in calls), itertools.accumulate(ns for _, ns in calls)))
         for name, calls in host_step.in_turns(engines, rng).items()
