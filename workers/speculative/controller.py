@@ -322,7 +322,7 @@ class AdaptiveDraftSteps:
         entries = [self.costs.seconds(b)[j] for b, j, _ in steps]
         if kind is not None and None not in entries:
             excess = sum(seconds for _, _, seconds in steps) - sum(entries)
-            self.costs.observe_change(batch_size, kind, max(0.0, excess))
+            self.costs.observe_change(batch_size, kind, excess)
 
 
 def _rounds_could_pay(costs: list[float]) -> bool:

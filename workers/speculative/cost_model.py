@@ -12,7 +12,21 @@ step times have a long tail (a tiny model's plain steps on one H200 host: 90th p
 1.7x the median), a moving average holds a slow step for several steps after it, and a decision
 taken meanwhile can leave a k for good. The controller restarts an entry when it comes back to its k after others
 (`restart`): a host's speed drifts by 2x over minutes, so what an entry measured before is not
-mixed with what it measures now. An entry not measured yet is its
+mixed with what it measures now. Meanwhile the other entries of its bucket follow that drift: once
+the entry measured now holds a full window since its start (the bucket's reference), an entry
+taken before is read scaled by how far the reference's figure moved since (since the entry was
+taken, where that was later), no further than `MAX_DRIFT` either way: a host-bound step's time
+moves with the host whatever its kind (three runs on one H200 host, the tiny target's MTP head at
+batch 16 stepped in turns with an engine held at plain steps: plain steps 0.55 to 0.72 ms, rounds
+2.6 to 3.2 ms, the ratio of the two within 5%), and so the kinds are compared as
+they stood when both were last measured, close in time, until a re-check measures them again.
+Without it the other kind's figure stayed what a slow stretch left it: plain steps measured
+slow, then rounds measured fast, kept the controller at rounds at 72% of plain decoding (the tiny
+target's MTP head at batch 16) until a re-check, which a dear switch puts off for hundreds of
+rounds. Chaining references (each scaled by the one before) would sum the noise of every stretch
+and of the controller leaving each when its figure looked high: on random tables it wandered
+16x with no drift at all; one reference at a time holds the noise to two medians' worth.
+An entry not measured yet is its
 prior plus what serving added to the prior of the nearest measured entry of its kind (a plain
 step's to a plain step's, a round's to a round's: their host work differs; the same bucket
 first, then the nearest bucket): a bucket never served is not explored round by round on
@@ -25,7 +39,10 @@ the draft's catch-up before a round, the work launched ahead for a next round th
 drops, the launch that restarts the pipeline. Per bucket, moving averages of what the steps of a
 change took beyond their entries: `SWITCH`, a change between plain steps and rounds (either way),
 and `EXCURSION`, a round run from plain steps and back (a probe). A bucket without its own
-figure takes the nearest smaller bucket's (changing costs grow with the batch).
+figure takes the nearest smaller bucket's (changing costs grow with the batch). The averages take
+what the steps took beyond their entries as measured, below zero too, and are read no lower than
+zero: a step's time is noisy both ways, and clipping each measurement at zero biases the figure
+up, which puts off the re-checks it prices (a switch of the MTP head at batch 16 read 14 ms).
 """
 
 from __future__ import annotations
@@ -33,10 +50,12 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import math
 import statistics
 
 SWITCH = "switch"  # between plain steps and rounds, either way
 EXCURSION = "excursion"  # from plain steps to a round and back
+MAX_DRIFT = 2.0  # the most an entry measured before is scaled by the host's drift since, either way
 
 
 @dataclasses.dataclass
@@ -61,6 +80,11 @@ class CostModel:
         self._recent: dict[tuple[int, int], collections.deque] = {}  # each entry's last measurements
         self._unread: set[tuple[int, int]] = set()  # entries measured since their figure was last taken
         self._restarted: set[tuple[int, int]] = set()  # entries whose next measurement starts them afresh
+        # Per bucket, the entry measured now once it holds a full window since its start, and its
+        # figure then: the others are read scaled by how far its figure moved since (`_figure`).
+        self._reference: dict[int, tuple[tuple[int, int], float, int]] = {}  # (its key, its figure then, its number)
+        self._references = 0  # references made so far (each one's number)
+        self._taken_at: dict[tuple[int, int], tuple[int, float]] = {}  # the reference's number and figure then
         # (batch size, k, its entry's measurements) of the last measurement, until its entry is read
         # or restarted: the next measurement of the same step appends there and nothing else
         self._hot: tuple[int, int, collections.deque] | None = None
@@ -99,6 +123,8 @@ class CostModel:
         elif key in self._restarted:
             recent.clear()
             self._restarted.discard(key)
+            if self._reference.get(key[0], (None,))[0] == key:
+                del self._reference[key[0]]
         recent.append(seconds)
         self._unread.add(key)
         self._hot = (batch_size, k, recent)
@@ -121,9 +147,12 @@ class CostModel:
             self._hot = None
 
     def observe_change(self, batch_size: int, kind: str, seconds: float) -> None:
-        """A change of `kind` (`SWITCH`, `EXCURSION`) took `seconds` beyond its steps' entries."""
-        if kind not in (SWITCH, EXCURSION) or seconds < 0.0:
-            raise ValueError(f"cost model: a change is {SWITCH} or {EXCURSION} and costs >= 0 s, got {kind} {seconds}")
+        """A change of `kind` (`SWITCH`, `EXCURSION`) took `seconds` beyond its steps' entries
+        (below zero where they ran faster than their entries)."""
+        if kind not in (SWITCH, EXCURSION) or not math.isfinite(seconds):
+            raise ValueError(
+                f"cost model: a change is {SWITCH} or {EXCURSION} and takes finite seconds, got {kind} {seconds}"
+            )
         self._average(self.changes, (self.bucket(batch_size), kind), seconds)
 
     def seconds(self, batch_size: int) -> list[float | None]:
@@ -131,24 +160,50 @@ class CostModel:
         measured, else the prior and what serving added to the nearest measured entry of its
         kind; None where neither is known."""
         for key in self._unread:  # each entry measured since: the median of its recent measurements
-            self.measured[key] = statistics.median(self._recent[key])
+            self._take(key, statistics.median(self._recent[key]))
         self._unread.clear()
         self._hot = None
         b = self.bucket(batch_size)
         out: list[float | None] = []
         for k in range(self.num_steps + 1):
-            seconds = self.measured.get((b, k))
+            seconds = self._figure((b, k))
             if seconds is None and (b, k) in self.prior:
                 seconds = self.prior[(b, k)] + self._added(b, k)
             out.append(seconds)
         return out
+
+    def _take(self, key: tuple[int, int], figure: float) -> None:
+        """An entry's new figure; the first from a full window since its start makes it its
+        bucket's reference."""
+        self.measured[key] = figure
+        reference = self._reference.get(key[0])
+        if reference is not None and reference[0] == key:
+            return
+        if len(self._recent[key]) == self.window:
+            self._references += 1
+            self._reference[key[0]] = (key, figure, self._references)
+        elif reference is not None:
+            self._taken_at[key] = (reference[2], self.measured[reference[0]])
+
+    def _figure(self, key: tuple[int, int]) -> float | None:
+        """An entry's measured figure, scaled, where another entry of its bucket is measured now,
+        by how far that one's figure moved since the entry was taken or, taken before, since its
+        window first filled (at most `MAX_DRIFT` either way)."""
+        seconds = self.measured.get(key)
+        reference = self._reference.get(key[0])
+        if seconds is None or reference is None or reference[0] == key:
+            return seconds
+        taken = self._taken_at.get(key)
+        since = taken[1] if taken is not None and taken[0] == reference[2] else reference[1]
+        drift = self.measured[reference[0]] / since
+        return seconds * min(MAX_DRIFT, max(1.0 / MAX_DRIFT, drift))
 
     def change_seconds(self, batch_size: int, kind: str) -> float:
         """What a change of `kind` is expected to cost beyond its steps: this bucket's figure,
         else the nearest smaller bucket's; 0 where none was measured (the change is tried)."""
         b = self.bucket(batch_size)
         smaller = [bucket for bucket, k in self.changes if k == kind and bucket <= b]
-        return self.changes[(max(smaller), kind)] if smaller else 0.0
+        return max(0.0, self.changes[(max(smaller), kind)]) if smaller else 0.0
 
     def _added(self, bucket: int, k: int) -> float:
         """What serving added to the prior in the nearest measured entry of k's kind (plain or
@@ -163,7 +218,7 @@ class CostModel:
             ]
             self._nearest[(bucket, k)] = min(same_kind)[-1] if same_kind else None
         key = self._nearest[(bucket, k)]
-        return 0.0 if key is None else max(0.0, self.measured[key] - self.prior[key])
+        return 0.0 if key is None else max(0.0, self._figure(key) - self.prior[key])
 
     def _average(self, table: dict, key: tuple, seconds: float) -> None:
         old = table.get(key)
