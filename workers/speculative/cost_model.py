@@ -82,9 +82,8 @@ class CostModel:
         self._restarted: set[tuple[int, int]] = set()  # entries whose next measurement starts them afresh
         # Per bucket, the entry measured now once it holds a full window since its start, and its
         # figure then: the others are read scaled by how far its figure moved since (`_figure`).
-        self._reference: dict[int, tuple[tuple[int, int], float, int]] = {}  # (its key, its figure then, its number)
-        self._references = 0  # references made so far (each one's number)
-        self._taken_at: dict[tuple[int, int], tuple[int, float]] = {}  # the reference's number and figure then
+        self._reference: dict[int, tuple[tuple[int, int], float]] = {}  # (its key, its figure then)
+        self._taken_at: dict[tuple[int, int], tuple[tuple, float]] = {}  # the reference then (itself) and its figure
         # (batch size, k, its entry's measurements) of the last measurement, until its entry is read
         # or restarted: the next measurement of the same step appends there and nothing else
         self._hot: tuple[int, int, collections.deque] | None = None
@@ -180,10 +179,9 @@ class CostModel:
         if reference is not None and reference[0] == key:
             return
         if len(self._recent[key]) == self.window:
-            self._references += 1
-            self._reference[key[0]] = (key, figure, self._references)
+            self._reference[key[0]] = (key, figure)
         elif reference is not None:
-            self._taken_at[key] = (reference[2], self.measured[reference[0]])
+            self._taken_at[key] = (reference, self.measured[reference[0]])
 
     def _figure(self, key: tuple[int, int]) -> float | None:
         """An entry's measured figure, scaled, where another entry of its bucket is measured now,
@@ -194,7 +192,7 @@ class CostModel:
         if seconds is None or reference is None or reference[0] == key:
             return seconds
         taken = self._taken_at.get(key)
-        since = taken[1] if taken is not None and taken[0] == reference[2] else reference[1]
+        since = taken[1] if taken is not None and taken[0] is reference else reference[1]
         drift = self.measured[reference[0]] / since
         return seconds * min(MAX_DRIFT, max(1.0 / MAX_DRIFT, drift))
 
